@@ -1,0 +1,89 @@
+"""The command line as a user meets it: a real run in a subprocess, and one exact line for each bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER
+
+
+def cli(*args, timeout=120, env=None):
+    return subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_a_run_prints_progress_and_writes_the_report(tmp_path):
+    report = tmp_path / "sub" / "report.json"
+    out = cli(6, 4, 16, "--world-size", 2, "--seed", 3, "--report", report)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    progress = [line for line in lines if line.startswith("step ")]
+    assert len(progress) == 6
+    for key in ("loss", "lr", "norm", "ms", "tok/s"):
+        assert key in progress[0]
+    data = json.loads(report.read_text())
+    assert len(data["losses"]) == 6 and len(data["param_sha256"]) == 2
+    assert data["param_sha256"][0] == data["param_sha256"][1]
+    assert data["config"]["world_size"] == 2 and data["config"]["seed"] == 3
+    assert not list(report.parent.glob(".*tmp*"))  # no temporary left behind
+
+
+def test_explicit_tokenizer_and_corpus(tmp_path):
+    out = cli(2, 2, 16, DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    assert out.returncode == 0, out.stderr
+
+
+def error_line(out):
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0, 8, 32), "STEPS must be a positive integer, got '0'"),
+    (("x", 8, 32), "STEPS must be a positive integer, got 'x'"),
+    ((5, -1, 32), "BATCH must be a positive integer, got '-1'"),
+    ((5, 8, "1.5"), "SEQ must be a positive integer, got '1.5'"),
+    ((5, 1, 32, "--world-size", 2), "BATCH (1) must be at least the world size (2): every rank needs a sequence"),
+    ((5, 8, 32, "--world-size", 0), "--world-size must be at least 1, got 0"),
+    ((5, 8, 200), "SEQ (200) exceeds the context length of model 'tiny' (128)"),
+    ((5, 8, 32, "--model", "huge"), "unknown model preset 'huge' (choose from tiny, mini, small, gpt2-124m, "
+                                    "gpt2-350m, gpt2-774m)"),
+    ((5, 8, 32, DEFAULT_TOKENIZER), "give both TOKENIZER and CORPUS, or neither (for the shipped data)"),
+])
+def test_bad_arguments_get_one_line(args, message):
+    assert error_line(cli(*args)) == f"train_ddp: error: {message}"
+
+
+def test_missing_files(tmp_path):
+    missing = tmp_path / "nope.json"
+    assert error_line(cli(5, 8, 32, missing, DEFAULT_CORPUS)) == f"train_ddp: error: tokenizer '{missing}' not found"
+    missing_corpus = tmp_path / "nope.txt"
+    assert error_line(cli(5, 8, 32, DEFAULT_TOKENIZER, missing_corpus)) == \
+        f"train_ddp: error: corpus '{missing_corpus}' not found"
+
+
+def test_a_file_that_is_not_a_tokenizer(tmp_path):
+    bogus = tmp_path / "tok.json"
+    bogus.write_text("this is not json")
+    line = error_line(cli(5, 8, 32, bogus, DEFAULT_CORPUS))
+    assert line.startswith(f"train_ddp: error: tokenizer '{bogus}' is not a tokenizers JSON file")
+
+
+def test_a_corpus_shorter_than_seq(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be, that is the question.\n" * 3)
+    line = error_line(cli(5, 2, 100, DEFAULT_TOKENIZER, short))
+    assert line.startswith(f"train_ddp: error: corpus '{short}' is too short for SEQ=100")
+
+
+def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
+    if Path("/dev/nvidia0").exists():
+        pytest.skip("this machine has a GPU")
+    line = error_line(cli(2, 2, 16, "--backend", "cuda"))
+    assert line.startswith("train_ddp: error: --backend cuda")

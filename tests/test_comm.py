@@ -1,0 +1,104 @@
+"""The in-process communicator and the thread launcher: correct sums, identical bits on every rank,
+and collective failure (a dying or stuck rank ends the run instead of hanging it)."""
+
+import threading
+import time
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from xtrain_dist.comm import CommAborted
+from xtrain_dist.comm.local import LocalGroup, _chunk
+from xtrain_dist.launch import RankFailed, run_thread_ranks
+
+
+def rank_data(rank, n, seed=0):
+    return np.random.default_rng([seed, rank]).standard_normal(n).astype(np.float32)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 7, 1000])
+def test_all_reduce_is_the_rank_ordered_sum_on_every_rank(world, n):
+    def body(rank, comm):
+        buf = rank_data(rank, n)
+        comm.all_reduce(buf)
+        return buf
+
+    out = run_thread_ranks(world, body)
+    expected = rank_data(0, n)
+    for r in range(1, world):
+        expected = expected + rank_data(r, n)  # the fixed order: ((r0 + r1) + r2) + ...
+    for buf in out:
+        assert buf.tobytes() == expected.tobytes()
+
+
+def test_chunks_partition_any_length():
+    for n in (0, 1, 5, 17):
+        for world in (1, 2, 3, 4, 6):
+            pieces = [_chunk(n, world, r) for r in range(world)]
+            assert pieces[0][0] == 0 and pieces[-1][1] == n
+            assert all(a[1] == b[0] for a, b in pairwise(pieces))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_all_gather_broadcast(world):
+    n = 5
+
+    def body(rank, comm):
+        send = rank_data(rank, n * world)
+        shard = np.empty(n, np.float32)
+        comm.reduce_scatter(send, shard)
+        gathered = np.empty(n * world, np.float32)
+        comm.all_gather(shard, gathered)
+        root_buf = np.full(3, float(rank), np.float32)
+        comm.broadcast(root_buf, root=world - 1)
+        comm.barrier()
+        return shard, gathered, root_buf
+
+    out = run_thread_ranks(world, body)
+    total = sum(rank_data(r, n * world) for r in range(world))
+    for rank, (shard, gathered, root_buf) in enumerate(out):
+        np.testing.assert_allclose(shard, total[rank * n:(rank + 1) * n], rtol=1e-6)
+        np.testing.assert_allclose(gathered, total, rtol=1e-6)
+        assert np.all(root_buf == world - 1)
+
+
+def test_a_failing_rank_releases_the_others_and_is_reported():
+    def body(rank, comm):
+        if rank == 1:
+            raise ValueError("rank one broke")
+        buf = np.ones(4, np.float32)
+        comm.all_reduce(buf)  # would wait forever for rank 1
+        return buf
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_thread_ranks(3, body, timeout_s=60)
+    assert time.monotonic() - t0 < 10
+    assert info.value.rank == 1 and str(info.value.error) == "rank one broke"
+
+
+def test_a_stuck_rank_times_out_with_a_clear_message():
+    release = threading.Event()
+
+    def body(rank, comm):
+        if rank == 0:
+            release.wait(10)  # stuck outside any collective
+            return None
+        comm.barrier()
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_thread_ranks(2, body, timeout_s=0.5)
+    release.set()
+    assert time.monotonic() - t0 < 10
+    assert isinstance(info.value.error, CommAborted)
+    assert "waited more than 0.5 s in barrier: a peer rank is stuck or dead" in str(info.value.error)
+
+
+def test_abort_makes_later_collectives_fail():
+    group = LocalGroup(2)
+    group.abort("test")
+    with pytest.raises(CommAborted, match="test"):
+        group.communicator(0).barrier()

@@ -1,0 +1,159 @@
+"""The model: flat layout, deterministic init, Hugging Face names, and the whole gradient (float64 finite
+differences; and Hugging Face's GPT2LMHeadModel itself as an independent oracle when torch is installed)."""
+
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from xtrain_dist.backend import numpy_ops
+from xtrain_dist.config import GPTConfig, model_config
+from xtrain_dist.model import ALIGN, GPT2, init_weights, param_layout
+
+SMALL = GPTConfig(vocab_size=13, n_ctx=8, n_layer=2, n_head=2, n_embd=8)
+
+
+def hf_names(n_layer):
+    names = {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"}
+    for layer in range(n_layer):
+        for suffix in ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                       "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                       "mlp.c_proj.weight", "mlp.c_proj.bias"):
+            names.add(f"transformer.h.{layer}.{suffix}")
+    return names
+
+
+def test_layout_is_aligned_disjoint_and_in_backward_order():
+    cfg = model_config("tiny", 1000)
+    specs, total = param_layout(cfg)
+    assert {s.name for s in specs} == hf_names(cfg.n_layer)
+    ends = 0
+    for s in specs:
+        assert s.offset % ALIGN == 0 and s.offset >= ends
+        ends = s.offset + s.size
+    assert total >= ends and total % ALIGN == 0
+    order = [s.name for s in specs]
+    # backward finishes ln_f, then the last block, ..., the first block, then wpe and wte
+    assert order[:2] == ["transformer.ln_f.weight", "transformer.ln_f.bias"]
+    assert order.index("transformer.h.1.ln_1.bias") < order.index("transformer.h.0.mlp.c_proj.weight")
+    assert order[-2:] == ["transformer.wpe.weight", "transformer.wte.weight"]
+    C = cfg.n_embd
+    shapes = {s.name: s.shape for s in specs}
+    assert shapes["transformer.h.0.attn.c_attn.weight"] == (C, 3 * C)  # Conv1D: (in, out)
+    assert shapes["transformer.h.0.mlp.c_proj.weight"] == (4 * C, C)
+    assert shapes["transformer.wte.weight"] == (1000, C)
+    decayed = {s.name for s in specs if s.decay}
+    assert "transformer.wte.weight" in decayed and "transformer.h.0.attn.c_attn.bias" not in decayed
+
+
+def test_grad_ranges_cover_the_buffer_in_order():
+    model = GPT2(model_config("tiny", 500), numpy_ops, seed=0)
+    ranges = model.layer_grad_ranges()
+    assert len(ranges) == model.config.n_layer + 1
+    assert ranges[0][0] == 0 and ranges[-1][1] == model.size
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in pairwise(ranges))
+
+
+def test_init_is_deterministic_and_gpt2_like():
+    cfg = model_config("tiny", 500)
+    a, b, c = init_weights(cfg, 7), init_weights(cfg, 7), init_weights(cfg, 8)
+    assert a.tobytes() == b.tobytes()
+    assert a.tobytes() != c.tobytes()
+    sd = GPT2(cfg, numpy_ops, seed=7).state_dict()
+    assert np.all(sd["transformer.h.0.ln_1.weight"] == 1) and np.all(sd["transformer.h.0.attn.c_attn.bias"] == 0)
+    assert sd["transformer.wte.weight"].std() == pytest.approx(0.02, rel=0.05)
+    proj_std = 0.02 / np.sqrt(2 * cfg.n_layer)
+    assert sd["transformer.h.1.mlp.c_proj.weight"].std() == pytest.approx(proj_std, rel=0.05)
+
+
+def test_state_dict_round_trip_and_views_share_the_flat_buffer():
+    model = GPT2(model_config("tiny", 300), numpy_ops, seed=3)
+    sd = model.state_dict()
+    sd["transformer.h.1.attn.c_proj.bias"][:] = 5.0
+    model.load_state_dict(sd)
+    assert np.all(model.p.h[1].attn_c_proj_bias == 5.0)
+    assert np.shares_memory(model.p.h[1].attn_c_proj_bias, model.params)
+    assert np.shares_memory(model.g.wte, model.grads)
+
+
+def randomised_model(seed=0):
+    """A float64 model with every parameter random (biases, gains too), so no gradient term is hidden."""
+    model = GPT2(SMALL, numpy_ops, seed=seed, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    used = np.zeros(model.size, dtype=bool)
+    for s in model.layout:
+        used[s.offset: s.offset + s.size] = True
+    model.params[used] = rng.standard_normal(used.sum()) * 0.3
+    return model, used
+
+
+def test_whole_model_gradient_matches_finite_differences():
+    model, used = randomised_model()
+    rng = np.random.default_rng(1)
+    B, T = 3, SMALL.n_ctx
+    ids = rng.integers(0, SMALL.vocab_size, (B, T)).astype(np.int32)
+    targets = rng.integers(0, SMALL.vocab_size, (B, T)).astype(np.int32)
+    dloss = 1.0 / (B * T)
+    model.zero_grad()
+    model.forward(ids, targets, dloss)
+    model.backward()
+    assert np.all(model.grads[~used] == 0)  # padding never gets a gradient
+
+    def loss():
+        return float(model.forward(ids, targets).sum() * dloss)
+
+    eps = 1e-6
+    probe = [s.offset + rng.integers(0, s.size) for s in model.layout for _ in range(2)]
+    for i in probe:
+        keep = model.params[i]
+        model.params[i] = keep + eps
+        up = loss()
+        model.params[i] = keep - eps
+        down = loss()
+        model.params[i] = keep
+        assert model.grads[i] == pytest.approx((up - down) / (2 * eps), rel=1e-5, abs=1e-9), i
+
+
+def test_backward_announces_every_range_once_in_order():
+    model, _ = randomised_model()
+    ids = np.zeros((1, 4), dtype=np.int32)
+    seen = []
+    model.forward(ids, ids, 1.0)
+    model.backward(on_grads_ready=lambda a, b: seen.append((a, b)))
+    assert seen == model.layer_grad_ranges()
+
+
+def test_forward_matches_hugging_face_gpt2():
+    """Our loss, logits and every gradient against transformers.GPT2LMHeadModel holding the same weights."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = SMALL
+    model = GPT2(cfg, numpy_ops, seed=5, dtype=np.float64)
+    rng = np.random.default_rng(2)
+    model.params[:] = rng.standard_normal(model.size) * 0.3
+    hf_cfg = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.n_ctx, n_embd=cfg.n_embd,
+                                     n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu_new",
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+                                     tie_word_embeddings=True)
+    hf = transformers.GPT2LMHeadModel(hf_cfg).double().eval()
+    missing, unexpected = hf.load_state_dict({k: torch.from_numpy(v) for k, v in model.state_dict().items()},
+                                             strict=False)
+    assert unexpected == [] and all(k == "lm_head.weight" or k.endswith(".attn.bias") for k in missing)
+
+    ids = rng.integers(0, cfg.vocab_size, (2, cfg.n_ctx)).astype(np.int32)
+    targets = rng.integers(0, cfg.vocab_size, (2, cfg.n_ctx)).astype(np.int32)
+    logits = model.forward(ids)
+    hf_logits = hf(torch.from_numpy(ids.astype(np.int64))).logits
+    np.testing.assert_allclose(logits, hf_logits.detach().numpy(), rtol=1e-9, atol=1e-9)
+
+    n = ids.size
+    model.zero_grad()
+    losses = model.forward(ids, targets, 1.0 / n)
+    model.backward()
+    hf_loss = torch.nn.functional.cross_entropy(hf_logits.reshape(n, -1), torch.from_numpy(targets).long().reshape(-1))
+    hf_loss.backward()
+    assert losses.mean() == pytest.approx(hf_loss.item(), rel=1e-10)
+    hf_grads = {k: p.grad.numpy() for k, p in hf.named_parameters()}
+    grads = {s.name: model.grads[s.offset: s.offset + s.size].reshape(s.shape) for s in model.layout}
+    for name, g in grads.items():
+        np.testing.assert_allclose(g, hf_grads[name], rtol=1e-7, atol=1e-10, err_msg=name)

@@ -1,0 +1,210 @@
+"""Every numpy op's backward against float64 central finite differences, and forwards against direct formulas.
+
+The ops are dtype-generic, so the checks run them in float64 where finite differences are accurate
+to ~1e-8; a wrong term in any backward shows up as an error of order 1.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from xtrain_dist.backend import numpy_ops as ops
+
+EPS = 1e-6
+
+
+def numeric_grad(f, x, dout, n_probe=40, rng=None):
+    """d sum(f(x) * dout) / dx at n_probe random entries of x (all of them if x is small)."""
+    rng = rng or np.random.default_rng(0)
+    flat = x.reshape(-1)
+    idx = np.arange(flat.size) if flat.size <= n_probe else rng.choice(flat.size, n_probe, replace=False)
+    grads = {}
+    for i in idx:
+        keep = flat[i]
+        flat[i] = keep + EPS
+        up = np.sum(f() * dout)
+        flat[i] = keep - EPS
+        down = np.sum(f() * dout)
+        flat[i] = keep
+        grads[int(i)] = (up - down) / (2 * EPS)
+    return grads
+
+
+def assert_grad_close(analytic, numeric, rtol=1e-6, atol=1e-8):
+    flat = analytic.reshape(-1)
+    for i, value in numeric.items():
+        assert flat[i] == pytest.approx(value, rel=rtol, abs=atol), f"entry {i}"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def test_encoder_backward_matches_finite_differences(rng):
+    B, T, C, V = 2, 5, 4, 7
+    ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    ids[1, 3] = ids[0, 0]  # a token seen twice must get both rows
+    wte, wpe = rng.standard_normal((V, C)), rng.standard_normal((8, C))
+    dout = rng.standard_normal((B, T, C))
+    dwte, dwpe = np.zeros_like(wte), np.zeros_like(wpe)
+    ops.encoder_backward(dwte, dwpe, dout, ids)
+    f = lambda: ops.encoder_forward(ids, wte, wpe)  # noqa: E731
+    assert_grad_close(dwte, numeric_grad(f, wte, dout))
+    assert_grad_close(dwpe, numeric_grad(f, wpe, dout))
+    assert np.all(dwpe[T:] == 0)
+
+
+def test_layernorm_forward_is_normalised(rng):
+    x = rng.standard_normal((3, 4, 16)) * 3 + 1
+    out, mean, rstd = ops.layernorm_forward(x, np.ones(16), np.zeros(16))
+    np.testing.assert_allclose(out.mean(-1), 0, atol=1e-12)
+    np.testing.assert_allclose(out.var(-1), 1, rtol=1e-4)  # eps 1e-5 makes it slightly below 1
+    np.testing.assert_allclose(mean, x.mean(-1))
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(x.var(-1) + 1e-5))
+
+
+def test_layernorm_backward_matches_finite_differences(rng):
+    B, T, C = 2, 3, 8
+    x, w, b = rng.standard_normal((B, T, C)), rng.standard_normal(C), rng.standard_normal(C)
+    dout = rng.standard_normal((B, T, C))
+    _, mean, rstd = ops.layernorm_forward(x, w, b)
+    residual = rng.standard_normal((B, T, C))  # backward adds into what is already there
+    dx, dw, db = residual.copy(), np.full(C, 0.5), np.full(C, -0.25)
+    ops.layernorm_backward(dx, dw, db, dout, x, w, mean, rstd)
+    f = lambda: ops.layernorm_forward(x, w, b)[0]  # noqa: E731
+    assert_grad_close(dx - residual, numeric_grad(f, x, dout))
+    assert_grad_close(dw - 0.5, numeric_grad(f, w, dout))
+    assert_grad_close(db + 0.25, numeric_grad(f, b, dout))
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matmul_backward_matches_finite_differences(rng, with_bias):
+    B, T, IC, OC = 2, 3, 5, 6
+    x, w = rng.standard_normal((B, T, IC)), rng.standard_normal((IC, OC))
+    b = rng.standard_normal(OC) if with_bias else None
+    dout = rng.standard_normal((B, T, OC))
+    dw = np.zeros_like(w)
+    db = np.zeros(OC) if with_bias else None
+    dx = ops.matmul_backward(dw, db, dout, x, w)
+    f = lambda: ops.matmul_forward(x, w, b)  # noqa: E731
+    assert_grad_close(dx, numeric_grad(f, x, dout))
+    assert_grad_close(dw, numeric_grad(f, w, dout))
+    if with_bias:
+        assert_grad_close(db, numeric_grad(f, b, dout))
+
+
+def test_matmul_backward_into_transposed_weight_accumulates(rng):
+    """The tied classifier passes wte.T and its gradient view dwte.T; the update must land in dwte."""
+    V, C = 7, 4
+    x, wte = rng.standard_normal((2, 3, C)), rng.standard_normal((V, C))
+    dout = rng.standard_normal((2, 3, V))
+    dwte = np.ones((V, C))
+    ops.matmul_backward(dwte.T, None, dout, x, wte.T)
+    expected = 1 + dout.reshape(-1, V).T @ x.reshape(-1, C)
+    np.testing.assert_allclose(dwte, expected, rtol=1e-12)
+
+
+def reference_attention(qkv, n_head):
+    """Attention written the slow, obvious way: loops over batch, head and query position."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+    out = np.zeros((B, T, C))
+    for b in range(B):
+        for h in range(n_head):
+            q = qkv[b, :, h * hs:(h + 1) * hs]
+            k = qkv[b, :, C + h * hs:C + (h + 1) * hs]
+            v = qkv[b, :, 2 * C + h * hs:2 * C + (h + 1) * hs]
+            for t in range(T):
+                s = k[: t + 1] @ q[t] / math.sqrt(hs)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[b, t, h * hs:(h + 1) * hs] = p @ v[: t + 1]
+    return out
+
+
+def test_attention_forward_matches_loop_reference(rng):
+    qkv = rng.standard_normal((2, 5, 3 * 8))
+    out, att = ops.attention_forward(qkv, n_head=2)
+    np.testing.assert_allclose(out, reference_attention(qkv, 2), rtol=1e-12, atol=1e-12)
+    assert np.all(np.triu(att, k=1) == 0)  # causal: no weight on the future
+    np.testing.assert_allclose(att.sum(-1), 1, rtol=1e-12)
+
+
+def test_attention_backward_matches_finite_differences(rng):
+    B, T, C, NH = 2, 4, 8, 2
+    qkv = rng.standard_normal((B, T, 3 * C))
+    dout = rng.standard_normal((B, T, C))
+    _, att = ops.attention_forward(qkv, NH)
+    dqkv = ops.attention_backward(dout, qkv, att, NH)
+    f = lambda: ops.attention_forward(qkv, NH)[0]  # noqa: E731
+    assert_grad_close(dqkv, numeric_grad(f, qkv, dout, n_probe=qkv.size))
+
+
+def test_gelu_matches_tanh_formula_and_finite_differences(rng):
+    x = rng.standard_normal((3, 7)) * 3
+    expected = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    np.testing.assert_allclose(ops.gelu_forward(x), expected, rtol=1e-14)
+    dout = rng.standard_normal(x.shape)
+    assert_grad_close(ops.gelu_backward(dout, x), numeric_grad(lambda: ops.gelu_forward(x), x, dout, n_probe=x.size))
+
+
+def test_crossentropy_matches_log_softmax(rng):
+    logits = rng.standard_normal((2, 3, 11)) * 4
+    targets = rng.integers(0, 11, (2, 3))
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(ops.crossentropy_forward(logits, targets), expected, rtol=1e-12)
+
+
+def test_fused_classifier_loss_and_gradient(rng):
+    logits = rng.standard_normal((2, 3, 11)) * 4
+    targets = rng.integers(0, 11, (2, 3))
+    dloss = 0.37
+    expected_losses = ops.crossentropy_forward(logits, targets)
+    f_logits = logits.copy()
+    f = lambda: ops.crossentropy_forward(f_logits, targets)  # noqa: E731
+    numeric = numeric_grad(f, f_logits, np.full((2, 3), dloss), n_probe=logits.size)
+    work = logits.copy()
+    losses = ops.fused_classifier(work, targets, dloss)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-12)
+    assert_grad_close(work, numeric)  # the logits buffer now holds dlogits
+
+
+def test_fused_classifier_survives_extreme_logits():
+    logits = np.array([[[1000.0, -1000.0, 0.0]]], dtype=np.float32)
+    losses = ops.fused_classifier(logits, np.array([[1]]), 1.0)
+    assert np.isfinite(losses).all() and losses[0, 0] == pytest.approx(2000.0)
+
+
+def test_global_norm_and_clip_coefficient(rng):
+    g = rng.standard_normal(1000).astype(np.float32)
+    sq = ops.global_norm_squared(g)
+    assert sq.shape == (1,) and sq.dtype == np.float32
+    assert sq[0] == pytest.approx(np.sum(g.astype(np.float64) ** 2), rel=1e-6)
+    norm = math.sqrt(sq[0])
+    assert ops.clip_coefficient(sq, norm / 2)[0] == pytest.approx(0.5, rel=1e-5)
+    assert ops.clip_coefficient(sq, norm * 2)[0] == 1.0
+    assert ops.clip_coefficient(sq, 0.0)[0] == 1.0
+
+
+def test_adamw_matches_torch_formula(rng):
+    """Three steps against the update written as torch.optim.AdamW documents it, in float64."""
+    n = 50
+    p = rng.standard_normal(n)
+    mask = (np.arange(n) % 3 != 0).astype(np.uint8)
+    m, v = np.zeros(n), np.zeros(n)
+    p_ref, m_ref, v_ref = p.copy(), np.zeros(n), np.zeros(n)
+    lr, b1, b2, eps, wd, clip = 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.5
+    for step in range(1, 4):
+        g = rng.standard_normal(n)
+        ops.adamw_update(p, g, m, v, mask, step, lr, b1, b2, eps, wd, np.array([clip]))
+        gs = g * clip
+        p_ref = p_ref * (1 - lr * wd * mask)  # decoupled decay first, as torch does
+        m_ref = b1 * m_ref + (1 - b1) * gs
+        v_ref = b2 * v_ref + (1 - b2) * gs * gs
+        denom = np.sqrt(v_ref) / math.sqrt(1 - b2**step) + eps
+        p_ref = p_ref - lr / (1 - b1**step) * m_ref / denom
+        np.testing.assert_allclose(p, p_ref, rtol=1e-6, atol=1e-9)

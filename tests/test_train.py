@@ -1,0 +1,103 @@
+"""Exact data parallelism on thread ranks: every world size follows the world-1 loss curve, ranks hold
+bitwise-equal parameters, runs are reproducible to the bit, and training learns."""
+
+import numpy as np
+import pytest
+
+from xtrain_dist import train as train_module
+from xtrain_dist.config import TrainConfig
+from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.launch import RankFailed
+from xtrain_dist.optim import lr_at
+from xtrain_dist.train_ddp import train
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+
+def run(corpus, world, steps=20, batch=8, seq=32, seed=7, **kw):
+    cfg = TrainConfig(steps=steps, batch=batch, seq=seq, model="tiny", seed=seed, world_size=world, **kw).resolved()
+    return train(cfg, corpus, log=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def world1(corpus):
+    return run(corpus, 1)
+
+
+def assert_curves_close(a, b, rtol):
+    a, b = np.array(a), np.array(b)
+    assert a.shape == b.shape
+    worst = np.max(np.abs(a - b) / np.abs(b))
+    assert worst <= rtol, f"worst relative difference {worst:.2e}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_world_sizes_follow_world1_with_bitwise_equal_ranks(corpus, world1, world):
+    report = run(corpus, world)
+    assert_curves_close(report["losses"], world1["losses"], 1e-3)
+    assert len(report["param_sha256"]) == world
+    assert len(set(report["param_sha256"])) == 1
+
+
+def test_world1_learns(world1):
+    losses = world1["losses"]
+    assert losses[0] == pytest.approx(np.log(4096), rel=0.05)  # an untrained model is close to uniform
+    assert np.mean(losses[-3:]) < losses[0] - 0.5
+
+
+def test_same_command_twice_gives_the_same_bits(corpus, world1):
+    again = run(corpus, 1)
+    assert again["param_sha256"] == world1["param_sha256"]
+    assert again["losses"] == world1["losses"]
+    twice = [run(corpus, 2, steps=5)["param_sha256"] for _ in range(2)]
+    assert twice[0] == twice[1]
+
+
+def test_batch_not_divisible_by_world_is_still_exact(corpus):
+    """5 sequences on 2 ranks (3 + 2) is the same optimisation problem as 5 on 1 rank."""
+    one = run(corpus, 1, batch=5, steps=10)
+    two = run(corpus, 2, batch=5, steps=10)
+    three = run(corpus, 3, batch=5, steps=10)
+    assert_curves_close(two["losses"], one["losses"], 1e-4)
+    assert_curves_close(three["losses"], one["losses"], 1e-4)
+    assert len(set(two["param_sha256"])) == 1 and len(set(three["param_sha256"])) == 1
+
+
+def test_different_seeds_differ(corpus, world1):
+    other = run(corpus, 1, seed=8)
+    assert other["param_sha256"] != world1["param_sha256"]
+
+
+def test_report_fields(world1):
+    for key in ("config", "losses", "param_sha256", "tokens_per_s", "ms_per_step", "grad_norms", "lrs"):
+        assert key in world1
+    assert len(world1["losses"]) == 20 and world1["tokens_per_s"] > 0
+    assert world1["lrs"][0] == pytest.approx(1e-3)  # 20 steps: one warmup step
+    assert world1["lrs"][-1] < world1["lrs"][1]
+
+
+def test_lr_schedule_warms_up_then_follows_the_cosine():
+    cfg = TrainConfig(steps=100, batch=1, seq=1, lr=1.0, min_lr=0.1, warmup_steps=10, lr_decay_steps=60).resolved()
+    assert [lr_at(s, cfg) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert lr_at(35, cfg) == pytest.approx(0.55)  # half way through the cosine: the mean of lr and min_lr
+    assert lr_at(60, cfg) == pytest.approx(0.1) and lr_at(99, cfg) == pytest.approx(0.1)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(9, 70))
+
+
+def test_a_rank_that_raises_ends_the_run(corpus, monkeypatch):
+    real_backward = train_module.GPT2.backward
+    calls = {"n": 0}
+
+    def backward(self, on_grads_ready=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real_backward(self, on_grads_ready)
+
+    monkeypatch.setattr(train_module.GPT2, "backward", backward)
+    with pytest.raises(RankFailed) as info:
+        run(corpus, 2, steps=5)
+    assert str(info.value.error) == "injected failure"

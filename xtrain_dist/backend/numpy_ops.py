@@ -1,0 +1,262 @@
+"""The numpy reference backend: every op of a GPT-2 training step, forward and backward, by hand.
+
+This file is the oracle. `cuda_ops.py` has a function of the same name and signature for each one
+below, implemented by the kernel in `kernels/<op>.cu` named in its docstring, and the GPU tests
+compare the two op by op.
+
+Conventions, shared with the CUDA backend:
+- Activations are (B, T, C) arrays, row-major. B = sequences on this rank, T = sequence length,
+  C = channels. Weights use Hugging Face's Conv1D layout (in, out), so a linear layer is x @ w + b.
+- Forward ops return new arrays. Backward ops *accumulate* (+=) into the parameter gradients they
+  are given, because the flat gradient buffer is zeroed once per optimizer step and every micro-step
+  (and both uses of the tied embedding) adds into it. An input gradient is returned, except for
+  layernorm_backward, which adds into the residual-stream gradient it is given: that is how the
+  residual connection's backward is done without a separate op.
+- Every op keeps the dtype of its inputs: training runs float32, the gradient checks run float64.
+"""
+
+import numpy as np
+
+xp = np  # the array module the model allocates with
+name = "numpy"
+
+
+# ------------------------------------------------------------------ host/device plumbing
+
+def to_host(a) -> np.ndarray:
+    """The array as numpy (a no-op here; a device-to-host copy on CUDA)."""
+    return np.asarray(a)
+
+
+def from_host(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a)
+
+
+def synchronize() -> None:
+    """Wait for queued work (nothing is queued on the CPU)."""
+
+
+# ------------------------------------------------------------------ encoder (kernels/encoder.cu)
+
+def encoder_forward(ids, wte, wpe):
+    """out[b, t, :] = wte[ids[b, t], :] + wpe[t, :]  -> (B, T, C)"""
+    T = ids.shape[1]
+    return wte[ids] + wpe[:T]
+
+
+def encoder_backward(dwte, dwpe, dout, ids) -> None:
+    """dwte[ids[b, t]] += dout[b, t]; dwpe[t] += sum_b dout[b, t].
+
+    A token that occurs several times gets its rows added in (b, t) order, which is the order the
+    deterministic CUDA kernel uses too."""
+    C = dout.shape[-1]
+    np.add.at(dwte, ids.reshape(-1), dout.reshape(-1, C))
+    dwpe[: ids.shape[1]] += dout.sum(axis=0)
+
+
+# ------------------------------------------------------------------ layernorm (kernels/layernorm.cu)
+
+LN_EPS = 1e-5
+
+
+def layernorm_forward(inp, weight, bias):
+    """Normalise each (b, t) row over C, then scale and shift.  -> (out, mean, rstd); mean, rstd are (B, T)."""
+    mean = inp.mean(axis=-1, keepdims=True)
+    centered = inp - mean
+    var = (centered * centered).mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + inp.dtype.type(LN_EPS))
+    out = centered * rstd * weight + bias
+    return out, mean[..., 0], rstd[..., 0]
+
+
+def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
+    """Accumulate into dinp (the residual stream's gradient), dweight and dbias.
+
+    With n = (x - mean) * rstd and g = dout * weight:
+    dx = rstd * (g - mean_C(g) - n * mean_C(g * n))."""
+    C = inp.shape[-1]
+    norm = (inp - mean[..., None]) * rstd[..., None]
+    dnorm = dout * weight
+    dbias += dout.reshape(-1, C).sum(axis=0)
+    dweight += (dout * norm).reshape(-1, C).sum(axis=0)
+    dnorm_mean = dnorm.mean(axis=-1, keepdims=True)
+    dnorm_norm_mean = (dnorm * norm).mean(axis=-1, keepdims=True)
+    dinp += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[..., None]
+
+
+# ------------------------------------------------------------------ matmul (cuBLAS; bias: kernels/matmul.cu)
+
+def matmul_forward(inp, weight, bias=None):
+    """out = inp @ weight + bias, weight (in, out). (B, T, in) -> (B, T, out)."""
+    out = inp @ weight
+    if bias is not None:
+        out += bias
+    return out
+
+
+def matmul_backward(dweight, dbias, dout, inp, weight):
+    """dweight += inp^T @ dout; dbias += sum over rows of dout; returns dinp = dout @ weight^T.
+
+    dweight may be a transposed view (the tied classifier passes wte's gradient as dwte.T)."""
+    OC = dout.shape[-1]
+    IC = inp.shape[-1]
+    dout2 = dout.reshape(-1, OC)
+    dweight += inp.reshape(-1, IC).T @ dout2
+    if dbias is not None:
+        dbias += dout2.sum(axis=0)
+    return dout @ weight.T
+
+
+# ------------------------------------------------------------------ attention (kernels/attention.cu)
+
+def attention_forward(qkv, n_head: int):
+    """Causal multi-head self-attention over the fused q|k|v projection.
+
+    qkv (B, T, 3C) -> (out (B, T, C), att (B, NH, T, T)); att holds the softmax probabilities, zero
+    above the diagonal, and is kept for the backward pass."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+    # (B, T, 3, NH, hs) -> 3 x (B, NH, T, hs): the permute kernel on CUDA
+    q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+    scale = qkv.dtype.type(1.0 / np.sqrt(hs))
+    scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+    att = causal_softmax(scores)
+    y = att @ v                                              # (B, NH, T, hs)
+    return y.transpose(0, 2, 1, 3).reshape(B, T, C), att     # unpermute
+
+
+def causal_softmax(scores):
+    """Row-wise softmax of (..., T, T) scores over keys j <= query i; entries j > i become 0."""
+    T = scores.shape[-1]
+    future = np.triu(np.ones((T, T), dtype=bool), k=1)
+    masked = np.where(future, -np.inf, scores)
+    e = np.exp(masked - masked.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def attention_backward(dout, qkv, att, n_head: int):
+    """Gradient of attention_forward with respect to qkv. -> dqkv (B, T, 3C)"""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+    q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+    scale = qkv.dtype.type(1.0 / np.sqrt(hs))
+    dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # permute like the forward's y
+    datt = dy @ v.transpose(0, 1, 3, 2)
+    dv = att.transpose(0, 1, 3, 2) @ dy
+    dscores = causal_softmax_backward(datt, att) * scale
+    dq = dscores @ k
+    dk = dscores.transpose(0, 1, 3, 2) @ q
+    # stack back into the fused (B, T, 3, NH, hs) layout
+    dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)
+    return dqkv.reshape(B, T, C3)
+
+
+def causal_softmax_backward(datt, att):
+    """d scores = att * (datt - sum_j datt * att); zero above the diagonal because att is."""
+    return att * (datt - (datt * att).sum(axis=-1, keepdims=True))
+
+
+# ------------------------------------------------------------------ gelu (kernels/gelu.cu)
+
+GELU_SCALE = float(np.sqrt(2.0 / np.pi))
+
+
+def gelu_forward(inp):
+    """GELU, tanh approximation (GPT-2's "gelu_new"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    s = inp.dtype.type(GELU_SCALE)
+    c = inp.dtype.type(0.044715)
+    half = inp.dtype.type(0.5)
+    return half * inp * (1 + np.tanh(s * (inp + c * inp * inp * inp)))
+
+
+def gelu_backward(dout, inp):
+    """dinp = dout * d gelu / dx."""
+    s = inp.dtype.type(GELU_SCALE)
+    c = inp.dtype.type(0.044715)
+    half = inp.dtype.type(0.5)
+    u = s * (inp + c * inp * inp * inp)
+    th = np.tanh(u)
+    sech2 = 1 - th * th
+    grad = half * (1 + th) + half * inp * sech2 * s * (1 + 3 * c * inp * inp)
+    return dout * grad
+
+
+# ------------------------------------------------------------------ residual (kernels/residual.cu)
+
+def residual_forward(a, b):
+    """out = a + b. Its backward needs no op: the gradient passes unchanged to both inputs, which the
+    model gets by letting layernorm_backward accumulate into the residual stream's gradient."""
+    return a + b
+
+
+# ------------------------------------------------------------------ classifier (kernels/classifier.cu)
+
+def crossentropy_forward(logits, targets):
+    """losses[b, t] = -log softmax(logits[b, t])[targets[b, t]]  (evaluation: no gradient)."""
+    m = logits.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(logits - m).sum(axis=-1)) + m[..., 0]
+    picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return lse - picked
+
+
+def fused_classifier(logits, targets, dloss: float):
+    """Softmax + cross-entropy and its backward in one pass over the logits.
+
+    Returns losses (B, T) and overwrites `logits` with dlogits = (softmax(logits) - onehot(targets)) * dloss,
+    the gradient of dloss * sum(losses): the logits are the largest activation and are not needed again."""
+    m = logits.max(axis=-1, keepdims=True)
+    np.subtract(logits, m, out=logits)  # shifted logits: the largest is 0, so exp cannot overflow
+    picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    np.exp(logits, out=logits)
+    total = logits.sum(axis=-1, keepdims=True)
+    losses = np.log(total[..., 0]) - picked
+    d = logits.dtype.type(dloss)
+    np.multiply(logits, d / total, out=logits)  # probabilities * dloss
+    rows = logits.reshape(-1, logits.shape[-1])
+    rows[np.arange(rows.shape[0]), targets.reshape(-1)] -= d
+    return losses
+
+
+# ------------------------------------------------------------------ optimizer (kernels/adamw.cu, global_norm.cu)
+
+def global_norm_squared(buf):
+    """sum(buf ** 2) as a (1,) float32 array. numpy's pairwise summation (not BLAS, whose threading can
+    change the order) keeps it bitwise reproducible, so ranks holding equal gradients agree exactly."""
+    return np.sum(np.square(buf), dtype=np.float64).reshape(1).astype(buf.dtype)
+
+
+def clip_coefficient(norm_squared, max_norm: float):
+    """min(1, max_norm / (norm + 1e-6)) as a (1,) array, computed where the norm lives so the step needs
+    no device-to-host read; max_norm <= 0 disables clipping."""
+    if max_norm <= 0:
+        return np.ones(1, dtype=norm_squared.dtype)
+    norm = np.sqrt(norm_squared.astype(np.float64))
+    return np.minimum(1.0, max_norm / (norm + 1e-6)).astype(norm_squared.dtype)
+
+
+def scale(buf, factor) -> None:
+    """buf *= factor, in place (factor: a scalar or a (1,) array)."""
+    buf *= np.asarray(factor, dtype=buf.dtype).reshape(())
+
+
+def adamw_update(params, grads, m, v, decay_mask, step: int, lr: float, beta1: float, beta2: float,
+                 eps: float, weight_decay: float, grad_scale) -> None:
+    """One AdamW step (decoupled weight decay, as torch.optim.AdamW), in place over flat buffers.
+
+    g = grads * grad_scale (the clipping coefficient, a (1,) array); step counts from 1;
+    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
+    p -= lr * (m / (1 - b1^step) / (sqrt(v / (1 - b2^step)) + eps) + weight_decay * decay_mask * p).
+    decay_mask is 1 for matrices (matmul weights and embeddings) and 0 for biases and layernorm."""
+    f = params.dtype.type
+    g = grads * np.asarray(grad_scale, dtype=params.dtype).reshape(())
+    m *= f(beta1)
+    m += f(1 - beta1) * g
+    v *= f(beta2)
+    v += f(1 - beta2) * (g * g)
+    m_hat = m / f(1 - beta1 ** step)
+    v_hat = v / f(1 - beta2 ** step)
+    update = m_hat / (np.sqrt(v_hat) + f(eps))
+    update += f(weight_decay) * decay_mask * params
+    params -= f(lr) * update

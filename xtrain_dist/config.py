@@ -1,0 +1,84 @@
+"""Plain configuration: the model's shape (GPTConfig, with named presets) and the run (TrainConfig)."""
+
+from dataclasses import asdict, dataclass, field
+
+from .errors import XtrainError
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """GPT-2's shape. vocab_size comes from the tokenizer, the rest from a preset."""
+
+    vocab_size: int
+    n_ctx: int = 1024      # longest sequence; the number of learned positions
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise XtrainError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+
+# name -> (n_layer, n_head, n_embd, n_ctx). gpt2-124m and up are OpenAI's GPT-2 sizes.
+PRESETS: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (2, 4, 64, 128),          # trains on a CPU in seconds: the tests' model
+    "mini": (4, 4, 128, 256),         # a CPU run of minutes that writes readable text
+    "small": (6, 6, 384, 256),        # nanoGPT's Shakespeare size
+    "gpt2-124m": (12, 12, 768, 1024),
+    "gpt2-350m": (24, 16, 1024, 1024),
+    "gpt2-774m": (36, 20, 1280, 1024),
+}
+
+
+def model_config(preset: str, vocab_size: int) -> GPTConfig:
+    if preset not in PRESETS:
+        raise XtrainError(f"unknown model preset '{preset}' (choose from {', '.join(PRESETS)})")
+    n_layer, n_head, n_embd, n_ctx = PRESETS[preset]
+    return GPTConfig(vocab_size=vocab_size, n_ctx=n_ctx, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+
+
+@dataclass
+class TrainConfig:
+    """Everything one run needs; the command line fills it and every rank reads it."""
+
+    steps: int
+    batch: int                  # sequences per optimizer step, summed over all ranks
+    seq: int                    # tokens per sequence
+    tokenizer: str = ""
+    corpus: str = ""
+    model: str = "tiny"
+    backend: str = "numpy"      # numpy | cuda
+    world_size: int = 1
+    seed: int = 1337
+    # AdamW and the schedule (nanoGPT's defaults, lr for small models)
+    lr: float = 1e-3
+    min_lr: float | None = None     # default lr / 10
+    warmup_steps: int | None = None  # default lr_decay_steps // 20, at least 1
+    lr_decay_steps: int | None = None  # default steps: the cosine ends here
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    # data parallelism
+    grad_sync: str = "flat"
+    comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
+    # output
+    report: str | None = None
+    log_every: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with every derived default filled in."""
+        cfg = TrainConfig(**asdict(self))
+        if cfg.lr_decay_steps is None:
+            cfg.lr_decay_steps = cfg.steps
+        if cfg.min_lr is None:
+            cfg.min_lr = cfg.lr / 10
+        if cfg.warmup_steps is None:
+            cfg.warmup_steps = max(1, cfg.lr_decay_steps // 20)
+        return cfg
+
+    def to_dict(self) -> dict:
+        return asdict(self)

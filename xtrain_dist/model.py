@@ -1,0 +1,235 @@
+"""GPT-2 (Hugging Face GPT2LMHeadModel semantics) over one flat parameter buffer and one flat gradient buffer.
+
+Learned positions, pre-LayerNorm blocks, tanh GELU, biases everywhere, output projection tied to the
+token embedding. The forward and backward passes are written out op by op against a backend
+(numpy_ops or cuda_ops), so the same code runs on both and never branches on which it has.
+
+Flat layout. Every parameter is a named view into `params`, its gradient the same view into `grads`.
+They are laid out in the order backward *finishes* them: ln_f, then the blocks from last to first,
+then wpe and wte (wte last because the tied classifier adds to its gradient at the very start of
+backward and the embedding at the very end). So the finished gradients always form a prefix
+grads[:ready] that grows as backward runs, and every bucket of an overlapped all-reduce is one
+contiguous slice. Offsets are aligned to ALIGN elements (zero padding between parameters), which
+keeps every view 128-byte aligned for vectorised kernels and cuBLAS.
+"""
+
+from dataclasses import dataclass
+from itertools import pairwise
+from types import SimpleNamespace
+
+import numpy as np
+
+from .config import GPTConfig
+
+ALIGN = 32  # elements; 128 bytes of float32
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str                 # Hugging Face GPT2LMHeadModel name, e.g. "transformer.h.0.attn.c_attn.weight"
+    shape: tuple[int, ...]
+    offset: int               # first element in the flat buffer
+    init_std: float | None    # normal(0, std); None: ones for a layernorm weight, zeros otherwise
+    decay: bool               # AdamW weight decay applies (matrices and embeddings only)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
+def _block_params(config: GPTConfig):
+    """(suffix, shape, init_std) of one transformer block, in the order backward finishes them."""
+    C = config.n_embd
+    # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2 n_layer)
+    proj_std = INIT_STD / np.sqrt(2 * config.n_layer)
+    return [
+        ("mlp.c_proj.weight", (4 * C, C), proj_std), ("mlp.c_proj.bias", (C,), None),
+        ("mlp.c_fc.weight", (C, 4 * C), INIT_STD), ("mlp.c_fc.bias", (4 * C,), None),
+        ("ln_2.weight", (C,), None), ("ln_2.bias", (C,), None),
+        ("attn.c_proj.weight", (C, C), proj_std), ("attn.c_proj.bias", (C,), None),
+        ("attn.c_attn.weight", (C, 3 * C), INIT_STD), ("attn.c_attn.bias", (3 * C,), None),
+        ("ln_1.weight", (C,), None), ("ln_1.bias", (C,), None),
+    ]
+
+
+def param_layout(config: GPTConfig) -> tuple[list[ParamSpec], int]:
+    """The flat layout: every parameter's spec, and the total number of elements (padding included)."""
+    C = config.n_embd
+    entries = [("transformer.ln_f.weight", (C,), None), ("transformer.ln_f.bias", (C,), None)]
+    for layer in reversed(range(config.n_layer)):
+        entries += [(f"transformer.h.{layer}.{suffix}", shape, std) for suffix, shape, std in _block_params(config)]
+    entries += [("transformer.wpe.weight", (config.n_ctx, C), INIT_STD),
+                ("transformer.wte.weight", (config.vocab_size, C), INIT_STD)]
+    specs, offset = [], 0
+    for name, shape, std in entries:
+        specs.append(ParamSpec(name, shape, offset, std, decay=len(shape) == 2))
+        offset += -(-int(np.prod(shape)) // ALIGN) * ALIGN
+    return specs, offset
+
+
+def _named_views(flat, specs: list[ParamSpec], n_layer: int) -> SimpleNamespace:
+    """Attribute access to the views: v.wte, v.ln_f_weight, v.h[l].attn_c_attn_weight, ..."""
+    views = SimpleNamespace(h=[SimpleNamespace() for _ in range(n_layer)])
+    for s in specs:
+        view = flat[s.offset: s.offset + s.size].reshape(s.shape)
+        parts = s.name.split(".")
+        if parts[1] == "h":
+            setattr(views.h[int(parts[2])], "_".join(parts[3:]), view)
+        else:
+            setattr(views, "_".join(parts[1:-1]) if parts[1] in ("wte", "wpe") else "_".join(parts[1:]), view)
+    return views
+
+
+def init_weights(config: GPTConfig, seed: int) -> np.ndarray:
+    """The initial flat parameters on the host: normal draws from PCG64(seed) in layout order.
+
+    Same seed, same bits, on every rank and for every backend (the device gets a copy of this)."""
+    specs, total = param_layout(config)
+    flat = np.zeros(total, dtype=np.float32)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    for s in specs:
+        view = flat[s.offset: s.offset + s.size]
+        if s.init_std is not None:
+            view[:] = rng.standard_normal(s.size, dtype=np.float32) * np.float32(s.init_std)
+        elif s.name.endswith(".weight"):  # the only weights without a std are layernorm gains
+            view[:] = 1.0
+    return flat
+
+
+@dataclass
+class _LayerActs:
+    """What one block's backward needs from its forward."""
+    x_in: object
+    ln1: object
+    ln1_mean: object
+    ln1_rstd: object
+    qkv: object
+    atty: object
+    att: object
+    x_mid: object
+    ln2: object
+    ln2_mean: object
+    ln2_rstd: object
+    fch: object
+    fch_gelu: object
+
+
+class GPT2:
+    """A GPT-2 whose parameters and gradients each live in one flat float32 buffer on the backend."""
+
+    def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32):
+        self.config = config
+        self.ops = backend
+        self.layout, used = param_layout(config)
+        # a caller that shards the buffers (ZeRO) may ask for a total divisible by the world size
+        self.size = -(-used // pad_to_multiple) * pad_to_multiple
+        self.num_params = sum(s.size for s in self.layout)
+        xp = backend.xp
+        # dtype float64 is for the numpy gradient checks; training is float32
+        host = np.zeros(self.size, dtype=dtype)
+        host[:used] = init_weights(config, seed)
+        self.params = backend.from_host(host)
+        self.grads = xp.zeros(self.size, dtype=host.dtype)
+        mask = np.zeros(self.size, dtype=np.uint8)
+        for s in self.layout:
+            mask[s.offset: s.offset + s.size] = s.decay
+        self.decay_mask = backend.from_host(mask)
+        self.p = _named_views(self.params, self.layout, config.n_layer)
+        self.g = _named_views(self.grads, self.layout, config.n_layer)
+        self._saved = None
+
+    # ---------------------------------------------------------------- the layout, for gradient sync
+    def layer_grad_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) of the flat buffer that becomes final at each announcement of backward, in order:
+        ln_f with the last block, then one block at a time, then both embeddings."""
+        ends = {}
+        for s in self.layout:
+            parts = s.name.split(".")
+            key = int(parts[2]) if parts[1] == "h" else parts[1]
+            ends[key] = s.offset + s.size
+        bounds = [0] + [ends[layer] for layer in reversed(range(self.config.n_layer))] + [self.size]
+        return list(pairwise(bounds))
+
+    # ---------------------------------------------------------------- state in Hugging Face names
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Host copies of the parameters under GPT2LMHeadModel's names and shapes (lm_head is tied to wte)."""
+        flat = self.ops.to_host(self.params)
+        return {s.name: flat[s.offset: s.offset + s.size].reshape(s.shape).copy() for s in self.layout}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        host = np.zeros(self.size, dtype=self.params.dtype)
+        for s in self.layout:
+            host[s.offset: s.offset + s.size] = np.asarray(state[s.name]).reshape(-1)
+        self.params[...] = self.ops.from_host(host)
+
+    def zero_grad(self) -> None:
+        self.grads.fill(0)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, ids, targets=None, dloss: float | None = None):
+        """ids, targets: (B, T) int32 on the backend.
+
+        No targets: returns the logits (B, T, V). Targets but no dloss: returns per-token losses (B, T)
+        (evaluation). Targets and dloss: returns the losses and keeps what backward() needs, with the
+        logits already turned into their gradient for dloss * sum(losses) by the fused classifier."""
+        ops, p, n_head = self.ops, self.p, self.config.n_head
+        x = ops.encoder_forward(ids, p.wte, p.wpe)
+        acts = []
+        for w in p.h:
+            ln1, ln1_mean, ln1_rstd = ops.layernorm_forward(x, w.ln_1_weight, w.ln_1_bias)
+            qkv = ops.matmul_forward(ln1, w.attn_c_attn_weight, w.attn_c_attn_bias)
+            atty, att = ops.attention_forward(qkv, n_head)
+            attproj = ops.matmul_forward(atty, w.attn_c_proj_weight, w.attn_c_proj_bias)
+            x_mid = ops.residual_forward(x, attproj)
+            ln2, ln2_mean, ln2_rstd = ops.layernorm_forward(x_mid, w.ln_2_weight, w.ln_2_bias)
+            fch = ops.matmul_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
+            fch_gelu = ops.gelu_forward(fch)
+            fcproj = ops.matmul_forward(fch_gelu, w.mlp_c_proj_weight, w.mlp_c_proj_bias)
+            acts.append(_LayerActs(x, ln1, ln1_mean, ln1_rstd, qkv, atty, att, x_mid, ln2, ln2_mean, ln2_rstd,
+                                   fch, fch_gelu))
+            x = ops.residual_forward(x_mid, fcproj)
+        lnf, lnf_mean, lnf_rstd = ops.layernorm_forward(x, p.ln_f_weight, p.ln_f_bias)
+        logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection
+        if targets is None:
+            return logits
+        if dloss is None:
+            return ops.crossentropy_forward(logits, targets)
+        losses = ops.fused_classifier(logits, targets, dloss)  # logits now hold dlogits
+        self._saved = (ids, acts, x, lnf, lnf_mean, lnf_rstd, logits)
+        return losses
+
+    # ---------------------------------------------------------------- backward
+    def backward(self, on_grads_ready=None) -> None:
+        """Accumulate the gradient of dloss * sum(losses) into self.grads.
+
+        on_grads_ready(start, end) is called each time grads[start:end] is final (see
+        layer_grad_ranges), so gradient sync can reduce it while earlier blocks still compute."""
+        ops, p, g, n_head = self.ops, self.p, self.g, self.config.n_head
+        ids, acts, x_final, lnf, lnf_mean, lnf_rstd, dlogits = self._saved
+        self._saved = None
+        ranges = iter(self.layer_grad_ranges())
+        announce = on_grads_ready or (lambda start, end: None)
+
+        dlnf = ops.matmul_backward(g.wte.T, None, dlogits, lnf, p.wte.T)
+        dres = self.ops.xp.zeros_like(x_final)  # gradient of the residual stream, carried down the blocks
+        ops.layernorm_backward(dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean, lnf_rstd)
+        for a, w, gw in zip(reversed(acts), reversed(p.h), reversed(g.h), strict=True):
+            # MLP: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
+            dfch_gelu = ops.matmul_backward(gw.mlp_c_proj_weight, gw.mlp_c_proj_bias, dres, a.fch_gelu,
+                                            w.mlp_c_proj_weight)
+            dfch = ops.gelu_backward(dfch_gelu, a.fch)
+            dln2 = ops.matmul_backward(gw.mlp_c_fc_weight, gw.mlp_c_fc_bias, dfch, a.ln2, w.mlp_c_fc_weight)
+            ops.layernorm_backward(dres, gw.ln_2_weight, gw.ln_2_bias, dln2, a.x_mid, w.ln_2_weight,
+                                   a.ln2_mean, a.ln2_rstd)  # dres is now d x_mid
+            # attention: x_mid = x_in + c_proj(attention(c_attn(ln_1(x_in))))
+            datty = ops.matmul_backward(gw.attn_c_proj_weight, gw.attn_c_proj_bias, dres, a.atty,
+                                        w.attn_c_proj_weight)
+            dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head)
+            dln1 = ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv, a.ln1,
+                                       w.attn_c_attn_weight)
+            ops.layernorm_backward(dres, gw.ln_1_weight, gw.ln_1_bias, dln1, a.x_in, w.ln_1_weight,
+                                   a.ln1_mean, a.ln1_rstd)  # dres is now d x_in
+            announce(*next(ranges))
+        ops.encoder_backward(g.wte, g.wpe, dres, ids)
+        announce(*next(ranges))
