@@ -64,6 +64,12 @@ class TrainConfig:
     # data parallelism
     grad_sync: str = "flat"
     comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
+    # processes and launchers (see launch_env.py and comm/world.py); world_size above counts every rank
+    # of the job: processes x rank threads per process
+    comm: str = "auto"                  # auto | local | mpi | tcp | nccl
+    rdzv_bind: str | None = None        # HOST[:PORT] rank 0's rendezvous listens on (default: the advertised one)
+    rdzv_advertise: str | None = None   # HOST:PORT the other processes connect to (default MASTER_ADDR:MASTER_PORT)
+    rdzv_timeout_s: float = 300.0       # how long processes wait for each other at the start
     # output
     report: str | None = None
     log_every: int = 1
