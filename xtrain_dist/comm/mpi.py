@@ -43,7 +43,15 @@ def abort_job(code: int = 1) -> None:
     """End every process of the MPI job (MPI_Abort) if this process is one of several; else do nothing.
     Called after the failing process has printed its line: a peer then never waits for a dead job."""
     MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+    if MPI is None:  # it failed before it joined MPI (bad input): join now, or the peers wait in MPI
+        from ..launch_env import detect_launch
+        try:
+            if detect_launch().kind != "mpirun":
+                return
+            from mpi4py import MPI
+        except (ImportError, XtrainError):
+            return
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
         return
     sys.stdout.flush()
     sys.stderr.flush()

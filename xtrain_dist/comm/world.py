@@ -95,6 +95,18 @@ def config_fingerprint(fields: dict) -> bytes:
     return hashlib.sha256(repr(sorted(fields.items())).encode()).digest()
 
 
+def _check_same_config_over_mpi(comm, fingerprint: bytes) -> None:
+    """What the rendezvous checks for TCP: every process was started with the same configuration."""
+    import numpy as np
+    mine = np.frombuffer(hashlib.sha256(fingerprint).digest(), np.uint8)
+    everyone = np.empty(32 * comm.world_size, np.uint8)
+    comm.all_gather(mine, everyone)
+    differ = [r for r in range(comm.world_size) if everyone[32 * r:32 * (r + 1)].tobytes() != everyone[:32].tobytes()]
+    if differ:
+        raise XtrainError(f"MPI rank(s) {', '.join(map(str, differ))} were started with a different configuration "
+                          "than rank 0 (another command line?)")
+
+
 def open_world(engine: str, *, launch: Launch | None = None, local_world: int = 1, timeout_s: float = 300.0,
                rdzv_bind: str | None = None, rdzv_advertise: str | None = None, rdzv_timeout_s: float = 300.0,
                fingerprint: bytes = b"", devices: list[int] | None = None, log=print) -> World:
@@ -119,6 +131,7 @@ def open_world(engine: str, *, launch: Launch | None = None, local_world: int = 
                               f"but MPI says {inter.rank} of {inter.world_size}: the mpirun/mpiexec is not from the "
                               "MPI library mpi4py uses (run the one installed beside this Python, e.g. "
                               "$(dirname $(which python))/mpirun)")
+        _check_same_config_over_mpi(inter, fingerprint)
     elif engine == "tcp":
         from .tcp import TcpCommunicator
         _, peers = rendezvous(launch, bind=rdzv_bind, advertise=rdzv_advertise, timeout_s=rdzv_timeout_s,
