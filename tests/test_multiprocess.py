@@ -201,6 +201,9 @@ def test_a_killed_process_ends_the_mpi_job():
         os.kill(victims[0], signal.SIGKILL)
         _ends_within(job, 30)
         assert job.returncode != 0
+        end = time.monotonic() + 10  # the launcher's clean-up may take a moment past its own exit
+        while _pids_with(marker, "PMI_RANK", "0") and time.monotonic() < end:
+            time.sleep(0.2)
         assert not _pids_with(marker, "PMI_RANK", "0"), "rank 0 outlived the job"
     finally:
         if job.poll() is None:
@@ -264,6 +267,15 @@ def test_tcp_processes_with_different_command_lines_are_refused():
         "different configuration than rank 0 (another command line?)")
     assert err0.strip().splitlines()[-1].startswith(
         f"train_ddp: error: rendezvous at 127.0.0.1:{port}: only 1 of 2 processes joined within 5 s (missing rank 1)")
+
+
+def test_world_size_that_does_not_fit_the_launch_is_one_line():
+    out = run([sys.executable, "-m", "xtrain_dist.train_ddp", "5", "8", "32", "--world-size", "3"],
+              RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("train_ddp: error: --world-size 3 does not match the launch: torchrun started 2 "
+                                  "processes, and every process hosts the same number of rank threads, so the world "
+                                  "size must be a multiple of 2 (or omit it)")
 
 
 # ---------------------------------------------------------------------------------------------- no silent fallback
