@@ -125,11 +125,9 @@ class NcclWorld:
                     self.abort(f"NCCL error on rank {self.global_rank(local)}: {detail}"
                                + (f" ({last})" if last else ""))
                     return
-                queue = self.pending[local]
-                while queue and queue[0][0].done:
-                    queue.popleft()
-                if queue and time.monotonic() - queue[0][1] > self.timeout_s:
-                    self.abort(f"rank {self.global_rank(local)}'s NCCL {queue[0][2]} did not complete within "
+                oldest = _oldest_unfinished(self.pending[local])
+                if oldest is not None and time.monotonic() - oldest[1] > self.timeout_s:
+                    self.abort(f"rank {self.global_rank(local)}'s NCCL {oldest[2]} did not complete within "
                                f"{self.timeout_s:g} s: a peer rank is stuck or dead")
                     return
 
@@ -225,18 +223,32 @@ class NcclCommunicator:
         """Wait on the host for this rank's collectives, without ever waiting forever: the watchdog
         aborts a stuck one, which releases the stream."""
         queue = self.world.pending[self.local]
-        while queue:
-            event = queue[-1][0]
-            while not event.done:
-                if self.world.abort_reason is not None:
-                    raise CommAborted(f"aborted: {self.world.abort_reason}")
-                time.sleep(0.0002)
-            queue.clear()
+        try:
+            newest = queue[-1][0]
+        except IndexError:  # nothing pending (the watchdog may have retired it meanwhile)
+            newest = None
+        while newest is not None and not newest.done:  # stream order: the newest done means all done
+            if self.world.abort_reason is not None:
+                raise CommAborted(f"aborted: {self.world.abort_reason}")
+            time.sleep(0.0002)
         if self.world.abort_reason is not None:
             raise CommAborted(f"aborted: {self.world.abort_reason}")
 
     def abort(self, reason: str) -> None:
         self.world.abort(reason)
+
+
+def _oldest_unfinished(queue):
+    """Retire finished collectives from the front of a rank's queue; return the oldest still running.
+    The rank thread appends while the watchdog pops: deque's append and popleft are atomic."""
+    while True:
+        try:
+            oldest = queue[0]
+        except IndexError:
+            return None
+        if not oldest[0].done:
+            return oldest
+        queue.popleft()
 
 
 def _nccl_message(nccl, err: BaseException) -> str:
