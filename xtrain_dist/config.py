@@ -64,6 +64,7 @@ class TrainConfig:
     # data parallelism
     grad_sync: str = "flat"
     comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
+    cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default cores / ranks
     # output
     report: str | None = None
     log_every: int = 1

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from .backend import BACKENDS
 from .config import PRESETS, TrainConfig, model_config
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=1.0, help="global norm clip; 0 disables")
     p.add_argument("--grad-sync", choices=list(STRATEGIES), default="flat")
     p.add_argument("--comm-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
+    p.add_argument("--cpu-threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", default=None, help="write a JSON report here")
     p.add_argument("--log-every", type=int, default=1)
     return p
@@ -76,6 +78,8 @@ def parse_config(argv) -> TrainConfig:
     if args.batch < args.world_size:
         raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({args.world_size}): "
                           "every rank needs a sequence")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise XtrainError(f"--cpu-threads must be at least 1, got {args.cpu_threads}")
     if args.log_every < 1:
         raise XtrainError(f"--log-every must be at least 1, got {args.log_every}")
     return TrainConfig(
@@ -84,7 +88,7 @@ def parse_config(argv) -> TrainConfig:
         model=args.model, backend=args.backend, world_size=args.world_size, seed=args.seed,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_sync=args.grad_sync,
-        comm_timeout_s=args.comm_timeout, report=args.report, log_every=args.log_every,
+        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, report=args.report, log_every=args.log_every,
     ).resolved()
 
 
@@ -94,6 +98,12 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     if cfg.seq > model.n_ctx:
         raise XtrainError(f"SEQ ({cfg.seq}) exceeds the context length of model '{cfg.model}' ({model.n_ctx})")
     corpus.check_seq(cfg.seq)
+
+
+def cpu_threads_per_rank(ranks_in_process: int) -> int:
+    """Share this process's cores among its rank threads: BLAS threads beyond that only spin."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks_in_process)
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
@@ -107,9 +117,10 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
     log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, "
         f"{cfg.world_size} rank(s), batch {cfg.batch} x {cfg.seq} tokens")
     t0 = time.perf_counter()
-    results = run_thread_ranks(
-        cfg.world_size, lambda rank, comm: train_rank(rank, comm, cfg, corpus, device=None, log=log),
-        timeout_s=cfg.comm_timeout_s)
+    with threadpool_limits(cfg.cpu_threads or cpu_threads_per_rank(cfg.world_size), user_api="blas"):
+        results = run_thread_ranks(
+            cfg.world_size, lambda rank, comm: train_rank(rank, comm, cfg, corpus, device=None, log=log),
+            timeout_s=cfg.comm_timeout_s)
     wall = time.perf_counter() - t0
     lead = results[0]
     timed = lead.step_ms[1:] or lead.step_ms  # the first step pays for warm-up
