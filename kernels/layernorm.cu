@@ -7,7 +7,10 @@
 // per row would leave most of its threads idle at these widths.
 #include "common.cuh"
 
-constexpr int LN_ROWS_PER_BLOCK = 8;  // warps per 256-thread block, one row each
+// The row of the calling warp: blockDim.x / 32 rows per block (the host launches 256 threads).
+__device__ __forceinline__ long long warp_row() {
+    return (long long)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+}
 
 // ---------------------------------------------------------------------------------------- forward
 
@@ -58,7 +61,7 @@ __device__ void layernorm_forward_row(floatX* out, float* mean, float* rstd, con
 extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp,
                                              const floatX* weight, const floatX* bias, long long rows, int C,
                                              float eps, int vec) {
-    const long long row = (long long)blockIdx.x * LN_ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
+    const long long row = warp_row();
     if (row >= rows) return;  // whole warps leave together, so the shuffles stay full-warp
     if (vec) layernorm_forward_row<VEC_X>(out, mean, rstd, inp, weight, bias, C, eps, row);
     else layernorm_forward_row<1>(out, mean, rstd, inp, weight, bias, C, eps, row);
@@ -115,7 +118,7 @@ __device__ void layernorm_backward_input_row(floatX* dinp, const floatX* dout, c
 extern "C" __global__ void layernorm_backward_input(floatX* dinp, const floatX* dout, const floatX* inp,
                                                     const floatX* weight, const float* mean, const float* rstd,
                                                     long long rows, int C, int vec) {
-    const long long row = (long long)blockIdx.x * LN_ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
+    const long long row = warp_row();
     if (row >= rows) return;
     if (vec) layernorm_backward_input_row<VEC_X>(dinp, dout, inp, weight, mean, rstd, C, row);
     else layernorm_backward_input_row<1>(dinp, dout, inp, weight, mean, rstd, C, row);
