@@ -221,12 +221,22 @@ class CudaBackend:
         self.stream.synchronize()
 
     def _launch(self, kernel, grid, block, *args) -> None:
+        self._check_stream()
         kernel(tuple(grid), tuple(block), args, stream=self.stream)
+
+    def _check_stream(self) -> None:
+        """cuBLAS calls and CuPy's allocations and array functions (the model's xp.zeros) go to the
+        calling thread's current stream, so an op called from another thread would race with this
+        rank's work. Fail loudly instead; the check costs well under a microsecond."""
+        if cupy.cuda.get_current_stream().ptr != self.stream.ptr:
+            raise RuntimeError("CudaBackend op called from a thread whose current CuPy stream is not the "
+                               "backend's: call a backend's ops only from the thread that created it")
 
     # ------------------------------------------------------------------ cuBLAS
     def _gemm(self, a, b, out, alpha: float = 1.0, beta: float = 0.0) -> None:
         """out = alpha * a @ b + beta * out, for 2-D float32 arrays each either row-major (C-contiguous)
         or the transpose of a row-major array (F-contiguous, like numpy's `.T` views); see _gemm_plan."""
+        self._check_stream()
         first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
         alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
         r32 = cupy.cuda.runtime.CUDA_R_32F
@@ -239,6 +249,7 @@ class CudaBackend:
     def _gemm_batched(self, a, b, out, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0) -> None:
         """out[i] = alpha * op(a[i]) @ op(b[i]) for C-contiguous (batch, rows, cols) arrays, op = transpose
         where asked. Column-major: out[i]^T = op(b[i])^T op(a[i])^T, and a row-major X is stored as X^T."""
+        self._check_stream()
         batch, m, n = out.shape
         k = a.shape[1] if trans_a else a.shape[2]
         for x in (a, b, out):
