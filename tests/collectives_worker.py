@@ -66,4 +66,6 @@ if __name__ == "__main__":
     world = open_world(engine, launch=launch, local_world=threads, timeout_s=60, rdzv_timeout_s=60)
     digests = run_thread_ranks(threads, lambda local, comm: check(comm.rank, comm, threads), group=world)
     world.close()
-    print("OK", launch.process_rank, " ".join(digests), flush=True)
+    # one write, one line: with several processes on one pipe, print's separate writes would interleave
+    sys.stdout.write(f"OK {launch.process_rank} {' '.join(digests)}\n")
+    sys.stdout.flush()

@@ -34,6 +34,12 @@ def rank_data(rank, n):
     return np.random.default_rng([n, rank]).standard_normal(n).astype(np.float32)
 
 
+def say(line: str) -> None:
+    """One write per line: several processes share the pipe, and print's separate writes interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(mode: str, arg: str | None) -> None:
     import cupy
 
@@ -46,7 +52,7 @@ def main(mode: str, arg: str | None) -> None:
         comm.all_reduce(buf)
         comm.synchronize()
         assert buf.get().tolist() == [size * (size + 1) / 2] * 4, buf.get()
-        print("OK probe", rank, flush=True)
+        say(f"OK probe {rank}")
     elif mode == "collectives":
         out = {}
         for n in (1, 1000, 1 << 20):
@@ -71,10 +77,10 @@ def main(mode: str, arg: str | None) -> None:
         assert (b.get() == size - 1).all()
         comm.barrier()
         # every rank prints the bits it received: the test checks they agree across ranks
-        print("OK collectives", rank, json.dumps(out, sort_keys=True), flush=True)
+        say(f"OK collectives {rank} {json.dumps(out, sort_keys=True)}")
     elif mode == "loop":  # for the kill test: runs until a peer dies, then must fail, not hang
         buf = cupy.ones(1 << 20, cupy.float32)
-        print("LOOPING", rank, flush=True)
+        say(f"LOOPING {rank}")
         while True:
             comm.all_reduce(buf)
             comm.synchronize()
@@ -98,7 +104,7 @@ def main(mode: str, arg: str | None) -> None:
                          "busbw_GBps": algbw * 2 * (size - 1) / size})
             nbytes *= 4
         if rank == 0:
-            print("BENCH", json.dumps({"world": size, "rows": rows}), flush=True)
+            say(f"BENCH {json.dumps({'world': size, 'rows': rows})}")
     world.close()
 
 

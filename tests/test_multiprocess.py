@@ -5,6 +5,7 @@ with a non-zero exit, never a hang. Every subprocess has a hard deadline, so not
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,6 +46,11 @@ def free_port():
         return s.getsockname()[1]
 
 
+def oks(stdout):
+    """(rank, digest) of every 'OK rank digest' a worker printed."""
+    return re.findall(r"\bOK (\d+) ([0-9a-f]{64})", stdout)
+
+
 def torchrun_style(rank, world, port, args, **kw):
     """One process as torchrun would start it (the variables, without torchrun itself)."""
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -81,17 +87,17 @@ def test_mpi_all_reduce_is_the_rank_order_sum_whatever_mpich_picks(algorithm):
     extra = {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": algorithm} if algorithm else {}
     out = run([str(MPIRUN), "-n", "3", sys.executable, str(WORKER), "mpi"], **extra)
     assert out.returncode == 0, out.stderr
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("OK"))
-    assert [line.split()[1] for line in lines] == ["0", "1", "2"]
-    assert len({line.split()[2] for line in lines}) == 1  # every rank received the same bits
+    reports = sorted(oks(out.stdout))  # mpirun forwards the ranks' output in chunks, lines may interleave
+    assert [rank for rank, _ in reports] == ["0", "1", "2"]
+    assert len({digest for _, digest in reports}) == 1  # every rank received the same bits
 
 
 @needs_mpi
 def test_mpi_processes_with_rank_threads():
     out = run([str(MPIRUN), "-n", "2", sys.executable, str(WORKER), "mpi", "2"])
     assert out.returncode == 0, out.stderr
-    digests = {d for line in out.stdout.splitlines() if line.startswith("OK") for d in line.split()[2:]}
-    assert len(digests) == 1
+    assert len(re.findall(r"\bOK \d( [0-9a-f]{64}){2}", out.stdout)) == 2
+    assert len(set(re.findall(r"[0-9a-f]{64}", out.stdout))) == 1
 
 
 def test_tcp_collectives_between_three_processes():

@@ -46,6 +46,7 @@ class Fake:
     def __init__(self):
         self.log, self.in_group, self.current_device = [], False, 0
         self.comms, self.events_done, self.fail_next_call = [], True, None
+        self.current_stream = 0  # the calling thread's current stream (the null stream until set)
         fake = self
 
         class Communicator:
@@ -92,8 +93,8 @@ class Fake:
             all_reduce=collective("all_reduce"), reduce_scatter=collective("reduce_scatter"),
             all_gather=collective("all_gather"), broadcast=collective("broadcast"))
         self.cupy = SimpleNamespace(cuda=SimpleNamespace(
-            Device=Device, Event=Event, ExternalStream=lambda ptr: ("stream", ptr),
-            Stream=SimpleNamespace(null=("stream", 0)), runtime=SimpleNamespace(getDeviceCount=lambda: 4)))
+            Device=Device, Event=Event, get_current_stream=lambda: SimpleNamespace(ptr=fake.current_stream),
+            runtime=SimpleNamespace(getDeviceCount=lambda: 4)))
 
 
 class Buf:
@@ -143,13 +144,17 @@ def test_collectives_hand_nccl_pointers_counts_types_and_the_stream(fake):
     comm = world.communicator(0)
     comm.all_reduce(Buf(10))
     comm.all_reduce(Buf(6, "uint16", ptr=0x100), dtype="bf16", stream=SimpleNamespace(ptr=0x5555))
+    fake.current_stream = 0x7777  # the CUDA backend made the rank's own stream current
+    comm.all_reduce(Buf(1, ptr=0x10))
+    fake.current_stream = 0
     comm.reduce_scatter(Buf(8, ptr=0x200), Buf(2, ptr=0x300))
     comm.all_gather(Buf(2, ptr=0x300), Buf(8, ptr=0x200))
     comm.broadcast(Buf(3, ptr=0x400), root=1)
     handle = ("handle", 1002)
     assert [e for e in fake.log if e[0] in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")] == [
-        ("all_reduce", 0xABC0, 0xABC0, 10, 7, 0, handle, 0),            # in place, fp32, sum, the null stream
+        ("all_reduce", 0xABC0, 0xABC0, 10, 7, 0, handle, 0),            # in place, fp32, sum, null stream
         ("all_reduce", 0x100, 0x100, 6, 9, 0, handle, 0x5555),          # bf16 carried in uint16, a given stream
+        ("all_reduce", 0x10, 0x10, 1, 7, 0, handle, 0x7777),            # the thread's current stream
         ("reduce_scatter", 0x200, 0x300, 2, 7, 0, handle, 0),           # count = recv's
         ("all_gather", 0x300, 0x200, 2, 7, handle, 0),                  # count = send's
         ("broadcast", 0x400, 0x400, 3, 7, 1, handle, 0)]

@@ -64,6 +64,7 @@ class TrainConfig:
     # data parallelism
     grad_sync: str = "flat"
     comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
+    cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default cores / ranks
     # processes and launchers (see launch_env.py and comm/world.py); world_size above counts every rank
     # of the job: processes x rank threads per process
     comm: str = "auto"                  # auto | local | mpi | tcp | nccl

@@ -22,6 +22,7 @@ class Launch:
     process_rank: int = 0
     num_processes: int = 1
     local_rank: int = 0        # this process's index among the processes on its node
+    local_processes: int = 1   # processes of this job on this node (they share its cores)
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     job_id: str = ""           # the launcher's name for this job (a derived rendezvous token uses it)
@@ -43,6 +44,10 @@ def _int(env, name: str) -> int:
         return int(text)
     except ValueError:
         raise XtrainError(f"environment variable {name}='{text}' is not an integer") from None
+
+
+def _int_or(env, name: str, default: int) -> int:
+    return _int(env, name) if name in env else default
 
 
 def _port(env, name: str, default: int) -> int:
@@ -111,7 +116,7 @@ def detect_launch(env=None) -> Launch:
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env):
         launch = Launch(
             "torchrun", process_rank=_int(env, "RANK"), num_processes=_int(env, "WORLD_SIZE"),
-            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            local_rank=_int_or(env, "LOCAL_RANK", 0), local_processes=_int_or(env, "LOCAL_WORLD_SIZE", 1),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_port(env, "MASTER_PORT", 29500),
             job_id=env.get("TORCHELASTIC_RUN_ID", ""),
             master_port_taken=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
@@ -126,18 +131,21 @@ def detect_launch(env=None) -> Launch:
         # derived from the job id, so two jobs sharing a node rarely collide.
         launch = Launch(
             "srun", process_rank=_int(env, "SLURM_PROCID"), num_processes=_int(env, ntasks),
-            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_rank=_int_or(env, "SLURM_LOCALID", 0),
+            # "4" when every node runs as many tasks; "4(x2),3" otherwise, and then we do not guess
+            local_processes=int(per_node) if (per_node := env.get("SLURM_NTASKS_PER_NODE", "1")).isdigit() else 1,
             master_addr=env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
             master_port=_port(env, "MASTER_PORT", 20000 + zlib.crc32(job.encode()) % 20000),
             job_id=f"{job}.{env.get('SLURM_STEP_ID', '0')}")
     elif "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun
         launch = Launch(
             "mpirun", process_rank=_int(env, "OMPI_COMM_WORLD_RANK"), num_processes=_int(env, "OMPI_COMM_WORLD_SIZE"),
-            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0)
+            local_rank=_int_or(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+            local_processes=_int_or(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1))
     elif "PMI_RANK" in env:  # MPICH's Hydra (mpirun/mpiexec from the mpich wheel)
         launch = Launch(
             "mpirun", process_rank=_int(env, "PMI_RANK"), num_processes=_int(env, "PMI_SIZE"),
-            local_rank=_int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0)
+            local_rank=_int_or(env, "MPI_LOCALRANKID", 0), local_processes=_int_or(env, "MPI_LOCALNRANKS", 1))
     else:
         return Launch("single")
     if not 0 <= launch.process_rank < launch.num_processes:

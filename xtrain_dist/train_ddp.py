@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-from .backend import BACKENDS, get_backend
+from .backend import BACKENDS
 from .comm.world import choose_engine, config_fingerprint, open_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=1.0, help="global norm clip; 0 disables")
     p.add_argument("--grad-sync", choices=list(STRATEGIES), default="flat")
     p.add_argument("--comm-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
+    p.add_argument("--cpu-threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", default=None, help="write a JSON report here")
     p.add_argument("--log-every", type=int, default=1)
     procs = p.add_argument_group("processes and launchers (torchrun, srun, mpirun)")
@@ -88,6 +90,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     if args.batch < world_size:
         raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({world_size}): "
                           "every rank needs a sequence")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise XtrainError(f"--cpu-threads must be at least 1, got {args.cpu_threads}")
     if args.log_every < 1:
         raise XtrainError(f"--log-every must be at least 1, got {args.log_every}")
     return TrainConfig(
@@ -96,7 +100,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         model=args.model, backend=args.backend, world_size=world_size, seed=args.seed,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_sync=args.grad_sync,
-        comm_timeout_s=args.comm_timeout, report=args.report, log_every=args.log_every,
+        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, report=args.report, log_every=args.log_every,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=args.rdzv_timeout,
     ).resolved()
@@ -110,8 +114,16 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     corpus.check_seq(cfg.seq)
 
 
+def cpu_threads_per_rank(ranks_on_node: int) -> int:
+    """Share the cores among the rank threads of every process of the job on this node: BLAS threads
+    beyond that only spin."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks_on_node)
+
+
 # what every process of a run must agree on; paths and addresses may differ from node to node
-_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "report", "log_every", "rdzv_bind", "rdzv_advertise", "extra"}
+_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "report", "log_every", "rdzv_bind", "rdzv_advertise", "cpu_threads",
+                       "extra"}
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None) -> dict:
@@ -125,6 +137,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     # the backend is checked before any thread starts, so a missing CUDA is one clean line
     devices = [None] * local_world
     if cfg.backend == "cuda":
+        from .backend import get_backend
         from .launch_env import gpu_for
         visible = get_backend("cuda", 0).xp.cuda.runtime.getDeviceCount()
         devices = [gpu_for(launch, local_world, local, visible) for local in range(local_world)]
@@ -142,11 +155,13 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
 
     def rank_fn(local, comm):
         result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log)
-        return result, all_param_digests(comm, result.param_sha256, cfg.backend, devices[local])
+        return result, all_param_digests(comm, result.param_sha256, cfg.backend)
 
     t0 = time.perf_counter()
     try:
-        outcomes = run_thread_ranks(local_world, rank_fn, timeout_s=cfg.comm_timeout_s, group=world)
+        with threadpool_limits(cfg.cpu_threads or cpu_threads_per_rank(local_world * launch.local_processes),
+                               user_api="blas"):
+            outcomes = run_thread_ranks(local_world, rank_fn, timeout_s=cfg.comm_timeout_s, group=world)
     except RankFailed as e:
         world.abort("another process failed")  # peers learn at once (TCP: closed sockets; NCCL: aborted comms)
         raise RankFailed(world.global_rank(e.rank), e.error) from None
@@ -179,9 +194,13 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     }
 
 
-def all_param_digests(comm, digest_hex: str, backend: str, device) -> list[str]:
-    """Every rank's parameter digest, gathered through the communicator (so across processes too)."""
-    xp = get_backend(backend, device).xp
+def all_param_digests(comm, digest_hex: str, backend: str) -> list[str]:
+    """Every rank's parameter digest, gathered through the communicator (so across processes too).
+    Called on the rank's thread: with CUDA, on its device and stream."""
+    if backend == "cuda":
+        import cupy as xp
+    else:
+        xp = np
     mine = xp.asarray(np.frombuffer(bytes.fromhex(digest_hex), np.uint8))
     everyone = xp.empty(32 * comm.world_size, np.uint8)
     comm.all_gather(mine, everyone)

@@ -15,12 +15,16 @@ How a world comes up (open_nccl_world):
      inside one ncclGroupStart/End: a single thread cannot block in one rank's init while its other ranks
      have not started theirs, which is how a sequence of inits without the group would deadlock.
 
-Collectives are enqueued on the rank's stream (the null stream unless the rank or the call names one)
-and return at once: stream order, not the host, makes the result visible to the next kernel. Failure is
-collective and never a hang: a watchdog thread polls every communicator's async error and the age of the
-oldest unfinished collective; on an NCCL error or a timeout it aborts every communicator of the process
-(ncclCommAbort releases kernels waiting on dead peers), the rank threads' next collective raises
-CommAborted with NCCL's error string, and the launcher ends the run.
+Collectives are enqueued on the rank's stream. By default that is the calling
+thread's current CuPy stream, which is the null stream unless someone set one: the CUDA backend gives
+each rank its own non-blocking stream and makes it current, and a non-blocking stream does not wait for
+the null stream, so NCCL must run on the very stream the gradients were computed on. A communicator
+(`world.communicator(local, stream)`) or a call (`stream=`) can name another, e.g. a communication
+stream for overlap. They return at once: stream order, not the host, makes the result visible to the
+next kernel. Failure is collective and never a hang: a watchdog thread polls every communicator's async
+error and the age of the oldest unfinished collective; on an NCCL error or a timeout it aborts every
+communicator of the process (ncclCommAbort releases kernels waiting on dead peers), the rank threads'
+next collective raises CommAborted with NCCL's error string, and the launcher ends the run.
 """
 
 import collections
@@ -160,7 +164,7 @@ class NcclCommunicator:
         self.world, self.local = world, local
         self.rank, self.world_size = world.global_rank(local), world.world_size
         self.device = world.devices[local]
-        self.stream = stream  # a cupy Stream, or None for the null stream
+        self.stream = stream  # a cupy Stream, or None: the calling thread's current stream
 
     def _args(self, buf, dtype, stream):
         if self.world.abort_reason is not None:
@@ -171,16 +175,18 @@ class NcclCommunicator:
         if name not in self.world.dtypes:
             raise ValueError(f"NCCL collectives here take {', '.join(self.world.dtypes)}, not {name}")
         stream = stream if stream is not None else self.stream
-        return int(self.world.dtypes[name]), (0 if stream is None else stream.ptr)
+        if stream is None:  # the calling rank thread's current stream: the one its compute runs on
+            stream = self.world.cupy.cuda.get_current_stream()
+        return int(self.world.dtypes[name]), stream
 
-    def _run(self, what: str, call, stream_ptr: int) -> None:
+    def _run(self, what: str, call, stream) -> None:
         """Enqueue one NCCL call; turn an NCCL error into CommAborted for every rank of this process."""
         cupy = self.world.cupy
         try:
             with cupy.cuda.Device(self.device):
                 call(self.world.handles[self.local])
                 event = cupy.cuda.Event(disable_timing=True)
-                event.record(cupy.cuda.ExternalStream(stream_ptr) if stream_ptr else cupy.cuda.Stream.null)
+                event.record(stream)
         except Exception as e:
             if self.world.abort_reason is not None:
                 raise CommAborted(f"{what} aborted: {self.world.abort_reason}") from None
@@ -193,23 +199,24 @@ class NcclCommunicator:
         data_type, s = self._args(buf, dtype, stream)
         ptr, raw = buf.data.ptr, self.world.raw
         self._run("all_reduce", lambda h: raw.all_reduce(ptr, ptr, buf.size, data_type, int(self.world.nccl.SUM),
-                                                         h, s), s)
+                                                         h, s.ptr), s)
 
     def reduce_scatter(self, send, recv, *, dtype: str | None = None, stream=None) -> None:
         data_type, s = self._args(send, dtype, stream)
         raw = self.world.raw
         self._run("reduce_scatter", lambda h: raw.reduce_scatter(send.data.ptr, recv.data.ptr, recv.size, data_type,
-                                                                 int(self.world.nccl.SUM), h, s), s)
+                                                                 int(self.world.nccl.SUM), h, s.ptr), s)
 
     def all_gather(self, send, recv, *, dtype: str | None = None, stream=None) -> None:
         data_type, s = self._args(send, dtype, stream)
         raw = self.world.raw
-        self._run("all_gather", lambda h: raw.all_gather(send.data.ptr, recv.data.ptr, send.size, data_type, h, s), s)
+        self._run("all_gather",
+                  lambda h: raw.all_gather(send.data.ptr, recv.data.ptr, send.size, data_type, h, s.ptr), s)
 
     def broadcast(self, buf, root: int = 0, *, dtype: str | None = None, stream=None) -> None:
         data_type, s = self._args(buf, dtype, stream)
         ptr, raw = buf.data.ptr, self.world.raw
-        self._run("broadcast", lambda h: raw.broadcast(ptr, ptr, buf.size, data_type, root, h, s), s)
+        self._run("broadcast", lambda h: raw.broadcast(ptr, ptr, buf.size, data_type, root, h, s.ptr), s)
 
     def barrier(self) -> None:
         """An all-reduce of one element, waited for on the host."""

@@ -1,0 +1,68 @@
+// adamw.cu: one AdamW step over flat fp32 buffers, in place.   Oracle: numpy_ops.adamw_update.
+//
+//   g = grad * grad_scale[0]                (grad_scale: the clip coefficient, read on the device)
+//   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+//   p -= lr * (m / bc1 / (sqrt(v / bc2) + eps) + weight_decay * mask * p)
+// with bc1 = 1 - beta1^step and bc2 = 1 - beta2^step computed on the host in float64 and rounded to
+// float32, as numpy does. Each float operation is written with an explicit round-to-nearest
+// intrinsic (__fmul_rn, __fadd_rn, ...) so that the compiler cannot contract a multiply and an add
+// into one FMA: that keeps every step bit-identical to numpy's float32 sequence of operations, and
+// so makes the AdamW test exact rather than tolerant. It costs nothing measurable: the kernel moves
+// 4 x 4 bytes in and 3 x 4 bytes out per parameter and is bound by memory.
+//
+// One thread per chunk of N = 4 parameters (16-byte loads of p, g, m, v and a 4-byte load of the
+// uint8 decay mask) when every pointer is aligned, else 1; a short last chunk one at a time. ZeRO
+// shards start at arbitrary offsets, so the host checks alignment per call.
+// Mixed precision will add an optional floatX copy of the updated parameters written by this same
+// kernel (the weights forward reads), so the cast costs no extra pass.
+#include "common.cuh"
+
+// The step's scalars, filled by the kernel entry from its arguments.
+struct AdamWArgs {
+    float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, bc1, bc2, eps, weight_decay;
+};
+
+__device__ __forceinline__ void adamw_one(float& p, float grad, float& m, float& v, unsigned char mask,
+                                          float grad_scale, const AdamWArgs& a) {
+    const float g = __fmul_rn(grad, grad_scale);
+    m = __fadd_rn(__fmul_rn(m, a.beta1), __fmul_rn(a.one_minus_beta1, g));
+    v = __fadd_rn(__fmul_rn(v, a.beta2), __fmul_rn(a.one_minus_beta2, __fmul_rn(g, g)));
+    const float m_hat = __fdiv_rn(m, a.bc1);
+    const float v_hat = __fdiv_rn(v, a.bc2);
+    float update = __fdiv_rn(m_hat, __fadd_rn(__fsqrt_rn(v_hat), a.eps));
+    // numpy: update += (weight_decay * decay_mask) * params
+    update = __fadd_rn(update, __fmul_rn(__fmul_rn(a.weight_decay, (float)mask), p));
+    p = __fsub_rn(p, __fmul_rn(a.lr, update));
+}
+
+template <int N>
+__device__ void adamw_impl(float* params, const float* grads, float* m, float* v, const unsigned char* mask,
+                           long long n, const float* grad_scale, const AdamWArgs& a) {
+    const long long i = chunk_start<N>();
+    if (i >= n) return;
+    const float gs = *grad_scale;
+    if (i + N <= n) {
+        Vec<float, N> p = load_vec<N>(params + i);
+        const Vec<float, N> g = load_vec<N>(grads + i);
+        Vec<float, N> mv = load_vec<N>(m + i);
+        Vec<float, N> vv = load_vec<N>(v + i);
+        const Vec<unsigned char, N> mk = load_vec<N>(mask + i);
+#pragma unroll
+        for (int k = 0; k < N; ++k) adamw_one(p[k], g[k], mv[k], vv[k], mk[k], gs, a);
+        store_vec<N>(params + i, p);
+        store_vec<N>(m + i, mv);
+        store_vec<N>(v + i, vv);
+    } else {
+        for (long long j = i; j < n; ++j) adamw_one(params[j], grads[j], m[j], v[j], mask[j], gs, a);
+    }
+}
+
+extern "C" __global__ void adamw_update(float* params, const float* grads, float* m, float* v,
+                                        const unsigned char* mask, long long n, const float* grad_scale,
+                                        float lr, float beta1, float beta2, float one_minus_beta1,
+                                        float one_minus_beta2, float bc1, float bc2, float eps,
+                                        float weight_decay, int vec) {
+    const AdamWArgs args = {lr, beta1, beta2, one_minus_beta1, one_minus_beta2, bc1, bc2, eps, weight_decay};
+    if (vec) adamw_impl<VEC_F>(params, grads, m, v, mask, n, grad_scale, args);
+    else adamw_impl<1>(params, grads, m, v, mask, n, grad_scale, args);
+}

@@ -1,0 +1,177 @@
+// layernorm.cu: LayerNorm over the channels of each (b, t) row, forward and backward.
+// Oracles: numpy_ops.layernorm_forward, numpy_ops.layernorm_backward.
+//
+// Row kernels use one warp per row, eight rows per 256-thread block. A GPT-2 row is 768 to 1600
+// floats (3 to 6 KB): one warp streams it with 16-byte loads, the statistics are warp shuffles with
+// no shared memory or __syncthreads, and the second and third passes over the row hit L1. A block
+// per row would leave most of its threads idle at these widths.
+#include "common.cuh"
+
+// The row of the calling warp: blockDim.x / 32 rows per block (the host launches 256 threads).
+__device__ __forceinline__ long long warp_row() {
+    return (long long)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+}
+
+// ---------------------------------------------------------------------------------------- forward
+
+// out = (x - mean) * rstd * weight + bias, mean = sum(x)/C, rstd = 1/sqrt(sum((x - mean)^2)/C + eps)
+// (numpy_ops.layernorm_forward). The variance is taken around the mean in a second pass, as numpy
+// does, rather than as E[x^2] - mean^2, which loses digits when |mean| >> std.
+template <int N>
+__device__ void layernorm_forward_row(floatX* out, float* mean, float* rstd, const floatX* inp,
+                                      const floatX* weight, const floatX* bias, int C, float eps, long long row) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const floatX* x = inp + row * C;
+
+    float sum = 0.0f;
+    for (int c = lane * N; c < C; c += WARP_SIZE * N) {
+        const Vec<floatX, N> v = load_vec<N>(x + c);
+#pragma unroll
+        for (int k = 0; k < N; ++k) sum += to_float(v[k]);
+    }
+    const float m = warp_sum(sum) / C;
+
+    float sq = 0.0f;
+    for (int c = lane * N; c < C; c += WARP_SIZE * N) {
+        const Vec<floatX, N> v = load_vec<N>(x + c);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const float d = to_float(v[k]) - m;
+            sq += d * d;
+        }
+    }
+    const float r = 1.0f / sqrtf(warp_sum(sq) / C + eps);
+
+    floatX* o = out + row * C;
+    for (int c = lane * N; c < C; c += WARP_SIZE * N) {
+        const Vec<floatX, N> v = load_vec<N>(x + c);
+        const Vec<floatX, N> w = load_vec<N>(weight + c);
+        const Vec<floatX, N> b = load_vec<N>(bias + c);
+        Vec<floatX, N> res;
+#pragma unroll
+        for (int k = 0; k < N; ++k) res[k] = from_float<floatX>((to_float(v[k]) - m) * r * to_float(w[k]) + to_float(b[k]));
+        store_vec<N>(o + c, res);
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = r;
+    }
+}
+
+extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp,
+                                             const floatX* weight, const floatX* bias, long long rows, int C,
+                                             float eps, int vec) {
+    const long long row = warp_row();
+    if (row >= rows) return;  // whole warps leave together, so the shuffles stay full-warp
+    if (vec) layernorm_forward_row<VEC_X>(out, mean, rstd, inp, weight, bias, C, eps, row);
+    else layernorm_forward_row<1>(out, mean, rstd, inp, weight, bias, C, eps, row);
+}
+
+// ---------------------------------------------------------------------------------------- backward
+
+// The input gradient, accumulated into the residual stream's gradient (numpy_ops.layernorm_backward):
+//   n = (x - mean) * rstd,  g = dout * weight,
+//   dinp += rstd * (g - mean_C(g) - n * mean_C(g * n)).
+// One warp per row: a first pass for the two row means, a second that writes. The weight and bias
+// gradients are column sums over all rows and live in the two kernels below.
+template <int N>
+__device__ void layernorm_backward_input_row(floatX* dinp, const floatX* dout, const floatX* inp,
+                                             const floatX* weight, const float* mean, const float* rstd, int C,
+                                             long long row) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const floatX* x = inp + row * C;
+    const floatX* dy = dout + row * C;
+    const float m = mean[row], r = rstd[row];
+
+    float sum_g = 0.0f, sum_gn = 0.0f;
+    for (int c = lane * N; c < C; c += WARP_SIZE * N) {
+        const Vec<floatX, N> xv = load_vec<N>(x + c);
+        const Vec<floatX, N> dv = load_vec<N>(dy + c);
+        const Vec<floatX, N> wv = load_vec<N>(weight + c);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const float n = (to_float(xv[k]) - m) * r;
+            const float g = to_float(dv[k]) * to_float(wv[k]);
+            sum_g += g;
+            sum_gn += g * n;
+        }
+    }
+    const float mean_g = warp_sum(sum_g) / C;
+    const float mean_gn = warp_sum(sum_gn) / C;
+
+    floatX* dx = dinp + row * C;
+    for (int c = lane * N; c < C; c += WARP_SIZE * N) {
+        const Vec<floatX, N> xv = load_vec<N>(x + c);
+        const Vec<floatX, N> dv = load_vec<N>(dy + c);
+        const Vec<floatX, N> wv = load_vec<N>(weight + c);
+        Vec<floatX, N> acc = load_vec<N>(dx + c);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const float n = (to_float(xv[k]) - m) * r;
+            const float g = to_float(dv[k]) * to_float(wv[k]);
+            acc[k] = from_float<floatX>(to_float(acc[k]) + (g - mean_g - n * mean_gn) * r);
+        }
+        store_vec<N>(dx + c, acc);
+    }
+}
+
+extern "C" __global__ void layernorm_backward_input(floatX* dinp, const floatX* dout, const floatX* inp,
+                                                    const floatX* weight, const float* mean, const float* rstd,
+                                                    long long rows, int C, int vec) {
+    const long long row = warp_row();
+    if (row >= rows) return;
+    if (vec) layernorm_backward_input_row<VEC_X>(dinp, dout, inp, weight, mean, rstd, C, row);
+    else layernorm_backward_input_row<1>(dinp, dout, inp, weight, mean, rstd, C, row);
+}
+
+// Stage 1 of dweight += sum_rows dout * n and dbias += sum_rows dout (column sums, see common.cuh):
+// block (32, COL_ROWS) owns 32*N channels and rows [split * rows_per_split, +rows_per_split);
+// the normalised input n is recomputed from inp, mean and rstd rather than stored by forward.
+// Writes partial_dw[split, c] and partial_db[split, c].
+// A faster layout would fuse this into the input-gradient kernel (each warp keeping per-channel
+// partials for the rows it walks); kept apart here because it is simpler and already deterministic.
+template <int N>
+__device__ void layernorm_backward_params_impl(float* partial_dw, float* partial_db, const floatX* dout,
+                                               const floatX* inp, const float* mean, const float* rstd,
+                                               long long rows, int C, int rows_per_split) {
+    __shared__ __align__(16) float tile_dw[COL_ROWS * WARP_SIZE * N];
+    __shared__ __align__(16) float tile_db[COL_ROWS * WARP_SIZE * N];
+    const int c = (blockIdx.x * WARP_SIZE + threadIdx.x) * N;
+    const bool valid = c < C;
+    const long long r0 = (long long)blockIdx.y * rows_per_split;
+    const long long r1 = min(rows, r0 + rows_per_split);
+    float dw[N], db[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) dw[k] = db[k] = 0.0f;
+    if (valid) {
+        for (long long r = r0 + threadIdx.y; r < r1; r += COL_ROWS) {
+            const Vec<floatX, N> dv = load_vec<N>(dout + r * C + c);
+            const Vec<floatX, N> xv = load_vec<N>(inp + r * C + c);
+            const float m = mean[r], rs = rstd[r];
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                const float d = to_float(dv[k]);
+                db[k] += d;
+                dw[k] += d * ((to_float(xv[k]) - m) * rs);
+            }
+        }
+    }
+    column_tile_store<N>(tile_dw, dw, partial_dw + (long long)blockIdx.y * C, c, valid);
+    column_tile_store<N>(tile_db, db, partial_db + (long long)blockIdx.y * C, c, valid);
+}
+
+extern "C" __global__ void layernorm_backward_params(float* partial_dw, float* partial_db, const floatX* dout,
+                                                     const floatX* inp, const float* mean, const float* rstd,
+                                                     long long rows, int C, int rows_per_split, int vec) {
+    if (vec) layernorm_backward_params_impl<VEC_X>(partial_dw, partial_db, dout, inp, mean, rstd, rows, C,
+                                                   rows_per_split);
+    else layernorm_backward_params_impl<1>(partial_dw, partial_db, dout, inp, mean, rstd, rows, C,
+                                           rows_per_split);
+}
+
+// Stage 2: dweight[c] += sum_s partial_dw[s, c] (blockIdx.y == 0) and dbias likewise (blockIdx.y == 1).
+extern "C" __global__ void layernorm_backward_params_finish(float* dweight, const float* partial_dw, float* dbias,
+                                                            const float* partial_db, int splits, int C) {
+    if (blockIdx.y == 0) column_sums_finish_one(dweight, partial_dw, splits, C);
+    else column_sums_finish_one(dbias, partial_db, splits, C);
+}

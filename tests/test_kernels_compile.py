@@ -1,0 +1,161 @@
+"""Every kernels/*.cu compiles, without a GPU: under nvcc (PTX for sm_80 and sm_90, warnings as errors)
+and under NVRTC exactly as cuda_ops.py compiles it at run time.
+
+Both precisions are compiled: float32 (sm_80 and sm_90), which the backend loads today, and
+-DXTRAIN_BF16 (sm_90), so the mixed-precision variant cannot rot before it is wired up. nvcc and
+NVRTC differ (NVRTC has no host headers, its own defaults and the options CuPy adds), so passing one
+says little about the other.
+
+The NVRTC tests need `cuda-bindings` (the Python binding) and `nvidia-cuda-nvrtc` (libnvrtc), both
+from PyPI, no GPU or driver; the bf16 variant also needs the CUDA runtime headers (a toolkit, or the
+`nvidia-cuda-runtime` wheel), found the way CuPy finds them (cuda.pathfinder). Each part skips when
+its tool is missing.
+"""
+
+import re
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from xtrain_dist.backend import cuda_ops
+
+KERNEL_DIR = cuda_ops.KERNEL_DIR
+SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
+ARCHS = ("sm_80", "sm_90")
+WORKERS = 4  # nvcc is mostly one process per file; 4 threads keep 2 cores busy through I/O waits
+
+NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if Path(p).exists()), None)
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+
+
+def _entry_points(text: str) -> set[str]:
+    return set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', text))
+
+
+def test_kernel_table_matches_the_sources():
+    """cuda_ops.KERNELS names every .cu file and exactly the extern "C" kernels each defines."""
+    assert {p.stem for p in SOURCES} == set(cuda_ops.KERNELS)
+    for path in SOURCES:
+        assert _entry_points(path.read_text()) == set(cuda_ops.KERNELS[path.stem]), path.name
+
+
+def test_kernel_source_inlines_local_includes():
+    for file in cuda_ops.KERNELS:
+        text = cuda_ops.kernel_source(file)
+        assert '#include "' not in text, file
+        assert "constexpr int WARP_SIZE" in text, file  # common.cuh is in
+        assert f'#line 1 "{file}.cu"' in text
+
+
+# ---------------------------------------------------------------------------------------- nvcc
+
+def _nvcc(path: Path, arch: str, defines: tuple[str, ...], out_dir: str) -> tuple[str, int, str, str]:
+    out = Path(out_dir) / f"{path.stem}-{arch}-{len(defines)}.ptx"
+    cmd = [NVCC, "-std=c++17", "--ptx", f"-arch={arch}", "-Werror", "all-warnings", f"-I{KERNEL_DIR}",
+           *defines, "-o", str(out), str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    ptx = out.read_text() if proc.returncode == 0 else ""
+    return " ".join(cmd), proc.returncode, proc.stdout + proc.stderr, ptx
+
+
+@needs_nvcc
+def test_every_kernel_compiles_with_nvcc():
+    # bf16 for the newest target only: it differs from fp32 in types, not in what the arch offers
+    jobs = [(path, arch, ()) for path in SOURCES for arch in ARCHS]
+    jobs += [(path, ARCHS[-1], ("-DXTRAIN_BF16",)) for path in SOURCES]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(WORKERS) as pool:
+        results = list(pool.map(lambda job: _nvcc(*job, tmp), jobs))
+    failures = [f"$ {cmd}\n{log}" for cmd, rc, log, _ in results if rc != 0 or log.strip()]
+    assert not failures, "\n\n".join(failures)
+    for (path, _, _), (cmd, _, _, ptx) in zip(jobs, results, strict=True):
+        entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
+        assert entries == set(cuda_ops.KERNELS[path.stem]), f"{cmd}: entry points {sorted(entries)}"
+
+
+@needs_nvcc
+def test_kernels_do_not_spill_on_sm90():
+    """ptxas's resource report: no kernel may use a stack frame or spill registers to local memory
+    (a register array indexed at run time, or too much live state, would show up here first)."""
+    def report(path: Path) -> tuple[str, str]:
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [NVCC, "-std=c++17", "--cubin", "-arch=sm_90", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
+                   "-o", str(Path(tmp) / "k.cubin"), str(path)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stderr
+            return path.name, proc.stderr
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        reports = list(pool.map(report, SOURCES))
+    bad = []
+    for name, text in reports:
+        for frame, stores, loads in re.findall(
+                r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text):
+            if int(frame) or int(stores) or int(loads):
+                bad.append(f"{name}:\n{text}")
+                break
+    assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------- NVRTC
+
+def _nvrtc():
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
+    try:
+        nvrtc.nvrtcVersion()
+    except Exception as e:  # the binding loads libnvrtc lazily
+        pytest.skip(f"libnvrtc cannot be loaded ({e}); pip install nvidia-cuda-nvrtc")
+    return nvrtc
+
+
+def _cuda_include() -> str | None:
+    """The CUDA runtime headers, found the way CuPy finds them for RawModule."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        return None
+    return find_nvidia_header_directory("cudart")
+
+
+def _nvrtc_compile(nvrtc, file: str, options: tuple[str, ...]) -> tuple[bool, str]:
+    source = cuda_ops.kernel_source(file).encode()
+    err, prog = nvrtc.nvrtcCreateProgram(source, f"{file}.cu".encode(), 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+    try:
+        opts = [o.encode() for o in options]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        ok = err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        return ok, log.decode(errors="replace").strip("\x00 \n")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.parametrize("precision", sorted(cuda_ops.PRECISIONS))
+def test_every_kernel_compiles_with_nvrtc_as_cupy_does(precision):
+    """cuda_ops' source text and options, plus what CuPy's RawModule appends (-ftz=true,
+    --device-as-default-execution-space, -arch=sm_XX for a cubin, the CUDA include path)."""
+    nvrtc = _nvrtc()
+    include = _cuda_include()
+    if precision == "bf16" and include is None:
+        pytest.skip("the bf16 variant includes cuda_bf16.h and no CUDA headers were found")
+    extra = (f"-I{include}",) if include else ()
+    jobs = [(file, arch) for file in cuda_ops.KERNELS for arch in (ARCHS if precision == "fp32" else ARCHS[-1:])]
+
+    def compile_one(job):
+        file, arch = job
+        options = cuda_ops.nvrtc_options(precision) + cuda_ops.CUPY_ADDED_OPTIONS + (f"-arch={arch}", *extra)
+        ok, log = _nvrtc_compile(nvrtc, file, options)
+        return file, arch, options, ok, log
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        results = list(pool.map(compile_one, jobs))
+    # a warning is a failure too: NVRTC prints nothing for a clean compile
+    failures = [f"{file} {arch} {' '.join(options)}:\n{log}" for file, arch, options, ok, log in results
+                if not ok or log]
+    assert not failures, "\n\n".join(failures)

@@ -1,0 +1,630 @@
+"""The CUDA backend: numpy_ops' ops, one for one, on one GPU, through kernels/*.cu and cuBLAS.
+
+`CudaBackend(device)` is made inside a rank's thread. It binds that device for the thread, creates
+the rank's own non-blocking stream and makes it the thread's current stream (CuPy keeps the current
+device and stream per thread), so every kernel launch, cuBLAS call and allocation of that rank is
+queued, in order, on its stream. Call a backend's ops only from the thread that made it.
+
+Each op has the name, signature and semantics of its numpy_ops twin, which is its oracle (the tests
+compare them op by op): forward ops return new arrays; backward ops accumulate into the parameter
+gradient views they are given (layernorm_backward into dinp too); fused_classifier overwrites the
+logits with dlogits. No op reads a device value on the host: there is no `.get()`, no float() of a
+device array and no branch on one, so the host only queues work and never waits inside an op.
+
+Kernels. Each kernels/<op>.cu is compiled by NVRTC through cupy.RawModule, once per process and
+device (CuPy also keeps compiled modules in its on-disk cache, keyed by the source text and options).
+`kernel_source` pastes kernels/common.cuh into the text in place of its #include, so a change to the
+header changes the cache key; `#line` directives keep compiler messages pointing at the real files.
+tests/test_kernels_compile.py compiles the same text with the same options under NVRTC, and the
+files themselves under nvcc, on machines without a GPU.
+
+Matrix products go through cublasGemmEx / cublasGemmStridedBatchedEx directly: they accumulate into
+a gradient with beta = 1 (no temporary), take the tied classifier's transposed views (wte.T, dwte.T)
+as they are, and choose TF32 per call (`allow_tf32`) instead of through CuPy's process-wide CUPY_TF32
+variable, which only affects cupy.matmul and friends.
+
+Only float32 is implemented. The kernels are written over an activation type `floatX` (common.cuh)
+and also compile with -DXTRAIN_BF16; see PRECISIONS.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..errors import XtrainError
+from . import numpy_ops
+
+try:  # the module imports without CuPy, so the kernel sources and options can be checked anywhere
+    import cupy
+except ImportError as _e:
+    cupy = None
+    _CUPY_IMPORT_ERROR: ImportError | None = _e
+else:
+    _CUPY_IMPORT_ERROR = None
+
+# ---------------------------------------------------------------------------- kernel sources
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+
+# file -> the kernels (extern "C" entry points) cuda_ops launches from it
+KERNELS: dict[str, tuple[str, ...]] = {
+    "encoder": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte"),
+    "layernorm": ("layernorm_forward", "layernorm_backward_input", "layernorm_backward_params",
+                  "layernorm_backward_params_finish"),
+    "matmul": ("bias_add", "bias_backward", "bias_backward_finish"),
+    "attention": ("split_heads", "merge_heads", "causal_softmax_forward", "causal_softmax_backward"),
+    "gelu": ("gelu_forward", "gelu_backward"),
+    "residual": ("residual_forward",),
+    "classifier": ("fused_classifier", "crossentropy_forward"),
+    "adamw": ("adamw_update",),
+    "global_norm": ("sum_squares_partial", "sum_squares_finish", "clip_coefficient"),
+    "scale": ("scale_inplace",),
+}
+
+# precision -> extra NVRTC options. "bf16" compiles (the compile tests check it) but is not loaded
+# yet: the model has no activation dtype to pass it.
+PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("-DXTRAIN_BF16",)}
+
+# Our options. CuPy adds its own when it compiles: -ftz=true, --device-as-default-execution-space,
+# -arch=sm_XX (a cubin for the device it runs on), and include paths for its headers, CCCL and the
+# CUDA runtime headers (only the bf16 variant includes one: cuda_bf16.h).
+NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
+
+# The options CuPy appends, for tests that compile with NVRTC directly exactly as CuPy would.
+CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
+
+
+def kernel_source(file: str) -> str:
+    """kernels/<file>.cu with local includes pasted in (each once), as NVRTC receives it."""
+    seen: set[str] = set()
+
+    def expand(path: Path) -> list[str]:
+        out = [f'#line 1 "{path.name}"']
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            match = _INCLUDE.match(line)
+            if match is None:
+                out.append(line)
+                continue
+            if match.group(1) not in seen:
+                seen.add(match.group(1))
+                out += expand(KERNEL_DIR / match.group(1))
+            out.append(f'#line {number + 1} "{path.name}"')
+        return out
+
+    return "\n".join(expand(KERNEL_DIR / f"{file}.cu")) + "\n"
+
+
+def nvrtc_options(precision: str = "fp32") -> tuple[str, ...]:
+    return NVRTC_OPTIONS + PRECISIONS[precision]
+
+
+_modules: dict[tuple[str, str], object] = {}
+_modules_lock = threading.Lock()
+
+
+def _load_kernels(precision: str) -> SimpleNamespace:
+    """Every kernel of every file, compiled for the current device (cached per process and device)."""
+    kernels = SimpleNamespace()
+    # One lock for all ranks: the first thread compiles (or loads CuPy's disk cache) while the others
+    # wait, instead of several threads compiling the same source at once.
+    with _modules_lock:
+        for file, names in KERNELS.items():
+            key = (file, precision)
+            if key not in _modules:
+                _modules[key] = cupy.RawModule(code=kernel_source(file), options=nvrtc_options(precision))
+            for kernel in names:
+                setattr(kernels, kernel, _modules[key].get_function(kernel))
+    return kernels
+
+
+# ---------------------------------------------------------------------------- launch geometry
+
+BLOCK = 256            # elementwise and warp-per-row kernels: 8 warps
+ROWS_PER_BLOCK = 8     # warp-per-row kernels (layernorm, causal softmax): one row per warp
+CLASSIFIER_BLOCK = 512  # block-per-row classifier: ~25 16-byte loads per thread at V = 50257
+COL_ROWS = 8           # blockDim.y of the column-sum kernels (common.cuh)
+NORM_BLOCK = 512
+NORM_MAX_BLOCKS = 1024
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _column_splits(rows: int) -> tuple[int, int]:
+    """(splits, rows_per_split) for the deterministic column sums: at most 128 splits of at least 32
+    rows. A function of the row count only, so the summation order never depends on the device."""
+    rows_per_split = max(32, _cdiv(rows, 128))
+    return _cdiv(rows, rows_per_split), rows_per_split
+
+
+def _vec(width: int, *arrays, row: int | None = None) -> int:
+    """1 if every array starts on a `width`-element boundary (16 bytes for width = 16 / itemsize) and
+    `row`, the length that chunks must not cross, is a multiple of width; else 0 (scalar kernels)."""
+    if row is not None and row % width:
+        return 0
+    return int(all(a.data.ptr % (a.itemsize * width) == 0 for a in arrays))
+
+
+def _contiguous(a):
+    if not a.flags.c_contiguous:
+        raise ValueError(f"cuda_ops: expected a C-contiguous array, got shape {a.shape} strides {a.strides}")
+    return a
+
+
+def _f32(*arrays) -> None:
+    for a in arrays:
+        if a.dtype != np.float32:
+            raise TypeError(f"cuda_ops supports float32 only, got {a.dtype}")
+
+
+# ---------------------------------------------------------------------------- the backend
+
+class CudaBackend:
+    """numpy_ops on one CUDA device, on one stream owned by the calling (rank) thread."""
+
+    name = "cuda"
+    LN_EPS = numpy_ops.LN_EPS
+    GELU_SCALE = numpy_ops.GELU_SCALE
+
+    def __init__(self, device: int, allow_tf32: bool = False):
+        if cupy is None:
+            raise XtrainError(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} (pip install 'xtrain-dist[cuda]')")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible}): {e}") \
+                from None
+        if count == 0:
+            raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible})")
+        if not 0 <= device < count:
+            raise XtrainError(f"--backend cuda: device {device} does not exist ({count} visible)")
+
+        from cupy_backends.cuda.libs import cublas  # loads libcublas: only once a device is known
+
+        self.xp = cupy
+        self.device = device
+        cupy.cuda.Device(device).use()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream.use()
+        self.allow_tf32 = allow_tf32
+        self._cublas = cublas
+        self._handle = cupy.cuda.device.get_cublas_handle()  # CuPy's, per thread and device
+        self._compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32 else cublas.CUBLAS_COMPUTE_32F
+        self._k = _load_kernels("fp32")
+        self._vec_x = 16 // 4  # elements of floatX per 16 bytes (float32 now)
+
+    # ------------------------------------------------------------------ host/device plumbing
+    def to_host(self, a) -> np.ndarray:
+        """A host copy (waits for this stream's queued work)."""
+        if isinstance(a, cupy.ndarray):
+            return a.get(stream=self.stream)
+        return np.asarray(a)
+
+    def from_host(self, a: np.ndarray):
+        a = np.ascontiguousarray(a)
+        out = cupy.empty(a.shape, dtype=a.dtype)
+        out.set(a, stream=self.stream)
+        return out
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def _launch(self, kernel, grid, block, *args) -> None:
+        self._check_stream()
+        kernel(tuple(grid), tuple(block), args, stream=self.stream)
+
+    def _check_stream(self) -> None:
+        """cuBLAS calls and CuPy's allocations and array functions (the model's xp.zeros) go to the
+        calling thread's current stream, so an op called from another thread would race with this
+        rank's work. Fail loudly instead; the check costs well under a microsecond."""
+        if cupy.cuda.get_current_stream().ptr != self.stream.ptr:
+            raise RuntimeError("CudaBackend op called from a thread whose current CuPy stream is not the "
+                               "backend's: call a backend's ops only from the thread that created it")
+
+    # ------------------------------------------------------------------ cuBLAS
+    def _gemm(self, a, b, out, alpha: float = 1.0, beta: float = 0.0) -> None:
+        """out = alpha * a @ b + beta * out, for 2-D float32 arrays each either row-major (C-contiguous)
+        or the transpose of a row-major array (F-contiguous, like numpy's `.T` views); see _gemm_plan."""
+        self._check_stream()
+        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
+        alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
+        r32 = cupy.cuda.runtime.CUDA_R_32F
+        cublas = self._cublas
+        cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        cublas.gemmEx(self._handle, op1, op2, rows, cols, k, alpha_h.ctypes.data,
+                      first.data.ptr, r32, ld1, second.data.ptr, r32, ld2,
+                      beta_h.ctypes.data, out.data.ptr, r32, ldc, self._compute, cublas.CUBLAS_GEMM_DEFAULT)
+
+    def _gemm_batched(self, a, b, out, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0) -> None:
+        """out[i] = alpha * op(a[i]) @ op(b[i]) for C-contiguous (batch, rows, cols) arrays, op = transpose
+        where asked. Column-major: out[i]^T = op(b[i])^T op(a[i])^T, and a row-major X is stored as X^T."""
+        self._check_stream()
+        batch, m, n = out.shape
+        k = a.shape[1] if trans_a else a.shape[2]
+        for x in (a, b, out):
+            _contiguous(x)
+        cublas = self._cublas
+        op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
+        op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
+        alpha_h, beta_h = np.array(alpha, np.float32), np.array(0.0, np.float32)
+        r32 = cupy.cuda.runtime.CUDA_R_32F
+        cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        cublas.gemmStridedBatchedEx(
+            self._handle, op_b, op_a, n, m, k, alpha_h.ctypes.data,
+            b.data.ptr, r32, b.shape[2], b.shape[1] * b.shape[2],
+            a.data.ptr, r32, a.shape[2], a.shape[1] * a.shape[2],
+            beta_h.ctypes.data, out.data.ptr, r32, n, m * n,
+            batch, self._compute, cublas.CUBLAS_GEMM_DEFAULT)
+
+    # ------------------------------------------------------------------ encoder (kernels/encoder.cu)
+    def encoder_forward(self, ids, wte, wpe):
+        ids = _ids(ids)
+        B, T = ids.shape
+        V, C = wte.shape
+        if wpe.shape[0] < T:
+            raise ValueError(f"sequence length {T} exceeds the {wpe.shape[0]} learned positions")
+        _f32(wte, wpe)
+        out = cupy.empty((B, T, C), dtype=wte.dtype)
+        vec = _vec(self._vec_x, out, _contiguous(wte), _contiguous(wpe), row=C)
+        chunks = _cdiv(B * T * C, self._vec_x if vec else 1)
+        self._launch(self._k.encoder_forward, (_cdiv(chunks, BLOCK),), (BLOCK,),
+                     out, ids, wte, wpe, np.int64(B * T), np.int32(T), np.int32(C), np.int32(V), np.int32(vec))
+        return out
+
+    def encoder_backward(self, dwte, dwpe, dout, ids) -> None:
+        ids = _ids(ids)
+        B, T = ids.shape
+        V, C = dwte.shape
+        _f32(dwte, dwpe, dout)
+        dout = _contiguous(dout)
+        # wpe: one thread per (t, channel chunk), summing over b in order
+        vec = _vec(self._vec_x, _contiguous(dwpe), dout, row=C)
+        chunks = _cdiv(T * C, self._vec_x if vec else 1)
+        self._launch(self._k.encoder_backward_wpe, (_cdiv(chunks, BLOCK),), (BLOCK,),
+                     dwpe, dout, np.int32(B), np.int32(T), np.int32(C), np.int32(vec))
+        # wte: positions sorted by token, stably (CuPy's argsort is always stable: thrust's
+        # stable_sort_by_key, queued on the current stream without a host sync), then one block per
+        # run of equal tokens adds that token's rows in (b, t) order
+        flat = ids.reshape(-1)
+        order = cupy.argsort(flat, kind="stable").astype(cupy.int64, copy=False)
+        vec = _vec(self._vec_x, _contiguous(dwte), dout, row=C)
+        width = self._vec_x if vec else 1
+        threads = min(BLOCK, _cdiv(_cdiv(C, width), 32) * 32)
+        grid = (B * T, _cdiv(_cdiv(C, width), threads))
+        self._launch(self._k.encoder_backward_wte, grid, (threads,),
+                     dwte, dout, flat, order, np.int64(B * T), np.int32(C), np.int32(V), np.int32(vec))
+
+    # ------------------------------------------------------------------ layernorm (kernels/layernorm.cu)
+    def layernorm_forward(self, inp, weight, bias):
+        inp = _contiguous(inp)
+        _f32(inp, weight, bias)
+        C = inp.shape[-1]
+        rows = inp.size // C
+        out = cupy.empty_like(inp)
+        mean = cupy.empty(inp.shape[:-1], dtype=cupy.float32)
+        rstd = cupy.empty(inp.shape[:-1], dtype=cupy.float32)
+        vec = _vec(self._vec_x, out, inp, weight, bias, row=C)
+        self._launch(self._k.layernorm_forward, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+                     out, mean, rstd, inp, weight, bias, np.int64(rows), np.int32(C), np.float32(self.LN_EPS),
+                     np.int32(vec))
+        return out, mean, rstd
+
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
+        for a in (dinp, dout, inp, mean, rstd):
+            _contiguous(a)
+        _f32(dinp, dweight, dbias, dout, inp, weight)
+        C = inp.shape[-1]
+        rows = inp.size // C
+        vec = _vec(self._vec_x, dinp, dout, inp, weight, row=C)
+        self._launch(self._k.layernorm_backward_input, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+                     dinp, dout, inp, weight, mean, rstd, np.int64(rows), np.int32(C), np.int32(vec))
+        splits, rows_per_split = _column_splits(rows)
+        partial_dw = cupy.empty((splits, C), dtype=cupy.float32)
+        partial_db = cupy.empty((splits, C), dtype=cupy.float32)
+        vec = _vec(self._vec_x, dout, inp, partial_dw, partial_db, row=C)
+        width = self._vec_x if vec else 1
+        self._launch(self._k.layernorm_backward_params, (_cdiv(C, 32 * width), splits), (32, COL_ROWS),
+                     partial_dw, partial_db, dout, inp, mean, rstd, np.int64(rows), np.int32(C),
+                     np.int32(rows_per_split), np.int32(vec))
+        self._launch(self._k.layernorm_backward_params_finish, (_cdiv(C, BLOCK), 2), (BLOCK,),
+                     _contiguous(dweight), partial_dw, _contiguous(dbias), partial_db, np.int32(splits), np.int32(C))
+
+    # ------------------------------------------------------------------ matmul (cuBLAS; bias in kernels/matmul.cu)
+    def matmul_forward(self, inp, weight, bias=None):
+        _f32(inp, weight)
+        IC, OC = weight.shape
+        inp2 = _contiguous(inp).reshape(-1, IC)
+        out = cupy.empty((inp2.shape[0], OC), dtype=cupy.float32)
+        self._gemm(inp2, weight, out)
+        if bias is not None:
+            self._bias_add(out, bias)
+        return out.reshape(*inp.shape[:-1], OC)
+
+    def _bias_add(self, out, bias) -> None:
+        _f32(bias)
+        OC = out.shape[-1]
+        vec = _vec(self._vec_x, out, _contiguous(bias), row=OC)
+        chunks = _cdiv(out.size, self._vec_x if vec else 1)
+        self._launch(self._k.bias_add, (_cdiv(chunks, BLOCK),), (BLOCK,),
+                     out, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
+
+    def matmul_backward(self, dweight, dbias, dout, inp, weight):
+        _f32(dweight, dout, inp, weight)
+        IC, OC = weight.shape
+        dout2 = _contiguous(dout).reshape(-1, OC)
+        inp2 = _contiguous(inp).reshape(-1, IC)
+        self._gemm(inp2.T, dout2, dweight, beta=1.0)  # dweight += inp^T dout, in place (dwte.T too)
+        if dbias is not None:
+            _f32(dbias)
+            rows = dout2.shape[0]
+            splits, rows_per_split = _column_splits(rows)
+            partial = cupy.empty((splits, OC), dtype=cupy.float32)
+            vec = _vec(self._vec_x, dout2, partial, row=OC)
+            width = self._vec_x if vec else 1
+            self._launch(self._k.bias_backward, (_cdiv(OC, 32 * width), splits), (32, COL_ROWS),
+                         partial, dout2, np.int64(rows), np.int32(OC), np.int32(rows_per_split), np.int32(vec))
+            self._launch(self._k.bias_backward_finish, (_cdiv(OC, BLOCK),), (BLOCK,),
+                         _contiguous(dbias), partial, np.int32(splits), np.int32(OC))
+        dinp = cupy.empty((dout2.shape[0], IC), dtype=cupy.float32)
+        self._gemm(dout2, weight.T, dinp)
+        return dinp.reshape(inp.shape)
+
+    # ------------------------------------------------------------------ attention (kernels/attention.cu)
+    def _head_launch(self, token_major, head_major: tuple, B: int, NH: int, T: int, hs: int):
+        """Geometry shared by split_heads and merge_heads: one thread per chunk of the head-major arrays."""
+        vec = _vec(self._vec_x, token_major, *head_major, row=hs)
+        chunks = _cdiv(B * NH * T * hs, self._vec_x if vec else 1)
+        return (_cdiv(chunks, BLOCK),), (BLOCK,), vec
+
+    def _split_heads(self, token_major, head_major: tuple, ld: int, B: int, NH: int, T: int, hs: int) -> None:
+        """head_major[s] (B, NH, T, hs) <- part s of each (b, t) row of token_major (B, T, ld)."""
+        grid, block, vec = self._head_launch(token_major, head_major, B, NH, T, hs)
+        outs = (*head_major, *(None,) * (3 - len(head_major)))
+        self._launch(self._k.split_heads, grid, block, *outs, token_major, np.int32(len(head_major)),
+                     np.int32(B), np.int32(NH), np.int32(T), np.int32(hs), np.int32(ld), np.int32(vec))
+
+    def _merge_heads(self, token_major, head_major: tuple, ld: int, B: int, NH: int, T: int, hs: int) -> None:
+        """Part s of each (b, t) row of token_major (B, T, ld) <- head_major[s] (B, NH, T, hs)."""
+        grid, block, vec = self._head_launch(token_major, head_major, B, NH, T, hs)
+        ins = (*head_major, *(None,) * (3 - len(head_major)))
+        self._launch(self._k.merge_heads, grid, block, token_major, *ins, np.int32(len(head_major)),
+                     np.int32(B), np.int32(NH), np.int32(T), np.int32(hs), np.int32(ld), np.int32(vec))
+
+    def _softmax(self, att, scores, T: int) -> None:
+        rows = scores.size // T
+        vec = _vec(self._vec_x, att, scores, row=T)
+        self._launch(self._k.causal_softmax_forward, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+                     att, scores, np.int64(rows), np.int32(T), np.int32(vec))
+
+    def _softmax_backward(self, dscores, datt, att, T: int, scale: float) -> None:
+        rows = att.size // T
+        vec = _vec(self._vec_x, dscores, datt, att, row=T)
+        self._launch(self._k.causal_softmax_backward, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+                     dscores, datt, att, np.int64(rows), np.int32(T), np.float32(scale), np.int32(vec))
+
+    def _split_qkv(self, qkv, n_head: int):
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        hs = C // n_head
+        q, k, v = (cupy.empty((B, n_head, T, hs), dtype=cupy.float32) for _ in range(3))
+        self._split_heads(qkv, (q, k, v), C3, B, n_head, T, hs)
+        return q, k, v
+
+    def attention_forward(self, qkv, n_head: int):
+        qkv = _contiguous(qkv)
+        _f32(qkv)
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        hs = C // n_head
+        BH = B * n_head
+        q, k, v = self._split_qkv(qkv, n_head)
+        att = cupy.empty((B, n_head, T, T), dtype=cupy.float32)
+        scale = _attention_scale(hs)
+        self._gemm_batched(q.reshape(BH, T, hs), k.reshape(BH, T, hs), att.reshape(BH, T, T), trans_b=True,
+                           alpha=scale)
+        self._softmax(att, att, T)  # in place: scores become probabilities
+        y = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
+        self._gemm_batched(att.reshape(BH, T, T), v.reshape(BH, T, hs), y.reshape(BH, T, hs))
+        out = cupy.empty((B, T, C), dtype=cupy.float32)
+        self._merge_heads(out, (y,), C, B, n_head, T, hs)
+        return out, att
+
+    def causal_softmax(self, scores):
+        scores = _contiguous(scores)
+        _f32(scores)
+        att = cupy.empty_like(scores)
+        self._softmax(att, scores, scores.shape[-1])
+        return att
+
+    def attention_backward(self, dout, qkv, att, n_head: int):
+        for a in (dout, qkv, att):
+            _contiguous(a)
+        _f32(dout, qkv, att)
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        hs = C // n_head
+        BH = B * n_head
+        q, k, v = self._split_qkv(qkv, n_head)
+        dy = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
+        self._split_heads(dout, (dy,), C, B, n_head, T, hs)
+        shape3 = (BH, T, hs)
+        datt = cupy.empty((BH, T, T), dtype=cupy.float32)
+        self._gemm_batched(dy.reshape(shape3), v.reshape(shape3), datt, trans_b=True)        # dy v^T
+        dv = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
+        self._gemm_batched(att.reshape(BH, T, T), dy.reshape(shape3), dv.reshape(shape3), trans_a=True)  # att^T dy
+        self._softmax_backward(datt, datt, att, T, _attention_scale(hs))  # in place: datt becomes dscores
+        dq = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
+        dk = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
+        self._gemm_batched(datt, k.reshape(shape3), dq.reshape(shape3))                      # dscores k
+        self._gemm_batched(datt, q.reshape(shape3), dk.reshape(shape3), trans_a=True)        # dscores^T q
+        dqkv = cupy.empty((B, T, C3), dtype=cupy.float32)
+        self._merge_heads(dqkv, (dq, dk, dv), C3, B, n_head, T, hs)
+        return dqkv
+
+    def causal_softmax_backward(self, datt, att):
+        datt, att = _contiguous(datt), _contiguous(att)
+        _f32(datt, att)
+        out = cupy.empty_like(att)
+        self._softmax_backward(out, datt, att, att.shape[-1], 1.0)
+        return out
+
+    # ------------------------------------------------------------------ gelu, residual
+    def _elementwise(self, kernel, out, *inputs) -> None:
+        n = out.size
+        vec = _vec(self._vec_x, out, *inputs)
+        chunks = _cdiv(n, self._vec_x if vec else 1)
+        self._launch(kernel, (_cdiv(chunks, BLOCK),), (BLOCK,), out, *inputs, np.int64(n), np.int32(vec))
+
+    def gelu_forward(self, inp):
+        inp = _contiguous(inp)
+        _f32(inp)
+        out = cupy.empty_like(inp)
+        self._elementwise(self._k.gelu_forward, out, inp)
+        return out
+
+    def gelu_backward(self, dout, inp):
+        dout, inp = _contiguous(dout), _contiguous(inp)
+        _f32(dout, inp)
+        dinp = cupy.empty_like(inp)
+        self._elementwise(self._k.gelu_backward, dinp, dout, inp)
+        return dinp
+
+    def residual_forward(self, a, b):
+        a, b = _contiguous(a), _contiguous(b)
+        _f32(a, b)
+        if a.shape != b.shape:
+            raise ValueError(f"residual_forward: shapes {a.shape} and {b.shape} differ")
+        out = cupy.empty_like(a)
+        self._elementwise(self._k.residual_forward, out, a, b)
+        return out
+
+    # ------------------------------------------------------------------ classifier (kernels/classifier.cu)
+    def crossentropy_forward(self, logits, targets):
+        logits = _contiguous(logits)
+        _f32(logits)
+        targets = _ids(targets)
+        V = logits.shape[-1]
+        losses = cupy.empty(targets.shape, dtype=cupy.float32)
+        self._launch(self._k.crossentropy_forward, (targets.size,), (CLASSIFIER_BLOCK,),
+                     losses, logits, targets, np.int32(V))
+        return losses
+
+    def fused_classifier(self, logits, targets, dloss: float):
+        logits = _contiguous(logits)
+        _f32(logits)
+        targets = _ids(targets)
+        V = logits.shape[-1]
+        losses = cupy.empty(targets.shape, dtype=cupy.float32)
+        self._launch(self._k.fused_classifier, (targets.size,), (CLASSIFIER_BLOCK,),
+                     logits, losses, targets, np.int32(V), np.float32(dloss))
+        return losses
+
+    # ------------------------------------------------------------------ optimizer (adamw.cu, global_norm.cu, scale.cu)
+    def global_norm_squared(self, buf):
+        buf = _contiguous(buf)
+        _f32(buf)
+        n = buf.size
+        vec = _vec(4, buf)
+        # a function of n only: the summation order is fixed (see global_norm.cu)
+        blocks = max(1, min(NORM_MAX_BLOCKS, _cdiv(n, NORM_BLOCK * 4)))
+        partial = cupy.empty(blocks, dtype=cupy.float64)
+        out = cupy.empty(1, dtype=cupy.float32)
+        self._launch(self._k.sum_squares_partial, (blocks,), (NORM_BLOCK,), partial, buf, np.int64(n), np.int32(vec))
+        self._launch(self._k.sum_squares_finish, (1,), (NORM_MAX_BLOCKS,), out, partial, np.int32(blocks))
+        return out
+
+    def clip_coefficient(self, norm_squared, max_norm: float):
+        _f32(norm_squared)
+        out = cupy.empty(1, dtype=cupy.float32)
+        self._launch(self._k.clip_coefficient, (1,), (32,), out, _contiguous(norm_squared), np.float64(max_norm))
+        return out
+
+    def scale(self, buf, factor) -> None:
+        buf = _contiguous(buf)
+        _f32(buf)
+        if isinstance(factor, cupy.ndarray):
+            factor_ptr, factor_value = _contiguous(factor.astype(cupy.float32, copy=False)), np.float32(0)
+        else:
+            factor_ptr, factor_value = None, np.float32(factor)
+        n = buf.size
+        vec = _vec(4, buf)
+        chunks = _cdiv(n, 4 if vec else 1)
+        self._launch(self._k.scale_inplace, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,),
+                     buf, np.int64(n), factor_ptr, factor_value, np.int32(vec))
+
+    def adamw_update(self, params, grads, m, v, decay_mask, step: int, lr: float, beta1: float, beta2: float,
+                     eps: float, weight_decay: float, grad_scale) -> None:
+        for a in (params, grads, m, v, decay_mask):
+            _contiguous(a)
+        _f32(params, grads, m, v)
+        if decay_mask.dtype != np.uint8:
+            raise TypeError(f"adamw_update: decay_mask must be uint8, got {decay_mask.dtype}")
+        if not isinstance(grad_scale, cupy.ndarray):
+            grad_scale = cupy.full(1, grad_scale, dtype=cupy.float32)  # a fill kernel, no host copy
+        grad_scale = _contiguous(grad_scale.astype(cupy.float32, copy=False))
+        n = params.size
+        vec = _vec(4, params, grads, m, v, decay_mask)
+        chunks = _cdiv(n, 4 if vec else 1)
+        f32 = np.float32
+        # the float32 roundings of numpy_ops.adamw_update: f(1 - beta1), f(1 - beta1 ** step), ...
+        self._launch(self._k.adamw_update, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,),
+                     params, grads, m, v, decay_mask, np.int64(n), grad_scale,
+                     f32(lr), f32(beta1), f32(beta2), f32(1 - beta1), f32(1 - beta2),
+                     f32(1 - beta1 ** step), f32(1 - beta2 ** step), f32(eps), f32(weight_decay), np.int32(vec))
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _gemm_plan(a, b, out, cublas):
+    """The cublasGemmEx arguments for out = a @ b: (first, second, op1, op2, rows, cols, k, ld1, ld2, ldc).
+
+    cuBLAS is column-major. A row-major (C-contiguous) X sits in memory as the column-major X^T with
+    leading dimension X.shape[1]; an F-contiguous X (a `.T` view of a row-major array) as X itself
+    with leading dimension X.shape[0]. For a row-major out we ask cuBLAS for out^T = b^T a^T, for an
+    F-contiguous out (dwte.T) for out = a b; each operand then needs a transpose or not depending on
+    which of the two ways it is stored. Pure: takes anything with .shape and .flags."""
+    m, k = a.shape
+    n = b.shape[1]
+    if b.shape[0] != k or out.shape != (m, n):
+        raise ValueError(f"cuda_ops gemm: {a.shape} @ {b.shape} -> {out.shape}")
+    if out.flags.c_contiguous:
+        first, second, rows, cols, ldc, transposed = b, a, n, m, n, True
+    elif out.flags.f_contiguous:
+        first, second, rows, cols, ldc, transposed = a, b, m, n, m, False
+    else:
+        raise ValueError(f"cuda_ops gemm: output strides {out.strides} are neither C nor F order")
+    op1, ld1 = _cublas_operand(first, transposed, cublas)
+    op2, ld2 = _cublas_operand(second, transposed, cublas)
+    return first, second, op1, op2, rows, cols, k, ld1, ld2, max(ldc, 1)
+
+
+def _cublas_operand(x, transposed: bool, cublas) -> tuple[int, int]:
+    """(op, ld) that make cuBLAS read x (transposed=False) or x^T (transposed=True) from x's memory."""
+    if x.flags.c_contiguous:   # memory holds x^T column-major
+        return (cublas.CUBLAS_OP_N if transposed else cublas.CUBLAS_OP_T), max(x.shape[1], 1)
+    if x.flags.f_contiguous:  # memory holds x column-major
+        return (cublas.CUBLAS_OP_T if transposed else cublas.CUBLAS_OP_N), max(x.shape[0], 1)
+    raise ValueError(f"cuda_ops gemm: operand strides {x.strides} are neither C nor F order")
+
+
+def _ids(ids):
+    """Token ids or targets as a C-contiguous int32 device array (the kernels index with int)."""
+    if ids.dtype != np.int32:
+        ids = ids.astype(cupy.int32)
+    return _contiguous(ids)
+
+
+def _attention_scale(hs: int) -> float:
+    """1/sqrt(hs) rounded to float32, as numpy_ops applies it to the scores."""
+    return float(np.float32(1.0 / math.sqrt(hs)))
