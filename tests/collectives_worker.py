@@ -8,6 +8,7 @@ Every rank checks its results against the rank-order sums it computes itself fro
 """
 
 import hashlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from xtrain_dist.comm.local import LocalCommunicator
 from xtrain_dist.comm.world import open_world
 from xtrain_dist.launch import run_thread_ranks
 from xtrain_dist.launch_env import detect_launch
@@ -49,6 +51,22 @@ def check(rank, comm, threads):
     comm.reduce_scatter(rank_data(rank, n * world), shard)
     total = sum(rank_data(r, n * world) for r in range(world))
     np.testing.assert_allclose(shard, total[rank * n:(rank + 1) * n], rtol=1e-6)
+    # unequal shares (ZeRO-1's shards), rank 1 owning none, in place and not
+    counts = [(r % 3) * 2 + (r == 0) for r in range(world)]
+    counts[1 % world] = 0
+    bounds = np.cumsum([0, *counts])
+    if threads == 1 or "counts" in inspect.signature(LocalCommunicator.all_gather).parameters:
+        send = rank_data(rank, int(bounds[-1]))
+        mine = send[bounds[rank]:bounds[rank + 1]]
+        comm.reduce_scatter(send, mine, counts)  # in place: recv is send's own share
+        total = expected_sum(int(bounds[-1]), world, threads)
+        assert mine.tobytes() == total[bounds[rank]:bounds[rank + 1]].tobytes(), f"rank {rank}: reduce_scatter"
+        everyone = np.full(int(bounds[-1]), np.nan, np.float32)
+        comm.all_gather(np.full(counts[rank], rank, np.float32), everyone, counts)
+        assert everyone.tolist() == [float(r) for r in range(world) for _ in range(counts[r])], everyone
+        everyone[bounds[rank]:bounds[rank + 1]] = -rank
+        comm.all_gather(everyone[bounds[rank]:bounds[rank + 1]], everyone, counts)  # in place
+        assert everyone.tolist() == [-float(r) for r in range(world) for _ in range(counts[r])], everyone
     gathered = np.empty(3 * world, np.float32)
     comm.all_gather(np.full(3, rank, np.float32), gathered)
     assert gathered.tolist() == [float(r) for r in range(world) for _ in range(3)], gathered

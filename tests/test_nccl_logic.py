@@ -91,10 +91,11 @@ class Fake:
         self.raw = SimpleNamespace(
             Comm=lambda ptr: ("handle", ptr), Result=SimpleNamespace(Success=0, InProgress=7),
             all_reduce=collective("all_reduce"), reduce_scatter=collective("reduce_scatter"),
-            all_gather=collective("all_gather"), broadcast=collective("broadcast"))
+            all_gather=collective("all_gather"), broadcast=collective("broadcast"), reduce=collective("reduce"))
         self.cupy = SimpleNamespace(cuda=SimpleNamespace(
             Device=Device, Event=Event, get_current_stream=lambda: SimpleNamespace(ptr=fake.current_stream),
-            runtime=SimpleNamespace(getDeviceCount=lambda: 4)))
+            runtime=SimpleNamespace(getDeviceCount=lambda: 4,
+                                    memcpyAsync=lambda *args: fake.log.append(("memcpy", *args)))))
 
 
 class Buf:
@@ -160,6 +161,36 @@ def test_collectives_hand_nccl_pointers_counts_types_and_the_stream(fake):
         ("broadcast", 0x400, 0x400, 3, 7, 1, handle, 0)]
     with pytest.raises(ValueError, match="NCCL collectives here take float32, bfloat16, bf16"):
         comm.all_reduce(Buf(4, "uint16"))  # no silent reinterpretation of raw bits
+    world.close()
+
+
+def test_unequal_shares_are_one_group_of_reduces_or_broadcasts(fake):
+    world = world_of(fake)  # world 4, this is rank 2 (local 0)
+    comm = world.communicator(0)
+    handle, counts = ("handle", 1002), [3, 0, 4, 1]  # rank 1 owns nothing
+    fake.log.clear()
+    comm.reduce_scatter(Buf(8, ptr=0x1000), Buf(4, ptr=0x1000 + 3 * 4), counts)  # in place: recv is the share
+    assert [e for e in fake.log if e[0] != "init"] == [
+        ("group_start",),
+        ("reduce", 0x1000, 0x100C, 3, 7, 0, 0, handle, 0),
+        ("reduce", 0x100C, 0x100C, 4, 7, 0, 2, handle, 0),
+        ("reduce", 0x101C, 0x100C, 1, 7, 0, 3, handle, 0),
+        ("group_end",)]
+    fake.log.clear()
+    comm.all_gather(Buf(4, ptr=0x9000), Buf(8, ptr=0x2000), counts)  # not in place: the share is copied first
+    assert fake.log == [
+        ("memcpy", 0x200C, 0x9000, 16, 3, 0), ("group_start",),
+        ("broadcast", 0x2000, 0x2000, 3, 7, 0, handle, 0),
+        ("broadcast", 0x200C, 0x200C, 4, 7, 2, handle, 0),
+        ("broadcast", 0x201C, 0x201C, 1, 7, 3, handle, 0),
+        ("group_end",)]
+    fake.log.clear()
+    comm.all_gather(Buf(4, ptr=0x200C), Buf(8, ptr=0x2000), counts)  # in place: no copy
+    assert fake.log[0] == ("group_start",)
+    with pytest.raises(ValueError, match=r"counts \[3, 0, 4\] do not split 8 elements over 4 ranks"):
+        comm.all_gather(Buf(4), Buf(8), [3, 0, 4])
+    with pytest.raises(ValueError, match="rank 2: recv has 2 elements, its share is 4"):
+        comm.reduce_scatter(Buf(8), Buf(2), counts)
     world.close()
 
 

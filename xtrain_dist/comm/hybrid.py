@@ -8,6 +8,8 @@ MPI_THREAD_SERIALIZED and the process communicators stay one-rank-per-process. E
 bits: the cross-process result is computed once per element and copied.
 """
 
+from .shares import share_offsets
+
 
 class HybridCommunicator:
     def __init__(self, local, inter, process_rank: int, local_world: int):
@@ -23,20 +25,29 @@ class HybridCommunicator:
             self.inter.all_reduce(buf)
         self.local.broadcast(buf, root=0)
 
-    def reduce_scatter(self, send, recv) -> None:
-        # one all-reduce of a copy, then this rank's slice: twice the traffic of a true reduce-scatter,
+    def reduce_scatter(self, send, recv, counts=None) -> None:
+        # one all-reduce of a copy, then this rank's share: twice the traffic of a true reduce-scatter,
         # and obviously the same bits as all_reduce
+        offsets = share_offsets(send.size, self.world_size, counts)
+        lo, hi = offsets[self.rank], offsets[self.rank + 1]
+        if recv.size != hi - lo:
+            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {hi - lo}")
         total = send.reshape(-1).copy()
         self.all_reduce(total)
-        n = recv.size
-        recv.reshape(-1)[...] = total[self.rank * n:(self.rank + 1) * n]
+        recv.reshape(-1)[...] = total[lo:hi]
 
-    def all_gather(self, send, recv) -> None:
-        n, out = send.size, recv.reshape(-1)
-        block = out[self.process_rank * self.local_world * n:(self.process_rank + 1) * self.local_world * n]
-        self.local.all_gather(send, block)  # this process's ranks are contiguous in the global order
+    def all_gather(self, send, recv, counts=None) -> None:
+        out, procs, per = recv.reshape(-1), self.inter.world_size, self.local_world
+        offsets = share_offsets(out.size, self.world_size, counts)
+        first, last = self.process_rank * per, (self.process_rank + 1) * per
+        block = out[offsets[first]:offsets[last]]  # this process's ranks are contiguous in the global order
+        if counts is None:
+            self.local.all_gather(send, block)
+        else:  # unequal shares need the thread communicator's counts too
+            self.local.all_gather(send, block, [offsets[r + 1] - offsets[r] for r in range(first, last)])
         if self.leader:
-            self.inter.all_gather(block.copy(), out)
+            per_process = [offsets[(q + 1) * per] - offsets[q * per] for q in range(procs)]
+            self.inter.all_gather(block.copy(), out, None if counts is None else per_process)
         self.local.broadcast(out, root=0)
 
     def broadcast(self, buf, root: int = 0) -> None:

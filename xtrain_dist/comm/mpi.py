@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import XtrainError
 from . import CommAborted
 from .local import _chunk
+from .shares import share_offsets
 
 
 def mpi_module():
@@ -109,19 +110,35 @@ class MpiCommunicator:
         flat[lo:lo + mine] = total
         self._wait(self.comm.Iallgatherv(self.MPI.IN_PLACE, [flat, (counts, offsets)]), "all_reduce")
 
-    def reduce_scatter(self, send, recv) -> None:
+    def reduce_scatter(self, send, recv, counts=None) -> None:
+        """recv = the rank-order sum of every rank's share `rank` of send (recv may be that share itself)."""
         self._check("reduce_scatter")
-        n, world = recv.size, self.world_size
-        copies = np.empty(world * n, _flat(send).dtype)
-        self._wait(self.comm.Ialltoall(_flat(send)[:world * n], copies), "reduce_scatter")
+        flat, world = _flat(send), self.world_size
+        offsets = share_offsets(flat.size, world, counts)
+        sizes = [offsets[r + 1] - offsets[r] for r in range(world)]
+        mine = sizes[self.rank]
+        if recv.size != mine:
+            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {mine}")
+        copies = np.empty(world * mine, flat.dtype)
+        self._wait(self.comm.Ialltoallv([flat, (sizes, offsets[:-1])],
+                                        [copies, ([mine] * world, [r * mine for r in range(world)])]),
+                   "reduce_scatter")
         out = _flat(recv)
-        out[...] = copies[:n]
+        out[...] = copies[:mine]
         for r in range(1, world):
-            out += copies[r * n:(r + 1) * n]
+            out += copies[r * mine:(r + 1) * mine]
 
-    def all_gather(self, send, recv) -> None:
+    def all_gather(self, send, recv, counts=None) -> None:
+        """recv's share r = rank r's send, for every r (send may be recv's own share)."""
         self._check("all_gather")
-        self._wait(self.comm.Iallgather(_flat(send), _flat(recv)), "all_gather")
+        out, world = _flat(recv), self.world_size
+        offsets = share_offsets(out.size, world, counts)
+        lo, hi = offsets[self.rank], offsets[self.rank + 1]
+        if send.size != hi - lo:
+            raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {hi - lo}")
+        out[lo:hi] = send.reshape(-1)  # then in place: MPI forbids a send buffer inside the receive buffer
+        sizes = [offsets[r + 1] - offsets[r] for r in range(world)]
+        self._wait(self.comm.Iallgatherv(self.MPI.IN_PLACE, [out, (sizes, offsets[:-1])]), "all_gather")
 
     def broadcast(self, buf, root: int = 0) -> None:
         self._check("broadcast")

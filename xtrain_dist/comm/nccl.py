@@ -34,6 +34,7 @@ import time
 
 from ..errors import XtrainError
 from . import CommAborted
+from .shares import share_offsets
 
 WATCHDOG_PERIOD_S = 0.2
 
@@ -201,17 +202,56 @@ class NcclCommunicator:
         self._run("all_reduce", lambda h: raw.all_reduce(ptr, ptr, buf.size, data_type, int(self.world.nccl.SUM),
                                                          h, s.ptr), s)
 
-    def reduce_scatter(self, send, recv, *, dtype: str | None = None, stream=None) -> None:
+    def reduce_scatter(self, send, recv, counts=None, *, dtype: str | None = None, stream=None) -> None:
+        """Equal shares: ncclReduceScatter; unequal ones (counts): one ncclReduce per rank to its owner,
+        in one group. recv may be send's own share (in place)."""
         data_type, s = self._args(send, dtype, stream)
-        raw = self.world.raw
-        self._run("reduce_scatter", lambda h: raw.reduce_scatter(send.data.ptr, recv.data.ptr, recv.size, data_type,
-                                                                 int(self.world.nccl.SUM), h, s.ptr), s)
+        offsets = share_offsets(send.size, self.world_size, counts)
+        sizes = [offsets[r + 1] - offsets[r] for r in range(self.world_size)]
+        if recv.size != sizes[self.rank]:
+            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {sizes[self.rank]}")
+        raw, nccl, item, sum_op = self.world.raw, self.world.nccl, send.dtype.itemsize, int(self.world.nccl.SUM)
 
-    def all_gather(self, send, recv, *, dtype: str | None = None, stream=None) -> None:
+        def call(h):
+            if counts is None:
+                return raw.reduce_scatter(send.data.ptr, recv.data.ptr, recv.size, data_type, sum_op, h, s.ptr)
+            nccl.group_start()
+            try:
+                for r, size in enumerate(sizes):
+                    if size:
+                        raw.reduce(send.data.ptr + offsets[r] * item, recv.data.ptr, size, data_type, sum_op, r,
+                                   h, s.ptr)
+            finally:
+                nccl.group_end()
+
+        self._run("reduce_scatter", call, s)
+
+    def all_gather(self, send, recv, counts=None, *, dtype: str | None = None, stream=None) -> None:
+        """Equal shares: ncclAllGather; unequal ones (counts): one ncclBroadcast per rank from its owner,
+        in one group. send may be recv's own share (in place)."""
         data_type, s = self._args(send, dtype, stream)
-        raw = self.world.raw
-        self._run("all_gather",
-                  lambda h: raw.all_gather(send.data.ptr, recv.data.ptr, send.size, data_type, h, s.ptr), s)
+        offsets = share_offsets(recv.size, self.world_size, counts)
+        sizes = [offsets[r + 1] - offsets[r] for r in range(self.world_size)]
+        if send.size != sizes[self.rank]:
+            raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {sizes[self.rank]}")
+        raw, nccl, cupy, item = self.world.raw, self.world.nccl, self.world.cupy, recv.dtype.itemsize
+        mine = recv.data.ptr + offsets[self.rank] * item
+
+        def call(h):
+            if counts is None:
+                return raw.all_gather(send.data.ptr, recv.data.ptr, send.size, data_type, h, s.ptr)
+            if send.data.ptr != mine and send.size:  # put this rank's share in place first, in stream order
+                cupy.cuda.runtime.memcpyAsync(mine, send.data.ptr, send.size * item, 3, s.ptr)  # 3: device to device
+            nccl.group_start()
+            try:
+                for r, size in enumerate(sizes):
+                    if size:
+                        share = recv.data.ptr + offsets[r] * item
+                        raw.broadcast(share, share, size, data_type, r, h, s.ptr)
+            finally:
+                nccl.group_end()
+
+        self._run("all_gather", call, s)
 
     def broadcast(self, buf, root: int = 0, *, dtype: str | None = None, stream=None) -> None:
         data_type, s = self._args(buf, dtype, stream)

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import CommAborted
 from .rendezvous import close_all
+from .shares import share_offsets
 
 _HEADER = struct.Struct("!BIQ")  # operation, sequence number, payload bytes
 _OPS = {1: "all_reduce", 2: "all_gather", 3: "broadcast", 4: "barrier"}
@@ -103,25 +104,33 @@ class TcpCommunicator:
             self._send(0, "all_reduce", flat)
             self._recv(0, "all_reduce", flat)
 
-    def reduce_scatter(self, send, recv) -> None:
+    def reduce_scatter(self, send, recv, counts=None) -> None:
+        """One all-reduce of a copy, then this rank's share (send itself is left as it was)."""
+        offsets = share_offsets(send.size, self.world_size, counts)
+        lo, hi = offsets[self.rank], offsets[self.rank + 1]
+        if recv.size != hi - lo:
+            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {hi - lo}")
         total = _flat(send).copy()
         self.all_reduce(total)
-        n = recv.size
-        _flat(recv)[...] = total[self.rank * n:(self.rank + 1) * n]
+        _flat(recv)[...] = total[lo:hi]
 
-    def all_gather(self, send, recv) -> None:
+    def all_gather(self, send, recv, counts=None) -> None:
+        out = _flat(recv)
+        offsets = share_offsets(out.size, self.world_size, counts)
+        lo, hi = offsets[self.rank], offsets[self.rank + 1]
+        if send.size != hi - lo:
+            raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {hi - lo}")
         self._begin("all_gather")
-        n, out = send.size, _flat(recv)
-        out[self.rank * n:(self.rank + 1) * n] = send.reshape(-1)
+        out[lo:hi] = send.reshape(-1)  # a no-op when send is recv's own share
         if self.world_size == 1:
             return
         if self.rank == 0:
             for peer in range(1, self.world_size):
-                self._recv(peer, "all_gather", out[peer * n:(peer + 1) * n])
+                self._recv(peer, "all_gather", out[offsets[peer]:offsets[peer + 1]])
             for peer in range(1, self.world_size):
                 self._send(peer, "all_gather", out)
         else:
-            self._send(0, "all_gather", send)
+            self._send(0, "all_gather", out[lo:hi])
             self._recv(0, "all_gather", out)
 
     def broadcast(self, buf, root: int = 0) -> None:
