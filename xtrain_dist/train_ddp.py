@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from .backend import BACKENDS
+from .backend import BACKENDS, rank_device
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from .ddp import STRATEGIES
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=1.0, help="global norm clip; 0 disables")
     p.add_argument("--grad-sync", choices=list(STRATEGIES), default="flat")
     p.add_argument("--comm-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
+    p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
     p.add_argument("--cpu-threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", default=None, help="write a JSON report here")
     p.add_argument("--log-every", type=int, default=1)
@@ -88,7 +89,8 @@ def parse_config(argv) -> TrainConfig:
         model=args.model, backend=args.backend, world_size=args.world_size, seed=args.seed,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_sync=args.grad_sync,
-        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, report=args.report, log_every=args.log_every,
+        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
+        report=args.report, log_every=args.log_every,
     ).resolved()
 
 
@@ -110,16 +112,15 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
     """Run a whole training job in this process and return its report (a JSON-ready dict)."""
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus)
     check_config(cfg, corpus)
-    # the backend is checked before any thread starts, so a missing CUDA is one clean line
-    if cfg.backend == "cuda":
-        from .backend import get_backend
-        get_backend("cuda", 0)
+    # devices are checked before any thread starts, so a missing CUDA is one clean line
+    devices = [rank_device(cfg.backend, rank) for rank in range(cfg.world_size)]
+    where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
     log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, "
-        f"{cfg.world_size} rank(s), batch {cfg.batch} x {cfg.seq} tokens")
+        f"{cfg.world_size} rank(s){where}, batch {cfg.batch} x {cfg.seq} tokens")
     t0 = time.perf_counter()
     with threadpool_limits(cfg.cpu_threads or cpu_threads_per_rank(cfg.world_size), user_api="blas"):
         results = run_thread_ranks(
-            cfg.world_size, lambda rank, comm: train_rank(rank, comm, cfg, corpus, device=None, log=log),
+            cfg.world_size, lambda rank, comm: train_rank(rank, comm, cfg, corpus, device=devices[rank], log=log),
             timeout_s=cfg.comm_timeout_s)
     wall = time.perf_counter() - t0
     lead = results[0]
