@@ -373,8 +373,43 @@ def test_tiny_model_trains_the_same_for_a_few_steps(be, rng):
 
 # ---------------------------------------------------------------------------- data parallel
 
-@pytest.mark.skip(reason="TODO: DDP on 2 virtual ranks, once the training API (train_rank, GradSync) exists")
-def test_ddp_two_virtual_ranks_match_single_rank():
-    """TODO: two rank threads sharing device 0 (each with its own CudaBackend and stream), each taking
-    half of the global batch, all-reduce through the local communicator; after a few steps the
-    parameters equal a world-1 run on the whole batch (up to the all-reduce's summation order)."""
+# ---------------------------------------------------------------------------- training on the GPU
+
+def _train(**kw):
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.train_ddp import train
+
+    corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    cfg = TrainConfig(**{"steps": 10, "batch": 8, "seq": 64, "model": "tiny", "seed": 3, **kw}).resolved()
+    return train(cfg, corpus, log=lambda line: None)
+
+
+def test_ddp_two_virtual_ranks_match_single_rank_and_numpy():
+    """Two rank threads share device 0, each with its own CudaBackend and stream, reducing through the
+    in-process communicator: they follow the 1-rank CUDA run and the numpy run, with identical bits."""
+    one = _train(backend="cuda", world_size=1)
+    two = _train(backend="cuda", world_size=2)
+    reference = _train(backend="numpy", world_size=1)
+    for run in (two, reference):
+        worst = np.max(np.abs(np.array(run["losses"]) - one["losses"]) / np.array(one["losses"]))
+        assert worst < 1e-3, worst
+    assert len(two["param_sha256"]) == 2 and len(set(two["param_sha256"])) == 1
+
+
+def test_cuda_training_is_bitwise_reproducible():
+    first, second = _train(backend="cuda", world_size=2, steps=5), _train(backend="cuda", world_size=2, steps=5)
+    assert first["param_sha256"] == second["param_sha256"]
+    assert first["losses"] == second["losses"]
+
+
+def test_the_command_line_trains_on_the_gpu():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "40", "8", "64", "--backend", "cuda",
+                          "--model", "tiny"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in out.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 40 and np.mean(losses[-5:]) < losses[0] - 0.5

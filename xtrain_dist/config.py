@@ -65,6 +65,7 @@ class TrainConfig:
     grad_sync: str = "flat"
     comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
     cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default cores / ranks
+    tf32: bool = False              # cuda backend: TF32 tensor-core matmuls (fp32 storage)
     # processes and launchers (see launch_env.py and comm/world.py); world_size above counts every rank
     # of the job: processes x rank threads per process
     comm: str = "auto"                  # auto | local | mpi | tcp | nccl

@@ -32,7 +32,7 @@ def param_sha256(model) -> str:
 
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
                log=print) -> RankResult:
-    backend = get_backend(cfg.backend, device)
+    backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32)
     model = GPT2(model_config(cfg.model, corpus.vocab_size), backend, seed=cfg.seed)
     optimizer = AdamW(model, cfg)
     grad_sync = make_grad_sync(cfg.grad_sync, comm, model)

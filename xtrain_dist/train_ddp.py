@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from .backend import BACKENDS
+from .backend import BACKENDS, rank_device
 from .comm.world import choose_engine, config_fingerprint, open_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -66,12 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=1.0, help="global norm clip; 0 disables")
     p.add_argument("--grad-sync", choices=list(STRATEGIES), default="flat")
     p.add_argument("--comm-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
+    p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
     p.add_argument("--cpu-threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", default=None, help="write a JSON report here")
     p.add_argument("--log-every", type=int, default=1)
     procs = p.add_argument_group("processes and launchers (torchrun, srun, mpirun)")
-    procs.add_argument("--comm", default="auto", help="auto | local | mpi | tcp | nccl (default: local threads in "
-                       "one process, mpi under mpirun, tcp under torchrun/srun, nccl with --backend cuda)")
+    procs.add_argument("--comm", default="auto", help="auto | local | mpi | tcp | nccl (default: local in one process; "
+                       "across processes nccl with --backend cuda, else mpi under mpirun, tcp under torchrun/srun)")
     procs.add_argument("--rdzv-bind", metavar="HOST[:PORT]", default=None,
                        help="address rank 0's rendezvous listens on (default: the advertised address)")
     procs.add_argument("--rdzv-advertise", metavar="HOST:PORT", default=None,
@@ -100,7 +101,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         model=args.model, backend=args.backend, world_size=world_size, seed=args.seed,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_sync=args.grad_sync,
-        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, report=args.report, log_every=args.log_every,
+        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
+        report=args.report, log_every=args.log_every,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=args.rdzv_timeout,
     ).resolved()
@@ -134,19 +136,20 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     engine = choose_engine(cfg.comm, cfg.backend, launch)
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus)
     check_config(cfg, corpus)
-    # the backend is checked before any thread starts, so a missing CUDA is one clean line
-    devices = [None] * local_world
-    if cfg.backend == "cuda":
-        from .backend import get_backend
+    # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
+    # take a GPU each (the process's slice of its node's GPUs); thread ranks of one process take the
+    # visible GPUs in turn, several virtual ranks sharing one when the world is larger
+    if engine == "nccl":
+        from .backend.cuda_ops import device_count
         from .launch_env import gpu_for
-        visible = get_backend("cuda", 0).xp.cuda.runtime.getDeviceCount()
-        devices = [gpu_for(launch, local_world, local, visible) for local in range(local_world)]
-    lead_process = launch.process_rank == 0
-    if lead_process:
+        devices = [gpu_for(launch, local_world, local, device_count()) for local in range(local_world)]
+    else:
+        devices = [rank_device(cfg.backend, local) for local in range(local_world)]
+    if launch.process_rank == 0:
+        where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
+        processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
         log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, "
-            f"{cfg.world_size} rank(s)" + (f" in {launch.num_processes} processes ({launch.kind}, {engine})"
-                                          if launch.multi_process else "")
-            + f", batch {cfg.batch} x {cfg.seq} tokens")
+            f"{cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
     fingerprint = config_fingerprint({k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS})
     world = open_world(engine, launch=launch, local_world=local_world, timeout_s=cfg.comm_timeout_s,
                        rdzv_bind=cfg.rdzv_bind, rdzv_advertise=cfg.rdzv_advertise, rdzv_timeout_s=cfg.rdzv_timeout_s,

@@ -2,7 +2,7 @@
 
 get_backend returns an object whose attributes are the ops plus `xp` (the array module), `name`,
 `to_host`, `from_host` and `synchronize`. Asking for CUDA where it is missing is an error, never a
-quiet CPU run.
+quiet CPU run (cuda_ops raises XtrainError with the reason: no CuPy, no device, a bad device id).
 """
 
 from ..errors import XtrainError
@@ -10,14 +10,20 @@ from ..errors import XtrainError
 BACKENDS = ("numpy", "cuda")
 
 
-def get_backend(name: str, device: int | None = None):
+def get_backend(name: str, device: int | None = None, allow_tf32: bool = False):
     if name == "numpy":
         from . import numpy_ops
         return numpy_ops
     if name == "cuda":
-        try:
-            from . import cuda_ops
-        except ImportError as e:
-            raise XtrainError(f"--backend cuda needs CuPy: {e} (pip install 'xtrain-dist[cuda]')") from None
-        return cuda_ops.CudaBackend(0 if device is None else device)
+        from . import cuda_ops
+        return cuda_ops.CudaBackend(0 if device is None else device, allow_tf32=allow_tf32)
     raise XtrainError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
+
+
+def rank_device(name: str, local_rank: int) -> int | None:
+    """The device a rank thread binds: local ranks take the visible GPUs in turn, so a world larger
+    than the GPU count puts several virtual ranks (each with its own stream) on one GPU."""
+    if name != "cuda":
+        return None
+    from . import cuda_ops
+    return local_rank % cuda_ops.device_count()

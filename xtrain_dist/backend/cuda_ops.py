@@ -169,6 +169,21 @@ def _f32(*arrays) -> None:
 
 # ---------------------------------------------------------------------------- the backend
 
+def device_count() -> int:
+    """How many CUDA devices this process sees; XtrainError if CuPy or a device is missing."""
+    if cupy is None:
+        raise XtrainError(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} (pip install 'xtrain-dist[cuda]')")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible}): {e}") \
+            from None
+    if count == 0:
+        raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible})")
+    return count
+
+
 class CudaBackend:
     """numpy_ops on one CUDA device, on one stream owned by the calling (rank) thread."""
 
@@ -177,16 +192,7 @@ class CudaBackend:
     GELU_SCALE = numpy_ops.GELU_SCALE
 
     def __init__(self, device: int, allow_tf32: bool = False):
-        if cupy is None:
-            raise XtrainError(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} (pip install 'xtrain-dist[cuda]')")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
-        try:
-            count = cupy.cuda.runtime.getDeviceCount()
-        except cupy.cuda.runtime.CUDARuntimeError as e:
-            raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible}): {e}") \
-                from None
-        if count == 0:
-            raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible})")
+        count = device_count()
         if not 0 <= device < count:
             raise XtrainError(f"--backend cuda: device {device} does not exist ({count} visible)")
 

@@ -20,14 +20,15 @@ ENGINES = ("auto", "local", "mpi", "tcp", "nccl")
 
 
 def choose_engine(name: str, backend: str, launch: Launch) -> str:
-    """'auto' -> threads in one process, NCCL for GPU buffers, MPI under mpirun, TCP otherwise."""
+    """'auto' -> the thread communicator in one process (where GPU ranks may share a GPU: virtual
+    ranks); across processes NCCL for GPU buffers, else MPI under mpirun and TCP otherwise."""
     if name not in ENGINES:
         raise XtrainError(f"unknown --comm '{name}' (choose from {', '.join(ENGINES)})")
     if name == "auto":
-        if backend == "cuda":
-            name = "nccl"
-        elif not launch.multi_process:
+        if not launch.multi_process:
             name = "local"
+        elif backend == "cuda":
+            name = "nccl"
         else:
             name = "mpi" if launch.kind == "mpirun" else "tcp"
     if name == "local" and launch.multi_process:
