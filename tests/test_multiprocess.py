@@ -23,6 +23,8 @@ from xtrain_dist.train_ddp import train
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "collectives_worker.py"
+# this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 MPIRUN = Path(sys.executable).parent / "mpirun"
 needs_mpi = pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
 STEPS, BATCH, SEQ, SEED = 6, 8, 32, 7
@@ -33,7 +35,7 @@ def env(**extra):
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_", "MPI_LOCAL"))
              and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return {**clean, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
+    return {**clean, "PYTHONPATH": PYTHONPATH, "PYTHONUNBUFFERED": "1", **extra}
 
 
 def run(cmd, timeout=240, **kw):

@@ -41,6 +41,8 @@ from xtrain_dist.launch import run_thread_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "nccl_worker.py"
+# this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def has_cuda_backend():
@@ -61,7 +63,7 @@ def two_processes(args, port, **extra):
     """Two processes on GPU 0, told apart as two hosts by NCCL_HOSTID."""
     procs = []
     for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+        env = {**os.environ, "PYTHONPATH": PYTHONPATH, "PYTHONUNBUFFERED": "1", "RANK": str(rank), "WORLD_SIZE": "2",
                "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "NCCL_HOSTID": f"xtrain-test-host-{rank}", "CUDA_VISIBLE_DEVICES": os.environ.get(
                    "CUDA_VISIBLE_DEVICES", "0").split(",")[0], **extra}

@@ -17,6 +17,8 @@ from xtrain_dist.comm.rendezvous import RendezvousServer, join
 from xtrain_dist.errors import XtrainError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 # One participant. Rank 0 prints the port it listens on, then every rank prints what it received.
 PARTICIPANT = r"""
@@ -44,7 +46,7 @@ except XtrainError as e:
 
 
 def start(rank, world, port, timeout=60, fingerprint="cfg", token=None):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     env.pop("XTRAIN_RDZV_TOKEN", None)
     if token is not None:
         env["XTRAIN_RDZV_TOKEN"] = token
