@@ -66,6 +66,12 @@ class TrainConfig:
     comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
     cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default cores / ranks
     tf32: bool = False              # cuda backend: TF32 tensor-core matmuls (fp32 storage)
+    # processes and launchers (see launch_env.py and comm/world.py); world_size above counts every rank
+    # of the job: processes x rank threads per process
+    comm: str = "auto"                  # auto | local | mpi | tcp | nccl
+    rdzv_bind: str | None = None        # HOST[:PORT] rank 0's rendezvous listens on (default: the advertised one)
+    rdzv_advertise: str | None = None   # HOST:PORT the other processes connect to (default MASTER_ADDR:MASTER_PORT)
+    rdzv_timeout_s: float = 300.0       # how long processes wait for each other at the start
     # output
     report: str | None = None
     log_every: int = 1

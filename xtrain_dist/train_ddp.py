@@ -17,11 +17,13 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from .backend import BACKENDS, rank_device
+from .comm.world import choose_engine, config_fingerprint, open_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from .ddp import STRATEGIES
 from .errors import XtrainError
 from .launch import RankFailed, run_thread_ranks
+from .launch_env import Launch, detect_launch, local_world_for
 from .train import train_rank
 
 PROG = "train_ddp"
@@ -52,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("tokenizer", metavar="TOKENIZER", nargs="?", help=f"tokenizer.json (default {DEFAULT_TOKENIZER})")
     p.add_argument("corpus", metavar="CORPUS", nargs="?", help=f"UTF-8 text (default {DEFAULT_CORPUS})")
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
-    p.add_argument("--world-size", type=int, default=1, help="number of ranks (threads)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -67,17 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", default=None, help="write a JSON report here")
     p.add_argument("--log-every", type=int, default=1)
+    procs = p.add_argument_group("processes and launchers (torchrun, srun, mpirun)")
+    procs.add_argument("--comm", default="auto", help="auto | local | mpi | tcp | nccl (default: local in one process; "
+                       "across processes nccl with --backend cuda, else mpi under mpirun, tcp under torchrun/srun)")
+    procs.add_argument("--rdzv-bind", metavar="HOST[:PORT]", default=None,
+                       help="address rank 0's rendezvous listens on (default: the advertised address)")
+    procs.add_argument("--rdzv-advertise", metavar="HOST:PORT", default=None,
+                       help="address the other processes connect to (default MASTER_ADDR:MASTER_PORT; "
+                            "MASTER_PORT+1 under torchrun, whose agent holds MASTER_PORT)")
+    procs.add_argument("--rdzv-timeout", type=float, default=300.0, help="seconds processes wait for each other")
     return p
 
 
-def parse_config(argv) -> TrainConfig:
+def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     args = build_parser().parse_args(argv)
     if (args.tokenizer is None) != (args.corpus is None):
         raise XtrainError("give both TOKENIZER and CORPUS, or neither (for the shipped data)")
-    if args.world_size < 1:
-        raise XtrainError(f"--world-size must be at least 1, got {args.world_size}")
-    if args.batch < args.world_size:
-        raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({args.world_size}): "
+    launch = launch or detect_launch()
+    world_size = launch.num_processes * local_world_for(launch, args.world_size)
+    if args.batch < world_size:
+        raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({world_size}): "
                           "every rank needs a sequence")
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise XtrainError(f"--cpu-threads must be at least 1, got {args.cpu_threads}")
@@ -86,11 +98,13 @@ def parse_config(argv) -> TrainConfig:
     return TrainConfig(
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
-        model=args.model, backend=args.backend, world_size=args.world_size, seed=args.seed,
+        model=args.model, backend=args.backend, world_size=world_size, seed=args.seed,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_sync=args.grad_sync,
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
         report=args.report, log_every=args.log_every,
+        comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
+        rdzv_timeout_s=args.rdzv_timeout,
     ).resolved()
 
 
@@ -102,27 +116,65 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     corpus.check_seq(cfg.seq)
 
 
-def cpu_threads_per_rank(ranks_in_process: int) -> int:
-    """Share this process's cores among its rank threads: BLAS threads beyond that only spin."""
+def cpu_threads_per_rank(ranks_on_node: int) -> int:
+    """Share the cores among the rank threads of every process of the job on this node: BLAS threads
+    beyond that only spin."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // ranks_in_process)
+    return max(1, cores // ranks_on_node)
 
 
-def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
-    """Run a whole training job in this process and return its report (a JSON-ready dict)."""
+# what every process of a run must agree on; paths and addresses may differ from node to node
+_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "report", "log_every", "rdzv_bind", "rdzv_advertise", "cpu_threads",
+                       "extra"}
+
+
+def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None) -> dict:
+    """Run this process's share of a training job (all of it without a launcher); return the report
+    (a JSON-ready dict; `process_rank` says whether this process is the one that writes it)."""
+    launch = launch or detect_launch()
+    local_world = local_world_for(launch, cfg.world_size)
+    engine = choose_engine(cfg.comm, cfg.backend, launch)
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus)
     check_config(cfg, corpus)
-    # devices are checked before any thread starts, so a missing CUDA is one clean line
-    devices = [rank_device(cfg.backend, rank) for rank in range(cfg.world_size)]
-    where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
-    log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, "
-        f"{cfg.world_size} rank(s){where}, batch {cfg.batch} x {cfg.seq} tokens")
+    # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
+    # take a GPU each (the process's slice of its node's GPUs); thread ranks of one process take the
+    # visible GPUs in turn, several virtual ranks sharing one when the world is larger
+    if engine == "nccl":
+        from .backend.cuda_ops import device_count
+        from .launch_env import gpu_for
+        devices = [gpu_for(launch, local_world, local, device_count()) for local in range(local_world)]
+    else:
+        devices = [rank_device(cfg.backend, local) for local in range(local_world)]
+    if launch.process_rank == 0:
+        where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
+        processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
+        log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, "
+            f"{cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
+    fingerprint = config_fingerprint({k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS})
+    world = open_world(engine, launch=launch, local_world=local_world, timeout_s=cfg.comm_timeout_s,
+                       rdzv_bind=cfg.rdzv_bind, rdzv_advertise=cfg.rdzv_advertise, rdzv_timeout_s=cfg.rdzv_timeout_s,
+                       fingerprint=fingerprint, devices=None if cfg.backend != "cuda" else devices,
+                       log=lambda line: print(f"{PROG}: {line}", file=sys.stderr))
+
+    def rank_fn(local, comm):
+        result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log)
+        return result, all_param_digests(comm, result.param_sha256, cfg.backend)
+
     t0 = time.perf_counter()
-    with threadpool_limits(cfg.cpu_threads or cpu_threads_per_rank(cfg.world_size), user_api="blas"):
-        results = run_thread_ranks(
-            cfg.world_size, lambda rank, comm: train_rank(rank, comm, cfg, corpus, device=devices[rank], log=log),
-            timeout_s=cfg.comm_timeout_s)
+    try:
+        with threadpool_limits(cfg.cpu_threads or cpu_threads_per_rank(local_world * launch.local_processes),
+                               user_api="blas"):
+            outcomes = run_thread_ranks(local_world, rank_fn, timeout_s=cfg.comm_timeout_s, group=world)
+    except RankFailed as e:
+        world.abort("another process failed")  # peers learn at once (TCP: closed sockets; NCCL: aborted comms)
+        raise RankFailed(world.global_rank(e.rank), e.error) from None
+    except BaseException:
+        world.abort("another process failed")
+        raise
+    finally:
+        world.close()
     wall = time.perf_counter() - t0
+    results = [result for result, _ in outcomes]
     lead = results[0]
     timed = lead.step_ms[1:] or lead.step_ms  # the first step pays for warm-up
     ms = float(np.mean(timed))
@@ -130,6 +182,9 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
         "config": cfg.to_dict(),
         "model": {"preset": cfg.model, **vars(model_config(cfg.model, corpus.vocab_size)),
                   "num_params": lead.num_params},
+        "launch": {"kind": launch.kind, "processes": launch.num_processes, "threads_per_process": local_world,
+                   "comm": engine},
+        "process_rank": launch.process_rank,
         "losses": lead.losses,
         "grad_norms": lead.grad_norms,
         "lrs": lead.lrs,
@@ -137,9 +192,23 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
         "ms_per_step": ms,
         "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
         "wall_s": wall,
-        "param_sha256": [r.param_sha256 for r in results],
+        "param_sha256": outcomes[0][1],  # every rank of the job, in rank order
         "optimizer_state_bytes": [r.optimizer_state_bytes for r in results],
     }
+
+
+def all_param_digests(comm, digest_hex: str, backend: str) -> list[str]:
+    """Every rank's parameter digest, gathered through the communicator (so across processes too).
+    Called on the rank's thread: with CUDA, on its device and stream."""
+    if backend == "cuda":
+        import cupy as xp
+    else:
+        xp = np
+    mine = xp.asarray(np.frombuffer(bytes.fromhex(digest_hex), np.uint8))
+    everyone = xp.empty(32 * comm.world_size, np.uint8)
+    comm.all_gather(mine, everyone)
+    raw = (everyone.get() if hasattr(everyone, "get") else everyone).tobytes()
+    return [raw[i:i + 32].hex() for i in range(0, len(raw), 32)]
 
 
 def write_json_atomic(path: str, data: dict) -> None:
@@ -151,9 +220,20 @@ def write_json_atomic(path: str, data: dict) -> None:
 
 
 def main(argv=None) -> int:
+    code = _main(argv)
+    if code:
+        # under mpirun a process that gives up must take the job with it, or its peers wait in MPI
+        from .comm.mpi import abort_job
+        abort_job(code)
+    return code
+
+
+def _main(argv=None) -> int:
     try:
         cfg = parse_config(sys.argv[1:] if argv is None else argv)
         report = train(cfg)
+        if report["process_rank"] != 0:  # one process writes and reports for the job
+            return 0
         if cfg.report:
             write_json_atomic(cfg.report, report)
         print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}, "

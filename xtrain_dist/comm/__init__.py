@@ -1,8 +1,11 @@
 """Communicators: the collectives data parallelism needs, behind one protocol.
 
 Implementations: `local` (ranks are threads of this process; numpy or CuPy buffers), and, for
-several processes, NCCL (GPU buffers) and MPI (host buffers). Every collective is in place or into a
-caller's buffer, a sum where it reduces, and gives every rank the same bits.
+several processes, `mpi` (host buffers, mpi4py), `tcp` (host buffers, sockets to rank 0), `nccl` (GPU
+buffers, nccl4py) and `hybrid` (rank threads inside processes); `world.open_world` picks and joins one.
+Every collective is in place or into a caller's buffer, a sum where it reduces, and gives every rank
+the same bits. All but NCCL return when the result is in place; NCCL's are enqueued on the rank's
+stream (stream order makes them visible) and `synchronize()` waits for them on the host.
 """
 
 from typing import Protocol

@@ -1,0 +1,302 @@
+"""Several processes on real engines: mpirun (MPICH from the `mpi` extra), torchrun, and torchrun-style
+launches by hand (TCP). Training matches world 1 and keeps every rank's parameters bitwise equal; the
+collectives are rank-order sums whatever MPI's own algorithm; a killed or failing process ends the job
+with a non-zero exit, never a hang. Every subprocess has a hard deadline, so nothing here can hang CI."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xtrain_dist.config import TrainConfig
+from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.train_ddp import train
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "collectives_worker.py"
+# this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+MPIRUN = Path(sys.executable).parent / "mpirun"
+needs_mpi = pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+STEPS, BATCH, SEQ, SEED = 6, 8, 32, 7
+TRAIN_ARGS = [str(STEPS), str(BATCH), str(SEQ), "--seed", str(SEED), "--log-every", "100"]
+
+
+def env(**extra):
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_", "MPI_LOCAL"))
+             and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {**clean, "PYTHONPATH": PYTHONPATH, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def run(cmd, timeout=240, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env(**kw))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def oks(stdout):
+    """(rank, digest) of every 'OK rank digest' a worker printed."""
+    return re.findall(r"\bOK (\d+) ([0-9a-f]{64})", stdout)
+
+
+def torchrun_style(rank, world, port, args, **kw):
+    """One process as torchrun would start it (the variables, without torchrun itself)."""
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True,
+                            env=env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **kw))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """World 1 and world 2 in one process, thread ranks: what every multi-process run is compared with."""
+    corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+    def job(world):
+        cfg = TrainConfig(steps=STEPS, batch=BATCH, seq=SEQ, seed=SEED, world_size=world).resolved()
+        return train(cfg, corpus, log=lambda line: None)
+
+    return {1: job(1), 2: job(2)}
+
+
+def assert_matches(report, reference, world):
+    assert len(report["param_sha256"]) == world
+    assert len(set(report["param_sha256"])) == 1, "ranks hold different parameters"
+    a, b = np.array(report["losses"]), np.array(reference[1]["losses"])
+    assert np.max(np.abs(a - b) / np.abs(b)) <= 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+@needs_mpi
+@pytest.mark.parametrize("algorithm", [None, "ring"])
+def test_mpi_all_reduce_is_the_rank_order_sum_whatever_mpich_picks(algorithm):
+    """With MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring, MPICH's own MPI_Allreduce differs from the
+    rank-order sum in about a fifth of the elements (3 ranks, 1000 floats); ours must not move."""
+    extra = {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": algorithm} if algorithm else {}
+    out = run([str(MPIRUN), "-n", "3", sys.executable, str(WORKER), "mpi"], **extra)
+    assert out.returncode == 0, out.stderr
+    reports = sorted(oks(out.stdout))  # mpirun forwards the ranks' output in chunks, lines may interleave
+    assert [rank for rank, _ in reports] == ["0", "1", "2"]
+    assert len({digest for _, digest in reports}) == 1  # every rank received the same bits
+
+
+@needs_mpi
+def test_mpi_processes_with_rank_threads():
+    out = run([str(MPIRUN), "-n", "2", sys.executable, str(WORKER), "mpi", "2"])
+    assert out.returncode == 0, out.stderr
+    assert len(re.findall(r"\bOK \d( [0-9a-f]{64}){2}", out.stdout)) == 2
+    assert len(set(re.findall(r"[0-9a-f]{64}", out.stdout))) == 1
+
+
+def test_tcp_collectives_between_three_processes():
+    port = free_port()
+    procs = [torchrun_style(r, 3, port, [str(WORKER), "tcp"]) for r in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outs]
+    assert len({out.split()[2] for out, _ in outs}) == 1
+
+
+# ---------------------------------------------------------------------------------------------- training
+@needs_mpi
+def test_mpirun_trains_like_world1_with_bitwise_equal_ranks(tmp_path, reference):
+    report = tmp_path / "mpi.json"
+    out = run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", *TRAIN_ARGS,
+               "--report", str(report)])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("done:") == 1  # one process reports for the job
+    data = json.loads(report.read_text())
+    assert data["launch"] == {"kind": "mpirun", "processes": 2, "threads_per_process": 1, "comm": "mpi"}
+    assert_matches(data, reference, 2)
+    # the same rank-order sums as two thread ranks in one process: the same bits
+    assert data["param_sha256"] == reference[2]["param_sha256"]
+
+
+@needs_mpi
+def test_mpirun_with_two_rank_threads_per_process(tmp_path, reference):
+    report = tmp_path / "hybrid.json"
+    out = run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", *TRAIN_ARGS,
+               "--world-size", "4", "--report", str(report)])
+    assert out.returncode == 0, out.stderr
+    data = json.loads(report.read_text())
+    assert data["launch"]["threads_per_process"] == 2
+    assert_matches(data, reference, 4)
+
+
+def test_torchrun_style_processes_train_over_tcp(tmp_path, reference):
+    report = tmp_path / "tcp.json"
+    port = free_port()
+    args = ["-m", "xtrain_dist.train_ddp", *TRAIN_ARGS, "--report", str(report)]
+    procs = [torchrun_style(r, 2, port, args) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    data = json.loads(report.read_text())
+    assert data["launch"]["comm"] == "tcp"
+    assert_matches(data, reference, 2)
+    assert data["param_sha256"] == reference[2]["param_sha256"]
+
+
+def test_real_torchrun(tmp_path, reference):
+    pytest.importorskip("torch.distributed.run", reason="torch is not installed")
+    report = tmp_path / "torchrun.json"
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port",
+               str(free_port()), "-m", "xtrain_dist.train_ddp", *TRAIN_ARGS, "--report", str(report)])
+    assert out.returncode == 0, out.stderr
+    data = json.loads(report.read_text())
+    assert data["launch"] == {"kind": "torchrun", "processes": 2, "threads_per_process": 1, "comm": "tcp"}
+    assert data["param_sha256"] == reference[2]["param_sha256"]
+
+
+# ---------------------------------------------------------------------------------------------- failure
+def _wait_for_progress(proc, deadline_s=180):
+    """Read rank 0's progress lines until training is under way."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if line.startswith("step ") and not line.startswith("step     1/"):
+            return
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"training never got going: {proc.stderr.read()}")
+
+
+def _pids_with(marker: str, variable: str, value: str) -> list[int]:
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            entries = environ.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"XTRAIN_TEST_RUN={marker}".encode() in entries and f"{variable}={value}".encode() in entries:
+            pids.append(int(environ.parent.name))
+    return pids
+
+
+def _ends_within(proc, seconds):
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"still running {seconds} s after its peer died") from None
+    return time.monotonic() - t0
+
+
+@needs_mpi
+def test_a_killed_process_ends_the_mpi_job():
+    marker = uuid.uuid4().hex
+    job = subprocess.Popen([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "5000", "8", "32",
+                            "--comm-timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=ROOT, env=env(XTRAIN_TEST_RUN=marker), start_new_session=True)
+    try:
+        _wait_for_progress(job)
+        victims = _pids_with(marker, "PMI_RANK", "1")
+        assert len(victims) == 1, victims
+        os.kill(victims[0], signal.SIGKILL)
+        _ends_within(job, 30)
+        assert job.returncode != 0
+        end = time.monotonic() + 10  # the launcher's clean-up may take a moment past its own exit
+        while _pids_with(marker, "PMI_RANK", "0") and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not _pids_with(marker, "PMI_RANK", "0"), "rank 0 outlived the job"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_killed_process_ends_its_tcp_peer(victim):
+    port = free_port()
+    args = ["-m", "xtrain_dist.train_ddp", "5000", "8", "32", "--comm-timeout", "60"]
+    procs = [torchrun_style(r, 2, port, args) for r in range(2)]
+    try:
+        _wait_for_progress(procs[0])
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        survivor = procs[1 - victim]
+        _ends_within(survivor, 30)
+        _, err = survivor.communicate()
+        assert survivor.returncode == 1
+        assert err.strip().splitlines()[-1].startswith(
+            f"train_ddp: error: rank {1 - victim} failed: CommAborted: all_reduce aborted: the connection to rank "
+            f"{victim} broke in all_reduce")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+
+
+@needs_mpi
+def test_a_process_that_fails_ends_the_mpi_job(tmp_path):
+    """Rank 1 stops at its input (a missing tokenizer) while rank 0 enters the first collective: without
+    MPI_Abort rank 0 would wait there for its whole --comm-timeout (300 s)."""
+    missing = tmp_path / "missing.json"
+    command = [sys.executable, "-m", "xtrain_dist.train_ddp", "50", "8", "32"]
+    t0 = time.monotonic()
+    out = run([str(MPIRUN), "-n", "1", *command, ":", "-n", "1", *command, str(missing), str(DEFAULT_CORPUS)],
+              timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert out.returncode != 0
+    assert f"train_ddp: error: tokenizer '{missing}' not found" in out.stderr
+
+
+@needs_mpi
+def test_mpi_processes_with_different_command_lines_are_refused():
+    command = [sys.executable, "-m", "xtrain_dist.train_ddp", "5", "8", "32"]
+    out = run([str(MPIRUN), "-n", "1", *command, ":", "-n", "1", *command, "--seed", "8"], timeout=120)
+    assert out.returncode != 0
+    assert ("train_ddp: error: MPI rank(s) 1 were started with a different configuration than rank 0 "
+            "(another command line?)") in out.stderr
+
+
+def test_tcp_processes_with_different_command_lines_are_refused():
+    port = free_port()
+    base = ["-m", "xtrain_dist.train_ddp", "5", "8", "32", "--rdzv-timeout", "5"]
+    procs = [torchrun_style(0, 2, port, base), torchrun_style(1, 2, port, [*base, "--seed", "8"])]
+    (_, err0), (_, err1) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [2, 2]
+    assert err1.strip().splitlines()[-1] == (
+        f"train_ddp: error: rendezvous: rank 0 at 127.0.0.1:{port} refused rank 1: rank 1 was started with a "
+        "different configuration than rank 0 (another command line?)")
+    assert err0.strip().splitlines()[-1].startswith(
+        f"train_ddp: error: rendezvous at 127.0.0.1:{port}: only 1 of 2 processes joined within 5 s (missing rank 1)")
+
+
+def test_world_size_that_does_not_fit_the_launch_is_one_line():
+    out = run([sys.executable, "-m", "xtrain_dist.train_ddp", "5", "8", "32", "--world-size", "3"],
+              RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("train_ddp: error: --world-size 3 does not match the launch: torchrun started 2 "
+                                  "processes, and every process hosts the same number of rank threads, so the world "
+                                  "size must be a multiple of 2 (or omit it)")
+
+
+# ---------------------------------------------------------------------------------------------- no silent fallback
+def test_nccl_where_it_cannot_run_is_one_line():
+    out = run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "2", "16", "--comm", "nccl"])
+    assert out.returncode == 2
+    assert out.stderr.strip() == "train_ddp: error: --comm nccl reduces GPU buffers: it needs --backend cuda"
+
+
+def test_the_nccl_world_needs_nccl4py_and_a_gpu():
+    if Path("/dev/nvidia0").exists():
+        pytest.skip("this machine has a GPU")
+    from xtrain_dist.comm.world import open_world
+    from xtrain_dist.errors import XtrainError
+    with pytest.raises(XtrainError, match=r"^--comm nccl needs (CuPy|nccl4py|a CUDA GPU)"):
+        open_world("nccl", local_world=1)

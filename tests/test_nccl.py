@@ -1,0 +1,217 @@
+"""NCCL through nccl4py, on a GPU (skipped without one, or without CuPy/nccl4py).
+
+World 1 in this process; rank threads on several GPUs (when there are several); and two processes on
+one GPU. NCCL refuses two ranks on one device within one host, but processes with different
+NCCL_HOSTID values take each other for separate hosts and talk through NCCL's socket transport: the
+`hostid_probe` fixture first checks that this works on this machine and says plainly if it does not;
+the multi-process tests use it only then.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+pytest.importorskip("nccl.core", reason="nccl4py is not installed (pip install 'xtrain-dist[cuda]')")
+
+
+def _gpu_count():
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+GPUS = _gpu_count()
+if GPUS == 0:
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+from xtrain_dist.comm.world import open_world  # noqa: E402
+from xtrain_dist.launch import run_thread_ranks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "nccl_worker.py"
+# this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def has_cuda_backend():
+    try:
+        from xtrain_dist.backend import cuda_ops  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_processes(args, port, **extra):
+    """Two processes on GPU 0, told apart as two hosts by NCCL_HOSTID."""
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONPATH": PYTHONPATH, "PYTHONUNBUFFERED": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "NCCL_HOSTID": f"xtrain-test-host-{rank}", "CUDA_VISIBLE_DEVICES": os.environ.get(
+                   "CUDA_VISIBLE_DEVICES", "0").split(",")[0], **extra}
+        procs.append(subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=ROOT, env=env, start_new_session=True))
+    return procs
+
+
+def finish(procs, timeout=240):
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            outs.append(p.communicate())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def hostid_probe():
+    """(works, detail): does an all-reduce between two processes on one GPU with different NCCL_HOSTID work?"""
+    procs = two_processes([str(WORKER), "probe"], free_port(), NCCL_DEBUG="WARN")
+    outs = finish(procs, timeout=180)
+    works = all(p.returncode == 0 for p in procs) and all("OK probe" in out for out, _ in outs)
+    detail = "; ".join(f"rank {r}: exit {p.returncode}, {err.strip().splitlines()[-1] if err.strip() else ''}"
+                       for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)))
+    return works, detail
+
+
+def needs_hostid(probe):
+    works, detail = probe
+    if not works:
+        pytest.skip(f"two processes on one GPU with different NCCL_HOSTID do not work here: {detail}")
+
+
+# ---------------------------------------------------------------------------------------------- one process
+def test_world1_collectives_keep_the_bits():
+    world = open_world("nccl", local_world=1)
+    try:
+        comm = world.communicator(0)
+        x = cupy.asarray(np.random.default_rng(0).standard_normal(4099).astype(np.float32))
+        before = x.get().tobytes()
+        comm.all_reduce(x)
+        assert x.get().tobytes() == before  # a sum over one rank is the rank's own bits
+        bf = cupy.arange(100, dtype=cupy.uint16)
+        comm.all_reduce(bf, dtype="bf16")
+        assert bf.get().tolist() == list(range(100))
+        stream = cupy.cuda.Stream(non_blocking=True)
+        comm.all_reduce(x, stream=stream)
+        stream.synchronize()
+        assert x.get().tobytes() == before
+        out = cupy.empty(4099, cupy.float32)
+        comm.all_gather(x, out)
+        comm.reduce_scatter(x, out)
+        comm.broadcast(x, root=0)
+        comm.synchronize()
+        assert out.get().tobytes() == before
+    finally:
+        world.close()
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    world = open_world("nccl", local_world=1)
+    try:
+        with pytest.raises(ValueError, match="NCCL collectives here take float32, bfloat16, bf16"):
+            world.communicator(0).all_reduce(cupy.zeros(3, cupy.complex64))
+    finally:
+        world.close()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="one GPU: rank threads of one process need one GPU each")
+def test_rank_threads_on_several_gpus():
+    world = open_world("nccl", local_world=GPUS)
+
+    def body(local, comm):
+        with cupy.cuda.Device(comm.device):
+            x = cupy.asarray(np.random.default_rng([local]).standard_normal(1 << 20).astype(np.float32))
+            comm.all_reduce(x)
+            comm.synchronize()
+            return x.get()
+
+    out = run_thread_ranks(GPUS, body, group=world)
+    world.close()
+    expected = sum(np.random.default_rng([r]).standard_normal(1 << 20).astype(np.float32) for r in range(GPUS))
+    np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-5)
+    assert all(o.tobytes() == out[0].tobytes() for o in out)
+
+
+@pytest.mark.skipif(not has_cuda_backend(), reason="the CUDA backend (backend/cuda_ops.py) is not in this tree")
+def test_world1_training_over_nccl_has_the_bits_of_the_in_process_communicator():
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.train_ddp import train
+
+    def job(comm):
+        cfg = TrainConfig(steps=10, batch=8, seq=64, seed=3, backend="cuda", comm=comm).resolved()
+        return train(cfg, log=lambda line: None)
+
+    nccl, local = job("nccl"), job("local")
+    assert nccl["param_sha256"] == local["param_sha256"]
+    assert nccl["losses"] == local["losses"]
+
+
+# ---------------------------------------------------------------------------------------------- two processes
+def test_two_processes_on_one_gpu_with_distinct_nccl_hostid(hostid_probe):
+    """The check itself: reported as a skip with NCCL's last words when this machine does not allow it."""
+    needs_hostid(hostid_probe)
+
+
+def test_two_process_collectives_fp32_and_bf16(hostid_probe):
+    needs_hostid(hostid_probe)
+    procs = two_processes([str(WORKER), "collectives"], free_port())
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    received = [json.loads(out.split(" ", 3)[3]) for out, _ in outs]
+    assert received[0] == received[1]  # identical bits on both ranks
+
+
+@pytest.mark.skipif(not has_cuda_backend(), reason="the CUDA backend (backend/cuda_ops.py) is not in this tree")
+def test_two_process_ddp_matches_world1_with_bitwise_ranks(hostid_probe, tmp_path):
+    needs_hostid(hostid_probe)
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.train_ddp import train
+    world1 = train(TrainConfig(steps=10, batch=8, seq=64, seed=3, backend="cuda").resolved(), log=lambda line: None)
+    report = tmp_path / "nccl2.json"
+    procs = two_processes(["-m", "xtrain_dist.train_ddp", "10", "8", "64", "--seed", "3", "--backend", "cuda",
+                           "--report", str(report)], free_port())
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    data = json.loads(report.read_text())
+    assert data["launch"]["comm"] == "nccl" and len(set(data["param_sha256"])) == 1
+    a, b = np.array(data["losses"]), np.array(world1["losses"])
+    assert np.max(np.abs(a - b) / np.abs(b)) <= 1e-3
+
+
+def test_a_killed_nccl_peer_ends_the_other_process(hostid_probe):
+    needs_hostid(hostid_probe)
+    procs = two_processes([str(WORKER), "loop"], free_port())
+    try:
+        line = procs[0].stdout.readline()
+        assert line.startswith("LOOPING"), (line, procs[0].stderr.read())
+        time.sleep(1.0)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        procs[0].wait(timeout=120)  # the watchdog's timeout (60 s in the worker) bounds it even if NCCL is silent
+        assert procs[0].returncode != 0
+        err = procs[0].stderr.read()
+        assert "CommAborted" in err and ("NCCL" in err or "did not complete" in err), err
+        print(f"survivor ended {time.monotonic() - t0:.1f} s after its peer was killed: {err.strip().splitlines()[-1]}")
+    finally:
+        finish(procs, timeout=5)

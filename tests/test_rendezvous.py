@@ -1,0 +1,199 @@
+"""The TCP rendezvous between real processes on loopback: the id reaches every process, a wrong token
+or another command line is refused with a line on both sides, and a missing peer, a missing rank 0 or
+a port in use end in one line naming the address. No test depends on timing to pass: deadlines are
+generous and every wait has its own."""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from xtrain_dist.comm import rendezvous as rdzv
+from xtrain_dist.comm.rendezvous import RendezvousServer, join
+from xtrain_dist.errors import XtrainError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+# One participant. Rank 0 prints the port it listens on, then every rank prints what it received.
+PARTICIPANT = r"""
+import sys
+from xtrain_dist.comm.rendezvous import RendezvousServer, join, token_from_env
+from xtrain_dist.errors import XtrainError
+rank, world, port = (int(a) for a in sys.argv[1:4])
+timeout, fingerprint = float(sys.argv[4]), sys.argv[5].encode()
+token = token_from_env(b"default token")
+log = lambda line: print("LOG", line, file=sys.stderr, flush=True)
+try:
+    if rank == 0:
+        server = RendezvousServer(("127.0.0.1", port), world, token, fingerprint, timeout, log=log)
+        print("PORT", server.port, flush=True)
+        payload = bytes(range(128))
+        peers = server.serve(payload)
+        print("SERVED", sum(p is not None for p in peers), flush=True)
+    else:
+        payload, conn = join(("127.0.0.1", port), rank, world, token, fingerprint, timeout)
+        print("GOT", payload.hex(), flush=True)
+except XtrainError as e:
+    print("ERROR", e, file=sys.stderr, flush=True)
+    sys.exit(2)
+"""
+
+
+def start(rank, world, port, timeout=60, fingerprint="cfg", token=None):
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    env.pop("XTRAIN_RDZV_TOKEN", None)
+    if token is not None:
+        env["XTRAIN_RDZV_TOKEN"] = token
+    return subprocess.Popen([sys.executable, "-c", PARTICIPANT, str(rank), str(world), str(port), str(timeout),
+                             fingerprint], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def start_server(world, timeout=60, **kw):
+    server = start(0, world, 0, timeout, **kw)
+    line = server.stdout.readline()
+    assert line.startswith("PORT "), (line, server.stderr.read())
+    return server, int(line.split()[1])
+
+
+def finish(proc, timeout=120):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def error_of(err):
+    lines = [line for line in err.splitlines() if line.startswith("ERROR ")]
+    assert len(lines) == 1, err
+    return lines[0][len("ERROR "):]
+
+
+def test_the_id_reaches_every_process():
+    server, port = start_server(3, token="s3cret")
+    peers = [start(r, 3, port, token="s3cret") for r in (1, 2)]
+    for peer in peers:
+        code, out, err = finish(peer)
+        assert code == 0, err
+        assert out.strip() == "GOT " + bytes(range(128)).hex()
+    code, out, err = finish(server)
+    assert code == 0 and "SERVED 2" in out, err
+
+
+def test_a_wrong_token_is_refused_on_both_sides():
+    server, port = start_server(2, timeout=60, token="right")
+    intruder = start(1, 2, port, token="wrong")
+    code, out, err = finish(intruder)
+    assert code == 2 and "GOT" not in out
+    assert error_of(err) == (f"rendezvous: rank 0 at 127.0.0.1:{port} refused rank 1: wrong token "
+                             "(set the same XTRAIN_RDZV_TOKEN for every process)")
+    # rank 0 said so too, and still serves the rank that holds the token
+    legit = start(1, 2, port, token="right")
+    assert finish(legit)[0] == 0
+    code, out, err = finish(server)
+    assert code == 0 and "SERVED 1" in out
+    assert "LOG rendezvous: refused a connection from 127.0.0.1:" in err
+    assert "wrong token (set the same XTRAIN_RDZV_TOKEN for every process)" in err
+
+
+def test_another_command_line_is_refused():
+    server, port = start_server(2, timeout=5, fingerprint="steps=10")
+    code, _, err = finish(start(1, 2, port, fingerprint="steps=20"))
+    assert code == 2
+    assert error_of(err).endswith("refused rank 1: rank 1 was started with a different configuration than rank 0 "
+                                  "(another command line?)")
+    code, _, err = finish(server)
+    assert code == 2
+    line = error_of(err)
+    assert line.startswith(f"rendezvous at 127.0.0.1:{port}: only 1 of 2 processes joined within 5 s "
+                           "(missing rank 1); refused: 127.0.0.1:")
+
+
+def test_rank0_times_out_naming_the_missing_ranks():
+    server, port = start_server(3, timeout=3)
+    assert finish(start(2, 3, port))[0] == 0
+    code, _, err = finish(server)
+    assert code == 2
+    assert error_of(err) == f"rendezvous at 127.0.0.1:{port}: only 2 of 3 processes joined within 3 s (missing rank 1)"
+
+
+def test_a_peer_times_out_naming_the_address():
+    with socket.socket() as probe:  # a port nobody listens on (bound, not listening: connections are refused)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        code, _, err = finish(start(1, 2, port, timeout=2))
+    assert code == 2
+    assert error_of(err) == (f"rendezvous: no answer from rank 0 at 127.0.0.1:{port} within 2 s (connection refused); "
+                             "is rank 0 running, and is this the address the other processes reach "
+                             "(MASTER_ADDR/MASTER_PORT or --rdzv-advertise)?")
+
+
+def test_a_port_in_use_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = finish(start(0, 2, port))
+    assert code == 2
+    assert error_of(err) == (f"rendezvous cannot listen on 127.0.0.1:{port}: address already in use (another job or "
+                             "process uses that port; choose another with --rdzv-bind HOST:PORT (and "
+                             "--rdzv-advertise for the other processes))")
+
+
+def test_binding_an_address_of_another_machine_says_what_to_do():
+    with pytest.raises(XtrainError) as info:
+        RendezvousServer(("192.0.2.1", 0), 2, b"t")  # TEST-NET-1: never assigned to this machine
+    assert str(info.value).startswith("rendezvous cannot listen on 192.0.2.1:0: cannot assign requested address "
+                                      "(the address is not one of this machine's; behind docker or NAT bind")
+
+
+def test_it_binds_only_the_address_it_is_told():
+    server = RendezvousServer(("127.0.0.1", 0), 2, b"t", timeout_s=1)
+    try:
+        assert server.sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        server.sock.close()
+
+
+def test_something_that_is_not_a_rendezvous_is_named():
+    """As torchrun's own store on MASTER_PORT would be: it does not greet with our magic."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+
+        def answer():
+            conn, _ = other.accept()
+            with conn, contextlib.suppress(OSError):
+                conn.sendall(b"\x00" * 64)
+                conn.recv(1024)
+
+        threading.Thread(target=answer, daemon=True).start()
+        with pytest.raises(XtrainError) as info:
+            join(("127.0.0.1", port), 1, 2, b"t", timeout_s=20)
+    assert str(info.value).startswith(f"rendezvous: 127.0.0.1:{port} is not an xtrain-dist rendezvous")
+
+
+def test_a_server_without_the_token_is_not_believed():
+    """The peer checks rank 0's proof too: a listener that accepts everyone cannot hand out an id."""
+    with socket.socket() as fake:
+        fake.bind(("127.0.0.1", 0))
+        fake.listen()
+        port = fake.getsockname()[1]
+
+        def accept_anyone():
+            conn, _ = fake.accept()
+            with conn, contextlib.suppress(OSError):
+                conn.sendall(rdzv._GREETING.pack(rdzv.MAGIC, rdzv.VERSION, bytes(32)))
+                rdzv._recv_exact(conn, rdzv._JOIN.size)
+                conn.sendall(rdzv._REPLY.pack(rdzv.MAGIC, rdzv.ACCEPT, bytes(32), 7) + b"fake id")
+                conn.recv(1)
+
+        threading.Thread(target=accept_anyone, daemon=True).start()
+        with pytest.raises(XtrainError) as info:
+            join(("127.0.0.1", port), 1, 2, b"the job's token", timeout_s=20)
+    assert str(info.value) == (f"rendezvous: 127.0.0.1:{port} answered without proof of the token: not our rank 0, "
+                               "or a different XTRAIN_RDZV_TOKEN")

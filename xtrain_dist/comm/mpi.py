@@ -1,0 +1,164 @@
+"""The MPI communicator: CPU processes (mpirun / mpiexec) exchanging numpy buffers through mpi4py.
+
+Why not one MPI_Allreduce. The MPI standard requires all processes to receive identical results but
+leaves the order of the floating-point sum to the implementation, which picks an algorithm per call
+(MPICH: recursive doubling, reduce-scatter + allgather, ring, ... by message size and process count,
+overridable with MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM). The bits would then change with the MPI library,
+its version, the buffer size and a tuning variable, would differ from the thread communicator's, and
+"identical on every rank" would rest on each algorithm's implementation. So the all-reduce is spelt
+out as the thread communicator's:
+
+    1. Ialltoallv: rank r receives chunk r of every rank's buffer (chunk r has one owner);
+    2. the owner sums the world copies of its chunk in rank order 0, 1, ..., world-1 (numpy, elementwise);
+    3. Iallgatherv: every rank receives every owner's summed chunk, in place.
+
+Each element is added exactly once, by one process, in a fixed order; the other ranks only copy it.
+The traffic per rank is that of a ring all-reduce, 2(world-1)/world of the buffer.
+
+No call blocks forever: every collective is the non-blocking form, polled until done, the communicator
+is aborted, or the timeout passes. A rank that fails ends the job with MPI_Abort (`abort_job`), so a
+peer never waits in a collective for a process that has already given up.
+"""
+
+import sys
+import time
+
+import numpy as np
+
+from ..errors import XtrainError
+from . import CommAborted
+from .local import _chunk
+from .shares import share_offsets
+
+
+def mpi_module():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise XtrainError(f"the MPI communicator needs mpi4py and an MPI library: {e} "
+                          "(pip install 'xtrain-dist[mpi]')") from None
+    return MPI
+
+
+def abort_job(code: int = 1) -> None:
+    """End every process of the MPI job (MPI_Abort) if this process is one of several; else do nothing.
+    Called after the failing process has printed its line: a peer then never waits for a dead job."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None:  # it failed before it joined MPI (bad input): join now, or the peers wait in MPI
+        from ..launch_env import detect_launch
+        try:
+            if detect_launch().kind != "mpirun":
+                return
+            from mpi4py import MPI
+        except (ImportError, XtrainError):
+            return
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(code)
+
+
+class MpiCommunicator:
+    def __init__(self, comm=None, timeout_s: float = 300.0):
+        MPI = self.MPI = mpi_module()
+        # Rank threads call MPI, and they are not the main thread: MPI must allow that.
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise XtrainError("the MPI library was initialised without thread support (MPI_THREAD_SERIALIZED "
+                              "or better is needed: rank threads make the MPI calls)")
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        self.timeout_s = timeout_s
+        self.abort_reason: str | None = None
+
+    def _wait(self, request, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        polls = 0
+        while not request.Test():
+            if self.abort_reason is not None:
+                raise CommAborted(f"{what} aborted: {self.abort_reason}")
+            if time.monotonic() > deadline:
+                self.abort(f"rank {self.rank} waited more than {self.timeout_s:g} s in {what}: "
+                           "a peer process is stuck or dead")
+                raise CommAborted(f"{what} aborted: {self.abort_reason}")
+            polls += 1
+            time.sleep(0 if polls < 1000 else 0.0005)  # spin briefly, then stop burning a core
+
+    def _check(self, what: str) -> None:
+        if self.abort_reason is not None:
+            raise CommAborted(f"{what} aborted: {self.abort_reason}")
+
+    def _chunks(self, n: int) -> tuple[list[int], list[int]]:
+        bounds = [_chunk(n, self.world_size, r) for r in range(self.world_size)]
+        return [hi - lo for lo, hi in bounds], [lo for lo, _ in bounds]
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce(self, buf) -> None:
+        self._check("all_reduce")
+        if self.world_size == 1:
+            return
+        flat = _flat(buf)
+        counts, offsets = self._chunks(flat.size)
+        mine, world = counts[self.rank], self.world_size
+        copies = np.empty(world * mine, flat.dtype)  # copies[r*mine:(r+1)*mine]: rank r's values of my chunk
+        self._wait(self.comm.Ialltoallv([flat, (counts, offsets)],
+                                        [copies, ([mine] * world, [r * mine for r in range(world)])]), "all_reduce")
+        total = copies[:mine]
+        for r in range(1, world):  # rank order: ((b0 + b1) + b2) + ...
+            total += copies[r * mine:(r + 1) * mine]
+        lo = offsets[self.rank]
+        flat[lo:lo + mine] = total
+        self._wait(self.comm.Iallgatherv(self.MPI.IN_PLACE, [flat, (counts, offsets)]), "all_reduce")
+
+    def reduce_scatter(self, send, recv, counts=None) -> None:
+        """recv = the rank-order sum of every rank's share `rank` of send (recv may be that share itself)."""
+        self._check("reduce_scatter")
+        flat, world = _flat(send), self.world_size
+        offsets = share_offsets(flat.size, world, counts)
+        sizes = [offsets[r + 1] - offsets[r] for r in range(world)]
+        mine = sizes[self.rank]
+        if recv.size != mine:
+            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {mine}")
+        copies = np.empty(world * mine, flat.dtype)
+        self._wait(self.comm.Ialltoallv([flat, (sizes, offsets[:-1])],
+                                        [copies, ([mine] * world, [r * mine for r in range(world)])]),
+                   "reduce_scatter")
+        out = _flat(recv)
+        out[...] = copies[:mine]
+        for r in range(1, world):
+            out += copies[r * mine:(r + 1) * mine]
+
+    def all_gather(self, send, recv, counts=None) -> None:
+        """recv's share r = rank r's send, for every r (send may be recv's own share)."""
+        self._check("all_gather")
+        out, world = _flat(recv), self.world_size
+        offsets = share_offsets(out.size, world, counts)
+        lo, hi = offsets[self.rank], offsets[self.rank + 1]
+        if send.size != hi - lo:
+            raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {hi - lo}")
+        out[lo:hi] = send.reshape(-1)  # then in place: MPI forbids a send buffer inside the receive buffer
+        sizes = [offsets[r + 1] - offsets[r] for r in range(world)]
+        self._wait(self.comm.Iallgatherv(self.MPI.IN_PLACE, [out, (sizes, offsets[:-1])]), "all_gather")
+
+    def broadcast(self, buf, root: int = 0) -> None:
+        self._check("broadcast")
+        self._wait(self.comm.Ibcast(_flat(buf), root=root), "broadcast")
+
+    def barrier(self) -> None:
+        self._check("barrier")
+        self._wait(self.comm.Ibarrier(), "barrier")
+
+    def abort(self, reason: str) -> None:
+        """Make this process's pending and later collectives raise; the job itself ends through
+        abort_job once the failing process has said why."""
+        if self.abort_reason is None:
+            self.abort_reason = reason
+
+    def close(self) -> None:
+        pass
+
+
+def _flat(buf):
+    if not buf.flags.c_contiguous:
+        raise ValueError("communicator buffers must be contiguous")
+    return buf.reshape(-1)
