@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import checkpoint, evaluate, metrics
 from .backend import BACKENDS
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -64,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
     p.add_argument("--report", default=None, help="write a JSON report here")
     p.add_argument("--log-every", type=int, default=1)
+    g = p.add_argument_group("checkpoints, evaluation and metrics")
+    g.add_argument("--save-dir", metavar="DIR", default=None,
+                   help="keep the latest checkpoint in DIR, replaced atomically at each save (and at the end)")
+    g.add_argument("--save-every", metavar="N", type=int, default=0, help="also save every N steps")
+    g.add_argument("--resume", metavar="DIR", default=None, help="continue the run whose checkpoint is DIR")
+    g.add_argument("--eval-every", metavar="N", type=int, default=0,
+                   help="validation loss every N steps (it is always computed at the end)")
+    g.add_argument("--eval-batches", metavar="N", type=int, default=20,
+                   help="held-out batches of BATCH x SEQ per evaluation; 0: none (default 20)")
+    g.add_argument("--metrics", metavar="PATH", default=None, help="append one JSON line per step to PATH")
     return p
 
 
@@ -78,6 +89,11 @@ def parse_config(argv) -> TrainConfig:
                           "every rank needs a sequence")
     if args.log_every < 1:
         raise XtrainError(f"--log-every must be at least 1, got {args.log_every}")
+    for flag in ("save_every", "eval_every", "eval_batches"):
+        if getattr(args, flag) < 0:
+            raise XtrainError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
+    if args.save_every and not args.save_dir:
+        raise XtrainError("--save-every needs --save-dir")
     return TrainConfig(
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
@@ -85,6 +101,8 @@ def parse_config(argv) -> TrainConfig:
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_sync=args.grad_sync,
         comm_timeout_s=args.comm_timeout, report=args.report, log_every=args.log_every,
+        save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, metrics=args.metrics,
     ).resolved()
 
 
@@ -104,6 +122,16 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
     if cfg.backend == "cuda":
         from .backend import get_backend
         get_backend("cuda", 0)
+    # checkpoints, evaluation, metrics: fail before training rather than after it
+    if cfg.save_dir:
+        checkpoint.check_save_dir(cfg.save_dir)
+    if cfg.metrics:
+        metrics.check_path(cfg.metrics)
+    cfg = evaluate.check(cfg, corpus, log)
+    if cfg.resume:
+        step, notes = checkpoint.check_resume(cfg, corpus)
+        for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
+            log(line)
     log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, "
         f"{cfg.world_size} rank(s), batch {cfg.batch} x {cfg.seq} tokens")
     t0 = time.perf_counter()
@@ -118,7 +146,9 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
         "config": cfg.to_dict(),
         "model": {"preset": cfg.model, **vars(model_config(cfg.model, corpus.vocab_size)),
                   "num_params": lead.num_params},
+        "start_step": lead.start_step,  # losses[i] is the loss of step start_step + i + 1
         "losses": lead.losses,
+        "val_losses": lead.val_losses,
         "grad_norms": lead.grad_norms,
         "lrs": lead.lrs,
         "step_ms": lead.step_ms,
@@ -144,7 +174,8 @@ def main(argv=None) -> int:
         report = train(cfg)
         if cfg.report:
             write_json_atomic(cfg.report, report)
-        print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}, "
+        val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
+        print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
               f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s"
               + (f", report {cfg.report}" if cfg.report else ""))
         return 0
