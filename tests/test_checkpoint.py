@@ -168,7 +168,7 @@ def test_resuming_at_another_world_size_restores_the_state_and_says_what_differs
 
 
 @pytest.mark.skip(reason="TODO(integrator): enable once ZeRO-1 (ShardedAdamW, issue 4) is merged; "
-                         "set ZERO1 to the TrainConfig field that turns it on")
+                         "set zero1 below to the TrainConfig field that turns it on")
 @pytest.mark.parametrize("world", [1, 2])
 def test_zero1_resume_continues_the_run_bitwise(corpus, tmp_path, world):
     zero1 = {"zero": 1}  # TODO(integrator): the real field/value
@@ -353,8 +353,8 @@ def test_a_crash_between_the_two_renames_leaves_a_complete_checkpoint_aside(corp
     ckpt = checkpoint.open_checkpoint(tmp_path / "ck")
     assert ckpt.state["step"] == 30 and ckpt.folder == tmp_path / ".ck.new"
     assert ckpt.note == f"checkpoint '{tmp_path / 'ck'}' is missing after an interrupted save: reading '{ckpt.folder}'"
-    # the next save puts it in place and cleans up
-    assert checkpoint.recover(tmp_path / "ck") == \
+    # the next run with --save-dir puts it in place and cleans up
+    assert checkpoint.prepare_save_dir(tmp_path / "ck") == \
         f"checkpoint '{tmp_path / 'ck'}' recovered from '{tmp_path / '.ck.new'}' after an interrupted save"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     assert checkpoint.open_checkpoint(tmp_path / "ck").state["step"] == 30

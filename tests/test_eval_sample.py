@@ -211,6 +211,8 @@ def test_the_sample_command_line(trained, tmp_path):
     assert error(tmp_path / "nope") == f"sample: error: checkpoint '{tmp_path / 'nope'}' not found"
     assert error(trained, "--temperature", "-1") == "sample: error: --temperature must be a number >= 0, got '-1'"
     assert error(trained, "--tokens", "0") == "sample: error: --tokens must be a positive integer, got '0'"
+    if not Path("/dev/nvidia0").exists():
+        assert error(trained, "--backend", "cuda").startswith("sample: error: --backend cuda")
     broken = tmp_path / "broken"
     broken.mkdir()
     for p in trained.iterdir():

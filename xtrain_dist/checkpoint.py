@@ -17,8 +17,10 @@ DIR -> `.DIR.old`, `.DIR.new` -> DIR, fsync the parent, delete `.DIR.old`. POSIX
 exchange of two directories, but each rename is atomic, so a crash at any point leaves a complete
 checkpoint at DIR, or (between the two renames) at `.DIR.new` and `.DIR.old`; never only a
 half-written one. Readers change nothing: where DIR is missing they read the complete sibling
-(`.DIR.new` first, the newer). The next save finishes the job (`recover`): it promotes the complete
-sibling to DIR and deletes leftovers. One writer per DIR at a time.
+(`.DIR.new` first, the newer). The next run or save with --save-dir DIR finishes the job
+(`recover`): it promotes the complete sibling to DIR and deletes leftovers. One writer per DIR at a
+time; every rank must see the same file system (rank 0 writes the model, and a sharded optimizer
+writes one file per rank into the same folder).
 
 Reading verifies every file against the manifest, and a file is parsed from the very bytes that
 were hashed, so a checkpoint that is truncated, edited or half-copied is one clear error.
@@ -72,6 +74,10 @@ def layout_size(config: GPTConfig) -> int:
 
 # ---------------------------------------------------------------------------------------------- files
 def _siblings(folder: Path) -> tuple[Path, Path]:
+    """(.DIR.new, .DIR.old) beside DIR."""
+    folder = Path(os.path.abspath(folder))  # "ck/", "." and "a/../ck" have a name too
+    if not folder.name:
+        raise XtrainError(f"a checkpoint folder cannot be the root '{folder}'")
     return folder.with_name(f".{folder.name}.new"), folder.with_name(f".{folder.name}.old")
 
 
@@ -126,10 +132,12 @@ def recover(folder) -> str | None:
     return note
 
 
-def check_save_dir(folder) -> None:
-    """Fail before training, not after it, if DIR cannot take a checkpoint; never replace a folder
-    that is not one."""
+def prepare_save_dir(folder) -> str | None:
+    """Before a run, and before each save: finish an interrupted save (returns a line saying so), and
+    fail before training, not after it, if DIR cannot take a checkpoint. Never replace a folder that
+    is not one."""
     folder = Path(folder)
+    note = recover(folder)
     if folder.exists() and not folder.is_dir():
         raise XtrainError(f"--save-dir '{folder}' is a file, not a folder")
     if folder.is_dir() and any(folder.iterdir()) and not _is_complete(folder):
@@ -141,6 +149,7 @@ def check_save_dir(folder) -> None:
         raise XtrainError(f"--save-dir '{folder}': cannot create '{folder.parent}' ({err.strerror})") from None
     if not os.access(folder.parent, os.W_OK | os.X_OK):
         raise XtrainError(f"--save-dir '{folder}': cannot write into '{folder.parent}' (permission denied)")
+    return note
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -218,8 +227,7 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
     folder = Path(folder)
     new, _ = _siblings(folder)
     if rank == 0:
-        recover(folder)
-        check_save_dir(folder)
+        prepare_save_dir(folder)
         new.mkdir()
     comm.barrier()
     try:

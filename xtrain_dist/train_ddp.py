@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", metavar="N", type=int, default=0, help="also save every N steps")
     g.add_argument("--resume", metavar="DIR", default=None, help="continue the run whose checkpoint is DIR")
     g.add_argument("--eval-every", metavar="N", type=int, default=0,
-                   help="validation loss every N steps (it is always computed at the end)")
+                   help="validation loss every N steps and at the end (default 0: at the end only)")
     g.add_argument("--eval-batches", metavar="N", type=int, default=20,
                    help="held-out batches of BATCH x SEQ per evaluation; 0: none (default 20)")
     g.add_argument("--metrics", metavar="PATH", default=None, help="append one JSON line per step to PATH")
@@ -123,8 +123,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
         from .backend import get_backend
         get_backend("cuda", 0)
     # checkpoints, evaluation, metrics: fail before training rather than after it
-    if cfg.save_dir:
-        checkpoint.check_save_dir(cfg.save_dir)
+    if cfg.save_dir and (note := checkpoint.prepare_save_dir(cfg.save_dir)):
+        log(note)
     if cfg.metrics:
         metrics.check_path(cfg.metrics)
     cfg = evaluate.check(cfg, corpus, log)
