@@ -75,6 +75,13 @@ class TrainConfig:
     # output
     report: str | None = None
     log_every: int = 1
+    # checkpoints, evaluation and metrics (checkpoint.py, evaluate.py, metrics.py)
+    save_dir: str | None = None     # the latest checkpoint lives here, replaced atomically at each save
+    save_every: int = 0             # also save every N steps; 0: only at the end
+    resume: str | None = None       # a checkpoint folder to continue from
+    eval_every: int = 0             # also evaluate every N steps; 0: only at the end
+    eval_batches: int = 0           # held-out batches of BATCH x SEQ per evaluation; 0: none (the CLI's default: 20)
+    metrics: str | None = None      # append one JSON line per step here
     extra: dict = field(default_factory=dict)
 
     def resolved(self) -> "TrainConfig":

@@ -6,7 +6,10 @@ buffer, with a per-element decay mask saying which entries get weight decay.
 
 import math
 
+import numpy as np
+
 from .config import TrainConfig
+from .errors import XtrainError
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -43,3 +46,33 @@ class AdamW:
     @property
     def state_bytes(self) -> int:
         return self.m.nbytes + self.v.nbytes
+
+    # ---------------------------------------------------------------- checkpoint state
+    # An optimizer keeps m and v for one contiguous range of the flat buffer, `state_range`: all of it
+    # here; one rank's shard in a ZeRO-1 optimizer, which sets `sharded = True` so that every rank
+    # saves its own range. load_state_dict takes its range out of any state that covers it, so a
+    # state saved under one sharding (or world size) loads under another.
+    sharded = False
+
+    @property
+    def state_range(self) -> tuple[int, int]:
+        """[start, end) of the flat buffer whose m and v this optimizer holds."""
+        return 0, int(self.m.size)
+
+    def state_dict(self) -> dict:
+        """{"step_count", "start", "m", "v"}: host copies of m and v for flat[start : start + len(m)]."""
+        start, _ = self.state_range
+        return {"step_count": self.step_count, "start": start,
+                "m": np.array(self.ops.to_host(self.m)), "v": np.array(self.ops.to_host(self.v))}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from a state_dict()-shaped dict whose range covers this optimizer's."""
+        lo, hi = self.state_range
+        start, m, v = int(state["start"]), state["m"], state["v"]
+        if m.shape != v.shape or m.ndim != 1 or not (start <= lo and hi <= start + m.size):
+            raise XtrainError(f"optimizer state for flat[{start}:{start + m.size}] cannot restore "
+                              f"flat[{lo}:{hi}]")
+        take = slice(lo - start, hi - start)
+        self.m[...] = self.ops.from_host(np.ascontiguousarray(m[take], dtype=self.m.dtype))
+        self.v[...] = self.ops.from_host(np.ascontiguousarray(v[take], dtype=self.v.dtype))
+        self.step_count = int(state["step_count"])

@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import checkpoint, metrics
 from .backend import get_backend
 from .config import TrainConfig, model_config
 from .data import BatchSampler, Corpus
 from .ddp import make_grad_sync
+from .evaluate import Evaluator, is_eval_step
 from .model import GPT2
 from .optim import AdamW, lr_at
 
@@ -21,9 +23,20 @@ class RankResult:
     grad_norms: list[float] = field(default_factory=list)   # before clipping
     lrs: list[float] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
+    val_losses: list[list] = field(default_factory=list)     # [step, validation loss] of every evaluation
+    start_step: int = 0                                     # steps done before this run (resumed from a checkpoint)
     param_sha256: str = ""                                  # of the flat parameter buffer after the last step
     num_params: int = 0
     optimizer_state_bytes: int = 0
+
+    def add(self, record: dict) -> None:
+        """Keep one step's figures (a metrics record)."""
+        self.losses.append(record["loss"])
+        self.grad_norms.append(record["grad_norm"])
+        self.lrs.append(record["lr"])
+        self.step_ms.append(record["ms"])
+        if "val_loss" in record:
+            self.val_losses.append([record["step"], record["val_loss"]])
 
 
 def param_sha256(model) -> str:
@@ -37,12 +50,16 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     optimizer = AdamW(model, cfg)
     grad_sync = make_grad_sync(cfg.grad_sync, comm, model)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size)
+    start = checkpoint.restore(cfg.resume, model, optimizer, sampler) if cfg.resume else 0
+    evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
+                 if cfg.eval_batches else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks.
     dloss = 1.0 / (cfg.batch * cfg.seq)
-    result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes)
+    result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
+                        start_step=start)
 
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         ids, targets = (backend.from_host(a) for a in sampler.next())
         model.zero_grad()
@@ -56,14 +73,21 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         optimizer.step(lr, backend.clip_coefficient(norm_squared, cfg.grad_clip))
         loss_host, norm_sq_host = backend.to_host(backend.xp.concatenate([loss, norm_squared]))  # the step's one read
         ms = (time.perf_counter() - t0) * 1e3
-
-        result.losses.append(float(loss_host))
-        result.grad_norms.append(float(np.sqrt(norm_sq_host)))
-        result.lrs.append(lr)
-        result.step_ms.append(ms)
-        if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-            log(f"step {step + 1:5d}/{cfg.steps} | loss {loss_host:.4f} | lr {lr:.2e} | "
-                f"norm {result.grad_norms[-1]:7.4f} | {ms:7.1f} ms | {cfg.batch * cfg.seq / ms * 1e3:9.0f} tok/s")
+        done = step + 1
+        record = {"step": done, "loss": float(loss_host), "lr": lr, "grad_norm": float(np.sqrt(norm_sq_host)),
+                  "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3}
+        if evaluator and is_eval_step(done, cfg):
+            record["val_loss"] = evaluator.loss(model, comm)
+        result.add(record)
+        if rank == 0 and (step % cfg.log_every == 0 or done == cfg.steps or "val_loss" in record):
+            log(metrics.progress_line(record, cfg.steps))
+        if rank == 0 and cfg.metrics:
+            metrics.append(cfg.metrics, record)  # gradient-sync timing (comm_ms, ...) joins the record when known
+        if cfg.save_dir and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+            checkpoint.save(cfg.save_dir, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
+                            model=model, optimizer=optimizer, sampler=sampler)
+            if rank == 0:
+                log(f"saved checkpoint '{cfg.save_dir}' at step {done}")
 
     result.param_sha256 = param_sha256(model)
     return result

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from . import checkpoint, evaluate, metrics
 from .backend import BACKENDS, rank_device
 from .comm.world import choose_engine, config_fingerprint, open_world
 from .config import PRESETS, TrainConfig, model_config
@@ -79,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address the other processes connect to (default MASTER_ADDR:MASTER_PORT; "
                             "MASTER_PORT+1 under torchrun, whose agent holds MASTER_PORT)")
     procs.add_argument("--rdzv-timeout", type=float, default=300.0, help="seconds processes wait for each other")
+    g = p.add_argument_group("checkpoints, evaluation and metrics")
+    g.add_argument("--save-dir", metavar="DIR", default=None,
+                   help="keep the latest checkpoint in DIR, replaced atomically at each save (and at the end)")
+    g.add_argument("--save-every", metavar="N", type=int, default=0, help="also save every N steps")
+    g.add_argument("--resume", metavar="DIR", default=None, help="continue the run whose checkpoint is DIR")
+    g.add_argument("--eval-every", metavar="N", type=int, default=0,
+                   help="validation loss every N steps and at the end (default 0: at the end only)")
+    g.add_argument("--eval-batches", metavar="N", type=int, default=20,
+                   help="held-out batches of BATCH x SEQ per evaluation; 0: none (default 20)")
+    g.add_argument("--metrics", metavar="PATH", default=None, help="append one JSON line per step to PATH")
     return p
 
 
@@ -95,6 +106,11 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         raise XtrainError(f"--cpu-threads must be at least 1, got {args.cpu_threads}")
     if args.log_every < 1:
         raise XtrainError(f"--log-every must be at least 1, got {args.log_every}")
+    for flag in ("save_every", "eval_every", "eval_batches"):
+        if getattr(args, flag) < 0:
+            raise XtrainError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
+    if args.save_every and not args.save_dir:
+        raise XtrainError("--save-every needs --save-dir")
     return TrainConfig(
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
@@ -105,6 +121,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         report=args.report, log_every=args.log_every,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=args.rdzv_timeout,
+        save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, metrics=args.metrics,
     ).resolved()
 
 
@@ -124,8 +142,8 @@ def cpu_threads_per_rank(ranks_on_node: int) -> int:
 
 
 # what every process of a run must agree on; paths and addresses may differ from node to node
-_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "report", "log_every", "rdzv_bind", "rdzv_advertise", "cpu_threads",
-                       "extra"}
+_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "report", "metrics", "log_every", "rdzv_bind", "rdzv_advertise",
+                       "cpu_threads", "extra"}
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None) -> dict:
@@ -145,6 +163,17 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         devices = [gpu_for(launch, local_world, local, device_count()) for local in range(local_world)]
     else:
         devices = [rank_device(cfg.backend, local) for local in range(local_world)]
+    # checkpoints, evaluation, metrics: fail before training rather than after it
+    if cfg.save_dir and launch.process_rank == 0 and (note := checkpoint.prepare_save_dir(cfg.save_dir)):
+        log(note)
+    if cfg.metrics:
+        metrics.check_path(cfg.metrics)
+    cfg = evaluate.check(cfg, corpus, log)
+    if cfg.resume:
+        step, notes = checkpoint.check_resume(cfg, corpus)
+        if launch.process_rank == 0:
+            for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
+                log(line)
     if launch.process_rank == 0:
         where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
         processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
@@ -185,7 +214,9 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "launch": {"kind": launch.kind, "processes": launch.num_processes, "threads_per_process": local_world,
                    "comm": engine},
         "process_rank": launch.process_rank,
+        "start_step": lead.start_step,  # losses[i] is the loss of step start_step + i + 1
         "losses": lead.losses,
+        "val_losses": lead.val_losses,
         "grad_norms": lead.grad_norms,
         "lrs": lead.lrs,
         "step_ms": lead.step_ms,
@@ -236,7 +267,8 @@ def _main(argv=None) -> int:
             return 0
         if cfg.report:
             write_json_atomic(cfg.report, report)
-        print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}, "
+        val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
+        print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
               f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s"
               + (f", report {cfg.report}" if cfg.report else ""))
         return 0

@@ -1,0 +1,247 @@
+"""Evaluation (one held-out loss whatever the world size), the metrics file, sampling from a checkpoint
+(against transformers' greedy generate and the sampling distribution itself), and the plot tool."""
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from xtrain_dist import metrics
+from xtrain_dist.backend import numpy_ops
+from xtrain_dist.config import TrainConfig, model_config
+from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.errors import XtrainError
+from xtrain_dist.evaluate import Evaluator
+from xtrain_dist.launch import run_thread_ranks
+from xtrain_dist.model import GPT2
+from xtrain_dist.sample import generate, load, sample_text
+from xtrain_dist.train_ddp import parse_config, train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+
+def run(corpus, steps, world=1, log=lambda line: None, **kw) -> dict:
+    kw = {k: str(v) if isinstance(v, Path) else v for k, v in kw.items()}
+    cfg = TrainConfig(steps=steps, batch=4, seq=16, model="tiny", seed=5, world_size=world, **kw).resolved()
+    return train(cfg, corpus, log=log)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("trained") / "ck"
+    run(corpus, 4, save_dir=folder, eval_batches=1)
+    return folder
+
+
+# ------------------------------------------------------------------------------- evaluation
+def held_out_loss(corpus, world, batch=5, seq=16, n_batches=3):
+    def rank_fn(rank, comm):
+        model = GPT2(model_config("tiny", corpus.vocab_size), numpy_ops, seed=2)
+        return Evaluator(corpus.val, batch, seq, n_batches, rank, world, numpy_ops).loss(model, comm)
+    return run_thread_ranks(world, rank_fn)
+
+
+def test_the_validation_loss_is_the_same_for_any_world_size(corpus):
+    one, = held_out_loss(corpus, 1)
+    for world in (2, 3, 5):
+        losses = held_out_loss(corpus, world)
+        assert len(set(losses)) == 1  # every rank gets the all-reduced value
+        assert abs(losses[0] - one) <= 1e-6 * one
+    # the mean loss of 15 windows spread evenly from the first to the last start of the split, in float64
+    seq, n, last = 16, 15, len(corpus.val) - 17
+    starts = [i * last // (n - 1) for i in range(n)]
+    assert starts[0] == 0 and starts[-1] == last and np.ptp(np.diff(starts)) <= 1
+    windows = np.stack([corpus.val[s: s + seq + 1] for s in starts]).astype(np.int32)
+    model64 = GPT2(model_config("tiny", corpus.vocab_size), numpy_ops, seed=2, dtype=np.float64)
+    assert model64.forward(windows[:, :-1], windows[:, 1:]).mean() == pytest.approx(one, rel=1e-5)
+
+
+def test_the_held_out_set_is_split_over_ranks_not_changed_by_them(corpus):
+    def ids(world, b):
+        ranks = [Evaluator(corpus.val, 5, 8, 2, r, world, numpy_ops).batches[b][0] for r in range(world)]
+        return sorted(map(bytes, np.concatenate(ranks)))
+    for b in range(2):
+        assert ids(1, b) == ids(2, b) == ids(3, b)
+
+
+def test_eval_every_reaches_the_report_the_progress_line_and_the_metrics(corpus, tmp_path):
+    lines = []
+    report = run(corpus, 6, eval_every=2, eval_batches=2, metrics=tmp_path / "m.jsonl", log=lines.append)
+    assert [step for step, _ in report["val_losses"]] == [2, 4, 6]
+    progress = [line for line in lines if line.startswith("step ")]
+    assert [line.split("| val ")[1] for line in progress if "| val " in line] == \
+        [f"{loss:.4f}" for _, loss in report["val_losses"]]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "ms", "tokens_per_s"}
+    assert [r["loss"] for r in records] == report["losses"] and [r["lr"] for r in records] == report["lrs"]
+    assert [[r["step"], r["val_loss"]] for r in records if "val_loss" in r] == report["val_losses"]
+
+
+def test_by_default_the_command_line_evaluates_once_at_the_end(corpus):
+    cfg = parse_config(["3", "4", "16"])
+    assert (cfg.eval_batches, cfg.eval_every) == (20, 0)
+    assert [step for step, _ in run(corpus, 3, eval_batches=1)["val_losses"]] == [3]
+    assert run(corpus, 3)["val_losses"] == []  # a TrainConfig evaluates only when asked
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eval-every", "-1"], "--eval-every must be 0 or more, got -1"),
+    (["--eval-batches", "-2"], "--eval-batches must be 0 or more, got -2"),
+    (["--save-every", "-1"], "--save-every must be 0 or more, got -1"),
+    (["--save-every", "5"], "--save-every needs --save-dir"),
+])
+def test_bad_flags_are_one_line(args, message):
+    with pytest.raises(XtrainError) as info:
+        parse_config(["3", "4", "16", *args])
+    assert str(info.value) == message
+
+
+def test_eval_every_without_batches_is_refused(corpus):
+    with pytest.raises(XtrainError, match=r"^--eval-every needs --eval-batches of at least 1$"):
+        run(corpus, 2, eval_every=1)
+
+
+def test_a_validation_split_too_short_for_seq(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("To be, or not to be, that is the question:\n" * 12)
+    short = Corpus.load(DEFAULT_TOKENIZER, text, cache_dir=tmp_path)
+    assert len(short.val) < 17 <= len(short.train)
+    reason = f"the validation split of corpus '{text}' has {len(short.val)} tokens, at least SEQ+1 = 17 are needed"
+    with pytest.raises(XtrainError) as info:
+        run(short, 2, eval_every=1, eval_batches=20)
+    assert str(info.value) == f"--eval-every: {reason}"
+    lines = []
+    assert run(short, 2, eval_batches=20, log=lines.append)["val_losses"] == []
+    assert f"no validation loss: {reason}" in lines
+
+
+# ------------------------------------------------------------------------------- metrics file
+def test_a_resumed_run_continues_the_metrics_file_and_redone_steps_replace_lost_ones(corpus, tmp_path):
+    path = tmp_path / "m.jsonl"
+    run(corpus, 4, save_dir=tmp_path / "ck", metrics=path, eval_batches=0)
+    run(corpus, 6, resume=tmp_path / "ck", metrics=path, eval_batches=0)
+    assert [r["step"] for r in metrics.read(path)] == [1, 2, 3, 4, 5, 6]
+    metrics.append(path, {"step": 5, "loss": 1.0})        # a run that redid step 5 after an older checkpoint
+    with open(path, "a") as f:
+        f.write('{"step": 7, "lo')                         # and was killed while writing
+    records = metrics.read(path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and records[4]["loss"] == 1.0
+    with open(path, "a") as f:
+        f.write("\n" + json.dumps({"step": 8, "loss": 2.0}) + "\n")
+    with pytest.raises(XtrainError, match=r"metrics file '.*m.jsonl', line 8: not a metrics record"):
+        metrics.read(path)
+
+
+# ------------------------------------------------------------------------------- sampling
+def test_greedy_sampling_is_what_transformers_generates(trained):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model, tokenizer, _ = load(trained, numpy_ops)
+    prompt = tokenizer.encode("ROMEO:\nBut soft", add_special_tokens=False).ids
+    ours = generate(model, prompt, 24, temperature=0, top_k=None, rng=np.random.default_rng(0))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(trained).eval()
+    ids = torch.tensor([prompt])
+    theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                         pad_token_id=hf.config.eos_token_id)[0, len(prompt):].tolist()
+    assert ours == theirs
+    # the top-1 draw at any temperature is the greedy choice
+    assert generate(model, prompt, 24, temperature=1.5, top_k=1, rng=np.random.default_rng(1)) == ours
+
+
+class FixedLogits:
+    """A 'model' whose next-token logits are always log(p): lets us check the draw itself."""
+
+    def __init__(self, p, n_ctx=8):
+        self.ops, self.config, self.logits = numpy_ops, SimpleNamespace(n_ctx=n_ctx), np.log(np.asarray(p))
+
+    def forward(self, ids):
+        assert ids.shape[1] <= self.config.n_ctx  # the context is cropped to the model's
+        return np.broadcast_to(self.logits, (*ids.shape, self.logits.size)).astype(np.float32)
+
+
+@pytest.mark.parametrize("temperature, top_k, expected", [
+    (1.0, None, [0.5, 0.3, 0.15, 0.05]),
+    (1.0, 2, [0.625, 0.375, 0, 0]),                       # renormalised over the two likeliest
+    (0.5, None, np.array([0.25, 0.09, 0.0225, 0.0025]) / 0.365),  # p ** (1 / T), renormalised
+])
+def test_draws_follow_the_tempered_top_k_distribution(temperature, top_k, expected):
+    model = FixedLogits([0.5, 0.3, 0.15, 0.05])
+    draws = generate(model, list(range(20)), 4000, temperature, top_k, np.random.default_rng(7))
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(freq, expected, atol=0.025)
+    if top_k:
+        assert set(draws) == {0, 1}
+
+
+def test_same_seed_same_text_another_seed_another_text(trained):
+    args = [str(trained), "--prompt", "KING:", "--tokens", "12", "--temperature", "0.9", "--top-k", "50"]
+    first = sample_text([*args, "--seed", "3"])
+    assert first == sample_text([*args, "--seed", "3"])
+    assert first != sample_text([*args, "--seed", "4"])
+    assert first.startswith("KING:") and len(first) > len("KING:")
+
+
+def sample_cli(*args):
+    return subprocess.run([sys.executable, "-m", "xtrain_dist.sample", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_sample_command_line(trained, tmp_path):
+    out = sample_cli(trained, "--prompt", "To be", "--tokens", 8, "--seed", 1)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("To be") and out.stdout == sample_cli(trained, "--prompt", "To be", "--tokens", 8,
+                                                                       "--seed", 1).stdout
+
+    def error(*args):
+        out = sample_cli(*args)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        return out.stderr.strip()
+
+    assert error(tmp_path / "nope") == f"sample: error: checkpoint '{tmp_path / 'nope'}' not found"
+    assert error(trained, "--temperature", "-1") == "sample: error: --temperature must be a number >= 0, got '-1'"
+    assert error(trained, "--tokens", "0") == "sample: error: --tokens must be a positive integer, got '0'"
+    if not Path("/dev/nvidia0").exists():
+        assert error(trained, "--backend", "cuda").startswith("sample: error: --backend cuda")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in trained.iterdir():
+        (broken / p.name).write_bytes(p.read_bytes())
+    size = (broken / "model.safetensors").stat().st_size
+    (broken / "model.safetensors").write_bytes((trained / "model.safetensors").read_bytes()[:size // 2])
+    assert error(broken) == (f"sample: error: checkpoint '{broken}' is corrupt: model.safetensors has {size // 2} "
+                             f"bytes, its manifest says {size}")
+
+
+# ------------------------------------------------------------------------------- plots
+def test_plot_metrics_draws_several_runs_into_a_png(tmp_path):
+    for name, scale in (("a", 1.0), ("b", 0.9)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for step in range(1, 61):
+                record = {"step": step, "loss": scale * 8 / step ** 0.2, "lr": 1e-3, "grad_norm": 1.0, "ms": 10.0,
+                          "tokens_per_s": 1000.0 * scale}
+                if step % 20 == 0:
+                    record["val_loss"] = record["loss"] + 0.1
+                f.write(json.dumps(record) + "\n")
+    plot = [sys.executable, str(REPO / "bin" / "plot_metrics")]
+    out = subprocess.run([*plot, tmp_path / "a.jsonl", tmp_path / "b.jsonl", "-o", tmp_path / "plot.png",
+                          "--labels", "one,two"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    png = (tmp_path / "plot.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", png[16:24]) == (990, 360)  # 11 x 4 inches at 90 dpi
+    missing = subprocess.run([*plot, tmp_path / "x.jsonl", "-o", tmp_path / "x.png"], capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == \
+        f"plot_metrics: error: metrics file '{tmp_path / 'x.jsonl'}' cannot be read (No such file or directory)"

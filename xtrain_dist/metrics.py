@@ -1,0 +1,61 @@
+"""--metrics PATH: one JSON line per step, appended, so that a resumed run continues its file.
+
+A line: {"step": 12, "loss": ..., "lr": ..., "grad_norm": ..., "ms": ..., "tokens_per_s": ...}, plus
+"val_loss" on evaluation steps. Gradient-sync timing (comm_ms and the like) goes in the same line:
+the loop passes whatever fields its strategy reports. Each line is written with one append and the
+file closed at once, so a crash loses at most the line being written, and a reader (bin/plot_metrics)
+takes the last line for each step: steps that a run redoes after resuming an older checkpoint
+replace the ones it lost.
+"""
+
+import json
+import os
+from pathlib import Path
+
+from .errors import XtrainError
+
+
+def check_path(path) -> None:
+    """Fail before training if PATH cannot be appended to."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except IsADirectoryError:
+        raise XtrainError(f"--metrics '{path}' is a folder, not a file") from None
+    except OSError as err:
+        raise XtrainError(f"--metrics '{path}' cannot be written ({err.strerror})") from None
+
+
+def progress_line(record: dict, steps: int) -> str:
+    line = (f"step {record['step']:5d}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"norm {record['grad_norm']:7.4f} | {record['ms']:7.1f} ms | {record['tokens_per_s']:9.0f} tok/s")
+    return line + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else "")
+
+
+def append(path, record: dict) -> None:
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read(path) -> list[dict]:
+    """The records of a metrics file in step order, the last line for each step winning; a torn last
+    line (a run killed mid-write) is skipped."""
+    by_step = {}
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise XtrainError(f"metrics file '{path}' cannot be read ({err.strerror})") from None
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = record
+        except (ValueError, KeyError, TypeError):
+            if number < len(lines):
+                raise XtrainError(f"metrics file '{path}', line {number}: not a metrics record") from None
+    return [by_step[s] for s in sorted(by_step)]

@@ -1,0 +1,134 @@
+"""python -m xtrain_dist.sample DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]
+
+Prints the prompt followed by N tokens drawn from the model in checkpoint DIR, encoded and decoded
+with the checkpoint's own tokenizer.json: DIR is all it needs. The same checkpoint, arguments and
+backend give the same text (the draws come from PCG64(seed)).
+
+Each new token re-runs the forward pass over the last n_ctx tokens, with no key/value cache: the
+cost grows with the square of the length, which is fine for the small models a CPU trains here
+(the tiny model writes 200 tokens in about a second); a cache is what gpt2-124m-sized sampling
+would want first.
+"""
+
+import argparse
+import re
+import sys
+
+import numpy as np
+
+from .backend import BACKENDS, get_backend
+from .checkpoint import CONFIG, MODEL, TOKENIZER, open_checkpoint
+from .errors import XtrainError
+from .model import GPT2
+
+PROG = "sample"
+EOS = "<|endoftext|>"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        raise XtrainError(re.sub(r"^argument (\S+): must ", r"\1 must ", message))
+
+
+def load(path, backend):
+    """(model, tokenizer, checkpoint) of the checkpoint folder at `path`."""
+    ckpt = open_checkpoint(path, read=(MODEL, CONFIG, TOKENIZER))
+    config = ckpt.gpt_config()
+    model = GPT2(config, backend)
+    model.load_state_dict(ckpt.model_state(config))
+    tokenizer = ckpt.tokenizer()
+    if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+        raise XtrainError(f"checkpoint '{path}': its tokenizer has more ids than the model's vocabulary "
+                          f"({config.vocab_size})")
+    return model, tokenizer, ckpt
+
+
+def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: int | None,
+             rng: np.random.Generator) -> list[int]:
+    """`n_tokens` ids drawn one at a time after `ids`: greedy at temperature 0, else from
+    softmax(logits / temperature) restricted to the top_k most likely ids."""
+    ops, n_ctx = model.ops, model.config.n_ctx
+    ids = list(ids)
+    new = []
+    for _ in range(n_tokens):
+        context = np.asarray(ids[-n_ctx:], dtype=np.int32)[None, :]
+        logits = ops.to_host(model.forward(ops.from_host(context))[0, -1]).astype(np.float64)
+        if temperature == 0:
+            token = int(np.argmax(logits))
+        else:
+            logits /= temperature
+            if top_k is not None and top_k < logits.size:
+                logits[logits < np.partition(logits, -top_k)[-top_k]] = -np.inf
+            probs = np.exp(logits - logits.max())
+            cumulative = np.cumsum(probs)
+            token = int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"),
+                            logits.size - 1))
+        ids.append(token)
+        new.append(token)
+    return new
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got '{text}'")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got '{text}'")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"python -m xtrain_dist.{PROG}", description="Print text sampled from a checkpoint.")
+    p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (train_ddp --save-dir)")
+    p.add_argument("--prompt", default="", help="text to continue (default: start from <|endoftext|>)")
+    p.add_argument("--tokens", type=_positive_int, default=100, help="tokens to draw (default 100)")
+    p.add_argument("--temperature", type=_non_negative_float, default=1.0, help="0: always the likeliest token")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="draw among the K likeliest tokens only")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    return p
+
+
+def sample_text(argv) -> str:
+    args = build_parser().parse_args(argv)
+    if args.seed < 0:
+        raise XtrainError(f"--seed must be a non-negative integer, got {args.seed}")
+    model, tokenizer, ckpt = load(args.checkpoint, get_backend(args.backend, 0))
+    if ckpt.note:
+        print(f"{PROG}: {ckpt.note}", file=sys.stderr)
+    if args.prompt:
+        ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    elif tokenizer.token_to_id(EOS) is not None:
+        ids = [tokenizer.token_to_id(EOS)]
+    else:
+        raise XtrainError(f"give a --prompt: the tokenizer has no {EOS} to start from")
+    rng = np.random.Generator(np.random.PCG64(args.seed))
+    new = generate(model, ids, args.tokens, args.temperature, args.top_k, rng)
+    return tokenizer.decode((ids if args.prompt else []) + new, skip_special_tokens=False)
+
+
+def main(argv=None) -> int:
+    try:
+        print(sample_text(sys.argv[1:] if argv is None else argv))
+        return 0
+    except XtrainError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
