@@ -128,7 +128,9 @@ def _nvrtc_compile(nvrtc, file: str, options: tuple[str, ...]) -> tuple[bool, st
         opts = [o.encode() for o in options]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        # a mutable buffer: NVRTC writes into it, and `b" " * 1` is CPython's shared one-byte object,
+        # which would then hold NUL everywhere a b" " is used in this process
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
         ok = err == nvrtc.nvrtcResult.NVRTC_SUCCESS
         return ok, log.decode(errors="replace").strip("\x00 \n")
