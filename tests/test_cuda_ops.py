@@ -371,8 +371,6 @@ def test_tiny_model_trains_the_same_for_a_few_steps(be, rng):
     assert diff < 1e-4, f"parameters differ by {diff:.3g} (relative norm)"
 
 
-# ---------------------------------------------------------------------------- data parallel
-
 # ---------------------------------------------------------------------------- training on the GPU
 
 def _train(**kw):
