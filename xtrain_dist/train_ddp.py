@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from . import ddp
 from .backend import BACKENDS
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-from .ddp import STRATEGIES
 from .errors import XtrainError
 from .launch import RankFailed, run_thread_ranks
 from .train import train_rank
@@ -60,10 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-decay-steps", type=int, default=None, help="length of the schedule (default STEPS)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="global norm clip; 0 disables")
-    p.add_argument("--grad-sync", choices=list(STRATEGIES), default="flat")
     p.add_argument("--comm-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
     p.add_argument("--report", default=None, help="write a JSON report here")
     p.add_argument("--log-every", type=int, default=1)
+    sync = p.add_argument_group("gradient synchronisation, ZeRO-1 and accumulation (see docs/ddp.md)")
+    sync.add_argument("--grad-sync", choices=list(ddp.STRATEGIES), default="bucketed",
+                      help="when and in what pieces gradients are reduced (default bucketed)")
+    sync.add_argument("--bucket-mb", type=float, default=25.0, help="bucketed: MiB per bucket (default 25)")
+    sync.add_argument("--grad-compress", choices=ddp.COMPRESSIONS, default="none",
+                      help="bf16: round gradients to bfloat16 for the reduction")
+    sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
+    sync.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     return p
 
 
@@ -83,8 +90,10 @@ def parse_config(argv) -> TrainConfig:
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
         model=args.model, backend=args.backend, world_size=args.world_size, seed=args.seed,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_sync=args.grad_sync,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         comm_timeout_s=args.comm_timeout, report=args.report, log_every=args.log_every,
+        grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
+        grad_accum=args.grad_accum,
     ).resolved()
 
 
@@ -94,6 +103,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     if cfg.seq > model.n_ctx:
         raise XtrainError(f"SEQ ({cfg.seq}) exceeds the context length of model '{cfg.model}' ({model.n_ctx})")
     corpus.check_seq(cfg.seq)
+    ddp.check_config(cfg)
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
@@ -127,6 +137,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print) -> dict:
         "wall_s": wall,
         "param_sha256": [r.param_sha256 for r in results],
         "optimizer_state_bytes": [r.optimizer_state_bytes for r in results],
+        **ddp.report_fields(cfg, results),
     }
 
 
