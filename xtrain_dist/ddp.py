@@ -124,6 +124,9 @@ class BucketedGradSync:
         self.close = weakref.finalize(self, self._work.put, None)
 
     def on_grads_ready(self, start: int, end: int) -> None:
+        # The numpy backend has computed grads[:end] when backward announces it. A GPU backend has
+        # only queued the work: it must record an event on the compute stream here and have the
+        # communication thread wait on it before reading the bucket.
         if start != self._ready:
             raise RuntimeError(f"gradients announced out of layout order: [{start}, {end}) after [0, {self._ready})")
         self._ready = end
