@@ -167,11 +167,9 @@ def test_resuming_at_another_world_size_restores_the_state_and_says_what_differs
     assert resumed["losses"] != same_lr["losses"]
 
 
-@pytest.mark.skip(reason="TODO(integrator): enable once ZeRO-1 (ShardedAdamW, issue 4) is merged; "
-                         "set zero1 below to the TrainConfig field that turns it on")
 @pytest.mark.parametrize("world", [1, 2])
 def test_zero1_resume_continues_the_run_bitwise(corpus, tmp_path, world):
-    zero1 = {"zero": 1}  # TODO(integrator): the real field/value
+    zero1 = {"zero": 1}
     full = run(corpus, 8, world, **zero1)
     run(corpus, 4, world, save_dir=tmp_path / "ck", **zero1)
     assert {p.name for p in (tmp_path / "ck").glob("optimizer*")} == \

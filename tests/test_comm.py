@@ -8,7 +8,7 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from xtrain_dist.comm import CommAborted
+from xtrain_dist.comm import CommAborted, local, shard_offsets
 from xtrain_dist.comm.local import LocalGroup, _chunk
 from xtrain_dist.launch import RankFailed, run_thread_ranks
 
@@ -30,6 +30,28 @@ def test_all_reduce_is_the_rank_ordered_sum_on_every_rank(world, n):
     for r in range(1, world):
         expected = expected + rank_data(r, n)  # the fixed order: ((r0 + r1) + r2) + ...
     for buf in out:
+        assert buf.tobytes() == expected.tobytes()
+
+
+def ordered_sum(arrays):
+    total = arrays[0].copy()
+    for a in arrays[1:]:
+        total = total + a  # the fixed order: ((r0 + r1) + r2) + ...
+    return total
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sums_that_span_many_blocks_keep_the_order_and_the_bits(world, monkeypatch):
+    monkeypatch.setattr(local, "BLOCK", 7)  # 1000 elements: many blocks per chunk, a ragged last one
+    n = 1000
+
+    def body(rank, comm):
+        buf = rank_data(rank, n, seed=1) * np.float32(10.0 ** rank)  # magnitudes that make order matter
+        comm.all_reduce(buf)
+        return buf
+
+    expected = ordered_sum([rank_data(r, n, seed=1) * np.float32(10.0 ** r) for r in range(world)])
+    for buf in run_thread_ranks(world, body):
         assert buf.tobytes() == expected.tobytes()
 
 
@@ -102,3 +124,47 @@ def test_abort_makes_later_collectives_fail():
     group.abort("test")
     with pytest.raises(CommAborted, match="test"):
         group.communicator(0).barrier()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_variable_count_reduce_scatter_and_all_gather(world, in_place):
+    """Uneven shares, one of them empty (ZeRO-1 buckets that miss a rank's shard), in place or not."""
+    counts = [5, 0, 3, 1][:world]
+    counts[-1] += 2  # the sizes do not divide evenly
+    offsets = shard_offsets(sum(counts), world, counts)
+    n = offsets[-1]
+
+    def body(rank, comm):
+        send = rank_data(rank, n, seed=2)
+        original = send.copy()
+        lo, hi = offsets[rank], offsets[rank + 1]
+        shard = send[lo:hi] if in_place else np.full(hi - lo, np.nan, np.float32)
+        comm.reduce_scatter(send, shard, counts)
+        outside = np.concatenate([send[:lo], send[hi:]])
+        assert outside.tobytes() == np.concatenate([original[:lo], original[hi:]]).tobytes()  # untouched
+        gathered = send if in_place else np.full(n, np.nan, np.float32)
+        if in_place:
+            gathered[:lo] = gathered[hi:] = np.nan  # must all be filled by the gather
+        comm.all_gather(shard, gathered, counts)
+        return shard.copy(), gathered
+
+    expected = ordered_sum([rank_data(r, n, seed=2) for r in range(world)])
+    for rank, (shard, gathered) in enumerate(run_thread_ranks(world, body)):
+        assert shard.tobytes() == expected[offsets[rank]:offsets[rank + 1]].tobytes()
+        assert gathered.tobytes() == expected.tobytes()
+
+
+def test_bad_counts_are_rejected():
+    assert shard_offsets(6, 3) == [0, 2, 4, 6]
+    assert shard_offsets(5, 2, [5, 0]) == [0, 5, 5]
+    with pytest.raises(ValueError, match="do not split into 2 equal shares"):
+        shard_offsets(5, 2)
+    with pytest.raises(ValueError, match=r"counts \[2, 2\] do not split 5 elements over 2 ranks"):
+        shard_offsets(5, 2, [2, 2])
+
+    def body(rank, comm):
+        comm.reduce_scatter(np.zeros(4, np.float32), np.zeros(3, np.float32), [2, 2])
+
+    with pytest.raises(RankFailed, match="recv has 3 elements, its share is 2"):
+        run_thread_ranks(2, body)

@@ -208,3 +208,32 @@ def test_adamw_matches_torch_formula(rng):
         denom = np.sqrt(v_ref) / math.sqrt(1 - b2**step) + eps
         p_ref = p_ref - lr / (1 - b1**step) * m_ref / denom
         np.testing.assert_allclose(p, p_ref, rtol=1e-6, atol=1e-9)
+
+
+def test_bf16_round_is_torchs_round_to_nearest_even(rng):
+    """Against torch's float32 -> bfloat16 -> float32, on random bit patterns (every exponent,
+    subnormals, inf, NaN) and on the cases that decide the rule: exact ties go to the even neighbour,
+    the largest floats round up to inf."""
+    torch = pytest.importorskip("torch")
+    one = np.float32(1.0)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4028235e38, -3.4028235e38, 1e-45, 1.1754942e-38,
+                        one + np.float32(2.0 ** -8),      # tie between 1 and 1 + 2^-7: to 1 (even)
+                        one + np.float32(3 * 2.0 ** -8),  # tie between 1 + 2^-7 and 1 + 2^-6: to 1 + 2^-6 (even)
+                        one + np.float32(2.0 ** -8 + 2.0 ** -20)], np.float32)  # just above the tie: up
+    random_bits = rng.integers(0, 2 ** 32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([special, random_bits])
+    ours = x.copy()
+    with np.errstate(invalid="ignore"):
+        ops.bf16_round(ours)
+    theirs = torch.from_numpy(x.copy()).to(torch.bfloat16).to(torch.float32).numpy()
+    nan = np.isnan(theirs)
+    assert np.array_equal(np.isnan(ours), nan)
+    assert np.array_equal(ours.view(np.uint32)[~nan], theirs.view(np.uint32)[~nan])
+    assert np.all(ours.view(np.uint32)[nan] == 0x7FC00000)
+    assert list(ours[9:12]) == [1.0, 1.0 + 2.0 ** -6, 1.0 + 2.0 ** -7]
+    assert np.all(ours.view(np.uint32) & 0xFFFF == 0)  # representable in bfloat16: widening is exact
+
+
+def test_bf16_round_needs_float32():
+    with pytest.raises(TypeError, match="bf16_round needs float32, got float64"):
+        ops.bf16_round(np.zeros(3))

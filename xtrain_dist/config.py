@@ -62,7 +62,6 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     # data parallelism
-    grad_sync: str = "flat"
     comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
     cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default cores / ranks
     tf32: bool = False              # cuda backend: TF32 tensor-core matmuls (fp32 storage)
@@ -72,6 +71,12 @@ class TrainConfig:
     rdzv_bind: str | None = None        # HOST[:PORT] rank 0's rendezvous listens on (default: the advertised one)
     rdzv_advertise: str | None = None   # HOST:PORT the other processes connect to (default MASTER_ADDR:MASTER_PORT)
     rdzv_timeout_s: float = 300.0       # how long processes wait for each other at the start
+    # ---- gradient sync strategies, compression, ZeRO-1, accumulation (ddp.py, optim.py) ----
+    grad_sync: str = "bucketed"     # per-param | flat | bucketed
+    bucket_mb: float = 25.0         # bucketed: MiB per bucket, like torch DDP's bucket_cap_mb
+    grad_compress: str = "none"     # none | bf16: round gradients to bfloat16 for the reduction
+    zero: int = 0                   # 1: ZeRO-1, optimizer state sharded over the ranks
+    grad_accum: int = 1             # micro-batches per optimizer step; communication after the last
     # output
     report: str | None = None
     log_every: int = 1

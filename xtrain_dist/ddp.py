@@ -1,30 +1,217 @@
 """Gradient synchronisation: how a rank's flat gradient buffer becomes the sum over all ranks.
 
-Backward calls `on_grads_ready(start, end)` each time grads[start:end] is final; `finish()` returns
-once the whole buffer is reduced. Strategies differ only in when and in what pieces they reduce.
+Backward calls `on_grads_ready(start, end)` each time grads[start:end] is final (always the next
+piece of a growing prefix, see model.py); `finish()` returns once the buffer is reduced. The
+strategies differ only in when they reduce and in what pieces:
+
+- per-param: one collective per parameter, after backward (the naive DDP: the most calls).
+- flat:      one collective over the whole buffer, after backward (the fewest calls, no overlap).
+- bucketed:  the buffer cut into buckets of `bucket_mb`; a bucket is reduced, by a communication
+             thread of the rank, as soon as backward has finished it, while the rank's own thread
+             goes on with the earlier blocks. What is left when backward ends is the exposed cost.
+
+What reducing a piece means is the same for every strategy (`PieceReducer`): an all-reduce, or with
+ZeRO-1 a reduce-scatter that leaves each rank the part of the piece inside its own shard; with bf16
+compression the piece is rounded to bfloat16 before the sum and the sum rounded again after.
+
+Every rank must issue the same collectives in the same order (the local communicator meets at
+barriers, NCCL matches calls by order). The pieces are a pure function of the layout and of
+bucket_mb, and one thread per rank issues them in order, so that holds by construction.
 """
 
+import math
+import queue
+import threading
+import time
+import weakref
+
+from .comm import shard_offsets
+from .comm.timed import TimedCommunicator
 from .errors import XtrainError
+from .model import ALIGN
+
+MIB = 1 << 20  # --bucket-mb counts mebibytes, like torch DDP's bucket_cap_mb
+COMPRESSIONS = ("none", "bf16")
 
 
-class FlatGradSync:
-    """One all-reduce of the whole flat buffer after backward: the fewest calls, no overlap."""
+def bucket_bounds(size: int, bucket_mb: float, itemsize: int = 4) -> list[tuple[int, int]]:
+    """[lo, hi) of each bucket: consecutive slices of bucket_mb (rounded to whole ALIGN-element
+    groups, at least one), the last one shorter. A function of its arguments only, so every rank
+    cuts the same buckets."""
+    elems = max(ALIGN, round(bucket_mb * MIB / itemsize / ALIGN) * ALIGN)
+    return [(lo, min(lo + elems, size)) for lo in range(0, size, elems)]
 
-    def __init__(self, comm, grads):
-        self.comm = comm
-        self.grads = grads
+
+class PieceReducer:
+    """Reduces one slice grads[lo:hi] across the ranks: all-reduce, or reduce-scatter into the shards."""
+
+    def __init__(self, comm, grads, ops, shards=None, compress: str = "none"):
+        self.comm, self.grads, self.ops = comm, grads, ops
+        self.shards = shards  # ZeRO-1: every rank's (lo, hi) of the flat buffer; None: all-reduce
+        self.compress = compress == "bf16"
+
+    def __call__(self, lo: int, hi: int) -> None:
+        piece = self.grads[lo:hi]
+        if self.compress:
+            # what a bf16 wire would carry; the sum itself is exact float32 in rank order
+            self.ops.bf16_round(piece)
+        if self.shards is None:
+            self.comm.all_reduce(piece)
+            result = piece
+        else:
+            counts = [max(0, min(hi, s_hi) - max(lo, s_lo)) for s_lo, s_hi in self.shards]
+            offsets = shard_offsets(hi - lo, self.comm.world_size, counts)
+            rank = self.comm.rank
+            result = piece[offsets[rank]:offsets[rank + 1]]  # this rank's part: reduced in place
+            self.comm.reduce_scatter(piece, result, counts)
+        if self.compress:
+            self.ops.bf16_round(result)  # the sum travels back as bfloat16 too
+
+
+class _AfterBackward:
+    """Reduce fixed pieces one after another once backward is done; nothing overlaps."""
+
+    def __init__(self, reduce_piece: PieceReducer, pieces: list[tuple[int, int]]):
+        self.reduce_piece = reduce_piece
+        self.pieces = pieces
 
     def on_grads_ready(self, start: int, end: int) -> None:
         pass
 
     def finish(self) -> None:
-        self.comm.all_reduce(self.grads)
+        for lo, hi in self.pieces:
+            self.reduce_piece(lo, hi)
+
+    def close(self) -> None:
+        pass
 
 
-STRATEGIES = {"flat": FlatGradSync}
+class PerParamGradSync(_AfterBackward):
+    """One collective per parameter after backward: the naive DDP, what per-call overhead costs."""
+
+    def __init__(self, reduce_piece, model, bucket_mb=None):
+        super().__init__(reduce_piece, [(s.offset, s.offset + s.size) for s in model.layout])
 
 
-def make_grad_sync(name: str, comm, model):
-    if name not in STRATEGIES:
-        raise XtrainError(f"unknown --grad-sync '{name}' (choose from {', '.join(STRATEGIES)})")
-    return STRATEGIES[name](comm, model.grads)
+class FlatGradSync(_AfterBackward):
+    """One collective over the whole flat buffer after backward: the fewest calls, no overlap."""
+
+    def __init__(self, reduce_piece, model, bucket_mb=None):
+        super().__init__(reduce_piece, [(0, model.size)])
+
+
+class BucketedGradSync:
+    """Buckets reduced by a communication thread while backward goes on (PyTorch DDP's design).
+
+    on_grads_ready hands every bucket that the finished prefix now covers to the rank's
+    communication thread, which reduces them in order; finish() hands over whatever is left and
+    waits. The rank's thread makes no collective call of its own until finish() returns, so the
+    two threads never use the communicator at once. A failure in the communication thread (a peer
+    died: CommAborted) is raised by finish(). The thread ends when this object is closed or dropped."""
+
+    def __init__(self, reduce_piece, model, bucket_mb: float):
+        self.reduce_piece = reduce_piece
+        self.comm = reduce_piece.comm
+        self.size = model.size
+        self.pieces = bucket_bounds(model.size, bucket_mb, model.grads.dtype.itemsize)
+        self._ready = 0    # grads[:_ready] is final in this step
+        self._issued = 0   # buckets handed to the communication thread in this step
+        self._work: queue.Queue = queue.Queue()
+        self._errors: list[BaseException] = []
+        # the thread holds no reference to self, so dropping self ends it (through the finalizer)
+        threading.Thread(target=_serve, args=(self._work, self.pieces, reduce_piece, self._errors),
+                         name=f"rank{self.comm.rank}-comm", daemon=True).start()
+        self.close = weakref.finalize(self, self._work.put, None)
+
+    def on_grads_ready(self, start: int, end: int) -> None:
+        # The numpy backend has computed grads[:end] when backward announces it. A GPU backend has
+        # only queued the work: it must record an event on the compute stream here and have the
+        # communication thread wait on it before reading the bucket.
+        if start != self._ready:
+            raise RuntimeError(f"gradients announced out of layout order: [{start}, {end}) after [0, {self._ready})")
+        self._ready = end
+        self._issue_up_to(end)
+
+    def finish(self) -> None:
+        self._issue_up_to(self.size)  # all of it, also if backward announced nothing
+        t0 = time.perf_counter()
+        self._work.join()
+        self.comm.waited(time.perf_counter() - t0)
+        self._ready = self._issued = 0
+        if self._errors:
+            raise self._errors[0]
+
+    def _issue_up_to(self, end: int) -> None:
+        while self._issued < len(self.pieces) and self.pieces[self._issued][1] <= end:
+            self._work.put(self._issued)
+            self._issued += 1
+
+
+def _serve(work: queue.Queue, pieces, reduce_piece, errors: list) -> None:
+    """The communication thread: reduce the buckets whose indices arrive, in order, until None."""
+    while True:
+        index = work.get()
+        try:
+            if index is None:
+                return
+            if not errors:  # after a failure, drain without communicating
+                reduce_piece(*pieces[index])
+        except BaseException as e:  # handed to the rank's thread by finish()
+            errors.append(e)
+        finally:
+            work.task_done()
+
+
+STRATEGIES = {"per-param": PerParamGradSync, "flat": FlatGradSync, "bucketed": BucketedGradSync}
+
+
+def check_config(cfg) -> None:
+    """The options of this module, checked before any rank starts: one line naming the problem."""
+    if cfg.grad_sync not in STRATEGIES:
+        raise XtrainError(f"unknown --grad-sync '{cfg.grad_sync}' (choose from {', '.join(STRATEGIES)})")
+    if not (cfg.bucket_mb > 0 and math.isfinite(cfg.bucket_mb)):
+        raise XtrainError(f"--bucket-mb must be a positive number, got {cfg.bucket_mb:g}")
+    if cfg.grad_compress not in COMPRESSIONS:
+        raise XtrainError(f"unknown --grad-compress '{cfg.grad_compress}' (choose from {', '.join(COMPRESSIONS)})")
+    if cfg.zero not in (0, 1):
+        raise XtrainError(f"--zero must be 0 or 1, got {cfg.zero}")
+    if cfg.grad_accum < 1:
+        raise XtrainError(f"--grad-accum must be at least 1, got {cfg.grad_accum}")
+    if cfg.batch < cfg.world_size * cfg.grad_accum:
+        raise XtrainError(f"BATCH ({cfg.batch}) must be at least the world size times --grad-accum "
+                          f"({cfg.world_size} x {cfg.grad_accum} = {cfg.world_size * cfg.grad_accum}): "
+                          "every micro-batch needs a sequence on every rank")
+
+
+def make_grad_sync(cfg, comm, model, shards=None):
+    """The strategy cfg.grad_sync names, reducing into ZeRO-1 shards when shards is given."""
+    check_config(cfg)
+    if not isinstance(comm, TimedCommunicator):
+        comm = TimedCommunicator(comm)
+    reduce_piece = PieceReducer(comm, model.grads, model.ops, shards, cfg.grad_compress)
+    return STRATEGIES[cfg.grad_sync](reduce_piece, model, cfg.bucket_mb)
+
+
+def report_fields(cfg, results) -> dict:
+    """The report's communication and memory fields, from every rank's RankResult.
+
+    comm_s and exposed_comm_s are means over ranks and steps (the first step, which pays for
+    warm-up, left out when there are others)."""
+
+    def mean(per_rank_lists) -> float:
+        values = [v for steps in per_rank_lists for v in (steps[1:] or steps)]
+        return sum(values) / len(values)
+
+    return {
+        "grad_sync": cfg.grad_sync,
+        "bucket_mb": cfg.bucket_mb,
+        "grad_compress": cfg.grad_compress,
+        "zero": cfg.zero,
+        "grad_accum": cfg.grad_accum,
+        "comm_s": mean([r.comm_s for r in results]),
+        "exposed_comm_s": mean([r.exposed_comm_s for r in results]),
+        "comm_calls_per_step": results[0].comm_calls,
+        "param_bytes": [r.param_bytes for r in results],
+        "grad_bytes": [r.grad_bytes for r in results],
+        "zero_shards": [list(r.zero_shard) for r in results] if cfg.zero else None,
+    }

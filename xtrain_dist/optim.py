@@ -1,7 +1,8 @@
-"""AdamW over the flat buffers, and the learning-rate schedule.
+"""AdamW over the flat buffers, its ZeRO-1 sharded form, and the learning-rate schedule.
 
 The optimizer never loops over tensors: one adamw_update call covers the whole flat parameter
-buffer, with a per-element decay mask saying which entries get weight decay.
+buffer (or, sharded, one contiguous slice of it), with a per-element decay mask saying which
+entries get weight decay.
 """
 
 import math
@@ -10,6 +11,7 @@ import numpy as np
 
 from .config import TrainConfig
 from .errors import XtrainError
+from .model import ALIGN
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -27,6 +29,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 class AdamW:
     """torch.optim.AdamW semantics; state (m, v) is two more flat buffers like the parameters."""
 
+    shards = None  # every rank updates the whole buffer
+
     def __init__(self, model, cfg: TrainConfig):
         self.model = model
         self.ops = model.ops
@@ -35,6 +39,10 @@ class AdamW:
         self.m = xp.zeros_like(model.params)
         self.v = xp.zeros_like(model.params)
         self.step_count = 0
+
+    def grad_norm_squared(self):
+        """The squared global norm of the (reduced) gradients, a (1,) array."""
+        return self.ops.global_norm_squared(self.model.grads)
 
     def step(self, lr: float, grad_scale) -> None:
         """One update with gradients multiplied by grad_scale (a (1,) array: the clip coefficient)."""
@@ -76,3 +84,57 @@ class AdamW:
         self.m[...] = self.ops.from_host(np.ascontiguousarray(m[take], dtype=self.m.dtype))
         self.v[...] = self.ops.from_host(np.ascontiguousarray(v[take], dtype=self.v.dtype))
         self.step_count = int(state["step_count"])
+
+def shard_bounds(size: int, world_size: int) -> list[tuple[int, int]]:
+    """ZeRO-1's shards: world_size contiguous slices of the flat buffer, cut on ALIGN boundaries (so
+    every shard is aligned for vector loads) and as equal as that allows: sizes differ by at most
+    ALIGN elements. Nothing is padded; the shards are simply not all the same size."""
+    units = -(-size // ALIGN)
+    cuts = [min(size, (r * units // world_size) * ALIGN) for r in range(world_size)] + [size]
+    return [(cuts[r], cuts[r + 1]) for r in range(world_size)]
+
+
+class ShardedAdamW(AdamW):
+    """ZeRO-1: the optimizer state is sharded over the ranks; parameters and gradients are not.
+
+    Rank r owns params[lo:hi] for its shard (lo, hi) = shards[r]. Gradient sync reduce-scatters the
+    gradients so that grads[lo:hi] holds the sum over ranks (the rest of grads is left unreduced and
+    is never read); the global norm is an all-reduce of each shard's sum of squares, in rank order,
+    so every rank clips with the same bits; AdamW updates the shard with m and v that exist for it
+    alone; an all-gather then gives every rank every updated shard. Per element the arithmetic is
+    AdamW's, so the run follows the unsharded one (up to the norm's summation order)."""
+
+    def __init__(self, model, cfg: TrainConfig, comm):
+        self.model = model
+        self.ops = model.ops
+        self.cfg = cfg
+        self.comm = comm
+        self.shards = shard_bounds(model.size, comm.world_size)
+        self.lo, self.hi = self.shards[comm.rank]
+        self.counts = [hi - lo for lo, hi in self.shards]
+        xp = self.ops.xp
+        self.m = xp.zeros(self.hi - self.lo, dtype=model.params.dtype)
+        self.v = xp.zeros(self.hi - self.lo, dtype=model.params.dtype)
+        self.step_count = 0
+
+    sharded = True  # checkpoints save each rank's optimizer state (checkpoint.py)
+
+    @property
+    def state_range(self) -> tuple[int, int]:
+        return self.lo, self.hi
+
+    def grad_norm_squared(self):
+        partial = self.ops.global_norm_squared(self.model.grads[self.lo:self.hi])
+        self.comm.all_reduce(partial)
+        return partial
+
+    def step(self, lr: float, grad_scale) -> None:
+        self.step_count += 1
+        c, m, lo, hi = self.cfg, self.model, self.lo, self.hi
+        self.ops.adamw_update(m.params[lo:hi], m.grads[lo:hi], self.m, self.v, m.decay_mask[lo:hi],
+                              self.step_count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, grad_scale)
+        self.comm.all_gather(m.params[lo:hi], m.params, self.counts)
+
+
+def make_optimizer(model, cfg: TrainConfig, comm):
+    return ShardedAdamW(model, cfg, comm) if cfg.zero else AdamW(model, cfg)

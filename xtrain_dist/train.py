@@ -8,12 +8,13 @@ import numpy as np
 
 from . import checkpoint, metrics
 from .backend import get_backend
+from .comm.timed import TimedCommunicator
 from .config import TrainConfig, model_config
 from .data import BatchSampler, Corpus
 from .ddp import make_grad_sync
 from .evaluate import Evaluator, is_eval_step
 from .model import GPT2
-from .optim import AdamW, lr_at
+from .optim import lr_at, make_optimizer
 
 
 @dataclass
@@ -28,6 +29,13 @@ class RankResult:
     param_sha256: str = ""                                  # of the flat parameter buffer after the last step
     num_params: int = 0
     optimizer_state_bytes: int = 0
+    # communication (ddp.py): seconds per step in collectives, and the part the rank's thread waited for
+    comm_s: list[float] = field(default_factory=list)
+    exposed_comm_s: list[float] = field(default_factory=list)
+    comm_calls: int = 0                                     # collectives in the last step
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    zero_shard: tuple[int, int] | None = None               # ZeRO-1: [lo, hi) of the flat buffer this rank owns
 
     def add(self, record: dict) -> None:
         """Keep one step's figures (a metrics record)."""
@@ -35,6 +43,8 @@ class RankResult:
         self.grad_norms.append(record["grad_norm"])
         self.lrs.append(record["lr"])
         self.step_ms.append(record["ms"])
+        self.comm_s.append(record["comm_ms"] / 1e3)
+        self.exposed_comm_s.append(record["exposed_comm_ms"] / 1e3)
         if "val_loss" in record:
             self.val_losses.append([record["step"], record["val_loss"]])
 
@@ -43,46 +53,60 @@ def param_sha256(model) -> str:
     return hashlib.sha256(np.ascontiguousarray(model.ops.to_host(model.params)).tobytes()).hexdigest()
 
 
+def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
+    """The rank's share of the global batch in k consecutive micro-batches, sizes differing by at most one.
+
+    Any split is exact: every token's loss is scaled by 1/(BATCH*SEQ) however the batch is cut."""
+    return list(zip(np.array_split(ids, k), np.array_split(targets, k), strict=True))
+
+
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
                log=print) -> RankResult:
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32)
     model = GPT2(model_config(cfg.model, corpus.vocab_size), backend, seed=cfg.seed)
-    optimizer = AdamW(model, cfg)
-    grad_sync = make_grad_sync(cfg.grad_sync, comm, model)
+    step_comm = TimedCommunicator(comm)  # times the step's collectives; evaluation and checkpoints use comm
+    optimizer = make_optimizer(model, cfg, step_comm)
+    grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size)
     start = checkpoint.restore(cfg.resume, model, optimizer, sampler) if cfg.resume else 0
     evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
                  if cfg.eval_batches else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
-    # gradient of the global-batch mean loss, however the batch splits over ranks.
+    # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
     result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
-                        start_step=start)
+                        start_step=start, param_bytes=model.params.nbytes, grad_bytes=model.grads.nbytes,
+                        zero_shard=optimizer.shards[rank] if optimizer.shards else None)
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        ids, targets = (backend.from_host(a) for a in sampler.next())
         model.zero_grad()
-        losses = model.forward(ids, targets, dloss)
-        model.backward(on_grads_ready=grad_sync.on_grads_ready)
+        loss = backend.xp.zeros(1, dtype=backend.xp.float32)
+        micro = micro_batches(*sampler.next(), cfg.grad_accum)
+        for i, (ids, targets) in enumerate(micro):
+            losses = model.forward(backend.from_host(ids), backend.from_host(targets), dloss)
+            loss += losses.sum(dtype=backend.xp.float32) * np.float32(dloss)
+            # backward accumulates into grads; only the last micro-batch's starts the communication
+            model.backward(on_grads_ready=grad_sync.on_grads_ready if i == len(micro) - 1 else None)
         grad_sync.finish()
-        loss = (losses.sum(dtype=backend.xp.float32) * np.float32(dloss)).reshape(1)
-        comm.all_reduce(loss)
-        norm_squared = backend.global_norm_squared(model.grads)
+        step_comm.all_reduce(loss)
+        norm_squared = optimizer.grad_norm_squared()
         lr = lr_at(step, cfg)
         optimizer.step(lr, backend.clip_coefficient(norm_squared, cfg.grad_clip))
         loss_host, norm_sq_host = backend.to_host(backend.xp.concatenate([loss, norm_squared]))  # the step's one read
         ms = (time.perf_counter() - t0) * 1e3
+        comm_s, exposed_s, result.comm_calls = step_comm.take()
         done = step + 1
         record = {"step": done, "loss": float(loss_host), "lr": lr, "grad_norm": float(np.sqrt(norm_sq_host)),
-                  "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3}
+                  "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
+                  "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
         if evaluator and is_eval_step(done, cfg):
             record["val_loss"] = evaluator.loss(model, comm)
         result.add(record)
         if rank == 0 and (step % cfg.log_every == 0 or done == cfg.steps or "val_loss" in record):
             log(metrics.progress_line(record, cfg.steps))
         if rank == 0 and cfg.metrics:
-            metrics.append(cfg.metrics, record)  # gradient-sync timing (comm_ms, ...) joins the record when known
+            metrics.append(cfg.metrics, record)
         if cfg.save_dir and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             checkpoint.save(cfg.save_dir, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
                             model=model, optimizer=optimizer, sampler=sampler)

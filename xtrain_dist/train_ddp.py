@@ -16,12 +16,11 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from . import checkpoint, evaluate, metrics
+from . import checkpoint, ddp, evaluate, metrics
 from .backend import BACKENDS, rank_device
 from .comm.world import choose_engine, config_fingerprint, open_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-from .ddp import STRATEGIES
 from .errors import XtrainError
 from .launch import RankFailed, run_thread_ranks
 from .launch_env import Launch, detect_launch, local_world_for
@@ -65,7 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-decay-steps", type=int, default=None, help="length of the schedule (default STEPS)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="global norm clip; 0 disables")
-    p.add_argument("--grad-sync", choices=list(STRATEGIES), default="flat")
     p.add_argument("--comm-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
     p.add_argument("--cpu-threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
@@ -90,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", metavar="N", type=int, default=20,
                    help="held-out batches of BATCH x SEQ per evaluation; 0: none (default 20)")
     g.add_argument("--metrics", metavar="PATH", default=None, help="append one JSON line per step to PATH")
+    sync = p.add_argument_group("gradient synchronisation, ZeRO-1 and accumulation (see docs/ddp.md)")
+    sync.add_argument("--grad-sync", choices=list(ddp.STRATEGIES), default="bucketed",
+                      help="when and in what pieces gradients are reduced (default bucketed)")
+    sync.add_argument("--bucket-mb", type=float, default=25.0, help="bucketed: MiB per bucket (default 25)")
+    sync.add_argument("--grad-compress", choices=ddp.COMPRESSIONS, default="none",
+                      help="bf16: round gradients to bfloat16 for the reduction")
+    sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
+    sync.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     return p
 
 
@@ -116,13 +122,15 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
         model=args.model, backend=args.backend, world_size=world_size, seed=args.seed,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_sync=args.grad_sync,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
         report=args.report, log_every=args.log_every,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=args.rdzv_timeout,
         save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, eval_every=args.eval_every,
         eval_batches=args.eval_batches, metrics=args.metrics,
+        grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
+        grad_accum=args.grad_accum,
     ).resolved()
 
 
@@ -132,6 +140,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     if cfg.seq > model.n_ctx:
         raise XtrainError(f"SEQ ({cfg.seq}) exceeds the context length of model '{cfg.model}' ({model.n_ctx})")
     corpus.check_seq(cfg.seq)
+    ddp.check_config(cfg)
 
 
 def cpu_threads_per_rank(ranks_on_node: int) -> int:
@@ -225,6 +234,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "wall_s": wall,
         "param_sha256": outcomes[0][1],  # every rank of the job, in rank order
         "optimizer_state_bytes": [r.optimizer_state_bytes for r in results],
+        **ddp.report_fields(cfg, results),
     }
 
 

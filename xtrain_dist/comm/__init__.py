@@ -6,6 +6,16 @@ buffers, nccl4py) and `hybrid` (rank threads inside processes); `world.open_worl
 Every collective is in place or into a caller's buffer, a sum where it reduces, and gives every rank
 the same bits. All but NCCL return when the result is in place; NCCL's are enqueued on the rank's
 stream (stream order makes them visible) and `synchronize()` waits for them on the host.
+
+A communicator serves one collective at a time: every rank must issue the same collectives in the
+same order, and a rank that drives it from two threads (a communication thread beside the rank's
+own, ddp.BucketedGradSync) must not let their calls overlap.
+
+`counts` (reduce_scatter, all_gather) gives each rank's share of the whole buffer, in rank order:
+rank r owns elements [sum(counts[:r]), sum(counts[:r+1])); a count may be 0. None means equal shares
+(the buffer size divisible by the world size). That is MPI's Reduce_scatter/Allgatherv; on NCCL,
+equal counts are ncclReduceScatter/ncclAllGather and unequal ones a group of ncclReduce/ncclBroadcast,
+one per rank. ZeRO-1 needs them: its shards and its gradient buckets do not divide evenly.
 """
 
 from typing import Protocol
@@ -25,14 +35,33 @@ class Communicator(Protocol):
     def broadcast(self, buf, root: int = 0) -> None:
         """buf = root's buf, in place."""
 
-    def all_gather(self, send, recv) -> None:
-        """recv[r*n:(r+1)*n] = rank r's send, for n = send.size and every r."""
+    def all_gather(self, send, recv, counts=None) -> None:
+        """recv[offset(r):offset(r)+counts[r]] = rank r's send, for every r (counts[r] = that send's size).
 
-    def reduce_scatter(self, send, recv) -> None:
-        """recv = sum over ranks of send[rank*n:(rank+1)*n], for n = recv.size."""
+        send may be recv's own slice at offset(rank) (in place)."""
+
+    def reduce_scatter(self, send, recv, counts=None) -> None:
+        """recv = sum over ranks of send[offset(rank):offset(rank)+counts[rank]] (counts[rank] = recv.size).
+
+        recv may be send's own slice at offset(rank) (in place); the rest of send is left as it was."""
 
     def barrier(self) -> None:
         """Return once every rank has called it."""
 
     def abort(self, reason: str) -> None:
         """Make every rank's pending and future collectives raise CommAborted (called on failure)."""
+
+
+def shard_offsets(total: int, world_size: int, counts=None) -> list[int]:
+    """The world_size + 1 boundaries of the shares in a reduce_scatter/all_gather buffer of `total`
+    elements: equal shares when counts is None. Bad counts are a bug of the caller: ValueError."""
+    if counts is None:
+        if total % world_size:
+            raise ValueError(f"{total} elements do not split into {world_size} equal shares: pass counts")
+        counts = [total // world_size] * world_size
+    if len(counts) != world_size or any(c < 0 for c in counts) or sum(counts) != total:
+        raise ValueError(f"counts {list(counts)} do not split {total} elements over {world_size} ranks")
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + int(c))
+    return offsets

@@ -8,7 +8,7 @@ MPI_THREAD_SERIALIZED and the process communicators stay one-rank-per-process. E
 bits: the cross-process result is computed once per element and copied.
 """
 
-from .shares import share_offsets
+from . import shard_offsets
 
 
 class HybridCommunicator:
@@ -28,7 +28,7 @@ class HybridCommunicator:
     def reduce_scatter(self, send, recv, counts=None) -> None:
         # one all-reduce of a copy, then this rank's share: twice the traffic of a true reduce-scatter,
         # and obviously the same bits as all_reduce
-        offsets = share_offsets(send.size, self.world_size, counts)
+        offsets = shard_offsets(send.size, self.world_size, counts)
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
         if recv.size != hi - lo:
             raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {hi - lo}")
@@ -38,7 +38,7 @@ class HybridCommunicator:
 
     def all_gather(self, send, recv, counts=None) -> None:
         out, procs, per = recv.reshape(-1), self.inter.world_size, self.local_world
-        offsets = share_offsets(out.size, self.world_size, counts)
+        offsets = shard_offsets(out.size, self.world_size, counts)
         first, last = self.process_rank * per, (self.process_rank + 1) * per
         block = out[offsets[first]:offsets[last]]  # this process's ranks are contiguous in the global order
         if counts is None:

@@ -26,9 +26,8 @@ import time
 import numpy as np
 
 from ..errors import XtrainError
-from . import CommAborted
+from . import CommAborted, shard_offsets
 from .local import _chunk
-from .shares import share_offsets
 
 
 def mpi_module():
@@ -114,7 +113,7 @@ class MpiCommunicator:
         """recv = the rank-order sum of every rank's share `rank` of send (recv may be that share itself)."""
         self._check("reduce_scatter")
         flat, world = _flat(send), self.world_size
-        offsets = share_offsets(flat.size, world, counts)
+        offsets = shard_offsets(flat.size, world, counts)
         sizes = [offsets[r + 1] - offsets[r] for r in range(world)]
         mine = sizes[self.rank]
         if recv.size != mine:
@@ -132,7 +131,7 @@ class MpiCommunicator:
         """recv's share r = rank r's send, for every r (send may be recv's own share)."""
         self._check("all_gather")
         out, world = _flat(recv), self.world_size
-        offsets = share_offsets(out.size, world, counts)
+        offsets = shard_offsets(out.size, world, counts)
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
         if send.size != hi - lo:
             raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {hi - lo}")

@@ -33,8 +33,7 @@ import threading
 import time
 
 from ..errors import XtrainError
-from . import CommAborted
-from .shares import share_offsets
+from . import CommAborted, shard_offsets
 
 WATCHDOG_PERIOD_S = 0.2
 
@@ -206,7 +205,7 @@ class NcclCommunicator:
         """Equal shares: ncclReduceScatter; unequal ones (counts): one ncclReduce per rank to its owner,
         in one group. recv may be send's own share (in place)."""
         data_type, s = self._args(send, dtype, stream)
-        offsets = share_offsets(send.size, self.world_size, counts)
+        offsets = shard_offsets(send.size, self.world_size, counts)
         sizes = [offsets[r + 1] - offsets[r] for r in range(self.world_size)]
         if recv.size != sizes[self.rank]:
             raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {sizes[self.rank]}")
@@ -230,7 +229,7 @@ class NcclCommunicator:
         """Equal shares: ncclAllGather; unequal ones (counts): one ncclBroadcast per rank from its owner,
         in one group. send may be recv's own share (in place)."""
         data_type, s = self._args(send, dtype, stream)
-        offsets = share_offsets(recv.size, self.world_size, counts)
+        offsets = shard_offsets(recv.size, self.world_size, counts)
         sizes = [offsets[r + 1] - offsets[r] for r in range(self.world_size)]
         if send.size != sizes[self.rank]:
             raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {sizes[self.rank]}")

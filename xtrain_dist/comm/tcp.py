@@ -16,9 +16,8 @@ import struct
 
 import numpy as np
 
-from . import CommAborted
+from . import CommAborted, shard_offsets
 from .rendezvous import close_all
-from .shares import share_offsets
 
 _HEADER = struct.Struct("!BIQ")  # operation, sequence number, payload bytes
 _OPS = {1: "all_reduce", 2: "all_gather", 3: "broadcast", 4: "barrier"}
@@ -106,7 +105,7 @@ class TcpCommunicator:
 
     def reduce_scatter(self, send, recv, counts=None) -> None:
         """One all-reduce of a copy, then this rank's share (send itself is left as it was)."""
-        offsets = share_offsets(send.size, self.world_size, counts)
+        offsets = shard_offsets(send.size, self.world_size, counts)
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
         if recv.size != hi - lo:
             raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {hi - lo}")
@@ -116,7 +115,7 @@ class TcpCommunicator:
 
     def all_gather(self, send, recv, counts=None) -> None:
         out = _flat(recv)
-        offsets = share_offsets(out.size, self.world_size, counts)
+        offsets = shard_offsets(out.size, self.world_size, counts)
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
         if send.size != hi - lo:
             raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {hi - lo}")

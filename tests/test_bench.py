@@ -1,0 +1,84 @@
+"""The benchmark scripts run end to end at toy sizes and write what they promise; the figures they
+derive follow the definitions (nccl-tests' bus bandwidth, the overhead model's b*)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+BIN = Path(__file__).resolve().parent.parent / "bin"
+
+
+def script(name, *args, timeout=300):
+    return subprocess.run([sys.executable, str(BIN / name), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    coll = script("bench_collectives", "--worlds", "2,3", "--sizes", "4K,64K,1M", "--iters", "3", "--warmup", "1",
+                  "--out", out)
+    assert coll.returncode == 0, coll.stderr
+    ddp = script("bench_ddp", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--repeats", "1",
+                 "--buckets", "0.1,1", "--out", out)
+    assert ddp.returncode == 0, ddp.stderr
+    fit = script("fit_overhead_model", "--collectives", out / "collectives.json", "--ddp", out / "ddp.json")
+    assert fit.returncode == 0, fit.stderr
+    return out, fit.stdout
+
+
+def test_every_script_writes_json_markdown_and_png(results):
+    out, _ = results
+    for stem in ("collectives", "ddp", "overhead_model"):
+        for suffix in (".json", ".md", ".png"):
+            assert (out / f"{stem}{suffix}").stat().st_size > 0, f"{stem}{suffix}"
+    assert not list(out.glob(".*tmp*"))  # nothing half-written left behind
+    assert "Machine: " in (out / "ddp.md").read_text()
+
+
+def test_collective_bandwidths_follow_nccl_tests(results):
+    out, _ = results
+    rows = json.loads((out / "collectives.json").read_text())["rows"]
+    assert {(r["op"], r["world"]) for r in rows} == {(op, w) for op in ("all_reduce", "reduce_scatter", "all_gather",
+                                                                        "broadcast") for w in (2, 3)}
+    factor = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+    for r in rows:
+        assert r["bytes"] % (4 * r["world"]) == 0 and r["size"] - r["bytes"] < 4 * r["world"]
+        assert r["algbw_gbs"] == pytest.approx(r["bytes"] / r["mean_s"] / 1e9)
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * factor[r["op"]](r["world"]))
+
+
+def test_ddp_rows_and_exactness(results):
+    out, _ = results
+    data = json.loads((out / "ddp.json").read_text())
+    names = [r["name"] for r in data["rows"]]
+    assert names == ["per-param", "flat", "bucketed 0.1 MiB", "bucketed 1 MiB", "flat + ZeRO-1",
+                     "bucketed 25 MiB + ZeRO-1"]
+    plain = [r for r in data["rows"] if not r["zero"]]
+    assert all(r["same_bits_as_flat"] and r["ranks_equal"] for r in plain)
+    zero = [r for r in data["rows"] if r["zero"]]
+    full = plain[0]["optimizer_state_bytes"]
+    assert all(r["optimizer_state_bytes"] == full // 2 for r in zero)  # the tiny model splits evenly at world 2
+    assert data["blas_threads"] == "1"  # 2 cores or fewer / 2 ranks, or the environment's setting
+
+
+def test_the_fit_prints_b_star_from_its_own_o_and_w(results):
+    out, stdout = results
+    fit = json.loads((out / "overhead_model.json").read_text())
+    assert fit["b_star_bytes"] == pytest.approx(math.sqrt(fit["S_bytes"] * fit["w_bytes_per_s"] * fit["o_s"]))
+    assert fit["S_bytes"] == json.loads((out / "ddp.json").read_text())["rows"][1]["grad_bytes"]
+    assert "predicted best bucket b* = sqrt(S·w·o)" in stdout and "measured best bucket" in stdout
+
+
+@pytest.mark.parametrize("comm", ["nccl", "mpi"])
+def test_communicators_that_do_not_exist_yet_are_one_line(comm):
+    out = script("bench_collectives", "--comm", comm)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"bench_collectives: error: --comm {comm} is not available yet: "
+                                  f"xtrain_dist/comm/{comm}.py does not exist on this branch")

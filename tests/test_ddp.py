@@ -1,0 +1,248 @@
+"""Gradient synchronisation: per-param, flat and bucketed give the same bits; buckets really overlap
+backward; bf16 compression does what it says; gradient accumulation equals the big batch."""
+
+import threading
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from xtrain_dist import ddp
+from xtrain_dist.backend import numpy_ops
+from xtrain_dist.config import TrainConfig, model_config
+from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.launch import RankFailed, run_thread_ranks
+from xtrain_dist.model import ALIGN, GPT2
+from xtrain_dist.train_ddp import main, train
+
+SMALL_BUCKET_MB = 0.05  # cuts the tiny model (1.4 MiB of gradients) into 29 buckets
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+
+def run(corpus, world, steps=5, batch=8, seq=32, **kw):
+    cfg = TrainConfig(steps=steps, batch=batch, seq=seq, model="tiny", seed=7, world_size=world, **kw).resolved()
+    return train(cfg, corpus, log=lambda line: None)
+
+
+def max_rel_diff(a, b) -> float:
+    a, b = np.array(a), np.array(b)
+    assert a.shape == b.shape
+    return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+@pytest.fixture(scope="module")
+def flat_runs(corpus):
+    """The reference of each world size: one all-reduce of the whole buffer."""
+    return {world: run(corpus, world, grad_sync="flat") for world in (1, 2, 3, 4)}
+
+
+# ---------------------------------------------------------------- buckets
+
+def test_buckets_tile_the_buffer_in_aligned_slices():
+    size = 370432
+    buckets = ddp.bucket_bounds(size, SMALL_BUCKET_MB)
+    assert buckets[0][0] == 0 and buckets[-1][1] == size
+    assert all(a[1] == b[0] for a, b in pairwise(buckets))
+    assert {hi - lo for lo, hi in buckets[:-1]} == {13120}  # 0.05 MiB = 13107.2 floats, rounded to 410 x ALIGN
+    assert len(buckets) == 29
+    assert ddp.bucket_bounds(size, 25) == [(0, size)]
+    assert ddp.bucket_bounds(size, 1e-9)[0] == (0, ALIGN)  # never empty
+
+
+# ---------------------------------------------------------------- the three strategies
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_strategies_give_the_same_bits(corpus, flat_runs, world):
+    """Every strategy sums each element over the ranks in rank order, so the pieces do not change a bit."""
+    flat = flat_runs[world]
+    assert len(set(flat["param_sha256"])) == 1
+    for kw in ({"grad_sync": "per-param"}, {"grad_sync": "bucketed", "bucket_mb": SMALL_BUCKET_MB}):
+        other = run(corpus, world, **kw)
+        assert other["losses"] == flat["losses"], kw
+        assert other["param_sha256"] == flat["param_sha256"], kw
+    assert max_rel_diff(flat["losses"], flat_runs[1]["losses"]) < 1e-5  # and every world follows world 1
+
+
+def test_collectives_per_step(corpus, flat_runs):
+    """The loss all-reduce, plus: one call (flat), one per parameter (per-param), one per bucket."""
+    n_params = len(GPT2(model_config("tiny", corpus.vocab_size), numpy_ops).layout)
+    assert flat_runs[2]["comm_calls_per_step"] == 1 + 1
+    assert run(corpus, 2, steps=2, grad_sync="per-param")["comm_calls_per_step"] == n_params + 1
+    bucketed = run(corpus, 2, steps=2, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB)
+    assert bucketed["comm_calls_per_step"] == 29 + 1
+    for key in ("grad_sync", "zero", "grad_accum", "comm_s", "exposed_comm_s"):
+        assert key in bucketed
+    assert bucketed["grad_sync"] == "bucketed" and bucketed["zero"] == 0 and bucketed["grad_accum"] == 1
+    assert bucketed["comm_s"] > 0 and bucketed["exposed_comm_s"] > 0
+
+
+def test_the_default_is_bucketed():
+    cfg = TrainConfig(steps=1, batch=1, seq=1)
+    assert (cfg.grad_sync, cfg.bucket_mb, cfg.grad_compress, cfg.zero, cfg.grad_accum) == ("bucketed", 25.0, "none",
+                                                                                           0, 1)
+
+
+# ---------------------------------------------------------------- overlap
+
+class RecordingComm:
+    """A communicator that logs when each all-reduce starts and on which thread."""
+
+    def __init__(self, comm, events, lock, started):
+        self.comm, self.events, self.lock, self.started = comm, events, lock, started
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    def all_reduce(self, buf):
+        with self.lock:
+            self.events.append(("reduce", buf.size, threading.current_thread().name))
+        self.started.set()
+        self.comm.all_reduce(buf)
+
+
+def record_one_step(grad_sync_name, world=2, hold_s=10.0):
+    """Each rank: forward, then backward whose first announcement holds backward until an all-reduce
+    has started (or hold_s has passed). Returns every rank's event log."""
+    config = model_config("tiny", 64)
+    cfg = TrainConfig(steps=1, batch=world, seq=16, world_size=world, grad_sync=grad_sync_name,
+                      bucket_mb=SMALL_BUCKET_MB)
+
+    def body(rank, comm):
+        events, lock, started = [], threading.Lock(), threading.Event()
+        model = GPT2(config, numpy_ops, seed=1)
+        grad_sync = ddp.make_grad_sync(cfg, RecordingComm(comm, events, lock, started), model)
+        ids = np.random.default_rng(rank).integers(0, 64, (1, 16)).astype(np.int32)
+        model.forward(ids, np.roll(ids, -1, axis=1), 1.0 / 16)
+
+        def on_grads_ready(start, end):
+            with lock:
+                events.append(("ready", end, threading.current_thread().name))
+            grad_sync.on_grads_ready(start, end)
+            if start == 0:  # the first announcement: ln_f and the last block are final, two blocks to go
+                started.wait(hold_s)
+
+        model.backward(on_grads_ready)
+        with lock:
+            events.append(("backward done", model.size, threading.current_thread().name))
+        grad_sync.finish()
+        return events, model.size
+
+    return run_thread_ranks(world, body)
+
+
+def test_bucketed_reduces_while_backward_still_runs():
+    for events, size in record_one_step("bucketed"):
+        kinds = [e[0] for e in events]
+        first_reduce, done = kinds.index("reduce"), kinds.index("backward done")
+        assert first_reduce < kinds.index("ready", 1) < done  # before block 0's gradients were even computed
+        rank_thread = events[0][2]
+        assert {e[2] for e in events if e[0] == "reduce"} == {f"{rank_thread}-comm"}
+        assert sum(e[1] for e in events if e[0] == "reduce") == size  # every bucket exactly once
+        # a bucket starts only once the announced prefix covers it
+        covered, bucket_end = 0, 0
+        for kind, n, _ in events:
+            if kind == "ready":
+                covered = n
+            elif kind == "reduce":
+                bucket_end += n
+                assert bucket_end <= covered
+
+
+def test_flat_waits_for_backward():
+    """The harness's negative control: without overlap no reduction starts before backward is done."""
+    for events, _ in record_one_step("flat", hold_s=0.2):
+        kinds = [e[0] for e in events]
+        assert kinds.index("backward done") < kinds.index("reduce")
+
+
+def test_a_failure_in_the_communication_thread_ends_the_run(corpus, monkeypatch):
+    real = ddp.PieceReducer.__call__
+    calls = {"n": 0}
+
+    def failing(self, lo, hi):
+        if self.comm.rank == 1 and threading.current_thread().name.endswith("-comm"):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected bucket failure")
+        return real(self, lo, hi)
+
+    monkeypatch.setattr(ddp.PieceReducer, "__call__", failing)
+    with pytest.raises(RankFailed) as info:
+        run(corpus, 3, steps=2, bucket_mb=SMALL_BUCKET_MB, comm_timeout_s=30)
+    assert info.value.rank == 1 and str(info.value.error) == "injected bucket failure"
+
+
+# ---------------------------------------------------------------- bf16 compression
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bf16_reduction_is_the_rounded_sum_of_rounded_gradients(world):
+    n = 1000
+
+    def grads(rank):
+        return np.random.default_rng([3, rank]).standard_normal(n).astype(np.float32) * np.float32(1e-3)
+
+    def body(rank, comm):
+        buf = grads(rank)
+        ddp.PieceReducer(comm, buf, numpy_ops, compress="bf16")(0, n)
+        return buf
+
+    def bf16(x):
+        x = x.copy()
+        numpy_ops.bf16_round(x)
+        return x
+
+    expected = bf16(grads(0))
+    for r in range(1, world):
+        expected = expected + bf16(grads(r))  # float32 sums in rank order, no division by the world size
+    expected = bf16(expected)
+    for buf in run_thread_ranks(world, body):
+        assert buf.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_bf16_training_follows_fp32(corpus, flat_runs, world):
+    report = run(corpus, world, grad_sync="flat", grad_compress="bf16")
+    assert report["grad_compress"] == "bf16"
+    assert len(set(report["param_sha256"])) == 1
+    assert report["param_sha256"] != flat_runs[world]["param_sha256"]  # it did round something
+    assert max_rel_diff(report["losses"], flat_runs[world]["losses"]) < 1e-2
+
+
+# ---------------------------------------------------------------- gradient accumulation
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_accumulation_equals_the_whole_batch(corpus, flat_runs, world):
+    """BATCH 8 as K=2 micro-batches per rank equals BATCH 8 in one; bucketed, so that a bucket sent
+    before the last micro-batch would show as a wrong sum."""
+    accumulated = run(corpus, world, grad_accum=2, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB)
+    assert accumulated["grad_accum"] == 2
+    assert max_rel_diff(accumulated["losses"], flat_runs[world]["losses"]) < 1e-5
+    assert len(set(accumulated["param_sha256"])) == 1
+    assert accumulated["comm_calls_per_step"] == 29 + 1  # nothing more than without accumulation
+
+
+def test_accumulation_with_uneven_micro_batches(corpus):
+    """BATCH 7 on 2 ranks with K=3: rank 0 trains 4 sequences as 2+1+1, rank 1 three as 1+1+1."""
+    one = run(corpus, 1, batch=7, grad_sync="flat")
+    accumulated = run(corpus, 2, batch=7, grad_accum=3)
+    assert max_rel_diff(accumulated["losses"], one["losses"]) < 1e-5
+    assert len(set(accumulated["param_sha256"])) == 1
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("args, message", [
+    (["--bucket-mb", "0"], "--bucket-mb must be a positive number, got 0"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
+    (["--world-size", "2", "--grad-accum", "3"],
+     "BATCH (4) must be at least the world size times --grad-accum (2 x 3 = 6): every micro-batch needs a "
+     "sequence on every rank"),
+    (["--zero", "2"], "argument --zero: invalid choice: 2 (choose from 0, 1)"),
+    (["--grad-compress", "fp8"], "argument --grad-compress: invalid choice: 'fp8' (choose from "),
+])
+def test_bad_options_get_one_line(capsys, args, message):
+    assert main(["2", "4", "16", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"train_ddp: error: {message}")  # argparse quotes by version

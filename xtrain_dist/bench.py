@@ -1,0 +1,115 @@
+"""What the benchmarks in bin/ share: where results go, the machine they came from, and writing each
+result as JSON (the figures), Markdown (the table for the docs) and PNG (the plot).
+
+Results go to bench/<cpu|gpu>/<date>/ by default. Every JSON records the command, the git commit and
+the machine, including its load average before and after: on a shared machine a busy neighbour
+shows up there rather than silently in the timings.
+"""
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .errors import XtrainError
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+
+def default_results_dir(kind: str = "cpu") -> Path:
+    return REPO / "bench" / kind / datetime.date.today().isoformat()
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    """The machine as the results table states it."""
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError, AttributeError):
+        mem_gib = float("nan")
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_gib, 1),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def describe(m: dict) -> str:
+    load = f", load average {m['loadavg_1m']:.1f}" if m.get("loadavg_1m") is not None else ""
+    return (f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']:g} GiB, {m['os']}, Python {m['python']}, "
+            f"numpy {m['numpy']}{load}")
+
+
+def header(argv=None) -> dict:
+    """The fields every result file starts with."""
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "machine": machine(),
+    }
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(folder: Path, stem: str, data: dict, title: str, table: str, figure) -> list[Path]:
+    """Write <stem>.json, <stem>.md and <stem>.png into folder; each file appears whole or not at all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    m = data["machine"]
+    if "loadavg_1m" in m:
+        m["loadavg_1m_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    md = (f"## {title}\n\n`{data['command']}`, {data['date']}, commit {data['git_commit']}\n\n"
+          f"Machine: {describe(m)} (after: {m.get('loadavg_1m_after', float('nan')):.1f})\n\n{table}")
+    paths = [folder / f"{stem}.json", folder / f"{stem}.md", folder / f"{stem}.png"]
+    writers = [lambda p: p.write_text(json.dumps(data, indent=1) + "\n"), lambda p: p.write_text(md),
+               lambda p: figure.savefig(p, dpi=110, bbox_inches="tight")]
+    for path, write in zip(paths, writers, strict=True):
+        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+        write(tmp)
+        os.replace(tmp, path)
+    return paths
+
+
+def pyplot():
+    """matplotlib's pyplot without a display; a missing matplotlib is one clear line."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise XtrainError("matplotlib is not installed (pip install 'xtrain-dist[bench]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
