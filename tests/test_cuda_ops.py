@@ -371,6 +371,19 @@ def test_tiny_model_trains_the_same_for_a_few_steps(be, rng):
     assert diff < 1e-4, f"parameters differ by {diff:.3g} (relative norm)"
 
 
+def test_bf16_round_is_bitwise_the_oracle(be, rng):
+    """Ties, carries into the exponent, the largest finite values, infinities and NaNs included."""
+    special = np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 3.3895314e38, -3.3895314e38, np.inf, -np.inf,
+                        np.nan, 1e-40, -1e-40], dtype=np.float32)
+    ties = (np.arange(64, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # exactly half way
+    host = np.concatenate([special, ties, randn(rng, 10_007, scale=100.0)])
+    for buf in (be.from_host(host), unaligned(be, host)):
+        want = host.copy()
+        ref.bf16_round(want)
+        be.bf16_round(buf)
+        assert np.array_equal(be.to_host(buf).view(np.uint32), want.view(np.uint32))
+
+
 # ---------------------------------------------------------------------------- training on the GPU
 
 def _train(**kw):
@@ -411,3 +424,17 @@ def test_the_command_line_trains_on_the_gpu():
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.stdout.splitlines()
               if line.startswith("step ")]
     assert len(losses) == 40 and np.mean(losses[-5:]) < losses[0] - 0.5
+
+
+@pytest.mark.parametrize("options", [
+    {"grad_sync": "flat"}, {"grad_sync": "per-param"}, {"grad_sync": "bucketed", "bucket_mb": 0.05},
+    {"zero": 1}, {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05}, {"grad_compress": "bf16"},
+    {"grad_accum": 2}])
+def test_every_ddp_option_on_two_virtual_ranks_follows_numpy(options):
+    """The communication thread on a side stream (bucketed), sharded AdamW, bf16 rounding on the GPU:
+    each follows the same option on the numpy backend, with bitwise-equal ranks."""
+    cuda = _train(backend="cuda", world_size=2, steps=5, **options)
+    numpy_run = _train(backend="numpy", world_size=2, steps=5, **options)
+    rtol = 1e-2 if options.get("grad_compress") == "bf16" else 1e-3
+    np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=rtol)
+    assert len(set(cuda["param_sha256"])) == 1

@@ -107,7 +107,13 @@ class BucketedGradSync:
     communication thread, which reduces them in order; finish() hands over whatever is left and
     waits. The rank's thread makes no collective call of its own until finish() returns, so the
     two threads never use the communicator at once. A failure in the communication thread (a peer
-    died: CommAborted) is raised by finish(). The thread ends when this object is closed or dropped."""
+    died: CommAborted) is raised by finish(). The thread ends when this object is closed or dropped.
+
+    On a GPU, backward has only *queued* a bucket's gradients when it announces them. Each hand-over
+    therefore carries a fence (a CUDA event on the compute stream); the communication thread, bound
+    to the rank's device with a stream of its own, makes that stream wait for it before reducing,
+    and finish() makes the compute stream wait for the communication stream's last fence. On the
+    CPU the fences are None and the waits do nothing."""
 
     def __init__(self, reduce_piece, model, bucket_mb: float):
         self.reduce_piece = reduce_piece
@@ -118,15 +124,14 @@ class BucketedGradSync:
         self._issued = 0   # buckets handed to the communication thread in this step
         self._work: queue.Queue = queue.Queue()
         self._errors: list[BaseException] = []
+        self._reduced: list = [None]  # the communication thread's fence after its latest bucket
+        self.ops = model.ops
         # the thread holds no reference to self, so dropping self ends it (through the finalizer)
-        threading.Thread(target=_serve, args=(self._work, self.pieces, reduce_piece, self._errors),
-                         name=f"rank{self.comm.rank}-comm", daemon=True).start()
+        threading.Thread(target=_serve, args=(self._work, self.pieces, reduce_piece, self._errors, self._reduced,
+                                              self.ops), name=f"rank{self.comm.rank}-comm", daemon=True).start()
         self.close = weakref.finalize(self, self._work.put, None)
 
     def on_grads_ready(self, start: int, end: int) -> None:
-        # The numpy backend has computed grads[:end] when backward announces it. A GPU backend has
-        # only queued the work: it must record an event on the compute stream here and have the
-        # communication thread wait on it before reading the bucket.
         if start != self._ready:
             raise RuntimeError(f"gradients announced out of layout order: [{start}, {end}) after [0, {self._ready})")
         self._ready = end
@@ -136,26 +141,33 @@ class BucketedGradSync:
         self._issue_up_to(self.size)  # all of it, also if backward announced nothing
         t0 = time.perf_counter()
         self._work.join()
+        self.ops.wait(self._reduced[0])  # later compute (clipping, AdamW) reads the reduced buckets
         self.comm.waited(time.perf_counter() - t0)
         self._ready = self._issued = 0
         if self._errors:
             raise self._errors[0]
 
     def _issue_up_to(self, end: int) -> None:
+        computed = None
         while self._issued < len(self.pieces) and self.pieces[self._issued][1] <= end:
-            self._work.put(self._issued)
+            computed = computed or self.ops.fence()  # one fence covers every bucket handed over now
+            self._work.put((self._issued, computed))
             self._issued += 1
 
 
-def _serve(work: queue.Queue, pieces, reduce_piece, errors: list) -> None:
-    """The communication thread: reduce the buckets whose indices arrive, in order, until None."""
+def _serve(work: queue.Queue, pieces, reduce_piece, errors: list, reduced: list, ops) -> None:
+    """The communication thread: reduce the buckets whose (index, fence) arrive, in order, until None."""
+    ops.bind_side_thread()
     while True:
-        index = work.get()
+        item = work.get()
         try:
-            if index is None:
+            if item is None:
                 return
+            index, computed = item
             if not errors:  # after a failure, drain without communicating
+                ops.wait(computed)
                 reduce_piece(*pieces[index])
+                reduced[0] = ops.fence()
         except BaseException as e:  # handed to the rank's thread by finish()
             errors.append(e)
         finally:

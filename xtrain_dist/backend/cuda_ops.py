@@ -66,6 +66,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "adamw": ("adamw_update",),
     "global_norm": ("sum_squares_partial", "sum_squares_finish", "clip_coefficient"),
     "scale": ("scale_inplace",),
+    "bf16_round": ("bf16_round_inplace",),
 }
 
 # precision -> extra NVRTC options. "bf16" compiles (the compile tests check it) but is not loaded
@@ -208,6 +209,8 @@ class CudaBackend:
         self._handle = cupy.cuda.device.get_cublas_handle()  # CuPy's, per thread and device
         self._compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32 else cublas.CUBLAS_COMPUTE_32F
         self._k = _load_kernels("fp32")
+        self._side_streams: set[int] = set()
+        self._keep_alive: list = []
         self._vec_x = 16 // 4  # elements of floatX per 16 bytes (float32 now)
 
     # ------------------------------------------------------------------ host/device plumbing
@@ -227,16 +230,44 @@ class CudaBackend:
         self.stream.synchronize()
 
     def _launch(self, kernel, grid, block, *args) -> None:
+        """Queue a kernel on the calling thread's stream: the rank's, or a side thread's own (CuPy's
+        cuBLAS wrappers likewise set the handle's stream to the current one on every call)."""
         self._check_stream()
-        kernel(tuple(grid), tuple(block), args, stream=self.stream)
+        kernel(tuple(grid), tuple(block), args, stream=cupy.cuda.get_current_stream())
 
     def _check_stream(self) -> None:
         """cuBLAS calls and CuPy's allocations and array functions (the model's xp.zeros) go to the
         calling thread's current stream, so an op called from another thread would race with this
-        rank's work. Fail loudly instead; the check costs well under a microsecond."""
-        if cupy.cuda.get_current_stream().ptr != self.stream.ptr:
+        rank's work. Fail loudly instead; the check costs well under a microsecond. A side thread of
+        the rank (its communication thread) that called bind_side_thread() runs ops on its own stream,
+        ordered against the rank's by fence()/wait()."""
+        current = cupy.cuda.get_current_stream().ptr
+        if current != self.stream.ptr and current not in self._side_streams:
             raise RuntimeError("CudaBackend op called from a thread whose current CuPy stream is not the "
                                "backend's: call a backend's ops only from the thread that created it")
+
+    # ------------------------------------------------------------------ ordering across a rank's threads
+    def bind_side_thread(self):
+        """Called first in a helper thread of this rank (gradient sync's communication thread): bind the
+        rank's device and give the thread a stream of its own, so its work (a bucket's reduction)
+        runs beside the compute stream instead of behind it."""
+        cupy.cuda.Device(self.device).use()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        stream.use()
+        self._side_streams.add(stream.ptr)
+        self._keep_alive.append(stream)
+        return stream
+
+    def fence(self):
+        """An event marking the work queued so far on the calling thread's stream."""
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.get_current_stream())
+        return event
+
+    def wait(self, event) -> None:
+        """Make the calling thread's stream wait (on the device, the host does not block) for a fence."""
+        if event is not None:
+            cupy.cuda.get_current_stream().wait_event(event)
 
     # ------------------------------------------------------------------ cuBLAS
     def _gemm(self, a, b, out, alpha: float = 1.0, beta: float = 0.0) -> None:
@@ -568,6 +599,15 @@ class CudaBackend:
         chunks = _cdiv(n, 4 if vec else 1)
         self._launch(self._k.scale_inplace, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,),
                      buf, np.int64(n), factor_ptr, factor_value, np.int32(vec))
+
+    def bf16_round(self, buf) -> None:
+        buf = _contiguous(buf)
+        _f32(buf)
+        n = buf.size
+        vec = _vec(4, buf)
+        chunks = _cdiv(n, 4 if vec else 1)
+        self._launch(self._k.bf16_round_inplace, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,), buf, np.int64(n),
+                     np.int32(vec))
 
     def adamw_update(self, params, grads, m, v, decay_mask, step: int, lr: float, beta1: float, beta2: float,
                      eps: float, weight_decay: float, grad_scale) -> None:

@@ -36,6 +36,21 @@ def synchronize() -> None:
     """Wait for queued work (nothing is queued on the CPU)."""
 
 
+# Ordering work across a rank's threads (gradient sync's communication thread). On the CPU an op has
+# finished when it returns, so there is nothing to order; cuda_ops records and waits on CUDA events.
+
+def bind_side_thread() -> None:
+    """Prepare a helper thread of the rank (the CUDA backend gives it the rank's device and a stream)."""
+
+
+def fence() -> None:
+    """A marker of the work queued so far by the calling thread (None: it is all done)."""
+
+
+def wait(event) -> None:
+    """Make the calling thread's later work wait for a fence."""
+
+
 # ------------------------------------------------------------------ encoder (kernels/encoder.cu)
 
 def encoder_forward(ids, wte, wpe):
