@@ -76,9 +76,28 @@ def test_the_fit_prints_b_star_from_its_own_o_and_w(results):
     assert "predicted best bucket b* = sqrt(S·w·o)" in stdout and "measured best bucket" in stdout
 
 
-@pytest.mark.parametrize("comm", ["nccl", "mpi"])
-def test_communicators_that_do_not_exist_yet_are_one_line(comm):
-    out = script("bench_collectives", "--comm", comm)
+@pytest.mark.parametrize("comm", ["mpi", "tcp"])
+def test_process_communicators_need_a_launcher(comm):
+    out = script("bench_collectives", "--comm", comm, "--worlds", "2")
     assert out.returncode == 2
-    assert out.stderr.strip() == (f"bench_collectives: error: --comm {comm} is not available yet: "
-                                  f"xtrain_dist/comm/{comm}.py does not exist on this branch")
+    assert out.stderr.strip() == (f"bench_collectives: error: --comm {comm} measures processes: start 2 of them "
+                                  "with a launcher (mpirun -n 2 ..., torchrun --nproc_per_node 2 ...)")
+
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+def test_collectives_over_mpi_processes(tmp_path):
+    """Two processes under mpirun: one writes the results, every row is world 2 with nccl-tests' busbw."""
+    out = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, str(BIN / "bench_collectives"), "--comm", "mpi",
+                          "--worlds", "2", "--sizes", "4K,64K", "--iters", "3", "--warmup", "1", "--out", tmp_path],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("wrote ") == 1
+    data = json.loads((tmp_path / "collectives.json").read_text())
+    assert data["comm"] == "mpi" and len(data["rows"]) == 8
+    for row in data["rows"]:
+        assert row["world"] == 2 and row["algbw_gbs"] > 0
+        factor = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "broadcast": 1.0}[row["op"]]
+        assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * factor)
