@@ -136,8 +136,10 @@ class GPT2:
         host = np.zeros(self.size, dtype=dtype)
         host[:used] = init_weights(config, seed)
         self.params = backend.from_host(host)
-        # what forward and backward read: params itself, or its copy in the activation dtype
-        self.params_lowp = self.params if backend.dtype == "fp32" else xp.empty(self.size, dtype=backend.act_dtype)
+        # what forward and backward read: params itself, or its copy in the activation dtype (float64 values
+        # rounded to bf16 in a float64 check: the numpy emulation computing in float64)
+        lowp_dtype = backend.act_dtype if host.dtype == np.float32 else host.dtype
+        self.params_lowp = self.params if backend.dtype == "fp32" else xp.empty(self.size, dtype=lowp_dtype)
         self.refresh_lowp()
         self.grads = xp.zeros(self.size, dtype=host.dtype)
         mask = np.zeros(self.size, dtype=np.uint8)
