@@ -32,6 +32,40 @@ import numpy as np
 
 from ..precision import check_dtype
 
+LN_EPS = 1e-5
+GELU_SCALE = float(np.sqrt(2.0 / np.pi))
+_BF16_BLOCK = 1 << 16
+
+
+# ------------------------------------------------------------------ bf16 rounding (kernels/bf16_round.cu)
+
+def bf16_round(buf) -> None:
+    """Round a float32 buffer to the nearest bfloat16, ties to even, in place; the result stays float32.
+
+    bfloat16 is float32's upper 16 bits (sign, 8 exponent bits, 7 mantissa bits), so rounding is
+    integer arithmetic on the bits: add 0x7FFF plus the lowest kept bit (bit 16), then clear the low
+    16 bits. A carry out of the mantissa bumps the exponent, which is exactly rounding up (to inf past
+    bfloat16's largest finite value). NaNs become the quiet NaN 0x7FC00000 (the carry could otherwise
+    turn a NaN into an inf or flip its sign). The same rule as torch's float32 -> bfloat16 conversion;
+    widening back is free: the low 16 bits are already zero."""
+    if buf.dtype != np.float32:
+        raise TypeError(f"bf16_round needs float32, got {buf.dtype}")
+    flat = buf.reshape(-1)
+    bits = flat.view(np.uint32)
+    nan = np.isnan(flat)
+    # in cache-sized blocks: five passes over the data cost about one when the block stays in L2
+    lowest_kept = np.empty(min(flat.size, _BF16_BLOCK), np.uint32)
+    for lo in range(0, flat.size, _BF16_BLOCK):
+        block = bits[lo: lo + _BF16_BLOCK]
+        lk = lowest_kept[: block.size]
+        np.right_shift(block, 16, out=lk)
+        lk &= 1
+        lk += 0x7FFF
+        block += lk  # uint32 arithmetic; only a NaN can carry out of bit 31
+        block &= 0xFFFF0000
+    if nan.any():
+        bits[nan] = 0x7FC00000
+
 
 class NumpyBackend:
     """The ops on the CPU, with activations stored in `dtype` ("fp32", or "bf16" emulated in float32)."""
@@ -327,43 +361,9 @@ class NumpyBackend:
 
     # ------------------------------------------------------------------ gradient compression (kernels/bf16_round.cu)
 
-    @staticmethod
-    def bf16_round(buf) -> None:
-        """Round a float32 buffer to the nearest bfloat16, in place (see the module function bf16_round)."""
-        bf16_round(buf)
+    bf16_round = staticmethod(bf16_round)  # the module function above the class
 
 
-def bf16_round(buf) -> None:
-    """Round a float32 buffer to the nearest bfloat16, ties to even, in place; the result stays float32.
-
-    bfloat16 is float32's upper 16 bits (sign, 8 exponent bits, 7 mantissa bits), so rounding is
-    integer arithmetic on the bits: add 0x7FFF plus the lowest kept bit (bit 16), then clear the low
-    16 bits. A carry out of the mantissa bumps the exponent, which is exactly rounding up (to inf past
-    bfloat16's largest finite value). NaNs become the quiet NaN 0x7FC00000 (the carry could otherwise
-    turn a NaN into an inf or flip its sign). The same rule as torch's float32 -> bfloat16 conversion;
-    widening back is free: the low 16 bits are already zero."""
-    if buf.dtype != np.float32:
-        raise TypeError(f"bf16_round needs float32, got {buf.dtype}")
-    flat = buf.reshape(-1)
-    bits = flat.view(np.uint32)
-    nan = np.isnan(flat)
-    # in cache-sized blocks: five passes over the data cost about one when the block stays in L2
-    lowest_kept = np.empty(min(flat.size, _BF16_BLOCK), np.uint32)
-    for lo in range(0, flat.size, _BF16_BLOCK):
-        block = bits[lo: lo + _BF16_BLOCK]
-        lk = lowest_kept[: block.size]
-        np.right_shift(block, 16, out=lk)
-        lk &= 1
-        lk += 0x7FFF
-        block += lk  # uint32 arithmetic; only a NaN can carry out of bit 31
-        block &= 0xFFFF0000
-    if nan.any():
-        bits[nan] = 0x7FC00000
-
-
-_BF16_BLOCK = 1 << 16
-LN_EPS = 1e-5
-GELU_SCALE = float(np.sqrt(2.0 / np.pi))
 
 # ------------------------------------------------------------------ the module as the float32 backend
 
@@ -372,7 +372,7 @@ OPS = ("to_host", "from_host", "from_host_act", "synchronize", "bind_side_thread
        "encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
        "matmul_backward", "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
        "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_forward", "fused_classifier",
-       "global_norm_squared", "clip_coefficient", "scale", "adamw_update", "lowp_copy")
+       "global_norm_squared", "clip_coefficient", "scale", "adamw_update", "lowp_copy", "bf16_round")
 
 _fp32 = NumpyBackend("fp32")
 xp, name, dtype, act_dtype, store = np, _fp32.name, _fp32.dtype, _fp32.act_dtype, _fp32.store
