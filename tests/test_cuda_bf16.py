@@ -2,12 +2,13 @@
 
 Every op runs on the same bf16 inputs on both sides (host float32 data rounded once, to nearest even)
 and is held to tests/bf16_cases.py's tolerance: a stored bf16 output within 1 bf16 ulp of the
-emulation's (2 where a product reads a rounded intermediate) plus a float32-sized absolute slack,
-and norm-wise within 4e-4 (a misplaced or missing rounding gives ~1.7e-3); float32 outputs within
-the fp32 tests' bounds. tests/test_precision.py shows on the CPU that this tolerance admits another
-summation order and rejects truncation, unrounded results and bf16-rounded attention scores. Inputs
-are fresh each run (the seed is printed; XTRAIN_TEST_SEED replays it) and device allocations are
-filled with 0xFF bytes (bf16 NaN) so an unwritten output fails.
+emulation's plus a float32-sized absolute slack (2 ulps and 2^-7 of the largest magnitude where a
+product reads a rounded intermediate), and norm-wise within 4e-4 plus one straddle (a misplaced or
+missing rounding gives ~1.7e-3); float32 outputs within the fp32 tests' bounds.
+tests/test_precision.py shows on the CPU that this tolerance admits another summation order and
+rejects truncation, unrounded results and bf16-rounded attention scores. Inputs are fresh each run
+(the seed is printed; XTRAIN_TEST_SEED replays it) and device allocations are filled with 0xFF bytes
+(bf16 NaN) so an unwritten output fails.
 """
 
 import os
@@ -30,7 +31,7 @@ def _gpu_usable() -> bool:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_usable(), reason="no usable CUDA device")]
 
-from bf16_cases import assert_bf16_close, cases, upload  # noqa: E402
+from bf16_cases import SHAPES, assert_bf16_close, cases, upload  # noqa: E402
 
 from xtrain_dist.backend.cuda_ops import CudaBackend  # noqa: E402
 from xtrain_dist.backend.numpy_ops import NumpyBackend  # noqa: E402
@@ -40,8 +41,6 @@ from xtrain_dist.model import GPT2  # noqa: E402
 from xtrain_dist.precision import bf16_bits  # noqa: E402
 
 REF = NumpyBackend("bf16")
-# realistic; odd sizes that take the scalar paths (C, hs, V not multiples of 8 bf16); a single position
-SHAPES = {"B4-T64-C128": (4, 64, 128, 4, 4096), "B3-T7-C36-V1001": (3, 7, 36, 3, 1001), "B2-T1-C64": (2, 1, 64, 4, 50)}
 CASES = [(shape, case) for shape, dims in SHAPES.items() for case in cases(*dims)]
 
 
@@ -155,9 +154,12 @@ def _model_step(backend, config, ids, targets, seed):
 
 
 def test_tiny_model_bf16_loss_and_gradients_match_numpy_bf16(be, rng):
-    """The whole step, against the emulation, and much closer to it than bf16 is to fp32. On the CPU the
-    emulation in float64 arithmetic (a proxy for the GPU's other summation order) lands 0.6-1.4e-3 from it
-    norm-wise on these gradients, and fp32 lands 5.3-5.8e-3 away; the loss moves by < 1e-6 and ~1e-5."""
+    """The whole step against the emulation, and closer to it than bf16 is to fp32. A 1-ulp difference at
+    one stored activation propagates through the layers, so whole-model gradients differ by much more than
+    any one op: on the CPU, over 20 seeds, the emulation computing in float64 (a proxy for the GPU's other
+    summation order) lands at most 0.41 (median 0.19) of the fp32 distance from it, and the loss moves
+    < 4e-6 relative; the GPU's own float32 errors add about sqrt(2). A misplaced rounding makes the ratio
+    about 1; the op tests above are the sharp check."""
     config = model_config("tiny", 4096)
     ids, targets = (rng.integers(0, 4096, (4, 64)).astype(np.int32) for _ in range(2))
     seed = int(rng.integers(0, 2**31))
@@ -168,9 +170,8 @@ def test_tiny_model_bf16_loss_and_gradients_match_numpy_bf16(be, rng):
     def dist(a, b):
         return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
-    assert abs(loss_cu - loss_ref) <= 1e-5 * abs(loss_ref), (loss_cu, loss_ref)
-    assert dist(grads_cu, grads_ref) <= 3e-3, dist(grads_cu, grads_ref)
-    assert dist(grads_cu, grads_ref) < 0.6 * dist(grads_fp32, grads_ref), (dist(grads_cu, grads_ref),
+    assert abs(loss_cu - loss_ref) <= 2e-5 * abs(loss_ref), (loss_cu, loss_ref)
+    assert dist(grads_cu, grads_ref) < 0.8 * dist(grads_fp32, grads_ref), (dist(grads_cu, grads_ref),
                                                                            dist(grads_fp32, grads_ref))
 
 
