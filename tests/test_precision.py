@@ -111,6 +111,29 @@ def test_the_module_is_the_fp32_backend_and_cuda_has_every_op():
     assert not missing
 
 
+def test_cuda_products_take_bf16_operands_into_bf16_or_float32():
+    """cuda_ops' type choice for cublasGemmEx (no GPU needed): bf16 x bf16 may write bf16 (activations) or
+    float32 (scores, weight gradients) and always accumulates in float32; TF32 applies to float32 operands
+    only; mixed operands or a float32 product into bf16 are refused."""
+    from types import SimpleNamespace
+
+    from xtrain_dist.backend.cuda_ops import CUDA_R_16BF, CudaBackend
+
+    f32, u16 = np.dtype(np.float32), np.dtype(np.uint16)
+    fake = SimpleNamespace(_cuda_type={f32: 0, u16: CUDA_R_16BF}, _compute={f32: "32F_FAST_TF32", u16: "32F"})
+
+    def types(a, b, out):
+        arrays = [np.zeros((2, 2), dtype) for dtype in (a, b, out)]
+        return CudaBackend._types(fake, *arrays)
+
+    assert types(u16, u16, u16) == (CUDA_R_16BF, CUDA_R_16BF, "32F")
+    assert types(u16, u16, f32) == (CUDA_R_16BF, 0, "32F")
+    assert types(f32, f32, f32) == (0, 0, "32F_FAST_TF32")
+    for bad in ((u16, f32, f32), (f32, f32, u16)):
+        with pytest.raises(TypeError, match="is not a supported product"):
+            types(*bad)
+
+
 def test_an_unknown_dtype_is_one_line():
     with pytest.raises(XtrainError, match=r"^unknown --dtype 'fp16' \(choose from fp32, bf16\)$"):
         get_backend("numpy", dtype="fp16")
