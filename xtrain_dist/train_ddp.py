@@ -5,10 +5,8 @@ step and writes the report. Any problem with the input ends in one line and exit
 that fails ends the run with one line naming the rank and exit status 1.
 """
 
-import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ from threadpoolctl import threadpool_limits
 
 from . import checkpoint, ddp, evaluate, metrics
 from .backend import BACKENDS, rank_device
+from .cli import OneLineParser, positive_int
 from .comm.world import choose_engine, config_fingerprint, open_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -29,28 +28,12 @@ from .train import train_rank
 PROG = "train_ddp"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + message
-        # "argument STEPS: must be a positive integer ..." reads better as "STEPS must be ..."
-        raise XtrainError(re.sub(r"^argument (\S+): must ", r"\1 must ", message))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got '{text}'")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=f"python -m xtrain_dist.{PROG}",
-                description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).")
-    p.add_argument("steps", metavar="STEPS", type=_positive_int, help="optimizer steps to run")
-    p.add_argument("batch", metavar="BATCH", type=_positive_int, help="sequences per step, all ranks together")
-    p.add_argument("seq", metavar="SEQ", type=_positive_int, help="tokens per sequence")
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}",
+                      description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).")
+    p.add_argument("steps", metavar="STEPS", type=positive_int, help="optimizer steps to run")
+    p.add_argument("batch", metavar="BATCH", type=positive_int, help="sequences per step, all ranks together")
+    p.add_argument("seq", metavar="SEQ", type=positive_int, help="tokens per sequence")
     p.add_argument("tokenizer", metavar="TOKENIZER", nargs="?", help=f"tokenizer.json (default {DEFAULT_TOKENIZER})")
     p.add_argument("corpus", metavar="CORPUS", nargs="?", help=f"UTF-8 text (default {DEFAULT_CORPUS})")
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
