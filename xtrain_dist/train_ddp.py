@@ -22,7 +22,7 @@ from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from .errors import XtrainError
 from .launch import RankFailed, run_thread_ranks
-from .launch_env import Launch, detect_launch, local_world_for
+from .launch_env import Launch, detect_launch, gpu_for, local_world_for
 from .train import train_rank
 
 PROG = "train_ddp"
@@ -143,16 +143,18 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     (a JSON-ready dict; `process_rank` says whether this process is the one that writes it)."""
     launch = launch or detect_launch()
     local_world = local_world_for(launch, cfg.world_size)
-    engine = choose_engine(cfg.comm, cfg.backend, launch)
+    gpus = 0
+    if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
+        from .backend.cuda_ops import device_count
+        gpus = device_count()
+    engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus)
     check_config(cfg, corpus)
     # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
     # take a GPU each (the process's slice of its node's GPUs); thread ranks of one process take the
     # visible GPUs in turn, several virtual ranks sharing one when the world is larger
     if engine == "nccl":
-        from .backend.cuda_ops import device_count
-        from .launch_env import gpu_for
-        devices = [gpu_for(launch, local_world, local, device_count()) for local in range(local_world)]
+        devices = [gpu_for(launch, local_world, local, gpus) for local in range(local_world)]
     else:
         devices = [rank_device(cfg.backend, local) for local in range(local_world)]
     # checkpoints, evaluation, metrics: fail before training rather than after it
