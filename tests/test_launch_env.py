@@ -113,7 +113,12 @@ def test_engine_choice():
     assert choose_engine("auto", "numpy", single) == "local"
     assert choose_engine("auto", "numpy", mpirun) == "mpi"
     assert choose_engine("auto", "numpy", torchrun) == "tcp"
-    assert choose_engine("auto", "cuda", single) == "local"  # virtual ranks may share a GPU; --comm nccl asks
+    assert choose_engine("auto", "cuda", single) == "local"  # world 1: nothing to reduce
+    assert choose_engine("auto", "cuda", single, local_world=4, gpus=4) == "nccl"  # a GPU per rank thread
+    assert choose_engine("auto", "cuda", single, local_world=2, gpus=8) == "nccl"
+    assert choose_engine("auto", "cuda", single, local_world=2, gpus=1) == "local"  # virtual ranks on one GPU
+    with pytest.raises(XtrainError, match=r"^4 GPU ranks on 2 GPUs: the thread communicator adds buffers on one GPU"):
+        choose_engine("auto", "cuda", single, local_world=4, gpus=2)
     assert choose_engine("auto", "cuda", torchrun) == "nccl"
     for name, backend, launch, message in [
         ("local", "numpy", torchrun, "--comm local joins the rank threads of one process, but torchrun started 4 "

@@ -10,24 +10,18 @@ cost grows with the square of the length, which is fine for the small models a C
 would want first.
 """
 
-import argparse
-import re
 import sys
 
 import numpy as np
 
 from .backend import BACKENDS, get_backend
 from .checkpoint import CONFIG, MODEL, TOKENIZER, open_checkpoint
+from .cli import OneLineParser, non_negative_float, positive_int
 from .errors import XtrainError
 from .model import GPT2
 
 PROG = "sample"
 EOS = "<|endoftext|>"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + message
-        raise XtrainError(re.sub(r"^argument (\S+): must ", r"\1 must ", message))
 
 
 def load(path, backend):
@@ -68,33 +62,13 @@ def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: in
     return new
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got '{text}'")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got '{text}'")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=f"python -m xtrain_dist.{PROG}", description="Print text sampled from a checkpoint.")
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}", description="Print text sampled from a checkpoint.")
     p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (train_ddp --save-dir)")
     p.add_argument("--prompt", default="", help="text to continue (default: start from <|endoftext|>)")
-    p.add_argument("--tokens", type=_positive_int, default=100, help="tokens to draw (default 100)")
-    p.add_argument("--temperature", type=_non_negative_float, default=1.0, help="0: always the likeliest token")
-    p.add_argument("--top-k", type=_positive_int, default=None, help="draw among the K likeliest tokens only")
+    p.add_argument("--tokens", type=positive_int, default=100, help="tokens to draw (default 100)")
+    p.add_argument("--temperature", type=non_negative_float, default=1.0, help="0: always the likeliest token")
+    p.add_argument("--top-k", type=positive_int, default=None, help="draw among the K likeliest tokens only")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
     return p

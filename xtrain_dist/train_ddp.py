@@ -5,10 +5,8 @@ step and writes the report. Any problem with the input ends in one line and exit
 that fails ends the run with one line naming the rank and exit status 1.
 """
 
-import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -18,39 +16,24 @@ from threadpoolctl import threadpool_limits
 
 from . import checkpoint, ddp, evaluate, metrics, precision
 from .backend import BACKENDS, rank_device
+from .cli import OneLineParser, positive_int
 from .comm.world import choose_engine, config_fingerprint, open_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from .errors import XtrainError
 from .launch import RankFailed, run_thread_ranks
-from .launch_env import Launch, detect_launch, local_world_for
+from .launch_env import Launch, detect_launch, gpu_for, local_world_for
 from .train import train_rank
 
 PROG = "train_ddp"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + message
-        # "argument STEPS: must be a positive integer ..." reads better as "STEPS must be ..."
-        raise XtrainError(re.sub(r"^argument (\S+): must ", r"\1 must ", message))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got '{text}'")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=f"python -m xtrain_dist.{PROG}",
-                description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).")
-    p.add_argument("steps", metavar="STEPS", type=_positive_int, help="optimizer steps to run")
-    p.add_argument("batch", metavar="BATCH", type=_positive_int, help="sequences per step, all ranks together")
-    p.add_argument("seq", metavar="SEQ", type=_positive_int, help="tokens per sequence")
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}",
+                      description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).")
+    p.add_argument("steps", metavar="STEPS", type=positive_int, help="optimizer steps to run")
+    p.add_argument("batch", metavar="BATCH", type=positive_int, help="sequences per step, all ranks together")
+    p.add_argument("seq", metavar="SEQ", type=positive_int, help="tokens per sequence")
     p.add_argument("tokenizer", metavar="TOKENIZER", nargs="?", help=f"tokenizer.json (default {DEFAULT_TOKENIZER})")
     p.add_argument("corpus", metavar="CORPUS", nargs="?", help=f"UTF-8 text (default {DEFAULT_CORPUS})")
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
@@ -165,16 +148,18 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     (a JSON-ready dict; `process_rank` says whether this process is the one that writes it)."""
     launch = launch or detect_launch()
     local_world = local_world_for(launch, cfg.world_size)
-    engine = choose_engine(cfg.comm, cfg.backend, launch)
+    gpus = 0
+    if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
+        from .backend.cuda_ops import device_count
+        gpus = device_count()
+    engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus)
     check_config(cfg, corpus)
     # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
     # take a GPU each (the process's slice of its node's GPUs); thread ranks of one process take the
     # visible GPUs in turn, several virtual ranks sharing one when the world is larger
     if engine == "nccl":
-        from .backend.cuda_ops import device_count
-        from .launch_env import gpu_for
-        devices = [gpu_for(launch, local_world, local, device_count()) for local in range(local_world)]
+        devices = [gpu_for(launch, local_world, local, gpus) for local in range(local_world)]
     else:
         devices = [rank_device(cfg.backend, local) for local in range(local_world)]
     # checkpoints, evaluation, metrics: fail before training rather than after it

@@ -19,18 +19,24 @@ from .local import LocalGroup
 ENGINES = ("auto", "local", "mpi", "tcp", "nccl")
 
 
-def choose_engine(name: str, backend: str, launch: Launch) -> str:
-    """'auto' -> the thread communicator in one process (where GPU ranks may share a GPU: virtual
-    ranks); across processes NCCL for GPU buffers, else MPI under mpirun and TCP otherwise."""
+def choose_engine(name: str, backend: str, launch: Launch, local_world: int = 1, gpus: int = 0) -> str:
+    """'auto' -> NCCL for GPU ranks that each have a GPU of their own (several GPUs in one process,
+    or processes); the thread communicator for a single process otherwise (world 1, CPU ranks, or
+    virtual ranks sharing a GPU, which NCCL refuses); across CPU processes MPI under mpirun and TCP
+    otherwise. `gpus` is how many GPUs this process sees (0 when unknown or not CUDA)."""
     if name not in ENGINES:
         raise XtrainError(f"unknown --comm '{name}' (choose from {', '.join(ENGINES)})")
     if name == "auto":
         if not launch.multi_process:
-            name = "local"
+            name = "nccl" if backend == "cuda" and 1 < local_world <= gpus else "local"
         elif backend == "cuda":
             name = "nccl"
         else:
             name = "mpi" if launch.kind == "mpirun" else "tcp"
+    if name == "local" and backend == "cuda" and local_world > 1 and gpus > 1:
+        raise XtrainError(f"{local_world} GPU ranks on {gpus} GPUs: the thread communicator adds buffers on one GPU "
+                          "only (virtual ranks: make one GPU visible, CUDA_VISIBLE_DEVICES=0); NCCL needs a GPU "
+                          "per rank (--comm nccl with at most as many ranks as GPUs)")
     if name == "local" and launch.multi_process:
         raise XtrainError(f"--comm local joins the rank threads of one process, but {launch.kind} started "
                           f"{launch.num_processes} processes: use --comm mpi, tcp or nccl (or omit --comm)")
