@@ -1,24 +1,49 @@
 #!/usr/bin/env bash
-# Everything the CUDA backend needs a GPU for, in ONE device call; results land in $OUT for bench/results/.
+# Everything the CUDA backend needs a GPU for, fp32 and bf16, in ONE device call; results land in $OUT
+# for bench/results/.
 #
 # Device call: command "bash bin/gpu_session_cuda.sh", timeout_s 600 (no wheels to carry: the image
 # has CuPy and torch). The benchmark is a separate call: "python3 bin/bench_gpu --out $OUT ..." (see
 # bin/bench_gpu's docstring; torch.compile makes the full sweep longer than one call).
 #
-# What it does, each step recorded even when an earlier one failed:
-#   1. device, driver, versions
-#   2. the kernels compile (nvcc, NVRTC) and every op against numpy, 2 virtual ranks vs 1 vs numpy,
-#      bitwise reruns, the CLI trains with a falling loss: tests/test_kernels_compile.py, test_cuda_ops.py
-#   3. compute-sanitizer memcheck and racecheck over the op tests (where the image has it)
-#   4. the per-op error table at GPT-2 124M shapes (bin/kernel_errors), fp32 and tf32
-#   5. the shipped corpus on the GPU: mini, 200 steps, numpy vs cuda vs cuda with 2 virtual ranks
-#   6. $OUT/cuda_results.md: device, commands, test summary, error table, loss curves side by side
+# What it does, each step recorded even when an earlier one failed, most important first:
+#   1. device, driver, versions; the CPU (numpy) loss curves start in the background
+#   2. the kernels compile (nvcc, NVRTC, both dtypes) and every op against numpy, fp32 and bf16, 2 virtual
+#      ranks vs 1 vs numpy, bitwise reruns, the CLI trains with a falling loss:
+#      tests/test_kernels_compile.py, test_cuda_ops.py, test_cuda_bf16.py
+#   3. the shipped corpus on the GPU: mini, 200 steps, cuda fp32 and bf16 at 1 and 2 virtual ranks, beside
+#      numpy fp32 and bf16
+#   4. the per-op error tables at GPT-2 124M shapes (bin/kernel_errors): fp32, bf16 (in bf16 ulps), tf32
+#   5. compute-sanitizer memcheck and racecheck over the op tests, fp32 and the bf16 scalar paths
+#   6. $OUT/cuda_results.md: device, commands, test summary, error tables, loss curves side by side
+#
+# Time: one global budget (BUDGET seconds, default 540) caps every step's timeout by what is left, so the
+# script always ends, with its summary, inside the 600 s call; a step with under 20 s left is skipped and
+# listed as such. Expected on an H100 (estimates, not yet measured): tests 3-4 min (about half of it the
+# numpy side of the op comparisons and the two compiles of 12 files), curves under 1 min (the numpy ones run
+# meanwhile on the CPU), error tables about 1.5 min (the numpy oracle at 124M shapes), sanitizers the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_session_cuda}
+BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
+rm -f "$OUT/skipped.txt"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=python3
+START=$SECONDS
+
+# step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX_SECONDS, what is left of the budget)
+step() {
+  local name=$1 max=$2 left
+  shift 2
+  left=$(( BUDGET - (SECONDS - START) - 15 ))  # 15 s kept for the summary
+  [ "$left" -lt "$max" ] && max=$left
+  if [ "$max" -lt 20 ]; then
+    echo "## $name: skipped, the time budget is spent" | tee -a "$OUT/skipped.txt"
+    return 124
+  fi
+  timeout "$max" "$@"
+}
 
 {
   echo "## device"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -29,65 +54,88 @@ PY=python3
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
+CURVE="200 8 128 --model mini --log-every 50"
+numpy_pids=()
+for dtype in fp32 bf16; do  # CPU only: they run while the GPU works, four BLAS threads each, inside the budget
+  timeout $(( BUDGET - 45 )) $PY -m xtrain_dist.train_ddp $CURVE --backend numpy --dtype $dtype --cpu-threads 4 \
+    --report "$OUT/curve_numpy_${dtype}_w1.json" > "$OUT/curve_numpy_${dtype}_w1.log" 2>&1 &
+  numpy_pids+=($!)
+done
+
 echo "## tests"
-timeout 300 $PY -m pytest -q -rs tests/test_kernels_compile.py tests/test_cuda_ops.py 2>&1 | tee "$OUT/pytest_cuda.txt"
+step tests 330 $PY -m pytest -q -rs tests/test_kernels_compile.py tests/test_cuda_ops.py tests/test_cuda_bf16.py \
+  2>&1 | tee "$OUT/pytest_cuda.txt"
 tests_rc=${PIPESTATUS[0]}
+
+echo "## the shipped corpus on the GPU"
+curves_rc=0
+for run in "fp32 1" "fp32 2" "bf16 1" "bf16 2"; do
+  set -- $run
+  step "curve cuda $1 w$2" 60 $PY -m xtrain_dist.train_ddp $CURVE --backend cuda --dtype "$1" --world-size "$2" \
+    --report "$OUT/curve_cuda_$1_w$2.json" || curves_rc=$?
+done
+for pid in "${numpy_pids[@]}"; do wait "$pid" || curves_rc=$?; done
+tail -n 2 "$OUT"/curve_numpy_*.log
+
+echo "## per-op errors"
+errors_rc=0
+step "kernel_errors fp32" 75 $PY bin/kernel_errors --json "$OUT/kernel_errors.json" --markdown "$OUT/kernel_errors.md" \
+  || errors_rc=$?
+step "kernel_errors bf16" 75 $PY bin/kernel_errors --dtype bf16 --json "$OUT/kernel_errors_bf16.json" \
+  --markdown "$OUT/kernel_errors_bf16.md" || errors_rc=$?
+step "kernel_errors tf32" 60 $PY bin/kernel_errors --tf32 --json "$OUT/kernel_errors_tf32.json" \
+  --markdown "$OUT/kernel_errors_tf32.md" || errors_rc=$?
 
 sanitizer_rc=0
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     echo "## compute-sanitizer $tool"
-    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -x tests/test_cuda_ops.py \
-      -k "not tiny_model and not ddp and not reproducible and not command_line" > "$OUT/sanitizer_$tool.txt" 2>&1
+    step "compute-sanitizer $tool" 120 compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -x \
+      tests/test_cuda_ops.py tests/test_cuda_bf16.py \
+      -k "not tiny_model and not ddp and not reproducible and not command_line and not B4-T64" \
+      > "$OUT/sanitizer_$tool.txt" 2>&1
     rc=$?; tail -n 5 "$OUT/sanitizer_$tool.txt"; [ $rc -ne 0 ] && sanitizer_rc=$rc
   done
 else
   echo "compute-sanitizer not on this image" | tee "$OUT/sanitizer_memcheck.txt"
 fi
 
-echo "## per-op errors"
-errors_rc=0
-timeout 120 $PY bin/kernel_errors --json "$OUT/kernel_errors.json" --markdown "$OUT/kernel_errors.md" || errors_rc=$?
-timeout 120 $PY bin/kernel_errors --tf32 --json "$OUT/kernel_errors_tf32.json" --markdown "$OUT/kernel_errors_tf32.md" \
-  || errors_rc=$?
-
-echo "## the shipped corpus: numpy vs cuda"
-curves_rc=0
-for run in "numpy 1" "cuda 1" "cuda 2"; do
-  set -- $run
-  timeout 150 $PY -m xtrain_dist.train_ddp 200 8 128 --model mini --backend "$1" --world-size "$2" --log-every 50 \
-    --report "$OUT/curve_$1_w$2.json" || curves_rc=$?
-done
-
-$PY - "$OUT" "$tests_rc" "$sanitizer_rc" "$errors_rc" "$curves_rc" <<'EOF'
+$PY - "$OUT" "$tests_rc" "$curves_rc" "$errors_rc" "$sanitizer_rc" "$(( SECONDS - START ))" <<'EOF'
 import json, pathlib, sys
-out, *rcs = pathlib.Path(sys.argv[1]), *map(int, sys.argv[2:])
-tests_rc, sanitizer_rc, errors_rc, curves_rc = rcs
+out, *rcs, elapsed = pathlib.Path(sys.argv[1]), *map(int, sys.argv[2:])
+tests_rc, curves_rc, errors_rc, sanitizer_rc = rcs
 env = (out / "environment.txt").read_text().strip()
-summary = [l for l in (out / "pytest_cuda.txt").read_text().splitlines()
+tests = out / "pytest_cuda.txt"
+summary = [l for l in (tests.read_text().splitlines() if tests.exists() else [])
            if " passed" in l or " failed" in l or l.startswith(("SKIPPED", "FAILED", "ERROR"))]
-lines = ["# CUDA backend: GPU session", "", "```", env, "```", "",
+skipped = (out / "skipped.txt").read_text().splitlines() if (out / "skipped.txt").exists() else []
+lines = ["# CUDA backend: GPU session (fp32 and bf16)", "", "```", env, "```", "",
          "Command: `bash bin/gpu_session_cuda.sh` (tests: `python3 -m pytest -q -rs tests/test_kernels_compile.py "
-         "tests/test_cuda_ops.py`; errors: `bin/kernel_errors [--tf32]`; curves: `python3 -m xtrain_dist.train_ddp "
-         "200 8 128 --model mini --backend numpy|cuda --world-size 1|2`).", "",
+         "tests/test_cuda_ops.py tests/test_cuda_bf16.py`; errors: `bin/kernel_errors [--dtype bf16 | --tf32]`; "
+         "curves: `python3 -m xtrain_dist.train_ddp 200 8 128 --model mini --backend numpy|cuda --dtype fp32|bf16 "
+         f"--world-size 1|2`). {elapsed} s in all.", "",
          f"- tests: exit {tests_rc}", *[f"  - {l}" for l in summary],
-         f"- compute-sanitizer memcheck + racecheck: exit {sanitizer_rc}", f"- kernel_errors: exit {errors_rc}",
-         f"- curves: exit {curves_rc}", ""]
-for name in ("kernel_errors.md", "kernel_errors_tf32.md"):
+         f"- curves: exit {curves_rc}", f"- kernel_errors: exit {errors_rc}",
+         f"- compute-sanitizer memcheck + racecheck: exit {sanitizer_rc}",
+         *[f"- {line.lstrip('# ')}" for line in skipped], ""]
+for name in ("kernel_errors.md", "kernel_errors_bf16.md", "kernel_errors_tf32.md"):
     if (out / name).exists():
         lines += [(out / name).read_text(), ""]
-runs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("curve_*.json"))}
+runs = {p.stem.removeprefix("curve_"): json.loads(p.read_text()) for p in sorted(out.glob("curve_*.json"))}
 if runs:
     names = list(runs)
     lines += ["Loss, mini, 200 steps of 8 x 128 tokens, seed 1337:", "",
               "| step | " + " | ".join(names) + " |", "| ---: |" + " ---: |" * len(names)]
     for i in (0, 49, 99, 149, 199):
-        lines.append(f"| {i + 1} | " + " | ".join(f"{runs[n]['losses'][i]:.4f}" for n in names) + " |")
-    lines += ["", "| run | ms/step | tokens/s | param_sha256 (rank 0) | ranks equal |", "| --- | ---: | ---: | --- | --- |"]
+        lines.append(f"| {i + 1} | " + " | ".join(f"{runs[n]['losses'][i]:.4f}" if len(runs[n]['losses']) > i else ""
+                                                  for n in names) + " |")
+    lines += ["", "| run | ms/step | tokens/s | val loss | param_sha256 (rank 0) | ranks equal |",
+              "| --- | ---: | ---: | ---: | --- | --- |"]
     for n, r in runs.items():
-        lines.append(f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | {r['param_sha256'][0][:16]} | "
+        val = f"{r['val_losses'][-1][1]:.4f}" if r.get("val_losses") else ""
+        lines.append(f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | {val} | {r['param_sha256'][0][:16]} | "
                      f"{len(set(r['param_sha256'])) == 1} |")
 (out / "cuda_results.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
-exit $(( tests_rc || sanitizer_rc || errors_rc || curves_rc ))
+exit $(( tests_rc || curves_rc || errors_rc || sanitizer_rc ))

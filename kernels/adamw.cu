@@ -1,4 +1,5 @@
-// adamw.cu: one AdamW step over flat fp32 buffers, in place.   Oracle: numpy_ops.adamw_update.
+// adamw.cu: one AdamW step over flat fp32 buffers, in place, and the floatX copy of the parameters that
+// forward reads.   Oracles: numpy_ops.adamw_update, numpy_ops.lowp_copy.
 //
 //   g = grad * grad_scale[0]                (grad_scale: the clip coefficient, read on the device)
 //   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
@@ -13,8 +14,10 @@
 // One thread per chunk of N = 4 parameters (16-byte loads of p, g, m, v and a 4-byte load of the
 // uint8 decay mask) when every pointer is aligned, else 1; a short last chunk one at a time. ZeRO
 // shards start at arbitrary offsets, so the host checks alignment per call.
-// Mixed precision will add an optional floatX copy of the updated parameters written by this same
-// kernel (the weights forward reads), so the cast costs no extra pass.
+//
+// Mixed precision: params_lowp (nullable) receives the updated parameters as floatX, rounded to
+// nearest even: the copy forward reads (model.params_lowp), written from the registers that already
+// hold p, so it costs 2 bytes of writes per parameter and no second read of params.
 #include "common.cuh"
 
 // The step's scalars, filled by the kernel entry from its arguments.
@@ -36,8 +39,8 @@ __device__ __forceinline__ void adamw_one(float& p, float grad, float& m, float&
 }
 
 template <int N>
-__device__ void adamw_impl(float* params, const float* grads, float* m, float* v, const unsigned char* mask,
-                           long long n, const float* grad_scale, const AdamWArgs& a) {
+__device__ void adamw_impl(float* params, floatX* params_lowp, const float* grads, float* m, float* v,
+                           const unsigned char* mask, long long n, const float* grad_scale, const AdamWArgs& a) {
     const long long i = chunk_start<N>();
     if (i >= n) return;
     const float gs = *grad_scale;
@@ -52,17 +55,50 @@ __device__ void adamw_impl(float* params, const float* grads, float* m, float* v
         store_vec<N>(params + i, p);
         store_vec<N>(m + i, mv);
         store_vec<N>(v + i, vv);
+        if (params_lowp != nullptr) {
+            Vec<floatX, N> low;
+#pragma unroll
+            for (int k = 0; k < N; ++k) low[k] = from_float<floatX>(p[k]);
+            store_vec<N>(params_lowp + i, low);
+        }
     } else {
-        for (long long j = i; j < n; ++j) adamw_one(params[j], grads[j], m[j], v[j], mask[j], gs, a);
+        for (long long j = i; j < n; ++j) {
+            adamw_one(params[j], grads[j], m[j], v[j], mask[j], gs, a);
+            if (params_lowp != nullptr) params_lowp[j] = from_float<floatX>(params[j]);
+        }
     }
 }
 
-extern "C" __global__ void adamw_update(float* params, const float* grads, float* m, float* v,
+extern "C" __global__ void adamw_update(float* params, floatX* params_lowp, const float* grads, float* m, float* v,
                                         const unsigned char* mask, long long n, const float* grad_scale,
                                         float lr, float beta1, float beta2, float one_minus_beta1,
                                         float one_minus_beta2, float bc1, float bc2, float eps,
                                         float weight_decay, int vec) {
     const AdamWArgs args = {lr, beta1, beta2, one_minus_beta1, one_minus_beta2, bc1, bc2, eps, weight_decay};
-    if (vec) adamw_impl<VEC_F>(params, grads, m, v, mask, n, grad_scale, args);
-    else adamw_impl<1>(params, grads, m, v, mask, n, grad_scale, args);
+    if (vec) adamw_impl<VEC_F>(params, params_lowp, grads, m, v, mask, n, grad_scale, args);
+    else adamw_impl<1>(params, params_lowp, grads, m, v, mask, n, grad_scale, args);
+}
+
+// dst = src as floatX, rounded to nearest even   (numpy_ops.lowp_copy)
+// The copy of the parameters that forward reads, rewritten from the float32 masters where they
+// changed without an AdamW step: after a checkpoint load and after ZeRO-1's all-gather. One thread
+// per chunk of N = 4 elements when both pointers are aligned, else 1.
+template <int N>
+__device__ void lowp_copy_impl(floatX* dst, const float* src, long long n) {
+    const long long i = chunk_start<N>();
+    if (i >= n) return;
+    if (i + N <= n) {
+        const Vec<float, N> x = load_vec<N>(src + i);
+        Vec<floatX, N> y;
+#pragma unroll
+        for (int k = 0; k < N; ++k) y[k] = from_float<floatX>(x[k]);
+        store_vec<N>(dst + i, y);
+    } else {
+        for (long long j = i; j < n; ++j) dst[j] = from_float<floatX>(src[j]);
+    }
+}
+
+extern "C" __global__ void lowp_copy(floatX* dst, const float* src, long long n, int vec) {
+    if (vec) lowp_copy_impl<VEC_F>(dst, src, n);
+    else lowp_copy_impl<1>(dst, src, n);
 }

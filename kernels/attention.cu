@@ -4,8 +4,9 @@
 //
 // The step, as cuda_ops.attention_forward runs it:
 //   split_heads:  qkv (B, T, 3, NH, hs) -> q, k, v (B, NH, T, hs)
-//   cuBLAS:       scores = q @ k^T * (1/sqrt(hs))            batched over B*NH, (T, T) each
-//   causal_softmax_forward (in place): att = softmax over keys j <= i, 0 above the diagonal
+//   cuBLAS:       scores = q @ k^T * (1/sqrt(hs))            batched over B*NH, (T, T) each, float32
+//   causal_softmax_forward: att = softmax over keys j <= i, 0 above the diagonal (floatX; in place
+//                 over the scores when floatX is float)
 //   cuBLAS:       y = att @ v
 //   merge_heads:  y (B, NH, T, hs) -> (B, T, C)
 // and backward runs the mirror image (split dout, four products, softmax backward, merge into dqkv).
@@ -84,33 +85,37 @@ extern "C" __global__ void merge_heads(floatX* out, const floatX* in0, const flo
 
 // att[r, j] = exp(s[r, j] - max) / sum_{j' <= i} exp(s[r, j'] - max) for j <= i, and 0 for j > i,
 // where row r of the (rows, T) scores is query i = r % T   (numpy_ops.causal_softmax).
+// The scores are float in both precisions: the product q k^T writes them in float32 (cuBLAS with a
+// float output), so exp() sees unrounded scores; a bf16 score of magnitude 8 would already be off by
+// up to 0.03, i.e. 3% in its probability. Only att, which backward keeps, is floatX.
 // One warp per row, eight rows per 256-thread block (rows are at most a few KB). Pass 1 folds the
 // row's unmasked entries into a running (max, sum) per lane and merges the lanes; pass 2 writes the
-// whole row, zeros included, so att is complete without a separate memset. May run in place
-// (att == scores): each lane reads a chunk before writing it, and pass 1 ends in a warp-wide shuffle.
+// whole row, zeros included, so att is complete without a separate memset. May run in place when
+// floatX is float (att == scores): each lane reads a chunk before writing it, and pass 1 ends in a
+// warp-wide shuffle.
 template <int N>
-__device__ void causal_softmax_row(floatX* att, const floatX* scores, int T, long long row) {
+__device__ void causal_softmax_row(floatX* att, const float* scores, int T, long long row) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int n_valid = (int)(row % T) + 1;
-    const floatX* s = scores + row * T;
+    const float* s = scores + row * T;
     floatX* a = att + row * T;
 
     SoftmaxState st = softmax_init();
     for (int j0 = lane * N; j0 < n_valid; j0 += WARP_SIZE * N) {
-        const Vec<floatX, N> v = load_vec<N>(s + j0);
+        const Vec<float, N> v = load_vec<N>(s + j0);
 #pragma unroll
         for (int k = 0; k < N; ++k)
-            if (j0 + k < n_valid) softmax_add(st, to_float(v[k]));
+            if (j0 + k < n_valid) softmax_add(st, v[k]);
     }
     st = warp_softmax_merge(st);
 
     for (int j0 = lane * N; j0 < T; j0 += WARP_SIZE * N) {
         Vec<floatX, N> out;
         if (j0 < n_valid) {
-            const Vec<floatX, N> v = load_vec<N>(s + j0);
+            const Vec<float, N> v = load_vec<N>(s + j0);
 #pragma unroll
             for (int k = 0; k < N; ++k)
-                out[k] = from_float<floatX>(j0 + k < n_valid ? expf(to_float(v[k]) - st.max) / st.sum : 0.0f);
+                out[k] = from_float<floatX>(j0 + k < n_valid ? expf(v[k] - st.max) / st.sum : 0.0f);
         } else {
 #pragma unroll
             for (int k = 0; k < N; ++k) out[k] = from_float<floatX>(0.0f);
@@ -119,7 +124,7 @@ __device__ void causal_softmax_row(floatX* att, const floatX* scores, int T, lon
     }
 }
 
-extern "C" __global__ void causal_softmax_forward(floatX* att, const floatX* scores, long long rows, int T,
+extern "C" __global__ void causal_softmax_forward(floatX* att, const float* scores, long long rows, int T,
                                                   int vec) {
     const long long row = (long long)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (row >= rows) return;  // whole warps leave together
@@ -128,38 +133,39 @@ extern "C" __global__ void causal_softmax_forward(floatX* att, const floatX* sco
 }
 
 // dscores[r, j] = att[r, j] * (datt[r, j] - sum_j' datt[r, j'] * att[r, j']) * scale
-// (numpy_ops.causal_softmax_backward, times the 1/sqrt(hs) that attention_backward applies after it;
-// scale = 1 for the plain op). Only j <= i can be non-zero because att is zero above the diagonal,
-// so both passes stop there and the rest of the row is written as 0. Same warp-per-row layout as
-// forward; may run in place (dscores == datt).
+// (numpy_ops.causal_softmax_backward, times the 1/sqrt(hs) that attention_backward applies before
+// rounding; scale = 1 for the plain op). datt is float like the forward scores (the product dy v^T
+// writes it in float32); dscores is floatX because the two products after it read it as an operand.
+// Only j <= i can be non-zero because att is zero above the diagonal, so both passes stop there and
+// the rest of the row is written as 0. Same warp-per-row layout as forward; may run in place when
+// floatX is float (dscores == datt).
 template <int N>
-__device__ void causal_softmax_backward_row(floatX* dscores, const floatX* datt, const floatX* att, int T,
+__device__ void causal_softmax_backward_row(floatX* dscores, const float* datt, const floatX* att, int T,
                                             float scale, long long row) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int n_valid = (int)(row % T) + 1;
-    const floatX* da = datt + row * T;
+    const float* da = datt + row * T;
     const floatX* a = att + row * T;
     floatX* ds = dscores + row * T;
 
     float dot = 0.0f;
     for (int j0 = lane * N; j0 < n_valid; j0 += WARP_SIZE * N) {
-        const Vec<floatX, N> dv = load_vec<N>(da + j0);
+        const Vec<float, N> dv = load_vec<N>(da + j0);
         const Vec<floatX, N> av = load_vec<N>(a + j0);
 #pragma unroll
         for (int k = 0; k < N; ++k)
-            if (j0 + k < n_valid) dot += to_float(dv[k]) * to_float(av[k]);
+            if (j0 + k < n_valid) dot += dv[k] * to_float(av[k]);
     }
     dot = warp_sum(dot);
 
     for (int j0 = lane * N; j0 < T; j0 += WARP_SIZE * N) {
         Vec<floatX, N> out;
         if (j0 < n_valid) {
-            const Vec<floatX, N> dv = load_vec<N>(da + j0);
+            const Vec<float, N> dv = load_vec<N>(da + j0);
             const Vec<floatX, N> av = load_vec<N>(a + j0);
 #pragma unroll
             for (int k = 0; k < N; ++k)
-                out[k] = from_float<floatX>(
-                    j0 + k < n_valid ? to_float(av[k]) * (to_float(dv[k]) - dot) * scale : 0.0f);
+                out[k] = from_float<floatX>(j0 + k < n_valid ? to_float(av[k]) * (dv[k] - dot) * scale : 0.0f);
         } else {
 #pragma unroll
             for (int k = 0; k < N; ++k) out[k] = from_float<floatX>(0.0f);
@@ -168,7 +174,7 @@ __device__ void causal_softmax_backward_row(floatX* dscores, const floatX* datt,
     }
 }
 
-extern "C" __global__ void causal_softmax_backward(floatX* dscores, const floatX* datt, const floatX* att,
+extern "C" __global__ void causal_softmax_backward(floatX* dscores, const float* datt, const floatX* att,
                                                    long long rows, int T, float scale, int vec) {
     const long long row = (long long)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (row >= rows) return;

@@ -6,11 +6,12 @@
 // files with nvcc, both with and without -DXTRAIN_BF16. Nothing here may include a host header: NVRTC
 // has none.
 //
-// Precision. Activations and the weights that forward reads are `floatX`; parameter gradients,
-// optimizer state, layernorm statistics and losses are always float, and all arithmetic is float.
-// Today the backend builds only the float32 variant (floatX = float). Compiling with -DXTRAIN_BF16
-// makes floatX = __nv_bfloat16, which is what the planned mixed-precision mode will load; the kernels
-// convert through to_float / from_float so that both variants are the same code.
+// Precision. Activations, activation gradients and the copy of the weights that forward reads are
+// `floatX`; parameter gradients, master weights, optimizer state, layernorm statistics, attention
+// scores and losses are always float, and all arithmetic is float. cuda_ops loads the variant the run
+// asks for (--dtype): floatX = float, or with -DXTRAIN_BF16 floatX = __nv_bfloat16. The kernels read
+// through to_float and write through from_float (round to nearest even) so both variants are the same
+// code; every from_float<floatX> is a rounding that numpy_ops' bf16 emulation makes too (its store()).
 //
 // Determinism. No kernel here adds floats with atomics. Reductions across threads are fixed trees
 // (xor butterflies inside a warp, then a fixed walk over the warps) and reductions across blocks are
@@ -216,7 +217,8 @@ __device__ __forceinline__ void block_row_update(T* row, int n, F&& f) {
 constexpr int COL_ROWS = 8;
 
 // Adds the COL_ROWS per-row-lane partials of a stage-1 block in a fixed order and stores them.
-// tile is shared memory of COL_ROWS * 32 * N floats; `valid` is whether this thread's columns exist.
+// tile is shared memory of COL_ROWS * 32 * N floats aligned like Vec<float, N> (32 bytes when N = 8, the
+// bf16 width); `valid` is whether this thread's columns exist.
 template <int N>
 __device__ __forceinline__ void column_tile_store(float* tile, const float (&acc)[N], float* partial_row,
                                                   int col, bool valid) {

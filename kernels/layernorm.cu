@@ -134,8 +134,8 @@ template <int N>
 __device__ void layernorm_backward_params_impl(float* partial_dw, float* partial_db, const floatX* dout,
                                                const floatX* inp, const float* mean, const float* rstd,
                                                long long rows, int C, int rows_per_split) {
-    __shared__ __align__(16) float tile_dw[COL_ROWS * WARP_SIZE * N];
-    __shared__ __align__(16) float tile_db[COL_ROWS * WARP_SIZE * N];
+    __shared__ __align__(sizeof(Vec<float, N>)) float tile_dw[COL_ROWS * WARP_SIZE * N];
+    __shared__ __align__(sizeof(Vec<float, N>)) float tile_db[COL_ROWS * WARP_SIZE * N];
     const int c = (blockIdx.x * WARP_SIZE + threadIdx.x) * N;
     const bool valid = c < C;
     const long long r0 = (long long)blockIdx.y * rows_per_split;

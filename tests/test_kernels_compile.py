@@ -1,10 +1,10 @@
 """Every kernels/*.cu compiles, without a GPU: under nvcc (PTX for sm_80 and sm_90, warnings as errors)
 and under NVRTC exactly as cuda_ops.py compiles it at run time.
 
-Both precisions are compiled: float32 (sm_80 and sm_90), which the backend loads today, and
--DXTRAIN_BF16 (sm_90), so the mixed-precision variant cannot rot before it is wired up. nvcc and
-NVRTC differ (NVRTC has no host headers, its own defaults and the options CuPy adds), so passing one
-says little about the other.
+Both precisions are compiled, for sm_80 and sm_90, with the options CudaBackend loads them with for
+each --dtype (cuda_ops.PRECISIONS: float32, and bfloat16 with -DXTRAIN_BF16), warnings as errors.
+nvcc and NVRTC differ (NVRTC has no host headers, its own defaults and the options CuPy adds), so
+passing one says little about the other.
 
 The NVRTC tests need `cuda-bindings` (the Python binding) and `nvidia-cuda-nvrtc` (libnvrtc), both
 from PyPI, no GPU or driver; the bf16 variant also needs the CUDA runtime headers (a toolkit, or the
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from xtrain_dist.backend import cuda_ops
+from xtrain_dist.precision import DTYPES
 
 KERNEL_DIR = cuda_ops.KERNEL_DIR
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
@@ -34,6 +35,13 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 
 def _entry_points(text: str) -> set[str]:
     return set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', text))
+
+
+def test_every_dtype_has_a_kernel_variant():
+    """--dtype's choices are exactly the variants cuda_ops compiles; bf16's define reaches the source."""
+    assert set(cuda_ops.PRECISIONS) == set(DTYPES) == set(cuda_ops.ACT_DTYPES)
+    assert cuda_ops.nvrtc_options("bf16") == (*cuda_ops.NVRTC_OPTIONS, "-DXTRAIN_BF16")
+    assert "#if defined(XTRAIN_BF16)" in cuda_ops.kernel_source("gelu")
 
 
 def test_kernel_table_matches_the_sources():
@@ -53,10 +61,10 @@ def test_kernel_source_inlines_local_includes():
 
 # ---------------------------------------------------------------------------------------- nvcc
 
-def _nvcc(path: Path, arch: str, defines: tuple[str, ...], out_dir: str) -> tuple[str, int, str, str]:
-    out = Path(out_dir) / f"{path.stem}-{arch}-{len(defines)}.ptx"
+def _nvcc(path: Path, arch: str, dtype: str, out_dir: str) -> tuple[str, int, str, str]:
+    out = Path(out_dir) / f"{path.stem}-{arch}-{dtype}.ptx"
     cmd = [NVCC, "-std=c++17", "--ptx", f"-arch={arch}", "-Werror", "all-warnings", f"-I{KERNEL_DIR}",
-           *defines, "-o", str(out), str(path)]
+           *cuda_ops.PRECISIONS[dtype], "-o", str(out), str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     ptx = out.read_text() if proc.returncode == 0 else ""
     return " ".join(cmd), proc.returncode, proc.stdout + proc.stderr, ptx
@@ -64,32 +72,34 @@ def _nvcc(path: Path, arch: str, defines: tuple[str, ...], out_dir: str) -> tupl
 
 @needs_nvcc
 def test_every_kernel_compiles_with_nvcc():
-    # bf16 for the newest target only: it differs from fp32 in types, not in what the arch offers
-    jobs = [(path, arch, ()) for path in SOURCES for arch in ARCHS]
-    jobs += [(path, ARCHS[-1], ("-DXTRAIN_BF16",)) for path in SOURCES]
+    jobs = [(path, arch, dtype) for path in SOURCES for arch in ARCHS for dtype in cuda_ops.PRECISIONS]
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(WORKERS) as pool:
         results = list(pool.map(lambda job: _nvcc(*job, tmp), jobs))
     failures = [f"$ {cmd}\n{log}" for cmd, rc, log, _ in results if rc != 0 or log.strip()]
     assert not failures, "\n\n".join(failures)
-    for (path, _, _), (cmd, _, _, ptx) in zip(jobs, results, strict=True):
+    for (path, _, dtype), (cmd, _, _, ptx) in zip(jobs, results, strict=True):
         entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
         assert entries == set(cuda_ops.KERNELS[path.stem]), f"{cmd}: entry points {sorted(entries)}"
+        # the bf16 variant stores bf16 (round-to-nearest conversions); the fp32 one never converts
+        if path.stem in ("gelu", "adamw", "attention"):
+            assert ("cvt.rn.bf16.f32" in ptx) == (dtype == "bf16"), cmd
 
 
 @needs_nvcc
 def test_kernels_do_not_spill_on_sm90():
     """ptxas's resource report: no kernel may use a stack frame or spill registers to local memory
     (a register array indexed at run time, or too much live state, would show up here first)."""
-    def report(path: Path) -> tuple[str, str]:
+    def report(job) -> tuple[str, str]:
+        path, dtype = job
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [NVCC, "-std=c++17", "--cubin", "-arch=sm_90", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
-                   "-o", str(Path(tmp) / "k.cubin"), str(path)]
+                   *cuda_ops.PRECISIONS[dtype], "-o", str(Path(tmp) / "k.cubin"), str(path)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             assert proc.returncode == 0, proc.stderr
-            return path.name, proc.stderr
+            return f"{path.name} ({dtype})", proc.stderr
 
     with ThreadPoolExecutor(WORKERS) as pool:
-        reports = list(pool.map(report, SOURCES))
+        reports = list(pool.map(report, [(path, dtype) for path in SOURCES for dtype in cuda_ops.PRECISIONS]))
     bad = []
     for name, text in reports:
         for frame, stores, loads in re.findall(
@@ -138,20 +148,22 @@ def _nvrtc_compile(nvrtc, file: str, options: tuple[str, ...]) -> tuple[bool, st
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-@pytest.mark.parametrize("precision", sorted(cuda_ops.PRECISIONS))
-def test_every_kernel_compiles_with_nvrtc_as_cupy_does(precision):
-    """cuda_ops' source text and options, plus what CuPy's RawModule appends (-ftz=true,
-    --device-as-default-execution-space, -arch=sm_XX for a cubin, the CUDA include path)."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_compiles_with_nvrtc_as_cupy_does(dtype):
+    """What CudaBackend(dtype=...) loads: cuda_ops' source text and options for that dtype, plus what
+    CuPy's RawModule appends (-ftz=true, --device-as-default-execution-space, -arch=sm_XX for a cubin,
+    the CUDA include path), with NVRTC's warnings-as-errors on top."""
     nvrtc = _nvrtc()
     include = _cuda_include()
-    if precision == "bf16" and include is None:
+    if dtype == "bf16" and include is None:
         pytest.skip("the bf16 variant includes cuda_bf16.h and no CUDA headers were found")
     extra = (f"-I{include}",) if include else ()
-    jobs = [(file, arch) for file in cuda_ops.KERNELS for arch in (ARCHS if precision == "fp32" else ARCHS[-1:])]
+    jobs = [(file, arch) for file in cuda_ops.KERNELS for arch in ARCHS]
 
     def compile_one(job):
         file, arch = job
-        options = cuda_ops.nvrtc_options(precision) + cuda_ops.CUPY_ADDED_OPTIONS + (f"-arch={arch}", *extra)
+        options = (cuda_ops.nvrtc_options(dtype) + cuda_ops.CUPY_ADDED_OPTIONS
+                   + (f"-arch={arch}", "-Werror=all-warnings", *extra))
         ok, log = _nvrtc_compile(nvrtc, file, options)
         return file, arch, options, ok, log
 

@@ -8,7 +8,9 @@
        optimizer.safetensors   AdamW's m and v as flat float32 buffers in model.py's layout, and the
                                step count; a sharded (ZeRO-1) optimizer writes one
                                optimizer.rank<R>.safetensors per rank, each holding its range
-       trainer_state.json      the step, model shape, schedule, sampler (RNG) state, run config, world size
+       trainer_state.json      the step, model shape, schedule, sampler (RNG) state, run config, world size,
+                               precision (--dtype); the model and optimizer files are float32 in every
+                               precision: a bf16 run saves its float32 master weights
        manifest.json           size and sha256 of every other file; written last
 
 Atomic replacement. A save writes everything into the sibling `.DIR.new`, fsyncs every file and the
@@ -200,6 +202,7 @@ def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler
         "format": FORMAT, "version": VERSION, "xtrain_dist_version": __version__,
         "step": step,
         "world_size": world_size,
+        "dtype": cfg.dtype,
         "model": {"preset": cfg.model, **asdict(model.config)},
         "param_sha256": sha256_of(model.ops.to_host(model.params)[:used]),
         "optimizer": {"sharded": bool(optimizer.sharded), "step_count": optimizer.step_count,
@@ -491,6 +494,11 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str]]:
                if saved.get(name) != getattr(cfg, name)]
     if changed:
         notes.append(f"resume: from step {step + 1} on, this run changes {', '.join(changed)}")
+    saved_dtype = saved.get("dtype", "fp32")  # checkpoints from before --dtype were fp32 runs
+    if saved_dtype != cfg.dtype:
+        notes.append(f"resume: the checkpoint was trained with --dtype {saved_dtype}, this run uses {cfg.dtype}: "
+                     "it continues from the saved float32 master weights and optimizer state, and its losses "
+                     f"follow {cfg.dtype} arithmetic from step {step + 1} on")
     if state["world_size"] != cfg.world_size:
         notes.append(f"resume: the checkpoint was written by {state['world_size']} rank(s), this run has "
                      f"{cfg.world_size}: the state resumes exactly, but gradient sums now round in another "

@@ -77,6 +77,8 @@ class TrainConfig:
     grad_compress: str = "none"     # none | bf16: round gradients to bfloat16 for the reduction
     zero: int = 0                   # 1: ZeRO-1, optimizer state sharded over the ranks
     grad_accum: int = 1             # micro-batches per optimizer step; communication after the last
+    # ---- precision (precision.py) ----
+    dtype: str = "fp32"             # fp32 | bf16: bf16 activations and matmuls, fp32 master weights and grads
     # output
     report: str | None = None
     log_every: int = 1

@@ -11,6 +11,11 @@ backward and the embedding at the very end). So the finished gradients always fo
 grads[:ready] that grows as backward runs, and every bucket of an overlapped all-reduce is one
 contiguous slice. Offsets are aligned to ALIGN elements (zero padding between parameters), which
 keeps every view 128-byte aligned for vectorised kernels and cuBLAS.
+
+Precision. `params` holds the float32 master weights, which the optimizer updates and checkpoints
+save. Forward and backward read `params_lowp`, the same layout in the backend's activation dtype:
+`params` itself under fp32, a bfloat16 copy under bf16 that AdamW rewrites in the pass that updates
+`params` (see precision.py). `grads` is float32 in both.
 """
 
 from dataclasses import dataclass
@@ -116,7 +121,8 @@ class _LayerActs:
 
 
 class GPT2:
-    """A GPT-2 whose parameters and gradients each live in one flat float32 buffer on the backend."""
+    """A GPT-2 whose parameters and gradients each live in one flat float32 buffer on the backend, with
+    the parameters also in the activation dtype (`params_lowp`) when that is not float32."""
 
     def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32):
         self.config = config
@@ -130,14 +136,36 @@ class GPT2:
         host = np.zeros(self.size, dtype=dtype)
         host[:used] = init_weights(config, seed)
         self.params = backend.from_host(host)
+        # what forward and backward read: params itself, or its copy in the activation dtype (float64 values
+        # rounded to bf16 in a float64 check: the numpy emulation computing in float64)
+        lowp_dtype = backend.act_dtype if host.dtype == np.float32 else host.dtype
+        self.params_lowp = self.params if backend.dtype == "fp32" else xp.empty(self.size, dtype=lowp_dtype)
+        self.refresh_lowp()
         self.grads = xp.zeros(self.size, dtype=host.dtype)
         mask = np.zeros(self.size, dtype=np.uint8)
         for s in self.layout:
             mask[s.offset: s.offset + s.size] = s.decay
         self.decay_mask = backend.from_host(mask)
-        self.p = _named_views(self.params, self.layout, config.n_layer)
+        self.p = _named_views(self.params_lowp, self.layout, config.n_layer)  # the weights the passes read
         self.g = _named_views(self.grads, self.layout, config.n_layer)
         self._saved = None
+
+    @property
+    def lowp_copy(self):
+        """The separate activation-dtype copy of params that the optimizer must keep current, or None
+        (fp32: forward reads params itself)."""
+        return None if self.params_lowp is self.params else self.params_lowp
+
+    def refresh_lowp(self) -> None:
+        """Rewrite params_lowp from params. Whoever writes params other than through the optimizer's
+        step (a checkpoint load, ZeRO-1's all-gather, a test) calls this before the next forward."""
+        if self.lowp_copy is not None:
+            self.ops.lowp_copy(self.params_lowp, self.params)
+
+    @property
+    def param_bytes(self) -> int:
+        """Memory of the parameters: the float32 master and, under bf16, the copy forward reads."""
+        return self.params.nbytes + (self.lowp_copy.nbytes if self.lowp_copy is not None else 0)
 
     # ---------------------------------------------------------------- the layout, for gradient sync
     def layer_grad_ranges(self) -> list[tuple[int, int]]:
@@ -162,6 +190,7 @@ class GPT2:
         for s in self.layout:
             host[s.offset: s.offset + s.size] = np.asarray(state[s.name]).reshape(-1)
         self.params[...] = self.ops.from_host(host)
+        self.refresh_lowp()
 
     def zero_grad(self) -> None:
         self.grads.fill(0)

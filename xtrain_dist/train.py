@@ -62,7 +62,7 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
                log=print) -> RankResult:
-    backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32)
+    backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
     model = GPT2(model_config(cfg.model, corpus.vocab_size), backend, seed=cfg.seed)
     step_comm = TimedCommunicator(comm)  # times the step's collectives; evaluation and checkpoints use comm
     optimizer = make_optimizer(model, cfg, step_comm)
@@ -75,7 +75,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
     result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
-                        start_step=start, param_bytes=model.params.nbytes, grad_bytes=model.grads.nbytes,
+                        start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
                         zero_shard=optimizer.shards[rank] if optimizer.shards else None)
 
     for step in range(start, cfg.steps):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from . import checkpoint, ddp, evaluate, metrics
+from . import checkpoint, ddp, evaluate, metrics, precision
 from .backend import BACKENDS, rank_device
 from .cli import OneLineParser, positive_int
 from .comm.world import choose_engine, config_fingerprint, open_world
@@ -79,6 +79,10 @@ def build_parser() -> OneLineParser:
                       help="bf16: round gradients to bfloat16 for the reduction")
     sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
     sync.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    prec = p.add_argument_group("precision (see README: Precision)")
+    prec.add_argument("--dtype", choices=precision.DTYPES, default="fp32",
+                      help="bf16: bfloat16 activations and matmuls, float32 master weights, gradients and "
+                           "optimizer state (default fp32)")
     return p
 
 
@@ -113,7 +117,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, eval_every=args.eval_every,
         eval_batches=args.eval_batches, metrics=args.metrics,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
-        grad_accum=args.grad_accum,
+        grad_accum=args.grad_accum, dtype=args.dtype,
     ).resolved()
 
 
@@ -124,6 +128,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
         raise XtrainError(f"SEQ ({cfg.seq}) exceeds the context length of model '{cfg.model}' ({model.n_ctx})")
     corpus.check_seq(cfg.seq)
     ddp.check_config(cfg)
+    precision.check_config(cfg)
 
 
 def cpu_threads_per_rank(ranks_on_node: int) -> int:
@@ -171,7 +176,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     if launch.process_rank == 0:
         where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
         processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
-        log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, "
+        log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}, "
             f"{cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
     fingerprint = config_fingerprint({k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS})
     world = open_world(engine, launch=launch, local_world=local_world, timeout_s=cfg.comm_timeout_s,
@@ -203,6 +208,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     ms = float(np.mean(timed))
     return {
         "config": cfg.to_dict(),
+        "dtype": cfg.dtype,
         "model": {"preset": cfg.model, **vars(model_config(cfg.model, corpus.vocab_size)),
                   "num_params": lead.num_params},
         "launch": {"kind": launch.kind, "processes": launch.num_processes, "threads_per_process": local_world,

@@ -1,22 +1,26 @@
 """Backends: the numpy reference (numpy_ops) and the CUDA kernels (cuda_ops), with the same op names.
 
 get_backend returns an object whose attributes are the ops plus `xp` (the array module), `name`,
-`to_host`, `from_host` and `synchronize`. Asking for CUDA where it is missing is an error, never a
-quiet CPU run (cuda_ops raises XtrainError with the reason: no CuPy, no device, a bad device id).
+`dtype` (the activation precision, precision.DTYPES), `act_dtype` (the array dtype activations are
+stored in), `to_host`, `from_host`, `from_host_act` and `synchronize`. Asking for CUDA where it is
+missing is an error, never a quiet CPU run (cuda_ops raises XtrainError with the reason: no CuPy, no
+device, a bad device id).
 """
 
 from ..errors import XtrainError
+from ..precision import check_dtype
 
 BACKENDS = ("numpy", "cuda")
 
 
-def get_backend(name: str, device: int | None = None, allow_tf32: bool = False):
+def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, dtype: str = "fp32"):
+    check_dtype(dtype)
     if name == "numpy":
         from . import numpy_ops
-        return numpy_ops
+        return numpy_ops.NumpyBackend(dtype)
     if name == "cuda":
         from . import cuda_ops
-        return cuda_ops.CudaBackend(0 if device is None else device, allow_tf32=allow_tf32)
+        return cuda_ops.CudaBackend(0 if device is None else device, allow_tf32=allow_tf32, dtype=dtype)
     raise XtrainError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
 
 

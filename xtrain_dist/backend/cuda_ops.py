@@ -23,8 +23,17 @@ a gradient with beta = 1 (no temporary), take the tied classifier's transposed v
 as they are, and choose TF32 per call (`allow_tf32`) instead of through CuPy's process-wide CUPY_TF32
 variable, which only affects cupy.matmul and friends.
 
-Only float32 is implemented. The kernels are written over an activation type `floatX` (common.cuh)
-and also compile with -DXTRAIN_BF16; see PRECISIONS.
+Precision (`dtype`, precision.py). The kernels are written over an activation type `floatX`
+(common.cuh) and each backend loads the variant its dtype names (PRECISIONS): float32, or bfloat16
+with -DXTRAIN_BF16. CuPy has no bfloat16 dtype of its own (v14 accepts `ml_dtypes.bfloat16`, marked
+experimental), and nothing here needs one: every op on an activation is one of our kernels or a
+cuBLAS call, which take a pointer and a type tag. So bf16 activations are uint16 arrays holding the
+bits (`act_dtype`), which work with any CuPy; to_host widens them to float32 (exact), and
+from_host_act rounds float32 host data to them. Products take bf16 operands (CUDA_R_16BF) with
+float32 compute (CUBLAS_COMPUTE_32F); a weight gradient is accumulated straight into the float32
+gradient buffer (C float32, beta = 1), and the attention scores and their gradient are written as
+float32 for the softmax kernels. cuBLAS supports bf16 A/B with a float32 C under CUBLAS_COMPUTE_32F
+(its cublasGemmEx table; PyTorch's bf16-in, float32-out bgemm uses the same call) on sm_80 and newer.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..errors import XtrainError
+from ..precision import bf16_bits, check_dtype, from_bf16_bits
 from . import numpy_ops
 
 try:  # the module imports without CuPy, so the kernel sources and options can be checked anywhere
@@ -58,20 +68,21 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "encoder": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte"),
     "layernorm": ("layernorm_forward", "layernorm_backward_input", "layernorm_backward_params",
                   "layernorm_backward_params_finish"),
-    "matmul": ("bias_add", "bias_backward", "bias_backward_finish"),
+    "matmul": ("bias_broadcast", "bias_backward", "bias_backward_finish"),
     "attention": ("split_heads", "merge_heads", "causal_softmax_forward", "causal_softmax_backward"),
     "gelu": ("gelu_forward", "gelu_backward"),
     "residual": ("residual_forward",),
     "classifier": ("fused_classifier", "crossentropy_forward"),
-    "adamw": ("adamw_update",),
+    "adamw": ("adamw_update", "lowp_copy"),
     "global_norm": ("sum_squares_partial", "sum_squares_finish", "clip_coefficient"),
     "scale": ("scale_inplace",),
     "bf16_round": ("bf16_round_inplace",),
 }
 
-# precision -> extra NVRTC options. "bf16" compiles (the compile tests check it) but is not loaded
-# yet: the model has no activation dtype to pass it.
+# --dtype -> the extra NVRTC options of the kernel variant a backend of that dtype loads
 PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("-DXTRAIN_BF16",)}
+# --dtype -> how activations are stored: bf16 as uint16 arrays holding the bits (see the docstring)
+ACT_DTYPES: dict[str, np.dtype] = {"fp32": np.dtype(np.float32), "bf16": np.dtype(np.uint16)}
 
 # Our options. CuPy adds its own when it compiles: -ftz=true, --device-as-default-execution-space,
 # -arch=sm_XX (a cubin for the device it runs on), and include paths for its headers, CCCL and the
@@ -80,6 +91,8 @@ NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
 
 # The options CuPy appends, for tests that compile with NVRTC directly exactly as CuPy would.
 CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
+
+CUDA_R_16BF = 14  # cudaDataType_t, library_types.h (CUDA_R_32F is 0)
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
 
@@ -104,24 +117,25 @@ def kernel_source(file: str) -> str:
     return "\n".join(expand(KERNEL_DIR / f"{file}.cu")) + "\n"
 
 
-def nvrtc_options(precision: str = "fp32") -> tuple[str, ...]:
-    return NVRTC_OPTIONS + PRECISIONS[precision]
+def nvrtc_options(dtype: str = "fp32") -> tuple[str, ...]:
+    """The options CudaBackend(dtype=...) compiles every kernel file with (CuPy adds its own)."""
+    return NVRTC_OPTIONS + PRECISIONS[dtype]
 
 
 _modules: dict[tuple[str, str], object] = {}
 _modules_lock = threading.Lock()
 
 
-def _load_kernels(precision: str) -> SimpleNamespace:
+def _load_kernels(dtype: str) -> SimpleNamespace:
     """Every kernel of every file, compiled for the current device (cached per process and device)."""
     kernels = SimpleNamespace()
     # One lock for all ranks: the first thread compiles (or loads CuPy's disk cache) while the others
     # wait, instead of several threads compiling the same source at once.
     with _modules_lock:
         for file, names in KERNELS.items():
-            key = (file, precision)
+            key = (file, dtype)
             if key not in _modules:
-                _modules[key] = cupy.RawModule(code=kernel_source(file), options=nvrtc_options(precision))
+                _modules[key] = cupy.RawModule(code=kernel_source(file), options=nvrtc_options(dtype))
             for kernel in names:
                 setattr(kernels, kernel, _modules[key].get_function(kernel))
     return kernels
@@ -149,11 +163,12 @@ def _column_splits(rows: int) -> tuple[int, int]:
 
 
 def _vec(width: int, *arrays, row: int | None = None) -> int:
-    """1 if every array starts on a `width`-element boundary (16 bytes for width = 16 / itemsize) and
-    `row`, the length that chunks must not cross, is a multiple of width; else 0 (scalar kernels)."""
+    """1 if every array (None: absent) starts on a boundary of `width` of its own elements (16 bytes
+    for width = 16 / itemsize; 32 for a float32 array read 8 at a time beside bf16) and `row`, the
+    length that chunks must not cross, is a multiple of width; else 0 (scalar kernels)."""
     if row is not None and row % width:
         return 0
-    return int(all(a.data.ptr % (a.itemsize * width) == 0 for a in arrays))
+    return int(all(a.data.ptr % (a.itemsize * width) == 0 for a in arrays if a is not None))
 
 
 def _contiguous(a):
@@ -163,9 +178,10 @@ def _contiguous(a):
 
 
 def _f32(*arrays) -> None:
+    """Buffers that are float32 in every precision: gradients, statistics, scores, optimizer state."""
     for a in arrays:
         if a.dtype != np.float32:
-            raise TypeError(f"cuda_ops supports float32 only, got {a.dtype}")
+            raise TypeError(f"cuda_ops: expected a float32 array, got {a.dtype}")
 
 
 # ---------------------------------------------------------------------------- the backend
@@ -192,7 +208,8 @@ class CudaBackend:
     LN_EPS = numpy_ops.LN_EPS
     GELU_SCALE = numpy_ops.GELU_SCALE
 
-    def __init__(self, device: int, allow_tf32: bool = False):
+    def __init__(self, device: int, allow_tf32: bool = False, dtype: str = "fp32"):
+        check_dtype(dtype)
         count = device_count()
         if not 0 <= device < count:
             raise XtrainError(f"--backend cuda: device {device} does not exist ({count} visible)")
@@ -207,17 +224,24 @@ class CudaBackend:
         self.allow_tf32 = allow_tf32
         self._cublas = cublas
         self._handle = cupy.cuda.device.get_cublas_handle()  # CuPy's, per thread and device
-        self._compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32 else cublas.CUBLAS_COMPUTE_32F
-        self._k = _load_kernels("fp32")
+        # float32 operands: TF32 tensor cores if asked; bf16 operands: always float32 accumulation
+        self._compute = {np.dtype(np.float32): cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32
+                         else cublas.CUBLAS_COMPUTE_32F, np.dtype(np.uint16): cublas.CUBLAS_COMPUTE_32F}
+        self._cuda_type = {np.dtype(np.float32): cupy.cuda.runtime.CUDA_R_32F, np.dtype(np.uint16): CUDA_R_16BF}
+        self.dtype = dtype
+        self.act_dtype = ACT_DTYPES[dtype]
+        self._k = _load_kernels(dtype)
         self._side_streams: set[int] = set()
         self._keep_alive: list = []
-        self._vec_x = 16 // 4  # elements of floatX per 16 bytes (float32 now)
+        self._vec_x = 16 // self.act_dtype.itemsize  # elements of floatX per 16 bytes: 4 (fp32) or 8 (bf16)
 
     # ------------------------------------------------------------------ host/device plumbing
     def to_host(self, a) -> np.ndarray:
-        """A host copy (waits for this stream's queued work)."""
+        """A host copy (waits for this stream's queued work). bf16 activations come back as float32,
+        which holds every bf16 value exactly: the values numpy_ops' bf16 emulation holds."""
         if isinstance(a, cupy.ndarray):
-            return a.get(stream=self.stream)
+            host = a.get(stream=self.stream)
+            return from_bf16_bits(host) if host.dtype == np.uint16 else host
         return np.asarray(a)
 
     def from_host(self, a: np.ndarray):
@@ -226,8 +250,21 @@ class CudaBackend:
         out.set(a, stream=self.stream)
         return out
 
+    def from_host_act(self, a):
+        """Host float32 data as an activation (or weight copy) of this backend: bf16 rounds to nearest even."""
+        if self.act_dtype == np.uint16:
+            return self.from_host(bf16_bits(a))
+        return self.from_host(np.asarray(a, dtype=np.float32))
+
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def _act(self, *arrays) -> None:
+        """Activations and the weights forward reads: in this backend's activation dtype."""
+        for a in arrays:
+            if a.dtype != self.act_dtype:
+                raise TypeError(f"cuda_ops ({self.dtype}): expected an activation of dtype {self.act_dtype}, "
+                                f"got {a.dtype}")
 
     def _launch(self, kernel, grid, block, *args) -> None:
         """Queue a kernel on the calling thread's stream: the rank's, or a side thread's own (CuPy's
@@ -270,18 +307,25 @@ class CudaBackend:
             cupy.cuda.get_current_stream().wait_event(event)
 
     # ------------------------------------------------------------------ cuBLAS
+    def _types(self, a, b, out) -> tuple[int, int, int]:
+        """(operand type, output type, compute type) for a product of a and b into out: the operands share
+        a dtype (float32, or bf16 bits); the output is float32 or that dtype; alpha and beta are float32."""
+        if a.dtype != b.dtype or out.dtype not in (a.dtype, np.float32):
+            raise TypeError(f"cuda_ops gemm: {a.dtype} @ {b.dtype} -> {out.dtype} is not a supported product")
+        return self._cuda_type[a.dtype], self._cuda_type[out.dtype], self._compute[a.dtype]
+
     def _gemm(self, a, b, out, alpha: float = 1.0, beta: float = 0.0) -> None:
-        """out = alpha * a @ b + beta * out, for 2-D float32 arrays each either row-major (C-contiguous)
-        or the transpose of a row-major array (F-contiguous, like numpy's `.T` views); see _gemm_plan."""
+        """out = alpha * a @ b + beta * out, for 2-D arrays each either row-major (C-contiguous) or the
+        transpose of a row-major array (F-contiguous, like numpy's `.T` views); see _gemm_plan."""
         self._check_stream()
         first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
+        ab_type, c_type, compute = self._types(a, b, out)
         alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
-        r32 = cupy.cuda.runtime.CUDA_R_32F
         cublas = self._cublas
         cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.gemmEx(self._handle, op1, op2, rows, cols, k, alpha_h.ctypes.data,
-                      first.data.ptr, r32, ld1, second.data.ptr, r32, ld2,
-                      beta_h.ctypes.data, out.data.ptr, r32, ldc, self._compute, cublas.CUBLAS_GEMM_DEFAULT)
+                      first.data.ptr, ab_type, ld1, second.data.ptr, ab_type, ld2,
+                      beta_h.ctypes.data, out.data.ptr, c_type, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
     def _gemm_batched(self, a, b, out, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0) -> None:
         """out[i] = alpha * op(a[i]) @ op(b[i]) for C-contiguous (batch, rows, cols) arrays, op = transpose
@@ -294,15 +338,15 @@ class CudaBackend:
         cublas = self._cublas
         op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
         op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
+        ab_type, c_type, compute = self._types(a, b, out)
         alpha_h, beta_h = np.array(alpha, np.float32), np.array(0.0, np.float32)
-        r32 = cupy.cuda.runtime.CUDA_R_32F
         cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.gemmStridedBatchedEx(
             self._handle, op_b, op_a, n, m, k, alpha_h.ctypes.data,
-            b.data.ptr, r32, b.shape[2], b.shape[1] * b.shape[2],
-            a.data.ptr, r32, a.shape[2], a.shape[1] * a.shape[2],
-            beta_h.ctypes.data, out.data.ptr, r32, n, m * n,
-            batch, self._compute, cublas.CUBLAS_GEMM_DEFAULT)
+            b.data.ptr, ab_type, b.shape[2], b.shape[1] * b.shape[2],
+            a.data.ptr, ab_type, a.shape[2], a.shape[1] * a.shape[2],
+            beta_h.ctypes.data, out.data.ptr, c_type, n, m * n,
+            batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
     # ------------------------------------------------------------------ encoder (kernels/encoder.cu)
     def encoder_forward(self, ids, wte, wpe):
@@ -311,7 +355,7 @@ class CudaBackend:
         V, C = wte.shape
         if wpe.shape[0] < T:
             raise ValueError(f"sequence length {T} exceeds the {wpe.shape[0]} learned positions")
-        _f32(wte, wpe)
+        self._act(wte, wpe)
         out = cupy.empty((B, T, C), dtype=wte.dtype)
         vec = _vec(self._vec_x, out, _contiguous(wte), _contiguous(wpe), row=C)
         chunks = _cdiv(B * T * C, self._vec_x if vec else 1)
@@ -323,7 +367,8 @@ class CudaBackend:
         ids = _ids(ids)
         B, T = ids.shape
         V, C = dwte.shape
-        _f32(dwte, dwpe, dout)
+        _f32(dwte, dwpe)
+        self._act(dout)
         dout = _contiguous(dout)
         # wpe: one thread per (t, channel chunk), summing over b in order
         vec = _vec(self._vec_x, _contiguous(dwpe), dout, row=C)
@@ -345,7 +390,7 @@ class CudaBackend:
     # ------------------------------------------------------------------ layernorm (kernels/layernorm.cu)
     def layernorm_forward(self, inp, weight, bias):
         inp = _contiguous(inp)
-        _f32(inp, weight, bias)
+        self._act(inp, weight, bias)
         C = inp.shape[-1]
         rows = inp.size // C
         out = cupy.empty_like(inp)
@@ -360,7 +405,8 @@ class CudaBackend:
     def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
         for a in (dinp, dout, inp, mean, rstd):
             _contiguous(a)
-        _f32(dinp, dweight, dbias, dout, inp, weight)
+        _f32(dweight, dbias, mean, rstd)
+        self._act(dinp, dout, inp, weight)
         C = inp.shape[-1]
         rows = inp.size // C
         vec = _vec(self._vec_x, dinp, dout, inp, weight, row=C)
@@ -379,25 +425,28 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ matmul (cuBLAS; bias in kernels/matmul.cu)
     def matmul_forward(self, inp, weight, bias=None):
-        _f32(inp, weight)
+        self._act(inp, weight)
         IC, OC = weight.shape
         inp2 = _contiguous(inp).reshape(-1, IC)
-        out = cupy.empty((inp2.shape[0], OC), dtype=cupy.float32)
-        self._gemm(inp2, weight, out)
-        if bias is not None:
-            self._bias_add(out, bias)
+        out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
+        if bias is None:
+            self._gemm(inp2, weight, out)
+        else:
+            self._bias_broadcast(out, bias)
+            self._gemm(inp2, weight, out, beta=1.0)  # out = inp @ weight + bias, rounded once (matmul.cu)
         return out.reshape(*inp.shape[:-1], OC)
 
-    def _bias_add(self, out, bias) -> None:
-        _f32(bias)
+    def _bias_broadcast(self, out, bias) -> None:
+        self._act(bias)
         OC = out.shape[-1]
         vec = _vec(self._vec_x, out, _contiguous(bias), row=OC)
         chunks = _cdiv(out.size, self._vec_x if vec else 1)
-        self._launch(self._k.bias_add, (_cdiv(chunks, BLOCK),), (BLOCK,),
+        self._launch(self._k.bias_broadcast, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,),
                      out, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
 
     def matmul_backward(self, dweight, dbias, dout, inp, weight):
-        _f32(dweight, dout, inp, weight)
+        _f32(dweight)
+        self._act(dout, inp, weight)
         IC, OC = weight.shape
         dout2 = _contiguous(dout).reshape(-1, OC)
         inp2 = _contiguous(inp).reshape(-1, IC)
@@ -413,7 +462,7 @@ class CudaBackend:
                          partial, dout2, np.int64(rows), np.int32(OC), np.int32(rows_per_split), np.int32(vec))
             self._launch(self._k.bias_backward_finish, (_cdiv(OC, BLOCK),), (BLOCK,),
                          _contiguous(dbias), partial, np.int32(splits), np.int32(OC))
-        dinp = cupy.empty((dout2.shape[0], IC), dtype=cupy.float32)
+        dinp = cupy.empty((dout2.shape[0], IC), dtype=self.act_dtype)
         self._gemm(dout2, weight.T, dinp)
         return dinp.reshape(inp.shape)
 
@@ -454,64 +503,74 @@ class CudaBackend:
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
-        q, k, v = (cupy.empty((B, n_head, T, hs), dtype=cupy.float32) for _ in range(3))
+        q, k, v = (cupy.empty((B, n_head, T, hs), dtype=self.act_dtype) for _ in range(3))
         self._split_heads(qkv, (q, k, v), C3, B, n_head, T, hs)
         return q, k, v
 
+    def _act_or_in_place(self, buffer_f32):
+        """The floatX output of a softmax kernel over a float32 buffer: the buffer itself when floatX is
+        float (the kernels may run in place), else a new array of the activation dtype."""
+        if self.act_dtype == np.float32:
+            return buffer_f32
+        return cupy.empty(buffer_f32.shape, dtype=self.act_dtype)
+
     def attention_forward(self, qkv, n_head: int):
         qkv = _contiguous(qkv)
-        _f32(qkv)
+        self._act(qkv)
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
         BH = B * n_head
         q, k, v = self._split_qkv(qkv, n_head)
-        att = cupy.empty((B, n_head, T, T), dtype=cupy.float32)
+        scores = cupy.empty((B, n_head, T, T), dtype=cupy.float32)  # float32 in every precision
         scale = _attention_scale(hs)
-        self._gemm_batched(q.reshape(BH, T, hs), k.reshape(BH, T, hs), att.reshape(BH, T, T), trans_b=True,
+        self._gemm_batched(q.reshape(BH, T, hs), k.reshape(BH, T, hs), scores.reshape(BH, T, T), trans_b=True,
                            alpha=scale)
-        self._softmax(att, att, T)  # in place: scores become probabilities
-        y = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
+        att = self._act_or_in_place(scores)
+        self._softmax(att, scores, T)
+        y = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
         self._gemm_batched(att.reshape(BH, T, T), v.reshape(BH, T, hs), y.reshape(BH, T, hs))
-        out = cupy.empty((B, T, C), dtype=cupy.float32)
+        out = cupy.empty((B, T, C), dtype=self.act_dtype)
         self._merge_heads(out, (y,), C, B, n_head, T, hs)
         return out, att
 
     def causal_softmax(self, scores):
         scores = _contiguous(scores)
         _f32(scores)
-        att = cupy.empty_like(scores)
+        att = cupy.empty(scores.shape, dtype=self.act_dtype)
         self._softmax(att, scores, scores.shape[-1])
         return att
 
     def attention_backward(self, dout, qkv, att, n_head: int):
         for a in (dout, qkv, att):
             _contiguous(a)
-        _f32(dout, qkv, att)
+        self._act(dout, qkv, att)
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
         BH = B * n_head
         q, k, v = self._split_qkv(qkv, n_head)
-        dy = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
+        dy = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
         self._split_heads(dout, (dy,), C, B, n_head, T, hs)
         shape3 = (BH, T, hs)
-        datt = cupy.empty((BH, T, T), dtype=cupy.float32)
+        datt = cupy.empty((BH, T, T), dtype=cupy.float32)  # float32 like the scores
         self._gemm_batched(dy.reshape(shape3), v.reshape(shape3), datt, trans_b=True)        # dy v^T
-        dv = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
+        dv = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
         self._gemm_batched(att.reshape(BH, T, T), dy.reshape(shape3), dv.reshape(shape3), trans_a=True)  # att^T dy
-        self._softmax_backward(datt, datt, att, T, _attention_scale(hs))  # in place: datt becomes dscores
-        dq = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
-        dk = cupy.empty((B, n_head, T, hs), dtype=cupy.float32)
-        self._gemm_batched(datt, k.reshape(shape3), dq.reshape(shape3))                      # dscores k
-        self._gemm_batched(datt, q.reshape(shape3), dk.reshape(shape3), trans_a=True)        # dscores^T q
-        dqkv = cupy.empty((B, T, C3), dtype=cupy.float32)
+        dscores = self._act_or_in_place(datt)
+        self._softmax_backward(dscores, datt, att, T, _attention_scale(hs))
+        dq = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
+        dk = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
+        self._gemm_batched(dscores, k.reshape(shape3), dq.reshape(shape3))                   # dscores k
+        self._gemm_batched(dscores, q.reshape(shape3), dk.reshape(shape3), trans_a=True)     # dscores^T q
+        dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)
         self._merge_heads(dqkv, (dq, dk, dv), C3, B, n_head, T, hs)
         return dqkv
 
     def causal_softmax_backward(self, datt, att):
         datt, att = _contiguous(datt), _contiguous(att)
-        _f32(datt, att)
+        _f32(datt)
+        self._act(att)
         out = cupy.empty_like(att)
         self._softmax_backward(out, datt, att, att.shape[-1], 1.0)
         return out
@@ -525,21 +584,21 @@ class CudaBackend:
 
     def gelu_forward(self, inp):
         inp = _contiguous(inp)
-        _f32(inp)
+        self._act(inp)
         out = cupy.empty_like(inp)
         self._elementwise(self._k.gelu_forward, out, inp)
         return out
 
     def gelu_backward(self, dout, inp):
         dout, inp = _contiguous(dout), _contiguous(inp)
-        _f32(dout, inp)
+        self._act(dout, inp)
         dinp = cupy.empty_like(inp)
         self._elementwise(self._k.gelu_backward, dinp, dout, inp)
         return dinp
 
     def residual_forward(self, a, b):
         a, b = _contiguous(a), _contiguous(b)
-        _f32(a, b)
+        self._act(a, b)
         if a.shape != b.shape:
             raise ValueError(f"residual_forward: shapes {a.shape} and {b.shape} differ")
         out = cupy.empty_like(a)
@@ -549,7 +608,7 @@ class CudaBackend:
     # ------------------------------------------------------------------ classifier (kernels/classifier.cu)
     def crossentropy_forward(self, logits, targets):
         logits = _contiguous(logits)
-        _f32(logits)
+        self._act(logits)
         targets = _ids(targets)
         V = logits.shape[-1]
         losses = cupy.empty(targets.shape, dtype=cupy.float32)
@@ -559,7 +618,7 @@ class CudaBackend:
 
     def fused_classifier(self, logits, targets, dloss: float):
         logits = _contiguous(logits)
-        _f32(logits)
+        self._act(logits)
         targets = _ids(targets)
         V = logits.shape[-1]
         losses = cupy.empty(targets.shape, dtype=cupy.float32)
@@ -610,25 +669,39 @@ class CudaBackend:
                      np.int32(vec))
 
     def adamw_update(self, params, grads, m, v, decay_mask, step: int, lr: float, beta1: float, beta2: float,
-                     eps: float, weight_decay: float, grad_scale) -> None:
+                     eps: float, weight_decay: float, grad_scale, params_lowp=None) -> None:
         for a in (params, grads, m, v, decay_mask):
             _contiguous(a)
         _f32(params, grads, m, v)
+        if params_lowp is not None:
+            self._act(_contiguous(params_lowp))
+            if params_lowp.size != params.size:
+                raise ValueError(f"adamw_update: params_lowp has {params_lowp.size} elements, params {params.size}")
         if decay_mask.dtype != np.uint8:
             raise TypeError(f"adamw_update: decay_mask must be uint8, got {decay_mask.dtype}")
         if not isinstance(grad_scale, cupy.ndarray):
             grad_scale = cupy.full(1, grad_scale, dtype=cupy.float32)  # a fill kernel, no host copy
         grad_scale = _contiguous(grad_scale.astype(cupy.float32, copy=False))
         n = params.size
-        vec = _vec(4, params, grads, m, v, decay_mask)
+        vec = _vec(4, params, grads, m, v, decay_mask, params_lowp)
         chunks = _cdiv(n, 4 if vec else 1)
         f32 = np.float32
         # the float32 roundings of numpy_ops.adamw_update: f(1 - beta1), f(1 - beta1 ** step), ...
         self._launch(self._k.adamw_update, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,),
-                     params, grads, m, v, decay_mask, np.int64(n), grad_scale,
+                     params, params_lowp, grads, m, v, decay_mask, np.int64(n), grad_scale,
                      f32(lr), f32(beta1), f32(beta2), f32(1 - beta1), f32(1 - beta2),
                      f32(1 - beta1 ** step), f32(1 - beta2 ** step), f32(eps), f32(weight_decay), np.int32(vec))
 
+
+    def lowp_copy(self, dst, src) -> None:
+        _f32(src)
+        self._act(_contiguous(dst))
+        if dst.size != src.size:
+            raise ValueError(f"lowp_copy: {dst.size} elements into {src.size}")
+        n = src.size
+        vec = _vec(4, dst, _contiguous(src))
+        chunks = _cdiv(n, 4 if vec else 1)
+        self._launch(self._k.lowp_copy, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,), dst, src, np.int64(n), np.int32(vec))
 
 # ---------------------------------------------------------------------------- helpers
 

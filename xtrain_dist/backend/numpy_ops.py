@@ -1,6 +1,6 @@
 """The numpy reference backend: every op of a GPT-2 training step, forward and backward, by hand.
 
-This file is the oracle. `cuda_ops.py` has a function of the same name and signature for each one
+This file is the oracle. `cuda_ops.py` has a method of the same name and signature for each op
 below, implemented by the kernel in `kernels/<op>.cu` named in its docstring, and the GPU tests
 compare the two op by op.
 
@@ -13,276 +13,31 @@ Conventions, shared with the CUDA backend:
   layernorm_backward, which adds into the residual-stream gradient it is given: that is how the
   residual connection's backward is done without a separate op.
 - Every op keeps the dtype of its inputs: training runs float32, the gradient checks run float64.
+
+Precision. A backend has an activation dtype (precision.py): activations, activation gradients and
+the parameter copy that forward reads are stored in it; parameter gradients, layernorm statistics,
+attention scores and losses are always float32. numpy has no bfloat16, so `NumpyBackend("bf16")`
+emulates it: every value the CUDA backend writes into a bfloat16 buffer passes through
+`self.store`, which rounds it to the nearest bfloat16 and keeps it in float32 storage. That is the
+one rule; the `self.store(...)` calls below mark, op by op, exactly the values a kernel or a cuBLAS
+product writes in the activation dtype (and nothing else), so the emulation and the GPU differ only
+in float32 summation order and in the roundings inside one kernel. With "fp32", store does nothing
+and the ops are plain float32 (or float64) arithmetic.
+
+The module itself is the float32 backend: `numpy_ops.layernorm_forward(...)` is the fp32 oracle and
+`GPT2(config, numpy_ops)` trains in float32, exactly as `NumpyBackend("fp32")` does.
 """
 
 import numpy as np
 
-xp = np  # the array module the model allocates with
-name = "numpy"
-
-
-# ------------------------------------------------------------------ host/device plumbing
-
-def to_host(a) -> np.ndarray:
-    """The array as numpy (a no-op here; a device-to-host copy on CUDA)."""
-    return np.asarray(a)
-
-
-def from_host(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a)
-
-
-def synchronize() -> None:
-    """Wait for queued work (nothing is queued on the CPU)."""
-
-
-# Ordering work across a rank's threads (gradient sync's communication thread). On the CPU an op has
-# finished when it returns, so there is nothing to order; cuda_ops records and waits on CUDA events.
-
-def bind_side_thread() -> None:
-    """Prepare a helper thread of the rank (the CUDA backend gives it the rank's device and a stream)."""
-
-
-def fence() -> None:
-    """A marker of the work queued so far by the calling thread (None: it is all done)."""
-
-
-def wait(event) -> None:
-    """Make the calling thread's later work wait for a fence."""
-
-
-# ------------------------------------------------------------------ encoder (kernels/encoder.cu)
-
-def encoder_forward(ids, wte, wpe):
-    """out[b, t, :] = wte[ids[b, t], :] + wpe[t, :]  -> (B, T, C)"""
-    T = ids.shape[1]
-    return wte[ids] + wpe[:T]
-
-
-def encoder_backward(dwte, dwpe, dout, ids) -> None:
-    """dwte[ids[b, t]] += dout[b, t]; dwpe[t] += sum_b dout[b, t].
-
-    A token that occurs several times gets its rows added in (b, t) order, which is the order the
-    deterministic CUDA kernel uses too."""
-    C = dout.shape[-1]
-    np.add.at(dwte, ids.reshape(-1), dout.reshape(-1, C))
-    dwpe[: ids.shape[1]] += dout.sum(axis=0)
-
-
-# ------------------------------------------------------------------ layernorm (kernels/layernorm.cu)
+from ..precision import check_dtype
 
 LN_EPS = 1e-5
-
-
-def layernorm_forward(inp, weight, bias):
-    """Normalise each (b, t) row over C, then scale and shift.  -> (out, mean, rstd); mean, rstd are (B, T)."""
-    mean = inp.mean(axis=-1, keepdims=True)
-    centered = inp - mean
-    var = (centered * centered).mean(axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + inp.dtype.type(LN_EPS))
-    out = centered * rstd * weight + bias
-    return out, mean[..., 0], rstd[..., 0]
-
-
-def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
-    """Accumulate into dinp (the residual stream's gradient), dweight and dbias.
-
-    With n = (x - mean) * rstd and g = dout * weight:
-    dx = rstd * (g - mean_C(g) - n * mean_C(g * n))."""
-    C = inp.shape[-1]
-    norm = (inp - mean[..., None]) * rstd[..., None]
-    dnorm = dout * weight
-    dbias += dout.reshape(-1, C).sum(axis=0)
-    dweight += (dout * norm).reshape(-1, C).sum(axis=0)
-    dnorm_mean = dnorm.mean(axis=-1, keepdims=True)
-    dnorm_norm_mean = (dnorm * norm).mean(axis=-1, keepdims=True)
-    dinp += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[..., None]
-
-
-# ------------------------------------------------------------------ matmul (cuBLAS; bias: kernels/matmul.cu)
-
-def matmul_forward(inp, weight, bias=None):
-    """out = inp @ weight + bias, weight (in, out). (B, T, in) -> (B, T, out)."""
-    IC, OC = weight.shape
-    out = inp.reshape(-1, IC) @ weight  # one 2-D GEMM: numpy's stacked-matrix path is slower
-    if bias is not None:
-        out += bias
-    return out.reshape(*inp.shape[:-1], OC)
-
-
-def matmul_backward(dweight, dbias, dout, inp, weight):
-    """dweight += inp^T @ dout; dbias += sum over rows of dout; returns dinp = dout @ weight^T.
-
-    dweight may be a transposed view (the tied classifier passes wte's gradient as dwte.T)."""
-    IC, OC = weight.shape
-    dout2 = dout.reshape(-1, OC)
-    dweight += inp.reshape(-1, IC).T @ dout2
-    if dbias is not None:
-        dbias += dout2.sum(axis=0)
-    return (dout2 @ weight.T).reshape(inp.shape)
-
-
-# ------------------------------------------------------------------ attention (kernels/attention.cu)
-
-def attention_forward(qkv, n_head: int):
-    """Causal multi-head self-attention over the fused q|k|v projection.
-
-    qkv (B, T, 3C) -> (out (B, T, C), att (B, NH, T, T)); att holds the softmax probabilities, zero
-    above the diagonal, and is kept for the backward pass."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // n_head
-    # (B, T, 3, NH, hs) -> 3 x (B, NH, T, hs): the permute kernel on CUDA
-    q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
-    scale = qkv.dtype.type(1.0 / np.sqrt(hs))
-    scores = (q @ k.transpose(0, 1, 3, 2)) * scale
-    att = causal_softmax(scores)
-    y = att @ v                                              # (B, NH, T, hs)
-    return y.transpose(0, 2, 1, 3).reshape(B, T, C), att     # unpermute
-
-
-def causal_softmax(scores):
-    """Row-wise softmax of (..., T, T) scores over keys j <= query i; entries j > i become 0."""
-    T = scores.shape[-1]
-    future = np.triu(np.ones((T, T), dtype=bool), k=1)
-    masked = np.where(future, -np.inf, scores)
-    e = np.exp(masked - masked.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def attention_backward(dout, qkv, att, n_head: int):
-    """Gradient of attention_forward with respect to qkv. -> dqkv (B, T, 3C)"""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // n_head
-    q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
-    scale = qkv.dtype.type(1.0 / np.sqrt(hs))
-    dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # permute like the forward's y
-    datt = dy @ v.transpose(0, 1, 3, 2)
-    dv = att.transpose(0, 1, 3, 2) @ dy
-    dscores = causal_softmax_backward(datt, att) * scale
-    dq = dscores @ k
-    dk = dscores.transpose(0, 1, 3, 2) @ q
-    # stack back into the fused (B, T, 3, NH, hs) layout
-    dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)
-    return dqkv.reshape(B, T, C3)
-
-
-def causal_softmax_backward(datt, att):
-    """d scores = att * (datt - sum_j datt * att); zero above the diagonal because att is."""
-    return att * (datt - (datt * att).sum(axis=-1, keepdims=True))
-
-
-# ------------------------------------------------------------------ gelu (kernels/gelu.cu)
-
 GELU_SCALE = float(np.sqrt(2.0 / np.pi))
+_BF16_BLOCK = 1 << 16
 
 
-def gelu_forward(inp):
-    """GELU, tanh approximation (GPT-2's "gelu_new"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    s = inp.dtype.type(GELU_SCALE)
-    c = inp.dtype.type(0.044715)
-    half = inp.dtype.type(0.5)
-    return half * inp * (1 + np.tanh(s * (inp + c * inp * inp * inp)))
-
-
-def gelu_backward(dout, inp):
-    """dinp = dout * gelu'(x), with u = s (x + c x^3):
-    gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) s (1 + 3 c x^2).
-    Written with in-place updates: this is the largest elementwise op of the step (B*T*4C)."""
-    f = inp.dtype.type
-    s, c = f(GELU_SCALE), f(0.044715)
-    x2 = inp * inp
-    th = np.tanh(s * inp * (1 + c * x2))
-    slope = f(0.5) * s * inp * (1 + f(3) * c * x2)   # 0.5 x s (1 + 3 c x^2)
-    slope *= 1 - th * th
-    th += 1
-    th *= f(0.5)
-    th += slope
-    th *= dout
-    return th
-
-
-# ------------------------------------------------------------------ residual (kernels/residual.cu)
-
-def residual_forward(a, b):
-    """out = a + b. Its backward needs no op: the gradient passes unchanged to both inputs, which the
-    model gets by letting layernorm_backward accumulate into the residual stream's gradient."""
-    return a + b
-
-
-# ------------------------------------------------------------------ classifier (kernels/classifier.cu)
-
-def crossentropy_forward(logits, targets):
-    """losses[b, t] = -log softmax(logits[b, t])[targets[b, t]]  (evaluation: no gradient)."""
-    m = logits.max(axis=-1, keepdims=True)
-    lse = np.log(np.exp(logits - m).sum(axis=-1)) + m[..., 0]
-    picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return lse - picked
-
-
-def fused_classifier(logits, targets, dloss: float):
-    """Softmax + cross-entropy and its backward in one pass over the logits.
-
-    Returns losses (B, T) and overwrites `logits` with dlogits = (softmax(logits) - onehot(targets)) * dloss,
-    the gradient of dloss * sum(losses): the logits are the largest activation and are not needed again."""
-    m = logits.max(axis=-1, keepdims=True)
-    np.subtract(logits, m, out=logits)  # shifted logits: the largest is 0, so exp cannot overflow
-    picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    np.exp(logits, out=logits)
-    total = logits.sum(axis=-1, keepdims=True)
-    losses = np.log(total[..., 0]) - picked
-    d = logits.dtype.type(dloss)
-    np.multiply(logits, d / total, out=logits)  # probabilities * dloss
-    rows = logits.reshape(-1, logits.shape[-1])
-    rows[np.arange(rows.shape[0]), targets.reshape(-1)] -= d
-    return losses
-
-
-# ------------------------------------------------------------------ optimizer (kernels/adamw.cu, global_norm.cu)
-
-def global_norm_squared(buf):
-    """sum(buf ** 2) as a (1,) float32 array. numpy's pairwise summation (not BLAS, whose threading can
-    change the order) keeps it bitwise reproducible, so ranks holding equal gradients agree exactly."""
-    return np.sum(np.square(buf), dtype=np.float64).reshape(1).astype(buf.dtype)
-
-
-def clip_coefficient(norm_squared, max_norm: float):
-    """min(1, max_norm / (norm + 1e-6)) as a (1,) array, computed where the norm lives so the step needs
-    no device-to-host read; max_norm <= 0 disables clipping."""
-    if max_norm <= 0:
-        return np.ones(1, dtype=norm_squared.dtype)
-    norm = np.sqrt(norm_squared.astype(np.float64))
-    return np.minimum(1.0, max_norm / (norm + 1e-6)).astype(norm_squared.dtype)
-
-
-def scale(buf, factor) -> None:
-    """buf *= factor, in place (factor: a scalar or a (1,) array)."""
-    buf *= np.asarray(factor, dtype=buf.dtype).reshape(())
-
-
-def adamw_update(params, grads, m, v, decay_mask, step: int, lr: float, beta1: float, beta2: float,
-                 eps: float, weight_decay: float, grad_scale) -> None:
-    """One AdamW step (decoupled weight decay, as torch.optim.AdamW), in place over flat buffers.
-
-    g = grads * grad_scale (the clipping coefficient, a (1,) array); step counts from 1;
-    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
-    p -= lr * (m / (1 - b1^step) / (sqrt(v / (1 - b2^step)) + eps) + weight_decay * decay_mask * p).
-    decay_mask is 1 for matrices (matmul weights and embeddings) and 0 for biases and layernorm."""
-    f = params.dtype.type
-    g = grads * np.asarray(grad_scale, dtype=params.dtype).reshape(())
-    m *= f(beta1)
-    m += f(1 - beta1) * g
-    v *= f(beta2)
-    v += f(1 - beta2) * (g * g)
-    m_hat = m / f(1 - beta1 ** step)
-    v_hat = v / f(1 - beta2 ** step)
-    update = m_hat / (np.sqrt(v_hat) + f(eps))
-    update += f(weight_decay) * decay_mask * params
-    params -= f(lr) * update
-
-
-# ------------------------------------------------------------------ gradient compression (kernels/bf16_round.cu)
+# ------------------------------------------------------------------ bf16 rounding (kernels/bf16_round.cu)
 
 def bf16_round(buf) -> None:
     """Round a float32 buffer to the nearest bfloat16, ties to even, in place; the result stays float32.
@@ -312,4 +67,313 @@ def bf16_round(buf) -> None:
         bits[nan] = 0x7FC00000
 
 
-_BF16_BLOCK = 1 << 16
+class NumpyBackend:
+    """The ops on the CPU, with activations stored in `dtype` ("fp32", or "bf16" emulated in float32)."""
+
+    xp = np  # the array module the model allocates with
+    name = "numpy"
+
+    def __init__(self, dtype: str = "fp32"):
+        self.dtype = check_dtype(dtype)
+        self.act_dtype = np.dtype(np.float32)  # storage; bf16 values are float32 with 16 zero low bits
+
+    def store(self, x):
+        """x as the CUDA backend stores it in the activation dtype: rounded to the nearest bfloat16 (ties
+        to even) under "bf16", in place, and returned; unchanged under "fp32". Float64 inputs (the
+        tolerance tests' other summation order) are rounded to float32 first, as a float32 accumulator is."""
+        if self.dtype == "bf16":
+            if x.dtype == np.float32:
+                bf16_round(x)
+            else:
+                narrow = x.astype(np.float32)
+                bf16_round(narrow)
+                x[...] = narrow
+        return x
+
+    # ------------------------------------------------------------------ host/device plumbing
+
+    @staticmethod
+    def to_host(a) -> np.ndarray:
+        """The array as numpy (a no-op here; a device-to-host copy on CUDA)."""
+        return np.asarray(a)
+
+    @staticmethod
+    def from_host(a: np.ndarray) -> np.ndarray:
+        return np.asarray(a)
+
+    def from_host_act(self, a) -> np.ndarray:
+        """A float32 copy of `a` in the activation dtype: how tests and tools feed activations and weights."""
+        return self.store(np.array(a, dtype=np.float32))
+
+    @staticmethod
+    def synchronize() -> None:
+        """Wait for queued work (nothing is queued on the CPU)."""
+
+    # Ordering work across a rank's threads (gradient sync's communication thread). On the CPU an op has
+    # finished when it returns, so there is nothing to order; cuda_ops records and waits on CUDA events.
+
+    @staticmethod
+    def bind_side_thread() -> None:
+        """Prepare a helper thread of the rank (the CUDA backend gives it the rank's device and a stream)."""
+
+    @staticmethod
+    def fence() -> None:
+        """A marker of the work queued so far by the calling thread (None: it is all done)."""
+
+    @staticmethod
+    def wait(event) -> None:
+        """Make the calling thread's later work wait for a fence."""
+
+    # ------------------------------------------------------------------ encoder (kernels/encoder.cu)
+
+    def encoder_forward(self, ids, wte, wpe):
+        """out[b, t, :] = wte[ids[b, t], :] + wpe[t, :]  -> (B, T, C)"""
+        T = ids.shape[1]
+        return self.store(wte[ids] + wpe[:T])
+
+    @staticmethod
+    def encoder_backward(dwte, dwpe, dout, ids) -> None:
+        """dwte[ids[b, t]] += dout[b, t]; dwpe[t] += sum_b dout[b, t].
+
+        A token that occurs several times gets its rows added in (b, t) order, which is the order the
+        deterministic CUDA kernel uses too."""
+        C = dout.shape[-1]
+        np.add.at(dwte, ids.reshape(-1), dout.reshape(-1, C))
+        dwpe[: ids.shape[1]] += dout.sum(axis=0)
+
+    # ------------------------------------------------------------------ layernorm (kernels/layernorm.cu)
+
+    def layernorm_forward(self, inp, weight, bias):
+        """Normalise each (b, t) row over C, then scale and shift.  -> (out, mean, rstd); mean, rstd are (B, T)
+        and stay float32 in every precision."""
+        mean = inp.mean(axis=-1, keepdims=True)
+        centered = inp - mean
+        var = (centered * centered).mean(axis=-1, keepdims=True)
+        rstd = 1.0 / np.sqrt(var + inp.dtype.type(LN_EPS))
+        out = centered * rstd * weight + bias
+        return self.store(out), mean[..., 0], rstd[..., 0]
+
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
+        """Accumulate into dinp (the residual stream's gradient), dweight and dbias.
+
+        With n = (x - mean) * rstd and g = dout * weight:
+        dx = rstd * (g - mean_C(g) - n * mean_C(g * n))."""
+        C = inp.shape[-1]
+        norm = (inp - mean[..., None]) * rstd[..., None]
+        dnorm = dout * weight
+        dbias += dout.reshape(-1, C).sum(axis=0)
+        dweight += (dout * norm).reshape(-1, C).sum(axis=0)
+        dnorm_mean = dnorm.mean(axis=-1, keepdims=True)
+        dnorm_norm_mean = (dnorm * norm).mean(axis=-1, keepdims=True)
+        dinp += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[..., None]
+        self.store(dinp)
+
+    # ------------------------------------------------------------------ matmul (cuBLAS; bias: kernels/matmul.cu)
+
+    def matmul_forward(self, inp, weight, bias=None):
+        """out = inp @ weight + bias, weight (in, out). (B, T, in) -> (B, T, out).
+
+        Rounded to the activation dtype once, after the bias: the GPU adds the product to a copy of the
+        bias inside the GEMM (beta = 1)."""
+        IC, OC = weight.shape
+        out = inp.reshape(-1, IC) @ weight  # one 2-D GEMM: numpy's stacked-matrix path is slower
+        if bias is not None:
+            out += bias
+        return self.store(out.reshape(*inp.shape[:-1], OC))
+
+    def matmul_backward(self, dweight, dbias, dout, inp, weight):
+        """dweight += inp^T @ dout; dbias += sum over rows of dout; returns dinp = dout @ weight^T.
+
+        dweight and dbias are float32 gradients (the product of two bf16 operands accumulates into them in
+        float32); dweight may be a transposed view (the tied classifier passes wte's gradient as dwte.T)."""
+        IC, OC = weight.shape
+        dout2 = dout.reshape(-1, OC)
+        dweight += inp.reshape(-1, IC).T @ dout2
+        if dbias is not None:
+            dbias += dout2.sum(axis=0)
+        return self.store((dout2 @ weight.T).reshape(inp.shape))
+
+    # ------------------------------------------------------------------ attention (kernels/attention.cu)
+
+    def attention_forward(self, qkv, n_head: int):
+        """Causal multi-head self-attention over the fused q|k|v projection.
+
+        qkv (B, T, 3C) -> (out (B, T, C), att (B, NH, T, T)); att holds the softmax probabilities, zero
+        above the diagonal, and is kept for the backward pass. The scores are float32 in every precision
+        (the product writes them in float32 and the softmax reads them), so exp() never sees a
+        bf16-rounded score."""
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        hs = C // n_head
+        # (B, T, 3, NH, hs) -> 3 x (B, NH, T, hs): the permute kernel on CUDA
+        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+        scale = qkv.dtype.type(1.0 / np.sqrt(hs))
+        scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+        att = self.causal_softmax(scores)
+        y = self.store(att @ v)                                  # (B, NH, T, hs)
+        return y.transpose(0, 2, 1, 3).reshape(B, T, C), att     # unpermute
+
+    def causal_softmax(self, scores):
+        """Row-wise softmax of (..., T, T) scores over keys j <= query i; entries j > i become 0."""
+        T = scores.shape[-1]
+        future = np.triu(np.ones((T, T), dtype=bool), k=1)
+        masked = np.where(future, -np.inf, scores)
+        e = np.exp(masked - masked.max(axis=-1, keepdims=True))
+        return self.store(e / e.sum(axis=-1, keepdims=True))
+
+    def attention_backward(self, dout, qkv, att, n_head: int):
+        """Gradient of attention_forward with respect to qkv. -> dqkv (B, T, 3C)"""
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        hs = C // n_head
+        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+        scale = qkv.dtype.type(1.0 / np.sqrt(hs))
+        dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # permute like the forward's y
+        datt = dy @ v.transpose(0, 1, 3, 2)                        # float32, like the scores
+        dv = self.store(att.transpose(0, 1, 3, 2) @ dy)
+        dscores = self._softmax_backward(datt, att, scale)
+        dq = self.store(dscores @ k)
+        dk = self.store(dscores.transpose(0, 1, 3, 2) @ q)
+        # stack back into the fused (B, T, 3, NH, hs) layout
+        dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)
+        return dqkv.reshape(B, T, C3)
+
+    def causal_softmax_backward(self, datt, att):
+        """d scores = att * (datt - sum_j datt * att); zero above the diagonal because att is."""
+        return self._softmax_backward(datt, att, 1)
+
+    def _softmax_backward(self, datt, att, scale):
+        # attention_backward's 1/sqrt(hs) is applied before the one rounding, as the kernel does
+        return self.store(att * (datt - (datt * att).sum(axis=-1, keepdims=True)) * scale)
+
+    # ------------------------------------------------------------------ gelu (kernels/gelu.cu)
+
+    def gelu_forward(self, inp):
+        """GELU, tanh approximation (GPT-2's "gelu_new"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+        s = inp.dtype.type(GELU_SCALE)
+        c = inp.dtype.type(0.044715)
+        half = inp.dtype.type(0.5)
+        return self.store(half * inp * (1 + np.tanh(s * (inp + c * inp * inp * inp))))
+
+    def gelu_backward(self, dout, inp):
+        """dinp = dout * gelu'(x), with u = s (x + c x^3):
+        gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) s (1 + 3 c x^2).
+        Written with in-place updates: this is the largest elementwise op of the step (B*T*4C)."""
+        f = inp.dtype.type
+        s, c = f(GELU_SCALE), f(0.044715)
+        x2 = inp * inp
+        th = np.tanh(s * inp * (1 + c * x2))
+        slope = f(0.5) * s * inp * (1 + f(3) * c * x2)   # 0.5 x s (1 + 3 c x^2)
+        slope *= 1 - th * th
+        th += 1
+        th *= f(0.5)
+        th += slope
+        th *= dout
+        return self.store(th)
+
+    # ------------------------------------------------------------------ residual (kernels/residual.cu)
+
+    def residual_forward(self, a, b):
+        """out = a + b. Its backward needs no op: the gradient passes unchanged to both inputs, which the
+        model gets by letting layernorm_backward accumulate into the residual stream's gradient."""
+        return self.store(a + b)
+
+    # ------------------------------------------------------------------ classifier (kernels/classifier.cu)
+
+    @staticmethod
+    def crossentropy_forward(logits, targets):
+        """losses[b, t] = -log softmax(logits[b, t])[targets[b, t]]  (evaluation: no gradient; float32)."""
+        m = logits.max(axis=-1, keepdims=True)
+        lse = np.log(np.exp(logits - m).sum(axis=-1)) + m[..., 0]
+        picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return lse - picked
+
+    def fused_classifier(self, logits, targets, dloss: float):
+        """Softmax + cross-entropy and its backward in one pass over the logits.
+
+        Returns losses (B, T), float32, and overwrites `logits` with dlogits = (softmax(logits) -
+        onehot(targets)) * dloss, the gradient of dloss * sum(losses): the logits are the largest
+        activation and are not needed again."""
+        m = logits.max(axis=-1, keepdims=True)
+        np.subtract(logits, m, out=logits)  # shifted logits: the largest is 0, so exp cannot overflow
+        picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        np.exp(logits, out=logits)
+        total = logits.sum(axis=-1, keepdims=True)
+        losses = np.log(total[..., 0]) - picked
+        d = logits.dtype.type(dloss)
+        np.multiply(logits, d / total, out=logits)  # probabilities * dloss
+        rows = logits.reshape(-1, logits.shape[-1])
+        rows[np.arange(rows.shape[0]), targets.reshape(-1)] -= d
+        self.store(logits)
+        return losses
+
+    # ------------------------------------------------------------------ optimizer (kernels/adamw.cu, global_norm.cu)
+
+    @staticmethod
+    def global_norm_squared(buf):
+        """sum(buf ** 2) as a (1,) float32 array. numpy's pairwise summation (not BLAS, whose threading can
+        change the order) keeps it bitwise reproducible, so ranks holding equal gradients agree exactly."""
+        return np.sum(np.square(buf), dtype=np.float64).reshape(1).astype(buf.dtype)
+
+    @staticmethod
+    def clip_coefficient(norm_squared, max_norm: float):
+        """min(1, max_norm / (norm + 1e-6)) as a (1,) array, computed where the norm lives so the step needs
+        no device-to-host read; max_norm <= 0 disables clipping."""
+        if max_norm <= 0:
+            return np.ones(1, dtype=norm_squared.dtype)
+        norm = np.sqrt(norm_squared.astype(np.float64))
+        return np.minimum(1.0, max_norm / (norm + 1e-6)).astype(norm_squared.dtype)
+
+    @staticmethod
+    def scale(buf, factor) -> None:
+        """buf *= factor, in place (factor: a scalar or a (1,) array)."""
+        buf *= np.asarray(factor, dtype=buf.dtype).reshape(())
+
+    def adamw_update(self, params, grads, m, v, decay_mask, step: int, lr: float, beta1: float, beta2: float,
+                     eps: float, weight_decay: float, grad_scale, params_lowp=None) -> None:
+        """One AdamW step (decoupled weight decay, as torch.optim.AdamW), in place over flat buffers.
+
+        g = grads * grad_scale (the clipping coefficient, a (1,) array); step counts from 1;
+        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
+        p -= lr * (m / (1 - b1^step) / (sqrt(v / (1 - b2^step)) + eps) + weight_decay * decay_mask * p).
+        decay_mask is 1 for matrices (matmul weights and embeddings) and 0 for biases and layernorm.
+        params_lowp, if given, receives the updated parameters in the activation dtype: the copy forward
+        reads, written in the same pass on the GPU."""
+        f = params.dtype.type
+        g = grads * np.asarray(grad_scale, dtype=params.dtype).reshape(())
+        m *= f(beta1)
+        m += f(1 - beta1) * g
+        v *= f(beta2)
+        v += f(1 - beta2) * (g * g)
+        m_hat = m / f(1 - beta1 ** step)
+        v_hat = v / f(1 - beta2 ** step)
+        update = m_hat / (np.sqrt(v_hat) + f(eps))
+        update += f(weight_decay) * decay_mask * params
+        params -= f(lr) * update
+        if params_lowp is not None:
+            self.lowp_copy(params_lowp, params)
+
+    def lowp_copy(self, dst, src) -> None:
+        """dst = src in the activation dtype (kernels/adamw.cu): the parameter copy that forward reads,
+        refreshed after a load or a ZeRO-1 all-gather."""
+        dst[...] = src
+        self.store(dst)
+
+    # ------------------------------------------------------------------ gradient compression (kernels/bf16_round.cu)
+
+    bf16_round = staticmethod(bf16_round)  # the module function above the class
+
+
+
+# ------------------------------------------------------------------ the module as the float32 backend
+
+# Every op and plumbing function a backend has; cuda_ops.CudaBackend has the same (a test checks it).
+OPS = ("to_host", "from_host", "from_host_act", "synchronize", "bind_side_thread", "fence", "wait",
+       "encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
+       "matmul_backward", "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
+       "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_forward", "fused_classifier",
+       "global_norm_squared", "clip_coefficient", "scale", "adamw_update", "lowp_copy", "bf16_round")
+
+_fp32 = NumpyBackend("fp32")
+xp, name, dtype, act_dtype, store = np, _fp32.name, _fp32.dtype, _fp32.act_dtype, _fp32.store
+globals().update({op: getattr(_fp32, op) for op in OPS})  # numpy_ops.layernorm_forward is _fp32's

@@ -1,0 +1,201 @@
+"""Every op of a bf16 backend on random inputs, and the tolerance a bf16 result is held to.
+
+Shared by tests/test_precision.py (CPU: the tolerance admits a different float32 summation order and
+rejects a missing rounding) and tests/test_cuda_bf16.py (GPU: every bf16 kernel against the numpy
+bf16 emulation).
+
+Why this tolerance. Both sides get the same bf16 inputs, compute in float32 and round each stored
+result once to bf16. Their float32 results differ only by summation order (a few float32 ulps,
+~1e-7 relative, times the cancellation in the sum); rounding maps both to the same bf16 value
+unless they straddle a rounding boundary, and then to neighbours one bf16 ulp apart. So a stored
+output ("act") may differ by 1 ulp of itself plus a float32-sized absolute term for results that
+cancel to near zero (FLOOR * the largest magnitude). Where a product reads a rounded intermediate
+("act2": attention's y reads att, dq and dk read dscores), one straddle upstream moves a result by
+up to 2^-8 of one term of its sum, which is many ulps of a small result (15 seen) and, on short
+rows (T = 7), up to 3e-3 of the largest magnitude: 2 ulps plus CHAIN_FLOOR = 2^-7 of the largest
+magnitude. Norm-wise only the rare straddles count: at most 6e-5 on the realistic shape (float64
+against float32 arithmetic, 3 shapes x 20 seeds), while a missing or misplaced rounding gives
+~1.7e-3 (bf16's unit roundoff 2^-8 over sqrt(3)); NORM = 4e-4 sits between, plus one ulp of the
+largest element, which a single straddle can be of a small array (4.3e-4 seen on 756 elements).
+Outputs that are float32 in every precision (parameter gradients, layernorm statistics, losses)
+get the float32 tests' bounds.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from xtrain_dist.precision import bf16_ulp
+
+# the GPU tests' shapes (B, T, C, NH, V): realistic; odd sizes that take the scalar paths (C, hs = C/NH and
+# V not multiples of 8 bf16); a single position
+SHAPES = {"B4-T64-C128": (4, 64, 128, 4, 4096), "B3-T7-C36-V1001": (3, 7, 36, 3, 1001), "B2-T1-C64": (2, 1, 64, 4, 50)}
+
+NORM = 4e-4        # norm-wise relative error of a bf16 output
+FLOOR = 1e-5       # absolute slack, times the largest |want|, for results that cancel to near zero
+CHAIN_FLOOR = 2.0 ** -7  # the same for outputs two roundings deep (an upstream straddle, times one term)
+F32_NORM = 2e-5    # float32 outputs: norm-wise, and elementwise 50x that of the largest |want|
+
+
+def bf16_mismatch(got, want, kind: str) -> str | None:
+    """Why `got` is not `want` within the tolerance of its kind ("act": one rounding to bf16, "act2": two
+    chained, "f32": float32), or None if it is."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return f"shape {got.shape} != {want.shape}"
+    if not np.all(np.isfinite(got)):
+        return "non-finite values (an unwritten output?)"
+    diff = np.abs(got - want)
+    scale = max(float(np.abs(want).max()), 1e-30)
+    norm = float(np.linalg.norm(diff.ravel()) / max(np.linalg.norm(want.ravel()), 1e-30))
+    if kind == "f32":
+        if norm > F32_NORM or diff.max() > 50 * F32_NORM * scale:
+            return f"float32 output: norm-wise {norm:.3g}, max abs {diff.max():.3g} (scale {scale:.3g})"
+        return None
+    if np.any(got.astype(np.float32).view(np.uint32) & 0xFFFF):
+        return "values that are not bfloat16 (low 16 bits set)"
+    ulps, floor = (2, CHAIN_FLOOR) if kind == "act2" else (1, FLOOR)
+    excess = diff - (ulps * bf16_ulp(want) + floor * scale)
+    if excess.max() > 0:
+        i = int(np.argmax(excess))
+        return (f"element {np.unravel_index(i, want.shape)}: got {got.flat[i]:.6g}, want {want.flat[i]:.6g}, "
+                f"{diff.flat[i] / bf16_ulp(want.flat[i]):.1f} ulps (allowed {ulps} + {floor:g} x {scale:.3g})")
+    allowed = NORM + float(bf16_ulp(scale)) / max(float(np.linalg.norm(want.ravel())), 1e-30)  # + one straddle
+    if norm > allowed:
+        return f"norm-wise relative error {norm:.3g} > {allowed:.3g}"
+    return None
+
+
+def assert_bf16_close(got, want, kind: str, what: str) -> None:
+    problem = bf16_mismatch(got, want, kind)
+    assert problem is None, f"{what}: {problem}"
+
+
+# ---------------------------------------------------------------------------- the cases
+
+@dataclass
+class Case:
+    """One op call. inputs(rng) -> {name: (host array, kind)}, kind "act" (uploaded in the activation
+    dtype), "f32" (float32 in every precision) or "ids"; run(backend, device inputs) -> {output: device
+    array}; outputs: {output: tolerance kind}."""
+    name: str
+    inputs: Callable
+    run: Callable
+    outputs: dict
+
+
+def _randn(rng, *shape, scale=1.0):
+    return rng.standard_normal(shape) * scale
+
+
+def _ids(rng, shape, vocab):
+    ids = rng.integers(0, vocab, shape).astype(np.int32)
+    common = rng.integers(0, vocab, 4)
+    mask = rng.random(shape) < 0.35  # repeated tokens: the encoder backward's runs
+    ids[mask] = rng.choice(common, mask.sum())
+    return ids
+
+
+def cases(B: int, T: int, C: int, NH: int, V: int) -> list[Case]:
+    """The ops at one shape; C must be divisible by NH."""
+
+    def act(*shape, scale=1.0, shift=0.0):
+        return lambda rng: (_randn(rng, *shape, scale=scale) + shift, "act")
+
+    def f32(*shape, scale=1.0):
+        return lambda rng: (_randn(rng, *shape, scale=scale), "f32")
+
+    def ids():
+        return lambda rng: (_ids(rng, (B, T), V), "ids")
+
+    def draw(**makers):
+        return lambda rng: {name: make(rng) for name, make in makers.items()}
+
+    def encoder_backward(be, a):
+        be.encoder_backward(a["dwte"], a["dwpe"], a["dout"], a["ids"])
+        return {"dwte": a["dwte"], "dwpe": a["dwpe"]}
+
+    def layernorm_forward(be, a):
+        return dict(zip(("out", "mean", "rstd"), be.layernorm_forward(a["x"], a["w"], a["b"]), strict=True))
+
+    def layernorm_backward_inputs(rng):
+        x = _randn(rng, B, T, C, scale=2.0) + 0.5
+        rest = draw(w=act(C, scale=0.1, shift=1.0), dout=act(B, T, C), dinp=act(B, T, C), dw=f32(C), db=f32(C))(rng)
+        return {"x": (x, "act"), "mean": (x.mean(-1), "f32"), "rstd": (1 / np.sqrt(x.var(-1) + 1e-5), "f32"), **rest}
+
+    def layernorm_backward(be, a):
+        be.layernorm_backward(a["dinp"], a["dw"], a["db"], a["dout"], a["x"], a["w"], a["mean"], a["rstd"])
+        return {"dinp": a["dinp"], "dweight": a["dw"], "dbias": a["db"]}
+
+    def matmul_backward(be, a):
+        dinp = be.matmul_backward(a["dw"], a["db"], a["dout"], a["x"], a["w"])
+        return {"dinp": dinp, "dweight": a["dw"], "dbias": a["db"]}
+
+    def attention_forward(be, a):
+        return dict(zip(("out", "att"), be.attention_forward(a["qkv"], NH), strict=True))
+
+    def attention_backward_inputs(rng):
+        from xtrain_dist.backend.numpy_ops import NumpyBackend
+
+        bf16 = NumpyBackend("bf16")
+        qkv = bf16.from_host_act(_randn(rng, B, T, 3 * C))
+        _, att = bf16.attention_forward(qkv, NH)  # a valid att: bf16 probabilities, zero above the diagonal
+        return {"qkv": (qkv, "act"), "att": (att, "act"), "dout": (_randn(rng, B, T, C), "act")}
+
+    def fused_classifier(be, a):
+        losses = be.fused_classifier(a["logits"], a["targets"], 1.0 / (B * T))
+        return {"losses": losses, "dlogits": a["logits"]}
+
+    out = [
+        Case("encoder_forward", draw(ids=ids(), wte=act(V, C, scale=0.02), wpe=act(T + 3, C, scale=0.02)),
+             lambda be, a: {"out": be.encoder_forward(a["ids"], a["wte"], a["wpe"])}, {"out": "act"}),
+        Case("encoder_backward", draw(ids=ids(), dout=act(B, T, C), dwte=f32(V, C), dwpe=f32(T + 3, C)),
+             encoder_backward, {"dwte": "f32", "dwpe": "f32"}),
+        Case("layernorm_forward",
+             draw(x=act(B, T, C, scale=2.0, shift=0.5), w=act(C, scale=0.1, shift=1.0), b=act(C, scale=0.1)),
+             layernorm_forward, {"out": "act", "mean": "f32", "rstd": "f32"}),
+        Case("layernorm_backward", layernorm_backward_inputs, layernorm_backward,
+             {"dinp": "act", "dweight": "f32", "dbias": "f32"}),
+    ]
+    for ic, oc in ((C, 3 * C), (4 * C, C)):
+        out += [
+            Case(f"matmul_forward {ic}x{oc}", draw(x=act(B, T, ic), w=act(ic, oc, scale=0.1), b=act(oc, scale=0.5)),
+                 lambda be, a: {"out": be.matmul_forward(a["x"], a["w"], a["b"])}, {"out": "act"}),
+            Case(f"matmul_backward {ic}x{oc}",
+                 draw(x=act(B, T, ic), w=act(ic, oc, scale=0.1), dout=act(B, T, oc), dw=f32(ic, oc), db=f32(oc)),
+                 matmul_backward, {"dinp": "act", "dweight": "f32", "dbias": "f32"}),
+        ]
+    out += [
+        Case("matmul_forward tied classifier", draw(x=act(B, T, C), wte=act(V, C, scale=0.1)),
+             lambda be, a: {"logits": be.matmul_forward(a["x"], a["wte"].T)}, {"logits": "act"}),
+        Case("attention_forward", draw(qkv=act(B, T, 3 * C)), attention_forward, {"out": "act2", "att": "act"}),
+        Case("attention_backward", attention_backward_inputs,
+             lambda be, a: {"dqkv": be.attention_backward(a["dout"], a["qkv"], a["att"], NH)}, {"dqkv": "act2"}),
+        Case("causal_softmax", draw(scores=f32(B, NH, T, T, scale=3.0)),
+             lambda be, a: {"att": be.causal_softmax(a["scores"])}, {"att": "act"}),
+        Case("gelu_forward", draw(x=act(B, T, 4 * C, scale=2.0)),
+             lambda be, a: {"out": be.gelu_forward(a["x"])}, {"out": "act"}),
+        Case("gelu_backward", draw(x=act(B, T, 4 * C, scale=2.0), dout=act(B, T, 4 * C)),
+             lambda be, a: {"dinp": be.gelu_backward(a["dout"], a["x"])}, {"dinp": "act"}),
+        Case("residual_forward", draw(a=act(B, T, C), b=act(B, T, C)),
+             lambda be, a: {"out": be.residual_forward(a["a"], a["b"])}, {"out": "act"}),
+        Case("fused_classifier", draw(logits=act(B, T, V, scale=3.0), targets=ids()), fused_classifier,
+             {"losses": "f32", "dlogits": "act"}),
+        Case("crossentropy_forward", draw(logits=act(B, T, V, scale=3.0), targets=ids()),
+             lambda be, a: {"losses": be.crossentropy_forward(a["logits"], a["targets"])}, {"losses": "f32"}),
+    ]
+    return out
+
+
+def upload(backend, host_inputs: dict, float64: bool = False) -> dict:
+    """Device inputs for one case: "act" in the backend's activation dtype, "f32" as float32, "ids" as
+    int32. float64 (numpy only): the same values widened, so the ops compute in float64."""
+    out = {}
+    for name, (value, kind) in host_inputs.items():
+        if kind == "ids":
+            out[name] = backend.from_host(np.ascontiguousarray(value))
+            continue
+        x = backend.from_host_act(value) if kind == "act" else backend.from_host(np.asarray(value, np.float32))
+        out[name] = np.asarray(x, np.float64) if float64 else x
+    return out
