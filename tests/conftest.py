@@ -1,4 +1,4 @@
-"""Test-session setup.
+"""Test-session setup, and the fixtures the GPU test modules share.
 
 One BLAS thread per process, set before numpy loads OpenBLAS (it sizes its pool once, at load).
 The tests run thread ranks on tiny matrices: several ranks each calling a machine-wide OpenBLAS
@@ -7,5 +7,55 @@ No test depends on the thread count: results are compared within one process.
 """
 
 import os
+import time
+
+import numpy as np
+import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def _gpu_usable() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip, each with the reason, where no CUDA device is usable."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_tests and not _gpu_usable():
+        for item in gpu_tests:
+            item.add_marker(pytest.mark.skip(reason="no usable CUDA device"))
+
+
+@pytest.fixture
+def rng():
+    """A generator seeded from the clock, so every run draws fresh inputs (never zeros); the seed is
+    printed, so a failure shows it, and XTRAIN_TEST_SEED=<seed> replays it. Modules that want a fixed
+    stream define their own `rng`."""
+    seed = int(os.environ.get("XTRAIN_TEST_SEED", time.time_ns() % 2**32))
+    print(f"seed = {seed}  (replay: XTRAIN_TEST_SEED={seed})")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def poisoned_device_memory(be):
+    """While a GPU test module runs (after its `be` fixture has bound the device), every device
+    allocation is filled with 0xFF bytes (NaN as float32), so an output element a kernel forgets to
+    write fails the comparison instead of passing on stale memory."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+
+    def malloc(size):
+        mem = pool.malloc(size)
+        if size:
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    cupy.cuda.set_allocator(malloc)
+    yield
+    cupy.cuda.set_allocator(pool.malloc)

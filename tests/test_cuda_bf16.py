@@ -11,10 +11,8 @@ rejects truncation, unrounded results and bf16-rounded attention scores. Inputs 
 (bf16 NaN) so an unwritten output fails.
 """
 
-import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -22,14 +20,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 
-def _gpu_usable() -> bool:
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_usable(), reason="no usable CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
 from bf16_cases import SHAPES, assert_bf16_close, cases, upload  # noqa: E402
 
@@ -49,26 +40,8 @@ def be():
     return CudaBackend(0, dtype="bf16")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def poisoned_allocations(be):
-    pool = cupy.get_default_memory_pool()
-
-    def malloc(size):
-        mem = pool.malloc(size)
-        if size:
-            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
-        return mem
-
-    cupy.cuda.set_allocator(malloc)
-    yield
-    cupy.cuda.set_allocator(pool.malloc)
 
 
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("XTRAIN_TEST_SEED", time.time_ns() % 2**32))
-    print(f"seed = {seed}  (replay: XTRAIN_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
 
 
 def run_case(backend, case, host):

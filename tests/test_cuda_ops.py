@@ -9,9 +9,7 @@ shapes that take the scalar paths: T=1, channel counts and vocabularies that are
 the 16-byte vector width or of the block size, and views that start off a 16-byte boundary.
 """
 
-import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,14 +17,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 
-def _gpu_usable() -> bool:
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_usable(), reason="no usable CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
 from xtrain_dist.backend.cuda_ops import CudaBackend  # noqa: E402
@@ -41,26 +32,8 @@ def be():
     return CudaBackend(0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def poisoned_allocations(be):
-    pool = cupy.get_default_memory_pool()
-
-    def malloc(size):
-        mem = pool.malloc(size)
-        if size:
-            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
-        return mem
-
-    cupy.cuda.set_allocator(malloc)
-    yield
-    cupy.cuda.set_allocator(pool.malloc)
 
 
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("XTRAIN_TEST_SEED", time.time_ns() % 2**32))
-    print(f"seed = {seed}  (replay: XTRAIN_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
 
 
 def randn(rng, *shape, scale=1.0):
