@@ -251,3 +251,54 @@ def test_two_ranks_on_one_gpu_in_one_process_is_refused(fake):
     from xtrain_dist.errors import XtrainError
     with pytest.raises(XtrainError, match=r"NCCL refuses two ranks on one GPU in one process \(devices \[0, 0\]\)"):
         nccl_module.open_nccl_world(Launch("single"), 2, [0, 0])
+
+
+# ------------------------------------------------------------------ the stand-in against the real nccl4py
+# Everything above runs against Fake; these checks keep Fake honest. nccl4py imports without a GPU (the
+# test extra installs it), so every name, enum value and argument order the communicator relies on is
+# checked against the real binding here, and ncclGetUniqueId (which needs libnccl but no device) runs.
+
+def real_nccl():
+    nccl = pytest.importorskip("nccl.core", reason="nccl4py is not installed")
+    from nccl.bindings import nccl as raw
+    return nccl, raw
+
+
+def test_the_stand_in_names_and_values_are_nccl4pys():
+    nccl, raw = real_nccl()
+    stand_in = Fake()
+    for name, value in vars(stand_in.nccl).items():
+        assert hasattr(nccl, name), f"nccl.core has no {name}"
+        if isinstance(value, int):
+            assert int(getattr(nccl, name)) == value, name
+    assert hasattr(nccl.Communicator, "init") and hasattr(nccl.UniqueId, "from_bytes")
+    for method in ("abort", "finalize", "destroy", "get_async_error", "get_last_error", "ptr"):
+        assert hasattr(nccl.Communicator, method), f"nccl.core.Communicator has no {method}"
+    assert (int(raw.Result.Success), int(raw.Result.InProgress)) == (0, 7)
+    assert nccl.get_error_string(6) == stand_in.nccl.get_error_string(6)
+    assert raw.Comm(0x1234).handle == 0x1234  # a non-owning wrapper of a raw ncclComm_t
+
+
+@pytest.mark.parametrize("name, args", [
+    ("all_reduce", "sendbuff, recvbuff, count, datatype, op, comm, stream"),
+    ("reduce_scatter", "sendbuff, recvbuff, recvcount, datatype, op, comm, stream"),
+    ("all_gather", "sendbuff, recvbuff, sendcount, datatype, comm, stream"),
+    ("broadcast", "sendbuff, recvbuff, count, datatype, root, comm, stream"),
+    ("reduce", "sendbuff, recvbuff, count, datatype, op, root, comm, stream"),
+])
+def test_collectives_take_their_arguments_in_the_order_we_pass_them(name, args):
+    _, raw = real_nccl()
+    signature = getattr(raw, name).__doc__.splitlines()[0]  # Cython's embedded "name(type arg, ...)"
+    params = [p.split()[-1].split("=")[0] for p in signature[signature.index("(") + 1:signature.rindex(")")].split(",")]
+    assert params == [a.strip() for a in args.split(",")], signature
+
+
+def test_unique_id_survives_the_bytes_round_trip():
+    nccl, _ = real_nccl()
+    try:
+        uid = nccl.get_unique_id()
+    except Exception as e:  # libnccl.so.2 not found: nvidia-nccl-cu13 is not installed
+        pytest.skip(f"libnccl unavailable: {e}")
+    wire = bytes(uid.as_bytes)  # what rank 0 sends through MPI or the TCP rendezvous
+    assert len(wire) == 128 and wire != bytes(128)
+    assert bytes(nccl.UniqueId.from_bytes(wire).as_bytes) == wire
