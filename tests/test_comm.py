@@ -168,3 +168,44 @@ def test_bad_counts_are_rejected():
 
     with pytest.raises(RankFailed, match="recv has 3 elements, its share is 2"):
         run_thread_ranks(2, body)
+
+
+class StepClock:
+    """A clock whose marks are ticks of a counter, as a GPU's events are points in its stream's order:
+    the communicator must turn marks into seconds only through elapsed(), and only at take()."""
+
+    def __init__(self):
+        self.ticks, self.elapsed_calls = 0, 0
+
+    def timestamp(self):
+        self.ticks += 1
+        return self.ticks
+
+    def elapsed(self, start, end):
+        self.elapsed_calls += 1
+        return (end - start) * 0.5
+
+
+class Recorder:
+    rank, world_size = 0, 1
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def all_reduce(self, buf):
+        self.clock.ticks += 3  # the collective moves the clock 3 ticks; with the end mark's tick its span is 4
+
+
+def test_timed_communicator_counts_spans_on_its_clock_and_only_the_owners_as_exposed():
+    from xtrain_dist.comm.timed import TimedCommunicator
+    clock = StepClock()
+    timed = TimedCommunicator(Recorder(clock), clock=clock)
+    timed.all_reduce(None)                              # the rank's own thread: on the critical path
+    side = threading.Thread(target=timed.all_reduce, args=(None,))
+    side.start()                                        # a communication thread's: hidden
+    side.join()
+    timed.waited(10, 14)                                # the rank stood still for 4 ticks
+    assert clock.elapsed_calls == 0, "marks must stay marks until take()"
+    comm_s, exposed_s, calls = timed.take()
+    assert (comm_s, exposed_s, calls) == (2 * 2.0, 2.0 + 2.0, 2)  # 4 ticks: 2 "seconds"
+    assert timed.take() == (0.0, 0.0, 0)

@@ -295,6 +295,24 @@ def test_tf32_products_run_in_their_own_thread(rng):
     check(result["out"], a @ w, 5e-3, "tf32 matmul")  # tf32: ~1e-3 relative
 
 
+
+def test_the_clock_times_the_gpu_not_the_host(be, rng):
+    """timestamp() marks a point in the stream: a span around a stall behind another stream's work
+    measures the stall, though the host queued both marks in microseconds."""
+    a = cupy.asarray(randn(rng, 2048, 2048))
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        busy_start = be.timestamp()
+        for _ in range(20):
+            a = a @ a * np.float32(1e-3)  # a few ms of work on the side stream
+        busy_end = be.timestamp()
+    start = be.timestamp()  # on the rank's stream: reached at once
+    be.wait(busy_end)
+    end = be.timestamp()    # reached when the side stream's work is done
+    busy, stalled = be.elapsed(busy_start, busy_end), be.elapsed(start, end)
+    assert busy > 1e-4 and 0.5 * busy < stalled <= busy * 1.05 + 1e-4, (busy, stalled)
+
+
 # ---------------------------------------------------------------------------- the whole model
 
 def _model_step(backend, config, ids, targets, seed):

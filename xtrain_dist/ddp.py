@@ -22,7 +22,6 @@ bucket_mb, and one thread per rank issues them in order, so that holds by constr
 import math
 import queue
 import threading
-import time
 import weakref
 
 from .comm import shard_offsets
@@ -139,10 +138,10 @@ class BucketedGradSync:
 
     def finish(self) -> None:
         self._issue_up_to(self.size)  # all of it, also if backward announced nothing
-        t0 = time.perf_counter()
+        backward_done = self.ops.timestamp()
         self._work.join()
         self.ops.wait(self._reduced[0])  # later compute (clipping, AdamW) reads the reduced buckets
-        self.comm.waited(time.perf_counter() - t0)
+        self.comm.waited(backward_done, self.ops.timestamp())  # on a GPU: how long the compute stream stalled
         self._ready = self._issued = 0
         if self._errors:
             raise self._errors[0]
@@ -199,7 +198,7 @@ def make_grad_sync(cfg, comm, model, shards=None):
     """The strategy cfg.grad_sync names, reducing into ZeRO-1 shards when shards is given."""
     check_config(cfg)
     if not isinstance(comm, TimedCommunicator):
-        comm = TimedCommunicator(comm)
+        comm = TimedCommunicator(comm, clock=model.ops)
     reduce_piece = PieceReducer(comm, model.grads, model.ops, shards, cfg.grad_compress)
     return STRATEGIES[cfg.grad_sync](reduce_piece, model, cfg.bucket_mb)
 

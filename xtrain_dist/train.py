@@ -64,7 +64,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                log=print) -> RankResult:
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
     model = GPT2(model_config(cfg.model, corpus.vocab_size), backend, seed=cfg.seed)
-    step_comm = TimedCommunicator(comm)  # times the step's collectives; evaluation and checkpoints use comm
+    # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
+    step_comm = TimedCommunicator(comm, clock=backend)
     optimizer = make_optimizer(model, cfg, step_comm)
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size)

@@ -306,6 +306,19 @@ class CudaBackend:
         if event is not None:
             cupy.cuda.get_current_stream().wait_event(event)
 
+    @staticmethod
+    def timestamp():
+        """A timing event on the calling thread's stream: it takes its time when the GPU gets there."""
+        event = cupy.cuda.Event()
+        event.record(cupy.cuda.get_current_stream())
+        return event
+
+    @staticmethod
+    def elapsed(start, end) -> float:
+        """Seconds between two timestamps on the GPU (waits on the host for the later one)."""
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end) / 1e3
+
     # ------------------------------------------------------------------ cuBLAS
     def _types(self, a, b, out) -> tuple[int, int, int]:
         """(operand type, output type, compute type) for a product of a and b into out: the operands share

@@ -28,6 +28,8 @@ The module itself is the float32 backend: `numpy_ops.layernorm_forward(...)` is 
 `GPT2(config, numpy_ops)` trains in float32, exactly as `NumpyBackend("fp32")` does.
 """
 
+import time
+
 import numpy as np
 
 from ..precision import check_dtype
@@ -123,6 +125,19 @@ class NumpyBackend:
     @staticmethod
     def wait(event) -> None:
         """Make the calling thread's later work wait for a fence."""
+
+    # Timing communication (comm/timed.py): a timestamp where the calling thread's work has got to. On the
+    # CPU that is now; cuda_ops records a timing event on the thread's stream, since a GPU collective has
+    # only been queued when its call returns.
+
+    @staticmethod
+    def timestamp() -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def elapsed(start: float, end: float) -> float:
+        """Seconds from one timestamp to a later one."""
+        return end - start
 
     # ------------------------------------------------------------------ encoder (kernels/encoder.cu)
 
@@ -369,6 +384,7 @@ class NumpyBackend:
 
 # Every op and plumbing function a backend has; cuda_ops.CudaBackend has the same (a test checks it).
 OPS = ("to_host", "from_host", "from_host_act", "synchronize", "bind_side_thread", "fence", "wait",
+       "timestamp", "elapsed",
        "encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
        "matmul_backward", "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
        "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_forward", "fused_classifier",

@@ -3,50 +3,69 @@ its compute thread actually waited for.
 
 `comm_s` sums the time inside every collective, from any thread of the rank. `exposed_s` is the part
 on the critical path: collectives called from the rank's own thread (the one that created the
-wrapper), plus the time it reports with `waited()` while blocked on a collective that another thread
-(ddp.BucketedGradSync's communication thread) runs. Communication hidden behind backward is in the
-first and not in the second.
+wrapper), plus the spans it reports with `waited()` while its work stood still for a collective that
+another thread (ddp.BucketedGradSync's communication thread) runs. Communication hidden behind
+backward is in the first and not in the second.
+
+The clock is the backend's: `timestamp()` marks where the calling thread's work has got to, and
+`elapsed(start, end)` turns two marks into seconds. On the CPU a mark is the time now. On a GPU a
+collective returns as soon as it is queued, so host time would measure only the queueing: cuda_ops'
+marks are timing events on the thread's stream, and a collective's span is what the GPU spent
+between them, waiting for peers included. Marks are kept until `take()` (once a step, after the
+step's one device-to-host read) turns them into seconds, so timing adds no synchronisation.
 """
 
 import threading
 import time
 
 
+class HostClock:
+    """Wall time: for communicators whose calls return when the collective is done."""
+
+    timestamp = staticmethod(time.perf_counter)
+
+    @staticmethod
+    def elapsed(start: float, end: float) -> float:
+        return end - start
+
+
 class TimedCommunicator:
-    def __init__(self, comm):
+    def __init__(self, comm, clock=HostClock):
         self.comm = comm
         self.rank = comm.rank
         self.world_size = comm.world_size
+        self.clock = clock
         self._owner = threading.get_ident()
         self._lock = threading.Lock()
-        self.comm_s = 0.0
-        self.exposed_s = 0.0
-        self.calls = 0
+        self._spans: list[tuple[object, object, bool, bool]] = []  # (start, end, in a collective, exposed)
 
     def take(self) -> tuple[float, float, int]:
         """(comm_s, exposed_s, calls) since the last take, and start counting afresh."""
         with self._lock:
-            out = (self.comm_s, self.exposed_s, self.calls)
-            self.comm_s = self.exposed_s = 0.0
-            self.calls = 0
-        return out
+            spans, self._spans = self._spans, []
+        comm_s = exposed_s = 0.0
+        calls = 0
+        for start, end, collective, exposed in spans:
+            seconds = max(0.0, self.clock.elapsed(start, end))
+            comm_s += seconds if collective else 0.0
+            exposed_s += seconds if exposed else 0.0
+            calls += collective
+        return comm_s, exposed_s, calls
 
-    def waited(self, seconds: float) -> None:
-        """The rank's thread was blocked this long on communication run by another thread."""
+    def waited(self, start, end) -> None:
+        """The rank's work stood still from one clock mark to the other, for communication run by another
+        thread."""
         with self._lock:
-            self.exposed_s += seconds
+            self._spans.append((start, end, False, True))
 
     def _timed(self, collective, *args) -> None:
-        t0 = time.perf_counter()
+        start = self.clock.timestamp()
         try:
             collective(*args)
         finally:
-            dt = time.perf_counter() - t0
+            end = self.clock.timestamp()
             with self._lock:
-                self.comm_s += dt
-                self.calls += 1
-                if threading.get_ident() == self._owner:
-                    self.exposed_s += dt
+                self._spans.append((start, end, True, threading.get_ident() == self._owner))
 
     def all_reduce(self, buf) -> None:
         self._timed(self.comm.all_reduce, buf)
