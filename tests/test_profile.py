@@ -1,0 +1,112 @@
+"""The op profiler: transparent (a profiled step computes the same bits), complete (every op the model
+and AdamW call is counted, the right number of times), and its flop counts are the model's."""
+
+import numpy as np
+
+from xtrain_dist.backend import numpy_ops
+from xtrain_dist.config import TrainConfig, model_config
+from xtrain_dist.model import GPT2
+from xtrain_dist.optim import AdamW
+from xtrain_dist.profile import OpProfiler
+
+
+def one_step(backend, config, ids, targets):
+    model = GPT2(config, backend, seed=3)
+    optimizer = AdamW(model, TrainConfig(steps=1, batch=ids.shape[0], seq=ids.shape[1]))
+    losses = model.forward(ids, targets, dloss=1.0 / ids.size)
+    model.backward()
+    norm_squared = backend.global_norm_squared(model.grads)
+    optimizer.step(1e-3, backend.clip_coefficient(norm_squared, 1.0))
+    return losses, model
+
+
+def test_a_profiled_step_is_the_same_step_and_every_op_is_counted(rng):
+    config = model_config("tiny", 512)
+    B, T, L, C = 2, 16, config.n_layer, config.n_embd
+    ids = rng.integers(0, 512, (B, T)).astype(np.int32)
+    targets = rng.integers(0, 512, (B, T)).astype(np.int32)
+    plain_losses, plain = one_step(numpy_ops, config, ids, targets)
+    profiler = OpProfiler(numpy_ops)
+    losses, profiled = one_step(profiler, config, ids, targets)
+    assert np.array_equal(losses, plain_losses) and np.array_equal(profiled.params, plain.params)
+
+    report = profiler.report()
+    calls = {t.name: t.calls for t in report["ops"]}
+    assert calls == {
+        "encoder_forward": 1, "layernorm_forward": 2 * L + 1, "matmul_forward": 4 * L + 1,
+        "attention_forward": L, "residual_forward": 2 * L, "gelu_forward": L, "fused_classifier": 1,
+        "matmul_backward": 4 * L + 1, "layernorm_backward": 2 * L + 1, "attention_backward": L,
+        "gelu_backward": L, "encoder_backward": 1, "global_norm_squared": 1, "clip_coefficient": 1,
+        "adamw_update": 1}
+    # the matmuls' flops, counted independently: per token, 2 x (every block's weights + the classifier)
+    block_weights = C * 3 * C + C * C + C * 4 * C + 4 * C * C
+    flops = {t.name: t.flops for t in report["ops"]}
+    assert flops["matmul_forward"] == 2 * B * T * (L * block_weights + C * 512)
+    assert flops["matmul_backward"] == 2 * flops["matmul_forward"]
+    assert flops["attention_forward"] == 4 * B * T * T * C * L
+    assert 0 < report["ops_s"] <= report["span_s"] and report["gaps_s"] == report["span_s"] - report["ops_s"]
+
+
+class TickBackend:
+    """A backend whose clock is a counter advanced only by its ops: each call of `work` takes 3 ticks."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def timestamp(self):
+        return self.now
+
+    @staticmethod
+    def elapsed(start, end):
+        return end - start
+
+    def work(self):
+        self.now += 3.0
+
+
+def test_gaps_between_ops_are_reported_as_waiting_for_the_host():
+    backend = TickBackend()
+    profiler = OpProfiler(backend)
+    profiler.work()
+    backend.now += 4.0  # the device idles: the host is late with the next launch
+    profiler.work()
+    report = profiler.report()
+    assert (report["ops_s"], report["span_s"], report["gaps_s"]) == (6.0, 10.0, 4.0)
+    rows = OpProfiler.rows(report)
+    assert [(r["op"], r["calls"], r["ms"]) for r in rows] == [("work", 2, 6000.0),
+                                                             ("(between ops: host work and launches)", None, 4000.0)]
+    assert "| work | 2 | 6000.00 | 60.0% |" in OpProfiler.markdown(report)
+    profiler.reset()
+    assert profiler.report()["span_s"] == 0.0
+
+
+def test_plumbing_and_attributes_pass_through_untimed():
+    profiler = OpProfiler(numpy_ops)
+    assert profiler.gelu_forward is profiler.gelu_forward  # one wrapper per op, made once
+    assert profiler.xp is np and profiler.to_host is numpy_ops.to_host and profiler.timestamp is numpy_ops.timestamp
+    profiler.to_host(profiler.from_host(np.ones(3, np.float32)))
+    assert profiler.report()["ops"] == []
+    profiler.gelu_forward(np.ones((2, 3), np.float32))
+    assert [(t.name, t.calls) for t in profiler.report()["ops"]] == [("gelu_forward", 1)]
+
+
+def test_bench_gpu_writes_the_profile_of_our_step(rng):
+    """bin/bench_gpu's results file carries the per-op table (its GPU half runs only on a GPU)."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("bench_gpu", "bin/bench_gpu")
+    bench_gpu = importlib.util.module_from_spec(importlib.util.spec_from_loader("bench_gpu", loader))
+    loader.exec_module(bench_gpu)
+    profiler = OpProfiler(numpy_ops)
+    ids = rng.integers(0, 512, (2, 16)).astype(np.int32)
+    one_step(profiler, model_config("tiny", 512), ids, ids)
+    header = {"date": "2026-11-22", "command": "bin/bench_gpu", "gpu": "GPU", "sm_count": 1, "memory_gib": 1,
+              "driver": "1", "cuda_driver_api": "13.0", "cuda_runtime": "13.0", "cupy": "14", "torch": "2",
+              "python": "3", "peak_tflops": None, "steps": 1, "warmup": 1}
+    row = {"preset": "tiny", "batch": 2, "seq": 16, "precision": "fp32", "impl": "ours", "ms": 1.0, "ms_events": 1.0,
+           "tokens_per_s": 32e3, "mfu": None, "first_loss": 6.2, "peak_mem_gib": 0.1,
+           "profile": OpProfiler.rows(profiler.report())}
+    text = bench_gpu.markdown(header, [row])
+    assert "### Where our step's time goes: tiny, 2 x 16, fp32" in text
+    assert "| matmul_backward | 9 |" in text and "| adamw_update | 1 |" in text

@@ -1,0 +1,121 @@
+"""Where a training step's time goes: every backend op timed on the backend's own clock.
+
+`OpProfiler(backend)` stands in for the backend: the model and the optimizer built on it call the same
+ops, and each op call is bracketed by two `timestamp()` marks. On the CPU a mark is the time now; on a
+GPU it is a timing event on the rank's stream, so an op's span is the GPU time from the end of the
+previous work to the end of this op's kernels, and the marks cost no synchronisation (they become
+seconds only in `report()`). What no op covers, the gaps between spans, is time the device spent
+waiting for the host to launch the next op: the launch-bound part of a step.
+
+Matrix products and attention also get their arithmetic rate: matmul_forward does 2·rows·in·out flops,
+matmul_backward twice that (dinp and dweight); attention computes the full T×T square, 4·B·NH·T²·hs
+forward and 8·B·NH·T²·hs backward, the same counts bin/bench_gpu's MFU uses.
+
+    profiler = OpProfiler(backend)
+    model = GPT2(config, profiler, seed=1)      # every op the model or AdamW calls is timed
+    ...one step...
+    print(profiler.markdown(profiler.report()))
+"""
+
+from dataclasses import dataclass
+
+# the backend functions that are plumbing, not a step's work: never timed
+PLUMBING = {"to_host", "from_host", "from_host_act", "synchronize", "bind_side_thread", "fence", "wait",
+            "timestamp", "elapsed"}
+
+
+def op_flops(name: str, args: tuple) -> float:
+    """Floating-point operations of one call, for the ops whose count is plain; 0 for the others."""
+    if name in ("matmul_forward", "matmul_backward"):
+        weight = args[1] if name == "matmul_forward" else args[4]
+        inp = args[0] if name == "matmul_forward" else args[3]
+        in_features, out_features = weight.shape
+        rows = inp.size // in_features
+        return (2.0 if name == "matmul_forward" else 4.0) * rows * in_features * out_features
+    if name in ("attention_forward", "attention_backward"):
+        qkv = args[0] if name == "attention_forward" else args[1]
+        batch, seq, three_c = qkv.shape
+        per_square = 2.0 * batch * seq * seq * (three_c // 3)  # one T x T x hs product over all heads
+        return (2 if name == "attention_forward" else 4) * per_square
+    return 0.0
+
+
+@dataclass
+class OpTime:
+    name: str
+    calls: int
+    seconds: float
+    flops: float
+
+
+class OpProfiler:
+    """A transparent stand-in for a backend that records a (start, end) mark pair around each op call."""
+
+    def __init__(self, backend, active: bool = True):
+        self._backend = backend
+        self.active = active  # off: ops pass straight through, nothing is recorded
+        self._spans: list[tuple[str, object, object, float]] = []
+        self._timed: dict = {}
+
+    def __getattr__(self, name):
+        attr = getattr(self._backend, name)
+        if name.startswith("_") or name in PLUMBING or not callable(attr):
+            return attr
+        if name not in self._timed:
+            backend, spans = self._backend, self._spans
+
+            def timed(*args, **kwargs):
+                if not self.active:
+                    return attr(*args, **kwargs)
+                start = backend.timestamp()
+                out = attr(*args, **kwargs)
+                spans.append((name, start, backend.timestamp(), op_flops(name, args)))
+                return out
+
+            self._timed[name] = timed
+        return self._timed[name]
+
+    def reset(self) -> None:
+        self._spans.clear()
+
+    def report(self) -> dict:
+        """{"ops": [OpTime, ...] slowest first, "ops_s": their sum, "span_s": first mark to last,
+        "gaps_s": span_s - ops_s}, over the calls since the last reset()."""
+        if not self._spans:
+            return {"ops": [], "ops_s": 0.0, "span_s": 0.0, "gaps_s": 0.0}
+        elapsed = self._backend.elapsed
+        totals: dict[str, OpTime] = {}
+        for name, start, end, flops in self._spans:
+            t = totals.setdefault(name, OpTime(name, 0, 0.0, 0.0))
+            t.calls += 1
+            t.seconds += max(0.0, elapsed(start, end))
+            t.flops += flops
+        ops_s = sum(t.seconds for t in totals.values())
+        span_s = max(0.0, elapsed(self._spans[0][1], self._spans[-1][2]))
+        return {"ops": sorted(totals.values(), key=lambda t: -t.seconds), "ops_s": ops_s, "span_s": span_s,
+                "gaps_s": max(0.0, span_s - ops_s)}
+
+    @staticmethod
+    def rows(report: dict) -> list[dict]:
+        """The report as JSON-ready rows, with each op's share of the span and its TFLOP/s."""
+        span = report["span_s"] or float("nan")
+        out = [{"op": t.name, "calls": t.calls, "ms": t.seconds * 1e3, "share": t.seconds / span,
+                "tflops": t.flops / t.seconds / 1e12 if t.flops and t.seconds else None} for t in report["ops"]]
+        out.append({"op": "(between ops: host work and launches)", "calls": None, "ms": report["gaps_s"] * 1e3,
+                    "share": report["gaps_s"] / span, "tflops": None})
+        return out
+
+    @staticmethod
+    def markdown(report: dict) -> str:
+        return rows_markdown(OpProfiler.rows(report)) + (
+            f"| **step (first mark to last)** | | {report['span_s'] * 1e3:.2f} | 100% | |\n")
+
+
+def rows_markdown(rows: list[dict]) -> str:
+    """OpProfiler.rows (as a results file holds them) as a Markdown table."""
+    lines = ["| op | calls | ms | share of step | TFLOP/s |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        calls = "" if r["calls"] is None else str(r["calls"])
+        rate = "" if r["tflops"] is None else f"{r['tflops']:.3g}"
+        lines.append(f"| {r['op']} | {calls} | {r['ms']:.2f} | {100 * r['share']:.1f}% | {rate} |")
+    return "\n".join(lines) + "\n"
