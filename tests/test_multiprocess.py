@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -129,11 +130,14 @@ def test_mpirun_trains_like_world1_with_bitwise_equal_ranks(tmp_path, reference)
 def test_mpirun_with_two_rank_threads_per_process(tmp_path, reference):
     report = tmp_path / "hybrid.json"
     out = run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", *TRAIN_ARGS,
-               "--world-size", "4", "--report", str(report)])
+               "--world-size", "4", "--zero", "1", "--report", str(report)])
     assert out.returncode == 0, out.stderr
     data = json.loads(report.read_text())
     assert data["launch"]["threads_per_process"] == 2
     assert_matches(data, reference, 4)
+    # the report names every rank's ZeRO-1 shard, the other process's too: together they tile the buffer
+    shards = data["zero_shards"]
+    assert len(shards) == 4 and shards[0][0] == 0 and all(a[1] == b[0] for a, b in pairwise(shards))
 
 
 def test_torchrun_style_processes_train_over_tcp(tmp_path, reference):

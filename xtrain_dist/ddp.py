@@ -224,5 +224,6 @@ def report_fields(cfg, results) -> dict:
         "comm_calls_per_step": results[0].comm_calls,
         "param_bytes": [r.param_bytes for r in results],
         "grad_bytes": [r.grad_bytes for r in results],
-        "zero_shards": [list(r.zero_shard) for r in results] if cfg.zero else None,
+        # every rank's shard, also those of other processes: each process cuts the same shards
+        "zero_shards": [list(shard) for shard in results[0].zero_shards] if cfg.zero else None,
     }

@@ -35,7 +35,7 @@ class RankResult:
     comm_calls: int = 0                                     # collectives in the last step
     param_bytes: int = 0
     grad_bytes: int = 0
-    zero_shard: tuple[int, int] | None = None               # ZeRO-1: [lo, hi) of the flat buffer this rank owns
+    zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
 
     def add(self, record: dict) -> None:
         """Keep one step's figures (a metrics record)."""
@@ -77,7 +77,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     dloss = 1.0 / (cfg.batch * cfg.seq)
     result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
                         start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
-                        zero_shard=optimizer.shards[rank] if optimizer.shards else None)
+                        zero_shards=optimizer.shards)
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
