@@ -87,3 +87,60 @@ def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
         pytest.skip("this machine has a GPU")
     line = error_line(cli(2, 2, 16, "--backend", "cuda"))
     assert line.startswith("train_ddp: error: --backend cuda")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--seed", "-1", "--seed must be an integer >= 0, got '-1'"),
+    ("--lr", "nan", "--lr must be a number >= 0, got 'nan'"),
+    ("--lr", "-1", "--lr must be a number >= 0, got '-1'"),
+    ("--min-lr", "inf", "--min-lr must be a number >= 0, got 'inf'"),
+    ("--weight-decay", "nan", "--weight-decay must be a number >= 0, got 'nan'"),
+    ("--grad-clip", "-1", "--grad-clip must be a number >= 0, got '-1'"),
+    ("--warmup-steps", "-5", "--warmup-steps must be an integer >= 0, got '-5'"),
+    ("--lr-decay-steps", "0", "--lr-decay-steps must be a positive integer, got '0'"),
+    # a NaN or infinite timeout would switch off the protection against a hung peer
+    ("--comm-timeout", "nan", "--comm-timeout must be a finite number > 0, got 'nan'"),
+    ("--comm-timeout", "0", "--comm-timeout must be a finite number > 0, got '0'"),
+    ("--rdzv-timeout", "inf", "--rdzv-timeout must be a finite number > 0, got 'inf'"),
+])
+def test_numeric_options_are_checked_before_anything_runs(flag, value, message):
+    from xtrain_dist.errors import XtrainError
+    from xtrain_dist.train_ddp import parse_config
+
+    with pytest.raises(XtrainError) as info:
+        parse_config(["5", "8", "32", flag, value])
+    assert str(info.value) == message
+
+
+def test_a_report_that_cannot_be_written_fails_before_training(tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("")
+    assert error_line(cli(5, 4, 16, "--report", tmp_path)) == f"train_ddp: error: --report '{tmp_path}' is a folder, " \
+                                                               "not a file"
+    inside_a_file = blocker / "r.json"
+    assert error_line(cli(5, 4, 16, "--report", inside_a_file)) == \
+        f"train_ddp: error: --report '{inside_a_file}' cannot be written (a part of its folder is a file)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # no probe or temporary left behind
+
+
+def test_a_report_write_that_fails_leaves_no_temporary(tmp_path, monkeypatch):
+    from xtrain_dist import train_ddp
+    from xtrain_dist.errors import XtrainError
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(train_ddp.os, "replace", full_disk)
+    with pytest.raises(XtrainError) as info:
+        train_ddp.write_json_atomic(str(tmp_path / "r.json"), {"losses": [1.0]})
+    assert str(info.value) == f"cannot write --report '{tmp_path / 'r.json'}' (No space left on device)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_metrics_that_cannot_be_appended_name_the_file(tmp_path):
+    from xtrain_dist import metrics
+    from xtrain_dist.errors import XtrainError
+
+    with pytest.raises(XtrainError) as info:
+        metrics.append(tmp_path, {"step": 1})  # a folder: the open fails as a full disk's write would
+    assert str(info.value).startswith(f"cannot append to --metrics '{tmp_path}' (")

@@ -36,11 +36,16 @@ def progress_line(record: dict, steps: int) -> str:
 
 def append(path, record: dict) -> None:
     line = (json.dumps(record) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise XtrainError(f"cannot append to --metrics '{path}' ({err.strerror or err})") from None
+    if written != len(line):  # a full disk mid-line: the torn line is skipped by read(), the run stops
+        raise XtrainError(f"cannot append to --metrics '{path}' (wrote {written} of {len(line)} bytes: disk full?)")
 
 
 def read(path) -> list[dict]:

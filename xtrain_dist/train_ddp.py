@@ -16,7 +16,7 @@ from threadpoolctl import threadpool_limits
 
 from . import checkpoint, ddp, evaluate, metrics, precision
 from .backend import BACKENDS, rank_device
-from .cli import OneLineParser, positive_int
+from .cli import OneLineParser, non_negative_float, non_negative_int, positive_float, positive_int
 from .comm.world import choose_engine, config_fingerprint, open_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -40,14 +40,14 @@ def build_parser() -> OneLineParser:
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--min-lr", type=float, default=None, help="end of the cosine (default lr/10)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default lr-decay-steps/20")
-    p.add_argument("--lr-decay-steps", type=int, default=None, help="length of the schedule (default STEPS)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="global norm clip; 0 disables")
-    p.add_argument("--comm-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
+    p.add_argument("--seed", type=non_negative_int, default=1337)
+    p.add_argument("--lr", type=non_negative_float, default=1e-3, help="peak learning rate")
+    p.add_argument("--min-lr", type=non_negative_float, default=None, help="end of the cosine (default lr/10)")
+    p.add_argument("--warmup-steps", type=non_negative_int, default=None, help="default lr-decay-steps/20")
+    p.add_argument("--lr-decay-steps", type=positive_int, default=None, help="length of the schedule (default STEPS)")
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
+    p.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global norm clip; 0 disables")
+    p.add_argument("--comm-timeout", type=positive_float, default=300.0, help="seconds a rank may wait in a collective")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
     p.add_argument("--cpu-threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", default=None, help="write a JSON report here")
@@ -60,7 +60,8 @@ def build_parser() -> OneLineParser:
     procs.add_argument("--rdzv-advertise", metavar="HOST:PORT", default=None,
                        help="address the other processes connect to (default MASTER_ADDR:MASTER_PORT; "
                             "MASTER_PORT+1 under torchrun, whose agent holds MASTER_PORT)")
-    procs.add_argument("--rdzv-timeout", type=float, default=300.0, help="seconds processes wait for each other")
+    procs.add_argument("--rdzv-timeout", type=positive_float, default=300.0,
+                       help="seconds processes wait for each other")
     g = p.add_argument_group("checkpoints, evaluation and metrics")
     g.add_argument("--save-dir", metavar="DIR", default=None,
                    help="keep the latest checkpoint in DIR, replaced atomically at each save (and at the end)")
@@ -167,6 +168,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         log(note)
     if cfg.metrics:
         metrics.check_path(cfg.metrics)
+    if cfg.report and launch.process_rank == 0:
+        check_report_path(cfg.report)
     cfg = evaluate.check(cfg, corpus, log)
     if cfg.resume:
         step, notes = checkpoint.check_resume(cfg, corpus)
@@ -184,8 +187,10 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
                        fingerprint=fingerprint, devices=None if cfg.backend != "cuda" else devices,
                        log=lambda line: print(f"{PROG}: {line}", file=sys.stderr))
 
+    shared_resume = checkpoint.SharedRestore(cfg.resume, local_world) if cfg.resume else None
+
     def rank_fn(local, comm):
-        result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log)
+        result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log, resume=shared_resume)
         return result, all_param_digests(comm, result.param_sha256, cfg.backend)
 
     t0 = time.perf_counter()
@@ -243,12 +248,36 @@ def all_param_digests(comm, digest_hex: str, backend: str) -> list[str]:
     return [raw[i:i + 32].hex() for i in range(0, len(raw), 32)]
 
 
-def write_json_atomic(path: str, data: dict) -> None:
+def check_report_path(path: str) -> None:
+    """Fail before training, not after it, if the report cannot be written where it is asked for."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise XtrainError(f"--report '{path}' is a folder, not a file")
+    if any(parent.exists() and not parent.is_dir() for parent in path.parents):
+        raise XtrainError(f"--report '{path}' cannot be written (a part of its folder is a file)")
+    probe = path.with_name(f".{path.name}.probe{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise XtrainError(f"--report '{path}' cannot be written ({err.strerror})") from None
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """The whole report or none: a temporary file, flushed to disk, renamed over PATH."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise XtrainError(f"cannot write --report '{path}' ({err.strerror or err})") from None
 
 
 def main(argv=None) -> int:
