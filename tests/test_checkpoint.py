@@ -3,6 +3,7 @@ the bit; the optimizer state survives any sharding; a save cut short at any poin
 checkpoint; and every bad checkpoint is one exact line."""
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -440,3 +441,46 @@ def test_the_command_line_says_it_in_one_line(saved, tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == \
         [f"train_ddp: error: checkpoint '{folder}' is corrupt: config.json does not match its sha256 in manifest.json"]
+
+
+def rewrite_state(folder: Path, change) -> None:
+    """Edit trainer_state.json and re-hash it in the manifest: a state that passes the integrity check
+    but is wrong inside (a bug in another writer, a hand edit)."""
+    state_path, manifest_path = folder / "trainer_state.json", folder / "manifest.json"
+    state = json.loads(state_path.read_text())
+    change(state)
+    state_path.write_text(json.dumps(state))
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["trainer_state.json"] = {"bytes": state_path.stat().st_size,
+                                               "sha256": hashlib.sha256(state_path.read_bytes()).hexdigest()}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s["config"].pop("batch"), "is corrupt: trainer_state.json has no batch in its config"),
+    (lambda s: s.update(step=-5), "is corrupt: trainer_state.json lacks the step, model, optimizer, sampler, data "
+                                  "or config of a run"),
+    (lambda s: s["sampler"].update(pcg64="x"), "is corrupt: sampler state is malformed (TypeError: string indices "
+                                               "must be integers, not 'str')"),
+])
+def test_a_rehashed_but_wrong_trainer_state_is_refused_before_training(corpus, saved, tmp_path, change, message):
+    folder = copy_of(saved, tmp_path)
+    rewrite_state(folder, change)
+    assert resume_error(corpus, folder) == f"checkpoint '{folder}' {message}"
+
+
+def test_the_rank_threads_of_a_process_read_the_checkpoint_once(corpus, saved, monkeypatch):
+    """Resuming 2 rank threads reads and verifies the model and optimizer files once, not once per rank,
+    and every rank still resumes exactly."""
+    reads = []
+    real_open = checkpoint.open_checkpoint
+
+    def counting_open(path, read):
+        reads.append(tuple(read))
+        return real_open(path, read=read)
+
+    monkeypatch.setattr(checkpoint, "open_checkpoint", counting_open)
+    resumed = run(corpus, 5, world=2, resume=saved[0])
+    assert [r for r in reads if checkpoint.MODEL in r] == [(checkpoint.MODEL, checkpoint.STATE, "optimizer*")]
+    full = run(corpus, 5, world=2)
+    assert resumed["losses"] == full["losses"][3:] and resumed["param_sha256"] == full["param_sha256"]

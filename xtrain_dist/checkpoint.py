@@ -28,11 +28,13 @@ Reading verifies every file against the manifest, and a file is parsed from the 
 were hashed, so a checkpoint that is truncated, edited or half-copied is one clear error.
 """
 
+import contextlib
 import fnmatch
 import hashlib
 import json
 import os
 import shutil
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +43,7 @@ import tokenizers
 
 from . import __version__
 from .config import GPTConfig, TrainConfig, model_config
+from .data import BatchSampler
 from .errors import XtrainError
 from .model import param_layout
 from .safetensors_io import parse_safetensors, write_safetensors
@@ -149,8 +152,14 @@ def prepare_save_dir(folder) -> str | None:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise XtrainError(f"--save-dir '{folder}': cannot create '{folder.parent}' ({err.strerror})") from None
-    if not os.access(folder.parent, os.W_OK | os.X_OK):
-        raise XtrainError(f"--save-dir '{folder}': cannot write into '{folder.parent}' (permission denied)")
+    # the first thing a save does is make .DIR.new beside DIR: try exactly that (access() says yes to root
+    # on read-only and pseudo filesystems)
+    new, _ = _siblings(folder)
+    try:
+        new.mkdir()
+        new.rmdir()
+    except OSError as err:
+        raise XtrainError(f"--save-dir '{folder}': cannot write into '{folder.parent}' ({err.strerror})") from None
     return note
 
 
@@ -231,7 +240,10 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
     new, _ = _siblings(folder)
     if rank == 0:
         prepare_save_dir(folder)
-        new.mkdir()
+        try:
+            new.mkdir()
+        except OSError as err:  # the disk filled up, or the folder's permissions changed, since the start
+            raise XtrainError(f"cannot write checkpoint '{folder}' ({err.strerror or err})") from None
     comm.barrier()
     try:
         if rank == 0:
@@ -251,9 +263,12 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
             _fsync_dir(new)
             _swap_into_place(new, folder)
     except BaseException as err:
-        # An unfinished .new goes; a finished one stays, as DIR may already have stepped aside for it.
+        # An unfinished .new goes; a finished one stays, as DIR may already have stepped aside for it. Other
+        # ranks may still be writing their shards into it, so deleting it can fail: what is left has no
+        # manifest, is never read as a checkpoint, and the next prepare_save_dir() clears it.
         if rank == 0 and not _is_complete(new):
-            _discard(new)
+            with contextlib.suppress(OSError):
+                _discard(new)
         if isinstance(err, OSError):
             raise XtrainError(f"cannot write checkpoint '{folder}' ({err.strerror or err})") from None
         raise
@@ -316,7 +331,8 @@ class Checkpoint:
         state = self.json(STATE)
         try:
             optimizer = state["optimizer"]
-            ok = (isinstance(state["step"], int) and isinstance(state["world_size"], int)
+            ok = (isinstance(state["step"], int) and state["step"] >= 0
+                  and isinstance(state["world_size"], int) and state["world_size"] >= 1
                   and isinstance(optimizer["files"], list) and isinstance(optimizer["step_count"], int)
                   and all(isinstance(state[k], dict) for k in ("model", "sampler", "data", "config", "schedule"))
                   and isinstance(state["param_sha256"], str) and isinstance(state["data"]["train_tokens_sha256"], str))
@@ -484,9 +500,15 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str]]:
                           f"tokenizer '{state['data']['tokenizer']}'): resume with the same files")
     saved = state["config"]
     for name, flag in (("batch", "BATCH"), ("seq", "SEQ"), ("seed", "--seed")):
-        if saved.get(name) != getattr(cfg, name):
+        if name not in saved:
+            raise XtrainError(f"{where} is corrupt: {STATE} has no {name} in its config")
+        if saved[name] != getattr(cfg, name):
             raise XtrainError(f"{where} was trained with {flag} {saved[name]}, this run has {getattr(cfg, name)}: "
                               "its data order cannot continue")
+    try:  # what restore() will load on every rank: a bad sampler state is bad input, found before any rank starts
+        BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed).load_state(state["sampler"])
+    except XtrainError as err:
+        raise XtrainError(f"{where} is corrupt: {err}") from None
     step = state["step"]
     if cfg.steps <= step:
         raise XtrainError(f"{where} is already at step {step}: STEPS ({cfg.steps}) must be larger to train on")
@@ -506,10 +528,42 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str]]:
     return step, notes
 
 
-def restore(path, model, optimizer, sampler) -> int:
-    """Load the parameters, optimizer and sampler state of the checkpoint at `path` (checked by
-    check_resume) into this rank's objects; returns the step to continue from."""
-    ckpt = open_checkpoint(path, read=(MODEL, STATE, "optimizer*"))
+class SharedRestore:
+    """One verified read of a checkpoint for all the rank threads of a process.
+
+    Every rank restores from it, so the process reads and hashes the files once and holds one copy of
+    their bytes, not one per rank (8 ranks of gpt2-774m would otherwise hold 8 x 9 GB); the last rank
+    to finish lets the bytes go."""
+
+    def __init__(self, path, ranks: int):
+        self.path, self._ranks_left = path, ranks
+        self._lock = threading.Lock()
+        self._ckpt: Checkpoint | None = None
+
+    def checkpoint(self) -> Checkpoint:
+        with self._lock:
+            if self._ckpt is None:
+                self._ckpt = open_checkpoint(self.path, read=(MODEL, STATE, "optimizer*"))
+            return self._ckpt
+
+    def done(self) -> None:
+        with self._lock:
+            self._ranks_left -= 1
+            if self._ranks_left <= 0:
+                self._ckpt = None
+
+
+def restore(source, model, optimizer, sampler) -> int:
+    """Load the parameters, optimizer and sampler state of the checkpoint (a path, or a SharedRestore of
+    it; checked by check_resume) into this rank's objects; returns the step to continue from."""
+    shared = source if isinstance(source, SharedRestore) else SharedRestore(source, 1)
+    try:
+        return _restore(shared.checkpoint(), shared.path, model, optimizer, sampler)
+    finally:
+        shared.done()
+
+
+def _restore(ckpt: Checkpoint, path, model, optimizer, sampler) -> int:
     state = ckpt.state
     model.load_state_dict(ckpt.model_state(model.config))
     used = layout_size(model.config)

@@ -61,7 +61,9 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 
 
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
-               log=print) -> RankResult:
+               log=print, resume=None) -> RankResult:
+    """One rank's whole run. `resume`: what to restore from (a checkpoint.SharedRestore that the process's
+    ranks share), by default cfg.resume."""
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
     model = GPT2(model_config(cfg.model, corpus.vocab_size), backend, seed=cfg.seed)
     # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
@@ -69,7 +71,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     optimizer = make_optimizer(model, cfg, step_comm)
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size)
-    start = checkpoint.restore(cfg.resume, model, optimizer, sampler) if cfg.resume else 0
+    start = checkpoint.restore(resume or cfg.resume, model, optimizer, sampler) if cfg.resume else 0
     evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
                  if cfg.eval_batches else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
