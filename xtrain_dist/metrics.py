@@ -20,8 +20,11 @@ def check_path(path) -> None:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
         with open(path, "a", encoding="utf-8"):
             pass
+        if not existed:  # a probe: a run that then fails leaves no empty file behind
+            path.unlink()
     except IsADirectoryError:
         raise XtrainError(f"--metrics '{path}' is a folder, not a file") from None
     except OSError as err:
