@@ -1,6 +1,7 @@
 """The TCP rendezvous between real processes on loopback: the id reaches every process, a wrong token
 or another command line is refused with a line on both sides, and a missing peer, a missing rank 0 or
-a port in use end in one line naming the address. No test depends on timing to pass: deadlines are
+a port in use end in one line naming the address; a process that fails before it joins ends the others
+within seconds, with a line naming it and its reason. No test depends on timing to pass: deadlines are
 generous and every wait has its own."""
 
 import contextlib
@@ -9,12 +10,15 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from xtrain_dist.comm import rendezvous as rdzv
-from xtrain_dist.comm.rendezvous import RendezvousServer, join
+from xtrain_dist.comm import world as world_mod
+from xtrain_dist.comm.rendezvous import RendezvousServer, join, report_failure
 from xtrain_dist.errors import XtrainError
+from xtrain_dist.launch_env import Launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
@@ -113,8 +117,12 @@ def test_another_command_line_is_refused():
 
 
 def test_rank0_times_out_naming_the_missing_ranks():
+    """...and the rank that joined, waiting for the others, hears the same line instead of starting alone."""
     server, port = start_server(3, timeout=3)
-    assert finish(start(2, 3, port))[0] == 0
+    code, _, err = finish(start(2, 3, port))
+    assert code == 2
+    assert error_of(err) == (f"rendezvous: rank 0 at 127.0.0.1:{port} refused rank 2: only 2 of 3 processes joined "
+                             "within 3 s (missing rank 1)")
     code, _, err = finish(server)
     assert code == 2
     assert error_of(err) == f"rendezvous at 127.0.0.1:{port}: only 2 of 3 processes joined within 3 s (missing rank 1)"
@@ -197,3 +205,138 @@ def test_a_server_without_the_token_is_not_believed():
             join(("127.0.0.1", port), 1, 2, b"the job's token", timeout_s=20)
     assert str(info.value) == (f"rendezvous: 127.0.0.1:{port} answered without proof of the token: not our rank 0, "
                                "or a different XTRAIN_RDZV_TOKEN")
+
+
+# ------------------------------------------------------------------ a process that fails before it joins
+class Background:
+    """fn(*args) in a daemon thread; result() waits a bounded time, then returns its value or raises its error."""
+
+    def __init__(self, fn, *args):
+        self.value = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self.value = fn(*args)
+        except BaseException as e:  # handed to result()
+            self.error = e
+
+    def result(self, timeout=30):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"still running after {timeout} s"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+SOON = 20  # seconds: "at once" next to the 60 s rendezvous timeout, yet generous on a loaded machine
+
+
+def serving(world, token=b"tok", timeout=60, log=None):
+    server = RendezvousServer(("127.0.0.1", 0), world, token, b"cfg", timeout, log=log or (lambda line: None))
+    return server, ("127.0.0.1", server.port), Background(server.serve, b"the id")
+
+
+def test_a_peer_that_fails_ends_rank0s_wait_at_once():
+    t0 = time.monotonic()
+    _, addr, served = serving(2)
+    report_failure(addr, 1, 2, b"tok", "corpus 'data/x.txt' not found\n(on node7)", timeout_s=20)
+    with pytest.raises(XtrainError) as info:
+        served.result()
+    assert str(info.value) == "process 1 failed before joining: corpus 'data/x.txt' not found (on node7)"
+    assert time.monotonic() - t0 < SOON
+
+
+@pytest.mark.parametrize("rank1", ["joined first", "joins later"])
+def test_the_other_ranks_hear_which_process_failed_and_why(rank1):
+    t0 = time.monotonic()
+    _, addr, served = serving(3)
+    if rank1 == "joined first":
+        joining = Background(join, addr, 1, 3, b"tok", b"cfg", 60)
+        time.sleep(0.5)  # most likely waiting at rank 0 by now; either way it must hear the same
+        report_failure(addr, 2, 3, b"tok", "out of memory", timeout_s=20)
+    else:
+        report_failure(addr, 2, 3, b"tok", "out of memory", timeout_s=20)
+        joining = Background(join, addr, 1, 3, b"tok", b"cfg", 60)
+    with pytest.raises(XtrainError) as info:
+        joining.result()
+    assert str(info.value) == (f"rendezvous: rank 0 at 127.0.0.1:{addr[1]} refused rank 1: "
+                               "process 2 failed: out of memory")
+    with pytest.raises(XtrainError, match=r"^process 2 failed before joining: out of memory$"):
+        served.result()  # every other rank was told: rank 0 need not linger
+    assert time.monotonic() - t0 < SOON
+
+
+def test_a_rank0_that_fails_tells_every_joiner():
+    t0 = time.monotonic()
+    server = RendezvousServer(("127.0.0.1", 0), 3, b"tok", timeout_s=60)
+    refusing = Background(server.refuse_all, "tokenizer 'tok.json' not found", 60)
+    for rank in (1, 2):
+        with pytest.raises(XtrainError) as info:
+            join(("127.0.0.1", server.port), rank, 3, b"tok", b"any config", timeout_s=60)
+        assert str(info.value) == (f"rendezvous: rank 0 at 127.0.0.1:{server.port} refused rank {rank}: "
+                                   "process 0 failed: tokenizer 'tok.json' not found")
+    refusing.result()  # both ranks know: it stops long before its 60 s
+    assert time.monotonic() - t0 < SOON
+
+
+def test_a_fail_without_the_token_does_not_abort_the_job():
+    logs = []
+    _, addr, served = serving(2, token=b"right", log=logs.append)
+    report_failure(addr, 1, 2, b"wrong", "a stranger says stop", timeout_s=20)
+    payload, conn = join(addr, 1, 2, b"right", b"cfg", timeout_s=20)
+    with conn:
+        assert payload == b"the id"
+        peers = served.result()
+        assert peers[1] is not None
+        peers[1].close()
+    assert len(logs) == 1 and logs[0].endswith("wrong token (set the same XTRAIN_RDZV_TOKEN for every process)")
+
+
+def test_reporting_a_failure_never_waits_past_its_timeout():
+    with socket.socket() as closed, socket.socket() as mute:
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()  # connections are queued, never greeted
+        for sock in (closed, mute):
+            t0 = time.monotonic()
+            assert report_failure(sock.getsockname(), 1, 2, b"tok", "reason", timeout_s=1.5) is None
+            assert time.monotonic() - t0 < 5
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(rank, world, port):
+    return Launch("torchrun", process_rank=rank, num_processes=world, master_addr="127.0.0.1", master_port=port,
+                  job_id="job42")
+
+
+def test_the_trainers_entry_point_tells_the_others(monkeypatch):
+    monkeypatch.delenv("XTRAIN_RDZV_TOKEN", raising=False)
+    t0 = time.monotonic()
+    # rank 1 fails before the world: rank 0, already in the rendezvous, ends at once
+    port = free_port()
+    server = RendezvousServer(("127.0.0.1", port), 2, rdzv.derived_token("job42", "127.0.0.1", port), timeout_s=60)
+    served = Background(server.serve, b"id")
+    world_mod.report_failure_before_world(torchrun(1, 2, port), "corpus missing", timeout_s=20)
+    with pytest.raises(XtrainError, match=r"^process 1 failed before joining: corpus missing$"):
+        served.result()
+    # rank 0 fails before the world: rank 1 hears it at the rendezvous
+    port = free_port()
+    refusing = Background(world_mod.report_failure_before_world, torchrun(0, 2, port), "no GPU")
+    with pytest.raises(XtrainError, match=r"refused rank 1: process 0 failed: no GPU$"):
+        join(("127.0.0.1", port), 1, 2, rdzv.derived_token("job42", "127.0.0.1", port), timeout_s=20)
+    refusing.result()
+    assert time.monotonic() - t0 < 2 * SOON
+
+
+@pytest.mark.parametrize("launch", [Launch("single"), Launch("mpirun", process_rank=1, num_processes=2)])
+def test_the_entry_point_does_nothing_alone_or_under_mpirun(launch, monkeypatch):
+    t0 = time.monotonic()
+    world_mod.report_failure_before_world(launch, "reason", timeout_s=30)
+    assert time.monotonic() - t0 < 1

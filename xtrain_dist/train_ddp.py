@@ -17,7 +17,7 @@ from threadpoolctl import threadpool_limits
 from . import checkpoint, ddp, evaluate, metrics, precision
 from .backend import BACKENDS, rank_device
 from .cli import OneLineParser, non_negative_float, non_negative_int, positive_float, positive_int
-from .comm.world import choose_engine, config_fingerprint, open_world
+from .comm.world import choose_engine, config_fingerprint, open_world, report_failure_before_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from .errors import XtrainError
@@ -149,39 +149,14 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     (a JSON-ready dict; `process_rank` says whether this process is the one that writes it)."""
     launch = launch or detect_launch()
     local_world = local_world_for(launch, cfg.world_size)
-    gpus = 0
-    if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
-        from .backend.cuda_ops import device_count
-        gpus = device_count()
-    engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
-    corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus)
-    check_config(cfg, corpus)
-    # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
-    # take a GPU each (the process's slice of its node's GPUs); thread ranks of one process take the
-    # visible GPUs in turn, several virtual ranks sharing one when the world is larger
-    if engine == "nccl":
-        devices = [gpu_for(launch, local_world, local, gpus) for local in range(local_world)]
-    else:
-        devices = [rank_device(cfg.backend, local) for local in range(local_world)]
-    # checkpoints, evaluation, metrics: fail before training rather than after it
-    if cfg.save_dir and launch.process_rank == 0 and (note := checkpoint.prepare_save_dir(cfg.save_dir)):
-        log(note)
-    if cfg.metrics:
-        metrics.check_path(cfg.metrics)
-    if cfg.report and launch.process_rank == 0:
-        check_report_path(cfg.report)
-    cfg = evaluate.check(cfg, corpus, log)
-    if cfg.resume:
-        step, notes = checkpoint.check_resume(cfg, corpus)
-        if launch.process_rank == 0:
-            for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
-                log(line)
-    if launch.process_rank == 0:
-        where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
-        processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
-        log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}, "
-            f"{cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
-    fingerprint = config_fingerprint({k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS})
+    try:
+        engine, corpus, devices, cfg, fingerprint = _prepare(cfg, corpus, launch, local_world, log)
+    except Exception as err:
+        # this process cannot start: tell the others now, or they wait for it until --rdzv-timeout
+        reason = str(err) if isinstance(err, XtrainError) else f"{type(err).__name__}: {err}"
+        report_failure_before_world(launch, reason, bind=cfg.rdzv_bind, advertise=cfg.rdzv_advertise,
+                                    timeout_s=min(cfg.rdzv_timeout_s, 30.0))
+        raise
     world = open_world(engine, launch=launch, local_world=local_world, timeout_s=cfg.comm_timeout_s,
                        rdzv_bind=cfg.rdzv_bind, rdzv_advertise=cfg.rdzv_advertise, rdzv_timeout_s=cfg.rdzv_timeout_s,
                        fingerprint=fingerprint, devices=None if cfg.backend != "cuda" else devices,
@@ -232,6 +207,45 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "optimizer_state_bytes": [r.optimizer_state_bytes for r in results],
         **ddp.report_fields(cfg, results),
     }
+
+
+def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log):
+    """Everything a process checks and loads before it meets the others: (engine, corpus, devices, cfg,
+    config fingerprint), or one XtrainError naming what is wrong."""
+    gpus = 0
+    if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
+        from .backend.cuda_ops import device_count
+        gpus = device_count()
+    engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
+    corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus)
+    check_config(cfg, corpus)
+    # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
+    # take a GPU each (the process's slice of its node's GPUs); thread ranks of one process take the
+    # visible GPUs in turn, several virtual ranks sharing one when the world is larger
+    if engine == "nccl":
+        devices = [gpu_for(launch, local_world, local, gpus) for local in range(local_world)]
+    else:
+        devices = [rank_device(cfg.backend, local) for local in range(local_world)]
+    # checkpoints, evaluation, metrics: fail before training rather than after it
+    if cfg.save_dir and launch.process_rank == 0 and (note := checkpoint.prepare_save_dir(cfg.save_dir)):
+        log(note)
+    if cfg.metrics:
+        metrics.check_path(cfg.metrics)
+    if cfg.report and launch.process_rank == 0:
+        check_report_path(cfg.report)
+    cfg = evaluate.check(cfg, corpus, log)
+    if cfg.resume:
+        step, notes = checkpoint.check_resume(cfg, corpus)
+        if launch.process_rank == 0:
+            for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
+                log(line)
+    if launch.process_rank == 0:
+        where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
+        processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
+        log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}, "
+            f"{cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
+    fingerprint = config_fingerprint({k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS})
+    return engine, corpus, devices, cfg, fingerprint
 
 
 def all_param_digests(comm, digest_hex: str, backend: str) -> list[str]:

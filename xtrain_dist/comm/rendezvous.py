@@ -5,14 +5,22 @@ Nothing unsafe crosses the socket: fixed-format messages (a magic, a version, fi
 length-prefixed body of at most 64 KiB; no pickle), and a shared token that never travels itself:
 
     rank 0 -> peer   MAGIC version server_nonce
-    peer -> rank 0   MAGIC version rank world fingerprint peer_nonce HMAC(token, "join" server_nonce rank world
-                                                                              fingerprint peer_nonce)
+    peer -> rank 0   MAGIC version kind rank world fingerprint peer_nonce mac len reason, where
+                       kind=JOIN: mac = HMAC(token, "join" server_nonce rank world fingerprint peer_nonce), len 0
+                       kind=FAIL: mac = HMAC(token, "fail" server_nonce rank world reason), fingerprint and
+                                  peer_nonce zero, reason: at most 1 KiB of UTF-8
     rank 0 -> peer   MAGIC status=ACCEPT HMAC(token, "accept" peer_nonce body) len body    (body: the payload)
                   or MAGIC status=REFUSE 0*32 len reason
 
 Rank 0 checks the peer's HMAC with hmac.compare_digest, the peer checks rank 0's, so neither side accepts
 bytes from a process that does not hold the token. `fingerprint` is a digest of the run's configuration:
 a process started with a different command line is refused with a line that says so.
+
+Rank 0 answers ACCEPT once every rank has joined, so no process leaves the rendezvous before all can.
+A process that fails before it joins (a missing file on its node) says so instead, so that nobody waits
+out the timeout for it: a peer sends a FAIL (`report_failure`); rank 0 then answers every joined and
+joining rank with REFUSE "process k failed: reason" and raises. A rank 0 that fails before it serves
+answers every joiner with REFUSE "process 0 failed: reason" (`RendezvousServer.refuse_all`).
 
 Rank 0 binds only the address it is told (`bind`); the others connect to the address they are told
 (`advertise`). The two differ behind docker or NAT: inside a container rank 0 binds the container's
@@ -27,19 +35,24 @@ import secrets
 import socket
 import struct
 import time
+from typing import NamedTuple
 
 from ..errors import XtrainError
 
 MAGIC = b"XTRZ"
-VERSION = 1
+VERSION = 2
 MAX_BODY = 64 * 1024
-ACCEPT, REFUSE = 0, 1
+MAX_REASON = 1024                                 # bytes of a FAIL's reason
+ACCEPT, REFUSE = 0, 1                             # rank 0's answer
+JOIN, FAIL = 0, 1                                 # the peer's message
 TOKEN_ENV = "XTRAIN_RDZV_TOKEN"
 
 _GREETING = struct.Struct("!4sH32s")              # magic, version, server nonce
-_JOIN = struct.Struct("!4sHII32s32s32s")          # magic, version, rank, world, fingerprint, peer nonce, mac
+_JOIN = struct.Struct("!4sHBII32s32s32sH")       # magic, version, kind, rank, world, fingerprint, peer nonce,
+                                                  # mac, reason length (then the reason)
 _REPLY = struct.Struct("!4sB32sI")                # magic, status, mac, body length
 HANDSHAKE_TIMEOUT_S = 10.0                        # one peer's handshake, once connected
+LINGER_S = 15.0                                   # how long rank 0 tells late joiners of a failure
 
 
 def parse_hostport(text: str, default_port: int | None, what: str) -> tuple[str, int]:
@@ -86,12 +99,34 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
+def _one_line(text: str) -> str:
+    """`text` as one line of at most MAX_REASON bytes of UTF-8."""
+    return " ".join(text.split()).encode()[:MAX_REASON].decode(errors="ignore")
+
+
+def _refuse(conn: socket.socket, reason: str) -> None:
+    """Answer REFUSE `reason` and close (best effort: the peer may be gone)."""
+    body = reason.encode()[:MAX_BODY]
+    with contextlib.suppress(OSError):
+        conn.sendall(_REPLY.pack(MAGIC, REFUSE, bytes(32), len(body)) + body)
+    conn.close()
+
+
 def _describe(err: BaseException) -> str:
     if isinstance(err, TimeoutError):
         return "timed out"
     if isinstance(err, OSError) and err.strerror:
         return err.strerror.lower()
     return str(err) or type(err).__name__
+
+
+class _Message(NamedTuple):
+    """What a peer said: a JOIN (fingerprint, nonce) or a FAIL (reason)."""
+    kind: int
+    rank: int
+    fingerprint: bytes
+    nonce: bytes
+    reason: str
 
 
 class RendezvousServer:
@@ -125,10 +160,12 @@ class RendezvousServer:
         self.port = self.sock.getsockname()[1]
 
     def serve(self, payload: bytes = b"") -> list[socket.socket | None]:
-        """Hand `payload` to ranks 1..world-1; return their connections by rank (index 0 is None)."""
+        """Hand `payload` to ranks 1..world-1 once all have joined; return their connections by rank
+        (index 0 is None). A FAIL from a rank ends it at once (see _abort)."""
         if len(payload) > MAX_BODY:
             raise ValueError("rendezvous payload too large")
         peers: list[socket.socket | None] = [None] * self.world
+        nonces: list[bytes] = [b""] * self.world
         refused: list[str] = []
         deadline = time.monotonic() + self.timeout_s
         try:
@@ -136,73 +173,130 @@ class RendezvousServer:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [str(r) for r in range(1, self.world) if peers[r] is None]
-                    raise XtrainError(
-                        f"rendezvous at {self.host}:{self.port}: only {self.world - len(missing)} of {self.world} "
-                        f"processes joined within {self.timeout_s:g} s (missing rank {', '.join(missing)})"
-                        + (f"; refused: {'; '.join(refused)}" if refused else ""))
+                    why = (f"only {self.world - len(missing)} of {self.world} processes joined within "
+                           f"{self.timeout_s:g} s (missing rank {', '.join(missing)})")
+                    for r, p in enumerate(peers):  # the ranks waiting for the others hear it too
+                        if p is not None:
+                            _refuse(p, why)
+                            peers[r] = None
+                    raise XtrainError(f"rendezvous at {self.host}:{self.port}: {why}"
+                                      + (f"; refused: {'; '.join(refused)}" if refused else ""))
                 self.sock.settimeout(remaining)
                 try:
                     conn, addr = self.sock.accept()
                 except TimeoutError:
                     continue
-                rank, reason = self._handshake(conn, peers, payload, min(HANDSHAKE_TIMEOUT_S, remaining))
-                if reason is None:
-                    peers[rank] = conn
-                else:
-                    who = f"{addr[0]}:{addr[1]}"
-                    refused.append(f"{who} ({reason})")
-                    self.log(f"rendezvous: refused a connection from {who}: {reason}")
+                msg, reason = self._hear(conn, min(HANDSHAKE_TIMEOUT_S, remaining))
+                if reason is None and msg.kind == FAIL:
                     conn.close()
+                    self._abort(msg.rank, msg.reason, peers, deadline)
+                if reason is None and peers[msg.rank] is not None:
+                    reason = f"rank {msg.rank} has already joined"
+                if reason is None and not hmac.compare_digest(msg.fingerprint, self.fingerprint):
+                    reason = (f"rank {msg.rank} was started with a different configuration than rank 0 "
+                              "(another command line?)")
+                if reason is None:
+                    peers[msg.rank], nonces[msg.rank] = conn, msg.nonce
+                    continue
+                who = f"{addr[0]}:{addr[1]}"
+                refused.append(f"{who} ({reason})")
+                self.log(f"rendezvous: refused a connection from {who}: {reason}")
+                _refuse(conn, reason)
+            for rank in range(1, self.world):  # everyone is here: let them all go
+                mac = _mac(self.token, b"accept", nonces[rank], payload)
+                try:
+                    peers[rank].sendall(_REPLY.pack(MAGIC, ACCEPT, mac, len(payload)) + payload)
+                except OSError as e:
+                    raise XtrainError(f"rendezvous at {self.host}:{self.port}: rank {rank} went away before "
+                                      f"the start ({_describe(e)})") from None
+                peers[rank].settimeout(None)
         except BaseException:
-            for p in peers:
-                if p is not None:
-                    p.close()
+            close_all(peers)
             raise
         finally:
             self.sock.close()
         return peers
 
-    def _handshake(self, conn, peers, payload, timeout_s) -> tuple[int, str | None]:
+    def _abort(self, failed: int, reason: str, peers: list, deadline: float) -> None:
+        """Rank `failed` will never join: tell the joined ranks, then every joiner for a while (until
+        all ranks know), so that they end now instead of at their timeout; then raise."""
+        news = f"process {failed} failed: {reason}"
+        told = {0, failed}
+        for r, p in enumerate(peers):
+            if p is not None:
+                _refuse(p, news)
+                peers[r] = None
+                told.add(r)
+        self._tell_everyone(news, told, min(deadline - time.monotonic(), LINGER_S))
+        raise XtrainError(f"process {failed} failed before joining: {reason}")
+
+    def refuse_all(self, reason: str, linger_s: float = 30.0) -> None:
+        """Rank 0 failed before serving: answer every joiner with REFUSE "process 0 failed: reason"
+        until all other ranks know or `linger_s` passed. Best effort: it never raises OSError."""
+        try:
+            self._tell_everyone(f"process 0 failed: {_one_line(reason)}", {0}, linger_s)
+        except OSError:
+            pass
+        finally:
+            self.sock.close()
+
+    def _tell_everyone(self, news: str, told: set[int], linger_s: float) -> None:
+        """Answer every connection with REFUSE `news` (a stranger: with why it is refused) until every
+        rank is in `told` or `linger_s` passed. A FAIL counts as told: that rank knows it failed."""
+        end = time.monotonic() + linger_s
+        while len(told) < self.world:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return
+            self.sock.settimeout(remaining)
+            try:
+                conn, addr = self.sock.accept()
+            except TimeoutError:
+                return
+            msg, reason = self._hear(conn, min(HANDSHAKE_TIMEOUT_S, remaining))
+            if reason is None:
+                told.add(msg.rank)
+            else:
+                self.log(f"rendezvous: refused a connection from {addr[0]}:{addr[1]}: {reason}")
+            _refuse(conn, news if reason is None else reason)
+
+    def _hear(self, conn, timeout_s) -> tuple[_Message | None, str | None]:
+        """Greet a new connection and read its message: (message, None) when it holds the token and
+        fits this job, else (message or None, why it is refused)."""
         conn.settimeout(timeout_s)
         server_nonce = secrets.token_bytes(32)
         try:
             conn.sendall(_GREETING.pack(MAGIC, VERSION, server_nonce))
-            magic, version, rank, world, fingerprint, peer_nonce, mac = _JOIN.unpack(_recv_exact(conn, _JOIN.size))
-        except (OSError, ConnectionError, struct.error) as e:
-            return -1, f"no valid greeting ({_describe(e)})"
-        if magic != MAGIC:
-            return -1, "not an xtrain-dist process"
-        reason = None
-        if version != VERSION:
-            reason = f"protocol version {version}, rank 0 speaks {VERSION}"
-        elif not hmac.compare_digest(mac, _mac(self.token, b"join", server_nonce, struct.pack("!II", rank, world),
-                                                fingerprint, peer_nonce)):
-            reason = f"wrong token (set the same {TOKEN_ENV} for every process)"
-        elif world != self.world:
-            reason = f"it expects a world of {world} processes, rank 0 has {self.world}"
-        elif not 0 < rank < self.world:
-            reason = f"rank {rank} is outside 1..{self.world - 1}"
-        elif peers[rank] is not None:
-            reason = f"rank {rank} has already joined"
-        elif not hmac.compare_digest(fingerprint, self.fingerprint):
-            reason = f"rank {rank} was started with a different configuration than rank 0 (another command line?)"
-        try:
-            if reason is None:
-                body, mac = payload, _mac(self.token, b"accept", peer_nonce, payload)
-                conn.sendall(_REPLY.pack(MAGIC, ACCEPT, mac, len(body)) + body)
-            else:
-                body = reason.encode()
-                conn.sendall(_REPLY.pack(MAGIC, REFUSE, bytes(32), len(body)) + body)
-        except OSError as e:
-            return -1, f"lost during the handshake ({_describe(e)})"
-        conn.settimeout(None)
-        return rank, reason
+            magic, version, kind, rank, world, fingerprint, peer_nonce, mac, length = _JOIN.unpack(
+                _recv_exact(conn, _JOIN.size))
+            if magic != MAGIC:
+                return None, "not an xtrain-dist process"
+            if version != VERSION:
+                return None, f"protocol version {version}, rank 0 speaks {VERSION}"
+            if kind not in (JOIN, FAIL) or length > (MAX_REASON if kind == FAIL else 0):
+                return None, "a malformed message"
+            text = _recv_exact(conn, length)
+        except (OSError, struct.error) as e:
+            return None, f"no valid greeting ({_describe(e)})"
+        ranks = struct.pack("!II", rank, world)
+        if kind == JOIN:
+            expected = _mac(self.token, b"join", server_nonce, ranks, fingerprint, peer_nonce)
+        else:
+            expected = _mac(self.token, b"fail", server_nonce, ranks, text)
+        msg = _Message(kind, rank, fingerprint, peer_nonce, _one_line(text.decode(errors="replace")))
+        if not hmac.compare_digest(mac, expected):
+            return msg, f"wrong token (set the same {TOKEN_ENV} for every process)"
+        if world != self.world:
+            return msg, f"it expects a world of {world} processes, rank 0 has {self.world}"
+        if not 0 < rank < self.world:
+            return msg, f"rank {rank} is outside 1..{self.world - 1}"
+        return msg, None
 
 
 def join(advertise: tuple[str, int], rank: int, world: int, token: bytes, fingerprint: bytes = b"",
          timeout_s: float = 300.0) -> tuple[bytes, socket.socket]:
-    """A peer's side: connect to rank 0 (retrying until it listens), prove the token, return the payload
-    and the open connection."""
+    """A peer's side: connect to rank 0 (retrying until it listens), prove the token, wait until every
+    process has joined; return the payload and the open connection."""
     host, port = advertise
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout_s
@@ -223,7 +317,7 @@ def join(advertise: tuple[str, int], rank: int, world: int, token: bytes, finger
             continue
         try:
             sock.settimeout(min(max(deadline - time.monotonic(), 0.1), HANDSHAKE_TIMEOUT_S))
-            return _join_over(sock, where, rank, world, token, fingerprint), sock
+            return _join_over(sock, where, rank, world, token, fingerprint, deadline, timeout_s), sock
         except OSError as e:  # rank 0 went away mid-handshake (a restart?): try again until the deadline
             sock.close()
             last = f"handshake: {_describe(e)}"
@@ -232,7 +326,7 @@ def join(advertise: tuple[str, int], rank: int, world: int, token: bytes, finger
             raise
 
 
-def _join_over(sock, where, rank, world, token, fingerprint) -> bytes:
+def _join_over(sock, where, rank, world, token, fingerprint, deadline, timeout_s) -> bytes:
     magic, version, server_nonce = _GREETING.unpack(_recv_exact(sock, _GREETING.size))
     if magic != MAGIC:
         raise XtrainError(f"rendezvous: {where} is not an xtrain-dist rendezvous (it sent {magic!r}); under torchrun "
@@ -241,13 +335,21 @@ def _join_over(sock, where, rank, world, token, fingerprint) -> bytes:
         raise XtrainError(f"rendezvous: rank 0 at {where} speaks protocol version {version}, this process {VERSION}")
     peer_nonce = secrets.token_bytes(32)
     fingerprint = hashlib.sha256(fingerprint).digest()
-    sock.sendall(_JOIN.pack(MAGIC, VERSION, rank, world, fingerprint, peer_nonce,
+    sock.sendall(_JOIN.pack(MAGIC, VERSION, JOIN, rank, world, fingerprint, peer_nonce,
                             _mac(token, b"join", server_nonce, struct.pack("!II", rank, world), fingerprint,
-                                 peer_nonce)))
-    magic, status, mac, length = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
-    if magic != MAGIC or length > MAX_BODY:
-        raise XtrainError(f"rendezvous: {where} answered with malformed bytes")
-    body = _recv_exact(sock, length)
+                                 peer_nonce), 0))
+    sock.settimeout(max(deadline - time.monotonic(), 0.1))  # rank 0 answers once every rank has joined
+    try:
+        magic, status, mac, length = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
+        if magic != MAGIC or length > MAX_BODY:
+            raise XtrainError(f"rendezvous: {where} answered with malformed bytes")
+        body = _recv_exact(sock, length)
+    except TimeoutError:
+        raise XtrainError(f"rendezvous: rank {rank} reached rank 0 at {where}, but not every process joined within "
+                          f"{timeout_s:g} s (rank 0 names the missing ranks)") from None
+    except OSError as e:
+        raise XtrainError(f"rendezvous: rank 0 at {where} went away while rank {rank} waited for the other "
+                          f"processes ({_describe(e)}): see rank 0's error") from None
     if status == REFUSE:
         raise XtrainError(f"rendezvous: rank 0 at {where} refused rank {rank}: {body.decode(errors='replace')}")
     if status != ACCEPT or not hmac.compare_digest(mac, _mac(token, b"accept", peer_nonce, body)):
@@ -255,6 +357,44 @@ def _join_over(sock, where, rank, world, token, fingerprint) -> bytes:
                           f"not our rank 0, or a different {TOKEN_ENV}")
     sock.settimeout(None)
     return body
+
+
+def report_failure(advertise: tuple[str, int], rank: int, world: int, token: bytes, reason: str,
+                   timeout_s: float = 30.0) -> None:
+    """A peer that fails before it joins tells rank 0 why (retrying until rank 0 listens), so rank 0 and
+    the others stop waiting for it. Best effort within `timeout_s`: it never raises, never waits longer."""
+    text = _one_line(reason).encode()
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        return min(deadline - time.monotonic(), HANDSHAKE_TIMEOUT_S)
+
+    # ValueError: a negative socket timeout, when the deadline passed meanwhile
+    while left() > 0:
+        try:
+            sock = socket.create_connection(advertise, timeout=left())
+        except socket.gaierror:
+            return
+        except (OSError, ValueError):  # rank 0 does not listen yet: try again until the deadline
+            time.sleep(max(min(0.2, left()), 0))
+            continue
+        with sock:
+            try:
+                sock.settimeout(left())
+                magic, version, server_nonce = _GREETING.unpack(_recv_exact(sock, _GREETING.size))
+                if magic != MAGIC or version != VERSION:
+                    return
+                mac = _mac(token, b"fail", server_nonce, struct.pack("!II", rank, world), text)
+                sock.sendall(_JOIN.pack(MAGIC, VERSION, FAIL, rank, world, bytes(32), bytes(32), mac, len(text))
+                             + text)
+            except (OSError, ValueError):  # rank 0 went away mid-handshake: try again until the deadline
+                time.sleep(max(min(0.2, left()), 0))
+                continue
+            with contextlib.suppress(OSError, ValueError):  # wait (bounded) until rank 0 has read it and closes
+                sock.settimeout(left())
+                while sock.recv(4096):
+                    pass
+            return
 
 
 def close_all(socks) -> None:

@@ -97,6 +97,29 @@ def rendezvous(launch: Launch, payload: bytes = b"", *, bind=None, advertise=Non
     return body, [conn]
 
 
+def report_failure_before_world(launch: Launch, reason: str, *, bind=None, advertise=None,
+                                timeout_s: float = 30.0) -> None:
+    """A process that fails before it reaches the rendezvous (a missing file on its node) tells the
+    others why, so they end at once instead of at --rdzv-timeout: rank 0 answers every joiner with the
+    reason, another rank tells rank 0 (who then tells the rest). Best effort, at most about `timeout_s`;
+    it never raises. Nothing to do for one process or under mpirun (MPI_Abort ends the job). Only for
+    failures before this process calls rendezvous(): its failures there already reach the others, and
+    reporting again would wait for nobody. `bind` and `advertise` as for rendezvous()."""
+    if not launch.multi_process or launch.kind == "mpirun":
+        return
+    from .rendezvous import RendezvousServer, derived_token, report_failure, token_from_env
+    try:
+        bind_at, adv = rdzv_addresses(launch, bind, advertise)
+        token = token_from_env(derived_token(launch.job_id, *adv))
+        if launch.process_rank == 0:
+            server = RendezvousServer(bind_at, launch.num_processes, token, log=lambda line: None)
+            server.refuse_all(reason, timeout_s)
+        else:
+            report_failure(adv, launch.process_rank, launch.num_processes, token, reason, timeout_s)
+    except (XtrainError, OSError):  # a bad address or a port in use: the others learn at their timeout
+        pass
+
+
 def config_fingerprint(fields: dict) -> bytes:
     """What every process of a run must agree on, as bytes to compare at the rendezvous."""
     return hashlib.sha256(repr(sorted(fields.items())).encode()).digest()
