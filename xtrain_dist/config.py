@@ -16,6 +16,10 @@ class GPTConfig:
     n_embd: int = 768
 
     def __post_init__(self):
+        for name in ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise XtrainError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise XtrainError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
