@@ -15,42 +15,24 @@ class OneLineParser(argparse.ArgumentParser):
         raise XtrainError(re.sub(r"^argument (\S+): must ", r"\1 must ", message))
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got '{text}'")
-    return value
+def _checked(parse, accept, what: str):
+    """An argparse type: `parse` the text, keep the value if `accept`s it, else say `what` it must be."""
+
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got '{text}'")
+        return value
+
+    check.__name__ = what  # argparse names the type in some messages
+    return check
 
 
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got '{text}'")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got '{text}'")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number above zero: a NaN or infinite timeout would switch hang protection off."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got '{text}'")
-    return value
+positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
+# a NaN or infinite timeout would switch the protection against hung peers off
+positive_float = _checked(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
