@@ -7,10 +7,13 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl nccl4py==0.6.0
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl/fallback \
+#       cuda-core==1.2.2 cuda-pathfinder==1.9.0
 #
-# then the device call: command "bash bin/gpu_session_nccl.sh", carry [".whl"], timeout_s 600.
-# (nccl4py 0.6.0 needs cuda-core ~= 1.0; the script prints the image's versions first. If pip then
-# reports an older cuda-core, add `cuda-core==1.0.*` to the download above.)
+# then the device call: command "bash bin/gpu_session_nccl.sh", carry [".whl"], timeout_s 600 (10 MB).
+# nccl4py 0.6.0 needs cuda-core ~= 1.0 and cuda-pathfinder >= 1.5.4. The image's own are used when
+# nccl4py imports with them (CuPy shares them); only if it does not are the fallback wheels put first.
 #
 # What it does, each step recorded even when an earlier one failed:
 #   1. device, driver, versions of CuPy / cuda-core / nccl4py / libnccl
@@ -31,6 +34,12 @@ PY=python3
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if ! $PY -c "import nccl.core" 2>/dev/null && ls .whl/fallback/*.whl >/dev/null 2>&1; then
+  echo "nccl4py does not import with the image's cuda-core/cuda-pathfinder: using the carried ones"
+  $PY -c "import nccl.core" 2>&1 | tail -n 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-first \
+    .whl/fallback/*.whl && export PYTHONPATH="/tmp/site-first:$PYTHONPATH"
 fi
 
 {
