@@ -132,7 +132,8 @@ __device__ __forceinline__ void softmax_add(SoftmaxState& s, float x) {
     }
 }
 
-// Symmetric in a and b bit for bit (fmaxf and + commute), so butterflies stay lane-consistent.
+// Not symmetric bit for bit: the compiler contracts a.sum * ea + b.sum * eb into one fma, which rounds
+// differently with a and b swapped. warp_softmax_merge therefore hands every lane lane 0's result.
 __device__ __forceinline__ SoftmaxState softmax_merge(SoftmaxState a, SoftmaxState b) {
     const float m = fmaxf(a.max, b.max);
     if (m == neg_inf()) return {m, 0.0f};  // both empty: avoid exp(-inf - -inf) = NaN
@@ -145,7 +146,8 @@ __device__ __forceinline__ SoftmaxState warp_softmax_merge(SoftmaxState s) {
         SoftmaxState o = {__shfl_xor_sync(FULL_MASK, s.max, offset), __shfl_xor_sync(FULL_MASK, s.sum, offset)};
         s = softmax_merge(s, o);
     }
-    return s;
+    // the lanes of a butterfly can end 1 ulp apart (see softmax_merge): one row, one normaliser
+    return {__shfl_sync(FULL_MASK, s.max, 0), __shfl_sync(FULL_MASK, s.sum, 0)};
 }
 
 // Block-wide merge, same contract as block_sum; `scratch` holds 32 states.

@@ -3,8 +3,9 @@
 //
 // The norm is a deterministic two-stage reduction: sum_squares_partial gives each of a fixed number
 // of blocks a grid-stride share of the buffer and writes one partial per block; sum_squares_finish
-// adds the partials with one block. The grid size is a function of n alone (host), so the
-// summation order, and the bits, are the same on every run and every device. Squares are rounded to
+// adds the partials with one block. The grid size is a function of n alone (host) and which elements a
+// thread takes depends on n and on whether the buffer is 16-byte aligned (vector or scalar path), both
+// fixed for a given buffer, so the summation order, and the bits, are the same on every run and device. Squares are rounded to
 // float32 first and then accumulated in float64, as numpy's np.sum(np.square(buf), dtype=float64)
 // does: ranks holding equal gradients agree exactly, and 100M+ terms lose nothing to the sum.
 // Float64 adds cost nothing here: one per 4 bytes read, far under any GPU's float64 rate.

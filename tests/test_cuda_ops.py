@@ -252,6 +252,17 @@ def test_global_norm_and_clip_are_deterministic(be, rng, n):
         check(be.to_host(got), ref.clip_coefficient(want, max_norm), 1e-7, f"clip max_norm={max_norm}")
 
 
+def test_empty_tensors_launch_nothing(be, rng):
+    """A batch of zero rows (CUDA refuses a grid of size 0): every op returns its empty result."""
+    w, b = randn(rng, C), randn(rng, C)
+    empty = be.from_host(np.zeros((0, T, C), np.float32))
+    out, mean, rstd = be.layernorm_forward(empty, be.from_host(w), be.from_host(b))
+    assert out.shape == (0, T, C) and mean.shape == (0, T)
+    assert be.gelu_forward(empty).shape == (0, T, C)
+    assert be.residual_forward(empty, empty).shape == (0, T, C)
+    be.synchronize()
+
+
 def test_scale(be, rng):
     n = 1001
     buf, factor = randn(rng, n), np.array([rng.uniform(0.1, 2.0)], np.float32)

@@ -223,7 +223,6 @@ class CudaBackend:
         self.stream.use()
         self.allow_tf32 = allow_tf32
         self._cublas = cublas
-        self._handle = cupy.cuda.device.get_cublas_handle()  # CuPy's, per thread and device
         # float32 operands: TF32 tensor cores if asked; bf16 operands: always float32 accumulation
         self._compute = {np.dtype(np.float32): cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32
                          else cublas.CUBLAS_COMPUTE_32F, np.dtype(np.uint16): cublas.CUBLAS_COMPUTE_32F}
@@ -270,6 +269,8 @@ class CudaBackend:
         """Queue a kernel on the calling thread's stream: the rank's, or a side thread's own (CuPy's
         cuBLAS wrappers likewise set the handle's stream to the current one on every call)."""
         self._check_stream()
+        if 0 in tuple(grid):  # an empty tensor: nothing to do, and CUDA refuses a grid of size 0
+            return
         kernel(tuple(grid), tuple(block), args, stream=cupy.cuda.get_current_stream())
 
     def _check_stream(self) -> None:
@@ -335,8 +336,9 @@ class CudaBackend:
         ab_type, c_type, compute = self._types(a, b, out)
         alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
         cublas = self._cublas
-        cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        cublas.gemmEx(self._handle, op1, op2, rows, cols, k, alpha_h.ctypes.data,
+        handle = _cublas_handle()
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        cublas.gemmEx(handle, op1, op2, rows, cols, k, alpha_h.ctypes.data,
                       first.data.ptr, ab_type, ld1, second.data.ptr, ab_type, ld2,
                       beta_h.ctypes.data, out.data.ptr, c_type, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
@@ -353,9 +355,10 @@ class CudaBackend:
         op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
         ab_type, c_type, compute = self._types(a, b, out)
         alpha_h, beta_h = np.array(alpha, np.float32), np.array(0.0, np.float32)
-        cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        handle = _cublas_handle()
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.gemmStridedBatchedEx(
-            self._handle, op_b, op_a, n, m, k, alpha_h.ctypes.data,
+            handle, op_b, op_a, n, m, k, alpha_h.ctypes.data,
             b.data.ptr, ab_type, b.shape[2], b.shape[1] * b.shape[2],
             a.data.ptr, ab_type, a.shape[2], a.shape[1] * a.shape[2],
             beta_h.ctypes.data, out.data.ptr, c_type, n, m * n,
@@ -717,6 +720,12 @@ class CudaBackend:
         self._launch(self._k.lowp_copy, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,), dst, src, np.int64(n), np.int32(vec))
 
 # ---------------------------------------------------------------------------- helpers
+
+def _cublas_handle():
+    """CuPy's cuBLAS handle of the calling thread and device. Taken per call, not cached by the backend:
+    a cached handle used from a side thread would have its stream repointed under the rank's thread."""
+    return cupy.cuda.device.get_cublas_handle()
+
 
 def _gemm_plan(a, b, out, cublas):
     """The cublasGemmEx arguments for out = a @ b: (first, second, op1, op2, rows, cols, k, ld1, ld2, ldc).
