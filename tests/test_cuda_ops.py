@@ -257,7 +257,7 @@ def test_empty_tensors_launch_nothing(be, rng):
     w, b = randn(rng, C), randn(rng, C)
     empty = be.from_host(np.zeros((0, T, C), np.float32))
     out, mean, rstd = be.layernorm_forward(empty, be.from_host(w), be.from_host(b))
-    assert out.shape == (0, T, C) and mean.shape == (0, T)
+    assert out.shape == (0, T, C) and mean.shape == rstd.shape == (0, T)
     assert be.gelu_forward(empty).shape == (0, T, C)
     assert be.residual_forward(empty, empty).shape == (0, T, C)
     be.synchronize()
