@@ -192,3 +192,53 @@ def test_the_command_line_trains_in_bf16_on_the_gpu():
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.stdout.splitlines()
               if line.startswith("step ")]
     assert len(losses) == 40 and np.mean(losses[-5:]) < losses[0] - 0.5
+
+
+# ---------------------------------------------------------------------------- flash attention
+
+def _relative(got, want) -> float:
+    return float(np.linalg.norm((got - want).ravel()) / np.linalg.norm(want.ravel()))
+
+
+@pytest.mark.parametrize("T", [1, 64, 130, 256])
+def test_flash_attention_matches_the_emulation_and_the_standard_path(be, rng, T):
+    """kernels/flash_attention.cu against numpy_ops.flash_attention_* (bf16 emulation) and against the
+    GPU's own standard path. The kernel rounds the probabilities to bf16 before P V (the oracle keeps
+    them float), so outputs agree to a few bf16 roundings, norm-wise ~1e-3; a wrong tile, mask or
+    rescale is off by O(1). T = 130 leaves a ragged last tile, T = 1 a tile of one row."""
+    B, NH, C = 2, 3, 3 * 64
+    qkv = REF.from_host_act(rng.standard_normal((B, T, 3 * C)).astype(np.float32))
+    dout = REF.from_host_act(rng.standard_normal((B, T, C)).astype(np.float32))
+    out_ref, lse_ref = REF.flash_attention_forward(qkv, NH)
+    dqkv_ref = REF.flash_attention_backward(dout, qkv, out_ref, lse_ref, NH)
+
+    d_qkv, d_dout = be.from_host_act(qkv), be.from_host_act(dout)
+    out, lse = be.flash_attention_forward(d_qkv, NH)
+    dqkv = be.flash_attention_backward(d_dout, d_qkv, out, lse, NH)
+    out_h, lse_h, dqkv_h = be.to_host(out), be.to_host(lse), be.to_host(dqkv)
+    assert np.all(np.isfinite(out_h)) and np.all(np.isfinite(dqkv_h)), "unwritten output (poisoned memory)"
+    assert _relative(out_h, out_ref) < 1e-2, _relative(out_h, out_ref)
+    assert np.max(np.abs(lse_h - lse_ref)) < 1e-2
+    assert _relative(dqkv_h, dqkv_ref) < 2e-2, _relative(dqkv_h, dqkv_ref)
+
+    std_out, att = be.attention_forward(d_qkv, NH)
+    std_dqkv = be.to_host(be.attention_backward(d_dout, d_qkv, att, NH))
+    assert _relative(out_h, be.to_host(std_out)) < 1e-2
+    assert _relative(dqkv_h, std_dqkv) < 2e-2
+
+    # no atomics: the same inputs give the same bits
+    again_out, again_lse = be.flash_attention_forward(d_qkv, NH)
+    again = be.flash_attention_backward(d_dout, d_qkv, again_out, again_lse, NH)
+    assert np.array_equal(be.to_host(again), dqkv_h) and np.array_equal(be.to_host(again_out), out_h)
+
+
+def test_flash_attention_trains_like_the_emulation_and_the_standard_path(corpus):
+    """A 64-channel-head model (small) on 2 virtual ranks: --attention flash follows the numpy emulation of
+    the same and the GPU's standard attention, with bitwise ranks."""
+    common = {"model": "small", "seq": 128, "batch": 4, "steps": 4, "world_size": 2}
+    flash = _train(corpus, backend="cuda", attention="flash", **common)
+    emulated = _train(corpus, backend="numpy", attention="flash", **common)
+    standard = _train(corpus, backend="cuda", **common)
+    for other in (emulated, standard):
+        np.testing.assert_allclose(flash["losses"], other["losses"], rtol=5e-3)
+    assert len(set(flash["param_sha256"])) == 1

@@ -76,9 +76,9 @@ def test_state_dict_round_trip_and_views_share_the_flat_buffer():
     assert np.shares_memory(model.g.wte, model.grads)
 
 
-def randomised_model(seed=0):
+def randomised_model(seed=0, attention="standard"):
     """A float64 model with every parameter random (biases, gains too), so no gradient term is hidden."""
-    model = GPT2(SMALL, numpy_ops, seed=seed, dtype=np.float64)
+    model = GPT2(SMALL, numpy_ops, seed=seed, dtype=np.float64, attention=attention)
     rng = np.random.default_rng(seed)
     used = np.zeros(model.size, dtype=bool)
     for s in model.layout:
@@ -87,8 +87,9 @@ def randomised_model(seed=0):
     return model, used
 
 
-def test_whole_model_gradient_matches_finite_differences():
-    model, used = randomised_model()
+@pytest.mark.parametrize("attention", ["standard", "flash"])
+def test_whole_model_gradient_matches_finite_differences(attention):
+    model, used = randomised_model(attention=attention)
     rng = np.random.default_rng(1)
     B, T = 3, SMALL.n_ctx
     ids = rng.integers(0, SMALL.vocab_size, (B, T)).astype(np.int32)

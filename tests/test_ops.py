@@ -143,6 +143,34 @@ def test_attention_backward_matches_finite_differences(rng):
     assert_grad_close(dqkv, numeric_grad(f, qkv, dout, n_probe=qkv.size))
 
 
+def test_flash_attention_is_the_same_function(rng):
+    """Forward keeps each row's log-sum-exp instead of the probabilities and gives the same output;
+    backward, from out and lse alone, gives the same gradient (both float64: to rounding)."""
+    B, T, C, NH = 2, 6, 12, 3
+    qkv = rng.standard_normal((B, T, 3 * C))
+    dout = rng.standard_normal((B, T, C))
+    out, att = ops.attention_forward(qkv, NH)
+    flash_out, lse = ops.flash_attention_forward(qkv, NH)
+    np.testing.assert_allclose(flash_out, out, rtol=1e-12, atol=1e-14)
+    assert lse.shape == (B, NH, T)
+    q, k, _ = qkv.reshape(B, T, 3, NH, C // NH).transpose(2, 0, 3, 1, 4)
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(C // NH)
+    mask = np.tril(np.ones((T, T), dtype=bool))
+    np.testing.assert_allclose(lse, np.log(np.where(mask, np.exp(scores), 0).sum(-1)), rtol=1e-12)
+    np.testing.assert_allclose(ops.flash_attention_backward(dout, qkv, flash_out, lse, NH),
+                               ops.attention_backward(dout, qkv, att, NH), rtol=1e-10, atol=1e-12)
+
+
+def test_flash_attention_backward_matches_finite_differences(rng):
+    B, T, C, NH = 2, 4, 8, 2
+    qkv = rng.standard_normal((B, T, 3 * C))
+    dout = rng.standard_normal((B, T, C))
+    out, lse = ops.flash_attention_forward(qkv, NH)
+    dqkv = ops.flash_attention_backward(dout, qkv, out, lse, NH)
+    f = lambda: ops.flash_attention_forward(qkv, NH)[0]  # noqa: E731
+    assert_grad_close(dqkv, numeric_grad(f, qkv, dout, n_probe=qkv.size))
+
+
 def test_gelu_matches_tanh_formula_and_finite_differences(rng):
     x = rng.standard_normal((3, 7)) * 3
     expected = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))

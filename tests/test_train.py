@@ -101,3 +101,26 @@ def test_a_rank_that_raises_ends_the_run(corpus, monkeypatch):
     with pytest.raises(RankFailed) as info:
         run(corpus, 2, steps=5)
     assert str(info.value.error) == "injected failure"
+
+
+@pytest.mark.parametrize("dtype, rtol", [("fp32", 1e-5), ("bf16", 5e-3)])
+def test_flash_attention_trains_like_the_standard_one(corpus, dtype, rtol):
+    """The same function computed another way: the curves agree to rounding (bf16 rounds the
+    probabilities at other points), and ranks stay bitwise equal."""
+    standard = run(corpus, 2, steps=6, dtype=dtype)
+    flash = run(corpus, 2, steps=6, dtype=dtype, attention="flash")
+    assert_curves_close(flash["losses"], standard["losses"], rtol)
+    assert len(set(flash["param_sha256"])) == 1
+
+
+def test_flash_attention_on_cuda_needs_bf16_and_64_channel_heads():
+    from xtrain_dist.backend.cuda_ops import check_flash_attention
+    from xtrain_dist.errors import XtrainError
+
+    check_flash_attention("bf16", 64, "gpt2-124m")
+    with pytest.raises(XtrainError, match=r"^--attention flash on --backend cuda needs --dtype bf16 "):
+        check_flash_attention("fp32", 64, "gpt2-124m")
+    with pytest.raises(XtrainError) as info:
+        check_flash_attention("bf16", 16, "tiny")
+    assert str(info.value) == ("--attention flash on --backend cuda needs 64-channel heads (GPT-2's); "
+                               "model 'tiny' has 16")

@@ -61,7 +61,7 @@ EOS = "<|endoftext|>"
 # settings a resumed run may change (they take effect from its first step); anything that would
 # change the model, the data or the batches it draws must match the checkpoint
 CHANGEABLE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps",
-              "grad_clip", "backend", "grad_sync")
+              "grad_clip", "backend", "grad_sync", "attention")
 
 
 def optimizer_file(rank: int | None) -> str:

@@ -83,6 +83,7 @@ class TrainConfig:
     grad_accum: int = 1             # micro-batches per optimizer step; communication after the last
     # ---- precision (precision.py) ----
     dtype: str = "fp32"             # fp32 | bf16: bf16 activations and matmuls, fp32 master weights and grads
+    attention: str = "standard"     # standard | flash: keep the T x T probabilities, or recompute them (model.py)
     # output
     report: str | None = None
     log_every: int = 1

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from .config import GPTConfig
+from .errors import XtrainError
 
 ALIGN = 32  # elements; 128 bytes of float32
 INIT_STD = 0.02
@@ -102,6 +103,15 @@ def init_weights(config: GPTConfig, seed: int) -> np.ndarray:
     return flat
 
 
+ATTENTIONS = ("standard", "flash")
+
+
+def check_attention(attention: str) -> str:
+    if attention not in ATTENTIONS:
+        raise XtrainError(f"unknown --attention '{attention}' (choose from {', '.join(ATTENTIONS)})")
+    return attention
+
+
 @dataclass
 class _LayerActs:
     """What one block's backward needs from its forward."""
@@ -111,7 +121,7 @@ class _LayerActs:
     ln1_rstd: object
     qkv: object
     atty: object
-    att: object
+    att: object       # the softmax probabilities (standard attention) or each row's log-sum-exp (flash)
     x_mid: object
     ln2: object
     ln2_mean: object
@@ -124,9 +134,14 @@ class GPT2:
     """A GPT-2 whose parameters and gradients each live in one flat float32 buffer on the backend, with
     the parameters also in the activation dtype (`params_lowp`) when that is not float32."""
 
-    def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32):
+    def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32,
+                 attention: str = "standard"):
+        check_attention(attention)
         self.config = config
         self.ops = backend
+        # standard: attention keeps its (B, NH, T, T) probabilities for backward; flash: only a log-sum-exp
+        # per row, and backward recomputes them (the same function, less memory and traffic)
+        self.attention = attention
         self.layout, used = param_layout(config)
         # a caller that shards the buffers (ZeRO) may ask for a total divisible by the world size
         self.size = -(-used // pad_to_multiple) * pad_to_multiple
@@ -208,7 +223,10 @@ class GPT2:
         for w in p.h:
             ln1, ln1_mean, ln1_rstd = ops.layernorm_forward(x, w.ln_1_weight, w.ln_1_bias)
             qkv = ops.matmul_forward(ln1, w.attn_c_attn_weight, w.attn_c_attn_bias)
-            atty, att = ops.attention_forward(qkv, n_head)
+            if self.attention == "flash":
+                atty, att = ops.flash_attention_forward(qkv, n_head)
+            else:
+                atty, att = ops.attention_forward(qkv, n_head)
             attproj = ops.matmul_forward(atty, w.attn_c_proj_weight, w.attn_c_proj_bias)
             x_mid = ops.residual_forward(x, attproj)
             ln2, ln2_mean, ln2_rstd = ops.layernorm_forward(x_mid, w.ln_2_weight, w.ln_2_bias)
@@ -254,7 +272,10 @@ class GPT2:
             # attention: x_mid = x_in + c_proj(attention(c_attn(ln_1(x_in))))
             datty = ops.matmul_backward(gw.attn_c_proj_weight, gw.attn_c_proj_bias, dres, a.atty,
                                         w.attn_c_proj_weight)
-            dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head)
+            if self.attention == "flash":
+                dqkv = ops.flash_attention_backward(datty, a.qkv, a.atty, a.att, n_head)
+            else:
+                dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head)
             dln1 = ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv, a.ln1,
                                        w.attn_c_attn_weight)
             ops.layernorm_backward(dres, gw.ln_1_weight, gw.ln_1_bias, dln1, a.x_in, w.ln_1_weight,

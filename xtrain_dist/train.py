@@ -65,7 +65,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     """One rank's whole run. `resume`: what to restore from (a checkpoint.SharedRestore that the process's
     ranks share), by default cfg.resume."""
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
-    model = GPT2(model_config(cfg.model, corpus.vocab_size), backend, seed=cfg.seed)
+    model = GPT2(model_config(cfg.model, corpus.vocab_size), backend, seed=cfg.seed, attention=cfg.attention)
     # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
     step_comm = TimedCommunicator(comm, clock=backend)
     optimizer = make_optimizer(model, cfg, step_comm)

@@ -23,6 +23,7 @@ from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from .errors import XtrainError
 from .launch import RankFailed, run_thread_ranks
 from .launch_env import Launch, detect_launch, gpu_for, local_world_for
+from .model import ATTENTIONS
 from .train import train_rank
 
 PROG = "train_ddp"
@@ -81,6 +82,9 @@ def build_parser() -> OneLineParser:
     sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
     sync.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     prec = p.add_argument_group("precision (see README: Precision)")
+    prec.add_argument("--attention", choices=ATTENTIONS, default="standard",
+                      help="flash: keep one log-sum-exp per row instead of the T x T probabilities and recompute "
+                           "them in backward (cuda: a fused kernel, --dtype bf16, 64-channel heads)")
     prec.add_argument("--dtype", choices=precision.DTYPES, default="fp32",
                       help="bf16: bfloat16 activations and matmuls, float32 master weights, gradients and "
                            "optimizer state (default fp32)")
@@ -118,7 +122,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, eval_every=args.eval_every,
         eval_batches=args.eval_batches, metrics=args.metrics,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
-        grad_accum=args.grad_accum, dtype=args.dtype,
+        grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention,
     ).resolved()
 
 
@@ -130,6 +134,9 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     corpus.check_seq(cfg.seq)
     ddp.check_config(cfg)
     precision.check_config(cfg)
+    if cfg.attention == "flash" and cfg.backend == "cuda":
+        from .backend.cuda_ops import check_flash_attention
+        check_flash_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
 
 
 def cpu_threads_per_rank(ranks_on_node: int) -> int:

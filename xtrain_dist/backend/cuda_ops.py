@@ -77,6 +77,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "global_norm": ("sum_squares_partial", "sum_squares_finish", "clip_coefficient"),
     "scale": ("scale_inplace",),
     "bf16_round": ("bf16_round_inplace",),
+    "flash_attention": ("flash_attention_forward", "flash_attention_backward_dot", "flash_attention_backward_dkdv",
+                        "flash_attention_backward_dq"),
 }
 
 # --dtype -> the extra NVRTC options of the kernel variant a backend of that dtype loads
@@ -185,6 +187,20 @@ def _f32(*arrays) -> None:
 
 
 # ---------------------------------------------------------------------------- the backend
+
+FLASH_HEAD_SIZE, FLASH_TILE, FLASH_THREADS = 64, 64, 128  # kernels/flash_attention.cu (the dot kernel: a row per warp)
+
+
+def check_flash_attention(dtype: str, head_size: int, preset: str = "") -> None:
+    """What kernels/flash_attention.cu computes: bf16 on tensor cores, 64-channel heads (every GPT-2 size)."""
+    if dtype != "bf16":
+        raise XtrainError("--attention flash on --backend cuda needs --dtype bf16 (its products run on bf16 "
+                          "tensor cores; float32 runs use the standard attention)")
+    if head_size != FLASH_HEAD_SIZE:
+        model = f"model '{preset}' has" if preset else "this model has"
+        raise XtrainError(f"--attention flash on --backend cuda needs {FLASH_HEAD_SIZE}-channel heads (GPT-2's); "
+                          f"{model} {head_size}")
+
 
 def device_count() -> int:
     """How many CUDA devices this process sees; XtrainError if CuPy or a device is missing."""
@@ -550,6 +566,39 @@ class CudaBackend:
         self._merge_heads(out, (y,), C, B, n_head, T, hs)
         return out, att
 
+    def flash_attention_forward(self, qkv, n_head: int):
+        qkv = _contiguous(qkv)
+        self._act(qkv)
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        check_flash_attention(self.dtype, C // n_head)
+        _rows_16_byte_aligned(qkv)
+        out = cupy.empty((B, T, C), dtype=self.act_dtype)
+        lse = cupy.empty((B, n_head, T), dtype=cupy.float32)
+        self._launch(self._k.flash_attention_forward, (_cdiv(T, FLASH_TILE), n_head, B), (FLASH_THREADS,),
+                     out, lse, qkv, np.int32(T), np.int32(n_head))
+        return out, lse
+
+    def flash_attention_backward(self, dout, qkv, out, lse, n_head: int):
+        for a in (dout, qkv, out, lse):
+            _contiguous(a)
+        self._act(dout, qkv, out)
+        _f32(lse)
+        B, T, C3 = qkv.shape
+        check_flash_attention(self.dtype, C3 // 3 // n_head)
+        _rows_16_byte_aligned(qkv, dout, out)
+        D = cupy.empty((B, n_head, T), dtype=cupy.float32)
+        rows = B * n_head * T
+        self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_THREADS // 32),), (FLASH_THREADS,),
+                     D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))
+        dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)  # every element written: q by dq, k and v by dkdv
+        grid = (_cdiv(T, FLASH_TILE), n_head, B)
+        self._launch(self._k.flash_attention_backward_dkdv, grid, (FLASH_THREADS,),
+                     dqkv, dout, qkv, lse, D, np.int32(T), np.int32(n_head))
+        self._launch(self._k.flash_attention_backward_dq, grid, (FLASH_THREADS,),
+                     dqkv, dout, qkv, lse, D, np.int32(T), np.int32(n_head))
+        return dqkv
+
     def causal_softmax(self, scores):
         scores = _contiguous(scores)
         _f32(scores)
@@ -764,6 +813,13 @@ def _ids(ids):
     if ids.dtype != np.int32:
         ids = ids.astype(cupy.int32)
     return _contiguous(ids)
+
+
+def _rows_16_byte_aligned(*arrays) -> None:
+    """The flash kernels read and write whole 64-channel head rows with 16-byte accesses."""
+    for a in arrays:
+        if a.data.ptr % 16:
+            raise ValueError("cuda_ops flash attention: arrays must start on a 16-byte boundary")
 
 
 def _attention_scale(hs: int) -> float:

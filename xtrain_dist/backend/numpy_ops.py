@@ -253,6 +253,54 @@ class NumpyBackend:
         dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)
         return dqkv.reshape(B, T, C3)
 
+    # ------------------------------------------------------------------ flash attention (kernels/flash_attention.cu)
+    # The same function as attention_forward/backward, computed the way a fused kernel does: forward
+    # keeps each query row's log-sum-exp instead of the (B, NH, T, T) probabilities, and backward
+    # recomputes the probabilities from q, k and it. The model picks one pair (GPT2(attention=...)).
+
+    def flash_attention_forward(self, qkv, n_head: int):
+        """qkv (B, T, 3C) -> (out (B, T, C), lse (B, NH, T)), lse[b, h, i] = log sum_{j <= i} exp(score[i, j])
+        over the scores, float32 in every precision (float64 for the gradient checks' float64 inputs)."""
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        hs = C // n_head
+        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+        scores = self._causal_scores(q, k, hs)
+        top = scores.max(axis=-1, keepdims=True)
+        lse = (top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
+        att = np.exp(scores - lse[..., None])
+        y = self.store(att @ v)
+        return y.transpose(0, 2, 1, 3).reshape(B, T, C), lse
+
+    def flash_attention_backward(self, dout, qkv, out, lse, n_head: int):
+        """Gradient of flash_attention_forward with respect to qkv, from the forward's out and lse.
+
+        With P = exp(scores - lse) (recomputed) and D = rowsum(dout * out) (= rowsum(P * dP), which
+        the kernel reads from out instead of from P): dv = P^T dy, dscores = P (dy v^T - D) / sqrt(hs),
+        dq = dscores k, dk = dscores^T q. P and dscores are rounded to the activation dtype where the
+        kernel feeds them to a product, as attention_backward rounds att and dscores."""
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        hs = C // n_head
+        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+        att = self.store(np.exp(self._causal_scores(q, k, hs) - lse[..., None]))
+        dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+        y = out.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+        D = (dy * y).sum(axis=-1, keepdims=True)
+        dv = self.store(att.transpose(0, 1, 3, 2) @ dy)
+        scale = qkv.dtype.type(1.0 / np.sqrt(hs))
+        dscores = self.store(att * (dy @ v.transpose(0, 1, 3, 2) - D) * scale)
+        dq = self.store(dscores @ k)
+        dk = self.store(dscores.transpose(0, 1, 3, 2) @ q)
+        return np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(B, T, C3)
+
+    @staticmethod
+    def _causal_scores(q, k, hs):
+        """q k^T / sqrt(hs), -inf above the diagonal: the scores the softmax sees."""
+        T = q.shape[-2]
+        scores = (q @ k.transpose(0, 1, 3, 2)) * q.dtype.type(1.0 / np.sqrt(hs))
+        return np.where(np.triu(np.ones((T, T), dtype=bool), k=1), -np.inf, scores)
+
     def causal_softmax_backward(self, datt, att):
         """d scores = att * (datt - sum_j datt * att); zero above the diagonal because att is."""
         return self._softmax_backward(datt, att, 1)
@@ -387,6 +435,7 @@ OPS = ("to_host", "from_host", "from_host_act", "synchronize", "bind_side_thread
        "timestamp", "elapsed",
        "encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
        "matmul_backward", "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
+       "flash_attention_forward", "flash_attention_backward",
        "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_forward", "fused_classifier",
        "global_norm_squared", "clip_coefficient", "scale", "adamw_update", "lowp_copy", "bf16_round")
 
