@@ -22,22 +22,30 @@
 // where they enter a product, as the oracle does.
 //
 // Thread mapping for the elementwise work on a warp's 16 x 64 tile (scores, probabilities, gradients):
-// lane l owns row l / 2 and the 32 columns starting at (l % 2) * 32; the two lanes of a row combine
-// their maxima and sums with one shuffle. Shared memory per block stays under the 48 KB that needs
-// no opt-in: tiles are 64 x 64 bf16 (8 KB), each warp has a 16 x 64 float scratch (4 KB) whose first
-// half also holds the bf16 operand made from it (after a __syncwarp, once every lane has read).
+// lane l owns row l % 16 and the 32 columns starting at (l / 16) * 32, read and written 16 bytes at a
+// time; the two lanes of a row (l and l ^ 16) combine their maxima and sums with one shuffle. Shared
+// memory per block stays under the 48 KB that needs no opt-in: tiles are 64 x 64 bf16 (9 KB with
+// padded rows), and each warp has a scratch of 4.5 KB that holds a 16 x 64 float result, or, once every
+// lane has read that (a __syncwarp), the one or two bf16 operands made from it.
 //
-// The float32 build (floatX = float) has no bf16 tensor-core product: its entry points trap, and
-// cuda_ops refuses --attention flash without --dtype bf16 before anything runs.
+// The float32 build (floatX = float) has no bf16 tensor-core product, nor has a GPU before sm_80: their
+// entry points trap, and cuda_ops refuses --attention flash without --dtype bf16 before anything runs.
 #include "common.cuh"
 
-#if defined(XTRAIN_BF16)
+// bf16 tensor-core fragments exist from sm_80 on (cuda_ops' bf16 cuBLAS path needs sm_80 as well)
+#if defined(XTRAIN_BF16) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
 #include <mma.h>
 
 constexpr int FLASH_HS = 64;     // channels per head
 constexpr int FLASH_TILE = 64;   // query rows and key columns per tile
 constexpr int FLASH_WARPS = 4;   // 16 rows of a tile each
 constexpr int FLASH_THREADS = FLASH_WARPS * WARP_SIZE;
+// Row strides in shared memory, padded so that the 16 rows a warp touches at once start on different
+// banks (a stride of 64 puts them all on one): bf16 tiles and operands 72 (144 bytes), float scratch
+// and output rows 68 (272 bytes); WMMA takes any ld that is a multiple of 16 bytes.
+constexpr int TILE_LD = 72;
+constexpr int ACC_LD = 68;
+constexpr int SCRATCH_FLOATS = 16 * TILE_LD;  // a 16 x ACC_LD float view, or two 16 x TILE_LD bf16 operands
 
 namespace flash {
 using namespace nvcuda;
@@ -61,7 +69,7 @@ __device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, long long
 #pragma unroll
             for (int k = 0; k < 8; ++k) x[k] = __float2bfloat16_rn(0.0f);
         }
-        store_vec<8>(tile + row * FLASH_HS + col, x);
+        store_vec<8>(tile + row * TILE_LD + col, x);
     }
 }
 
@@ -82,37 +90,46 @@ __device__ __forceinline__ void product_16x64(FragC (&acc)[4], const FragA (&a)[
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             FragBType b;
-            const bf16* p = TRANSPOSED ? b_ptr + (n * 16) * FLASH_HS + kk * 16 : b_ptr + (kk * 16) * FLASH_HS + n * 16;
-            wmma::load_matrix_sync(b, p, FLASH_HS);
+            const bf16* p = TRANSPOSED ? b_ptr + (n * 16) * TILE_LD + kk * 16 : b_ptr + (kk * 16) * TILE_LD + n * 16;
+            wmma::load_matrix_sync(b, p, TILE_LD);
             wmma::mma_sync(acc[n], a[kk], b, acc[n]);
         }
     }
 }
 
-__device__ __forceinline__ void load_a(FragA (&a)[4], const bf16* tile_rows) {  // 16 x 64, row-major, ld 64
+__device__ __forceinline__ void load_a(FragA (&a)[4], const bf16* tile_rows) {  // 16 x 64, row-major, ld TILE_LD
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wmma::load_matrix_sync(a[kk], tile_rows + kk * 16, FLASH_HS);
+    for (int kk = 0; kk < 4; ++kk) wmma::load_matrix_sync(a[kk], tile_rows + kk * 16, TILE_LD);
 }
 
-__device__ __forceinline__ void store_acc(float* scratch, FragC (&acc)[4]) {  // 16 x 64 float, ld 64
+__device__ __forceinline__ void store_acc(float* scratch, FragC (&acc)[4]) {  // 16 x 64 float, ld ACC_LD
 #pragma unroll
-    for (int n = 0; n < 4; ++n) wmma::store_matrix_sync(scratch + n * 16, acc[n], FLASH_HS, wmma::mem_row_major);
+    for (int n = 0; n < 4; ++n) wmma::store_matrix_sync(scratch + n * 16, acc[n], ACC_LD, wmma::mem_row_major);
 }
 
 // The lane's 32 values of its row of a warp's 16 x 64 float scratch.
 __device__ __forceinline__ void read_row(float (&x)[32], const float* scratch, int r, int c0) {
 #pragma unroll
-    for (int c = 0; c < 32; ++c) x[c] = scratch[r * FLASH_HS + c0 + c];
+    for (int c = 0; c < 32; c += 4) {
+        const Vec<float, 4> v = load_vec<4>(scratch + r * ACC_LD + c0 + c);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) x[c + k] = v[k];
+    }
 }
 
-// The first half of a warp's float scratch, as a 16 x 64 bf16 operand (ld 64).
+// The start of a warp's float scratch, as a 16 x 64 bf16 operand (ld TILE_LD); a second one follows it.
 __device__ __forceinline__ bf16* operand_in(float* scratch) { return reinterpret_cast<bf16*>(scratch); }
 
-// Round the lane's 32 values to bf16 into its row of a 16 x 64 bf16 operand (ld 64). When the operand
-// lies in the scratch, every lane of the warp must have read the scratch first (the caller's __syncwarp).
+// Round the lane's 32 values to bf16 into its row of a 16 x 64 bf16 operand (ld TILE_LD), 8 to a store.
+// Every lane of the warp must have read the scratch first (the caller's __syncwarp): they overlap.
 __device__ __forceinline__ void write_operand(bf16* operand, const float (&x)[32], int r, int c0) {
 #pragma unroll
-    for (int c = 0; c < 32; ++c) operand[r * FLASH_HS + c0 + c] = __float2bfloat16_rn(x[c]);
+    for (int c = 0; c < 32; c += 8) {
+        Vec<bf16, 8> v;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = __float2bfloat16_rn(x[c + k]);
+        store_vec<8>(operand + r * TILE_LD + c0 + c, v);
+    }
 }
 
 // out[b, i, h, :] <- the lane's 32 values of a finished 16 x 64 float row, rounded to bf16.
@@ -145,12 +162,12 @@ __device__ __forceinline__ int tile_from_the_end() { return gridDim.x - 1 - bloc
 // --------------------------------------------------------------------------------------- forward
 
 __device__ void forward(bf16* out, float* lse, const bf16* qkv, int T, int NH) {
-    __shared__ __align__(128) bf16 kv[FLASH_TILE * FLASH_HS];                     // Q, then K, then V
-    __shared__ __align__(128) float scratch_all[FLASH_WARPS][16 * FLASH_HS];     // S, then P
-    __shared__ __align__(128) float o_all[FLASH_WARPS][16 * FLASH_HS];           // the running output
+    __shared__ __align__(128) bf16 kv[FLASH_TILE * TILE_LD];                 // Q, then K, then V
+    __shared__ __align__(128) float scratch_all[FLASH_WARPS][SCRATCH_FLOATS];  // S, then P
+    __shared__ __align__(128) float o_all[FLASH_WARPS][16 * ACC_LD];          // the running output
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int r = lane / 2, c0 = (lane % 2) * 32;
+    const int r = lane % 16, c0 = (lane / 16) * 32;
     const int qt = tile_from_the_end(), h = blockIdx.y, b = blockIdx.z;
     const int q0 = qt * FLASH_TILE;
     const int C = NH * FLASH_HS;
@@ -163,9 +180,9 @@ __device__ void forward(bf16* out, float* lse, const bf16* qkv, int T, int NH) {
     FragA q[4];
     load_tile(kv, base, ld, q0, T);
     __syncthreads();
-    load_a(q, kv + warp * 16 * FLASH_HS);
+    load_a(q, kv + warp * 16 * TILE_LD);
 #pragma unroll
-    for (int c = 0; c < 32; ++c) o[r * FLASH_HS + c0 + c] = 0.0f;
+    for (int c = 0; c < 32; ++c) o[r * ACC_LD + c0 + c] = 0.0f;
     float m = neg_inf(), l = 0.0f;
 
     for (int kt = 0; kt <= qt; ++kt) {
@@ -189,7 +206,7 @@ __device__ void forward(bf16* out, float* lse, const bf16* qkv, int T, int NH) {
             s[c] = (j <= i && i < T) ? s[c] * SCALE : neg_inf();
             tile_max = fmaxf(tile_max, s[c]);
         }
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 16));
         const float m_new = fmaxf(m, tile_max);
         // rows past T (or, never, a row without a key yet) keep m = -inf: their p and alpha are 0
         const float alpha = m_new == neg_inf() ? 0.0f : expf(m - m_new);
@@ -200,20 +217,20 @@ __device__ void forward(bf16* out, float* lse, const bf16* qkv, int T, int NH) {
             s[c] = p;  // rounded as it enters P V, and summed as rounded, so l normalises what O holds
             row_sum += p;
         }
-        row_sum += __shfl_xor_sync(FULL_MASK, row_sum, 1);
+        row_sum += __shfl_xor_sync(FULL_MASK, row_sum, 16);
         l = l * alpha + row_sum;
         m = m_new;
         __syncwarp();
         write_operand(operand_in(scratch), s, r, c0);
 #pragma unroll
-        for (int c = 0; c < 32; ++c) o[r * FLASH_HS + c0 + c] *= alpha;
+        for (int c = 0; c < 32; ++c) o[r * ACC_LD + c0 + c] *= alpha;
         __syncwarp();
         __syncthreads();  // V is in
 
         FragA p[4];
         load_a(p, operand_in(scratch));
 #pragma unroll
-        for (int n = 0; n < 4; ++n) wmma::load_matrix_sync(acc[n], o + n * 16, FLASH_HS, wmma::mem_row_major);
+        for (int n = 0; n < 4; ++n) wmma::load_matrix_sync(acc[n], o + n * 16, ACC_LD, wmma::mem_row_major);
         product_16x64<FragB, false>(acc, p, kv, true);  // O += P V
         store_acc(o, acc);
     }
@@ -263,14 +280,14 @@ __device__ __forceinline__ void recompute_p(float (&p)[32], const float* scratch
 
 __device__ void backward_dkdv(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D,
                               int T, int NH) {
-    __shared__ __align__(128) bf16 q_tile[FLASH_TILE * FLASH_HS];    // K, then each Q tile
-    __shared__ __align__(128) bf16 do_tile[FLASH_TILE * FLASH_HS];   // V, then each dout tile
-    __shared__ __align__(128) float scratch_all[FLASH_WARPS][16 * FLASH_HS];  // S^T and P^T, then dP^T and dS^T
-    __shared__ __align__(128) bf16 v_all[FLASH_WARPS][16 * FLASH_HS];         // each warp's 16 rows of V
+    __shared__ __align__(128) bf16 q_tile[FLASH_TILE * TILE_LD];    // K, then each Q tile
+    __shared__ __align__(128) bf16 do_tile[FLASH_TILE * TILE_LD];   // V, then each dout tile
+    __shared__ __align__(128) float scratch_all[FLASH_WARPS][SCRATCH_FLOATS];  // S^T, then dP^T, then P^T and dS^T
+    __shared__ __align__(128) bf16 v_all[FLASH_WARPS][16 * TILE_LD];          // each warp's 16 rows of V
     __shared__ float lse_tile[FLASH_TILE], d_tile[FLASH_TILE];
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int r = lane / 2, c0 = (lane % 2) * 32;
+    const int r = lane % 16, c0 = (lane / 16) * 32;
     const int kt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // light tiles are the high kt: no reversal needed
     const int k0 = kt * FLASH_TILE;
     const int C = NH * FLASH_HS;
@@ -288,8 +305,8 @@ __device__ void backward_dkdv(bf16* dqkv, const bf16* dout, const bf16* qkv, con
     load_tile(q_tile, base + C, ld, k0, T);
     load_tile(do_tile, base + 2 * C, ld, k0, T);
     __syncthreads();
-    load_a(k, q_tile + warp * 16 * FLASH_HS);
-    for (int e = lane; e < 16 * FLASH_HS; e += WARP_SIZE) v_rows[e] = do_tile[warp * 16 * FLASH_HS + e];
+    load_a(k, q_tile + warp * 16 * TILE_LD);
+    for (int e = lane; e < 16 * TILE_LD; e += WARP_SIZE) v_rows[e] = do_tile[warp * 16 * TILE_LD + e];
     FragC dk[4], dv[4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
@@ -325,11 +342,11 @@ __device__ void backward_dkdv(bf16* dqkv, const bf16* dout, const bf16* qkv, con
         for (int c = 0; c < 32; ++c) ds[c] = p[c] * (ds[c] - d_tile[c0 + c]) * SCALE;
         __syncwarp();  // every lane has read dP^T: the two bf16 operands take its place
         write_operand(operand_in(scratch), p, r, c0);
-        write_operand(operand_in(scratch) + 16 * FLASH_HS, ds, r, c0);
+        write_operand(operand_in(scratch) + 16 * TILE_LD, ds, r, c0);
         __syncwarp();
         load_a(a, operand_in(scratch));
         product_16x64<FragB, false>(dv, a, do_tile, true);  // dV += P^T dout
-        load_a(a, operand_in(scratch) + 16 * FLASH_HS);
+        load_a(a, operand_in(scratch) + 16 * TILE_LD);
         product_16x64<FragB, false>(dk, a, q_tile, true);  // dK += dS^T Q
     }
 
@@ -342,12 +359,12 @@ __device__ void backward_dkdv(bf16* dqkv, const bf16* dout, const bf16* qkv, con
 
 __device__ void backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D,
                             int T, int NH) {
-    __shared__ __align__(128) bf16 k_tile[FLASH_TILE * FLASH_HS];   // Q, then each K tile
-    __shared__ __align__(128) bf16 v_tile[FLASH_TILE * FLASH_HS];   // dout, then each V tile
-    __shared__ __align__(128) float scratch_all[FLASH_WARPS][16 * FLASH_HS];
+    __shared__ __align__(128) bf16 k_tile[FLASH_TILE * TILE_LD];   // Q, then each K tile
+    __shared__ __align__(128) bf16 v_tile[FLASH_TILE * TILE_LD];   // dout, then each V tile
+    __shared__ __align__(128) float scratch_all[FLASH_WARPS][SCRATCH_FLOATS];
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int r = lane / 2, c0 = (lane % 2) * 32;
+    const int r = lane % 16, c0 = (lane / 16) * 32;
     const int qt = tile_from_the_end(), h = blockIdx.y, b = blockIdx.z;
     const int q0 = qt * FLASH_TILE;
     const int C = NH * FLASH_HS;
@@ -362,8 +379,8 @@ __device__ void backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const
     load_tile(k_tile, base, ld, q0, T);
     load_tile(v_tile, dout + (long long)b * T * C + (long long)h * FLASH_HS, C, q0, T);
     __syncthreads();
-    load_a(q, k_tile + warp * 16 * FLASH_HS);
-    load_a(dy, v_tile + warp * 16 * FLASH_HS);
+    load_a(q, k_tile + warp * 16 * TILE_LD);
+    load_a(dy, v_tile + warp * 16 * TILE_LD);
     FragC dq[4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) wmma::fill_fragment(dq[n], 0.0f);
