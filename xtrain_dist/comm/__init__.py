@@ -65,3 +65,13 @@ def shard_offsets(total: int, world_size: int, counts=None) -> list[int]:
     for c in counts:
         offsets.append(offsets[-1] + int(c))
     return offsets
+
+
+def rank_share_offsets(total: int, world_size: int, rank: int, counts, given: int, role: str) -> list[int]:
+    """shard_offsets, after checking that this rank's own buffer (`role`: reduce_scatter's "recv",
+    all_gather's "send") holds `given` elements, exactly its share. A mismatch is a bug: ValueError."""
+    offsets = shard_offsets(total, world_size, counts)
+    share = offsets[rank + 1] - offsets[rank]
+    if given != share:
+        raise ValueError(f"rank {rank}: {role} has {given} elements, its share is {share}")
+    return offsets

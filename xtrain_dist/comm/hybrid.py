@@ -8,7 +8,7 @@ MPI_THREAD_SERIALIZED and the process communicators stay one-rank-per-process. E
 bits: the cross-process result is computed once per element and copied.
 """
 
-from . import shard_offsets
+from . import rank_share_offsets, shard_offsets
 
 
 class HybridCommunicator:
@@ -28,10 +28,8 @@ class HybridCommunicator:
     def reduce_scatter(self, send, recv, counts=None) -> None:
         # one all-reduce of a copy, then this rank's share: twice the traffic of a true reduce-scatter,
         # and obviously the same bits as all_reduce
-        offsets = shard_offsets(send.size, self.world_size, counts)
+        offsets = rank_share_offsets(send.size, self.world_size, self.rank, counts, recv.size, "recv")
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
-        if recv.size != hi - lo:
-            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {hi - lo}")
         total = send.reshape(-1).copy()
         self.all_reduce(total)
         recv.reshape(-1)[...] = total[lo:hi]

@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from . import CommAborted, shard_offsets
+from . import CommAborted, rank_share_offsets
 
 # Elements summed per pass: 512 KiB of float32, half of this machine's L2, so the accumulator stays
 # in cache while each rank's slice of the block streams through it.
@@ -117,10 +117,8 @@ class LocalCommunicator:
         self._done(buf, "all_reduce")
 
     def reduce_scatter(self, send, recv, counts=None) -> None:
-        offsets = shard_offsets(send.size, self.world_size, counts)
+        offsets = rank_share_offsets(send.size, self.world_size, self.rank, counts, recv.size, "recv")
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
-        if recv.size != hi - lo:
-            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {hi - lo}")
         out = recv.reshape(-1)
         if self.world_size == 1:
             if not np.shares_memory(out, send):  # in place there is nothing to do
@@ -131,10 +129,7 @@ class LocalCommunicator:
         self._done(recv, "reduce_scatter")
 
     def all_gather(self, send, recv, counts=None) -> None:
-        offsets = shard_offsets(recv.size, self.world_size, counts)
-        if send.size != offsets[self.rank + 1] - offsets[self.rank]:
-            raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is "
-                             f"{offsets[self.rank + 1] - offsets[self.rank]}")
+        offsets = rank_share_offsets(recv.size, self.world_size, self.rank, counts, send.size, "send")
         sends = self._post(send, "all_gather")
         out = recv.reshape(-1)
         for r, s in enumerate(sends):

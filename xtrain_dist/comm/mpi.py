@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from ..errors import XtrainError
-from . import CommAborted, shard_offsets
+from . import CommAborted, rank_share_offsets
 from .local import _chunk
 
 
@@ -113,11 +113,9 @@ class MpiCommunicator:
         """recv = the rank-order sum of every rank's share `rank` of send (recv may be that share itself)."""
         self._check("reduce_scatter")
         flat, world = _flat(send), self.world_size
-        offsets = shard_offsets(flat.size, world, counts)
+        offsets = rank_share_offsets(flat.size, world, self.rank, counts, recv.size, "recv")
         sizes = [offsets[r + 1] - offsets[r] for r in range(world)]
         mine = sizes[self.rank]
-        if recv.size != mine:
-            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {mine}")
         copies = np.empty(world * mine, flat.dtype)
         self._wait(self.comm.Ialltoallv([flat, (sizes, offsets[:-1])],
                                         [copies, ([mine] * world, [r * mine for r in range(world)])]),
@@ -131,10 +129,8 @@ class MpiCommunicator:
         """recv's share r = rank r's send, for every r (send may be recv's own share)."""
         self._check("all_gather")
         out, world = _flat(recv), self.world_size
-        offsets = shard_offsets(out.size, world, counts)
+        offsets = rank_share_offsets(out.size, world, self.rank, counts, send.size, "send")
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
-        if send.size != hi - lo:
-            raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {hi - lo}")
         out[lo:hi] = send.reshape(-1)  # then in place: MPI forbids a send buffer inside the receive buffer
         sizes = [offsets[r + 1] - offsets[r] for r in range(world)]
         self._wait(self.comm.Iallgatherv(self.MPI.IN_PLACE, [out, (sizes, offsets[:-1])]), "all_gather")

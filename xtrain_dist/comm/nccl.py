@@ -33,7 +33,7 @@ import threading
 import time
 
 from ..errors import XtrainError
-from . import CommAborted, shard_offsets
+from . import CommAborted, rank_share_offsets
 
 WATCHDOG_PERIOD_S = 0.2
 
@@ -205,10 +205,8 @@ class NcclCommunicator:
         """Equal shares: ncclReduceScatter; unequal ones (counts): one ncclReduce per rank to its owner,
         in one group. recv may be send's own share (in place)."""
         data_type, s = self._args(send, dtype, stream)
-        offsets = shard_offsets(send.size, self.world_size, counts)
+        offsets = rank_share_offsets(send.size, self.world_size, self.rank, counts, recv.size, "recv")
         sizes = [offsets[r + 1] - offsets[r] for r in range(self.world_size)]
-        if recv.size != sizes[self.rank]:
-            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {sizes[self.rank]}")
         raw, nccl, item, sum_op = self.world.raw, self.world.nccl, send.dtype.itemsize, int(self.world.nccl.SUM)
 
         def call(h):
@@ -229,10 +227,8 @@ class NcclCommunicator:
         """Equal shares: ncclAllGather; unequal ones (counts): one ncclBroadcast per rank from its owner,
         in one group. send may be recv's own share (in place)."""
         data_type, s = self._args(send, dtype, stream)
-        offsets = shard_offsets(recv.size, self.world_size, counts)
+        offsets = rank_share_offsets(recv.size, self.world_size, self.rank, counts, send.size, "send")
         sizes = [offsets[r + 1] - offsets[r] for r in range(self.world_size)]
-        if send.size != sizes[self.rank]:
-            raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {sizes[self.rank]}")
         raw, nccl, cupy, item = self.world.raw, self.world.nccl, self.world.cupy, recv.dtype.itemsize
         mine = recv.data.ptr + offsets[self.rank] * item
 

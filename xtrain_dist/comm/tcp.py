@@ -16,7 +16,7 @@ import struct
 
 import numpy as np
 
-from . import CommAborted, shard_offsets
+from . import CommAborted, rank_share_offsets
 from .rendezvous import close_all
 
 _HEADER = struct.Struct("!BIQ")  # operation, sequence number, payload bytes
@@ -105,20 +105,16 @@ class TcpCommunicator:
 
     def reduce_scatter(self, send, recv, counts=None) -> None:
         """One all-reduce of a copy, then this rank's share (send itself is left as it was)."""
-        offsets = shard_offsets(send.size, self.world_size, counts)
+        offsets = rank_share_offsets(send.size, self.world_size, self.rank, counts, recv.size, "recv")
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
-        if recv.size != hi - lo:
-            raise ValueError(f"rank {self.rank}: recv has {recv.size} elements, its share is {hi - lo}")
         total = _flat(send).copy()
         self.all_reduce(total)
         _flat(recv)[...] = total[lo:hi]
 
     def all_gather(self, send, recv, counts=None) -> None:
         out = _flat(recv)
-        offsets = shard_offsets(out.size, self.world_size, counts)
+        offsets = rank_share_offsets(out.size, self.world_size, self.rank, counts, send.size, "send")
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
-        if send.size != hi - lo:
-            raise ValueError(f"rank {self.rank}: send has {send.size} elements, its share is {hi - lo}")
         self._begin("all_gather")
         out[lo:hi] = send.reshape(-1)  # a no-op when send is recv's own share
         if self.world_size == 1:
