@@ -96,19 +96,25 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
-// Sum over a 1-D block whose size is a multiple of 32 (at most 1024). `scratch` holds 32 T in shared
-// memory. Every thread gets the total. The leading __syncthreads lets a caller reuse `scratch` for
-// consecutive reductions.
-template <typename T>
-__device__ T block_sum(T x, T* scratch) {
+// A warp reduction over a 1-D block whose size is a multiple of 32 (at most 1024): every warp reduces,
+// lane 0 of each parks its result in `scratch` (32 T in shared memory), and each warp reduces those again
+// (`identity` past the last warp). Every thread gets the result. The leading __syncthreads lets a caller
+// reuse `scratch` for consecutive reductions.
+template <typename T, typename WarpReduce>
+__device__ T block_reduce(T x, T* scratch, T identity, WarpReduce warp_reduce) {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int n_warps = blockDim.x / WARP_SIZE;
-    x = warp_sum(x);
+    x = warp_reduce(x);
     __syncthreads();
     if (lane == 0) scratch[warp] = x;
     __syncthreads();
-    x = lane < n_warps ? scratch[lane] : T(0);
-    return warp_sum(x);
+    x = lane < n_warps ? scratch[lane] : identity;
+    return warp_reduce(x);
+}
+
+template <typename T>
+__device__ T block_sum(T x, T* scratch) {
+    return block_reduce(x, scratch, T(0), [](T v) { return warp_sum(v); });
 }
 
 // A running softmax denominator: sum of exp(x - max) over the values seen, with the max seen.
@@ -150,16 +156,9 @@ __device__ __forceinline__ SoftmaxState warp_softmax_merge(SoftmaxState s) {
     return {__shfl_sync(FULL_MASK, s.max, 0), __shfl_sync(FULL_MASK, s.sum, 0)};
 }
 
-// Block-wide merge, same contract as block_sum; `scratch` holds 32 states.
+// Block-wide merge (block_reduce); `scratch` holds 32 states.
 __device__ SoftmaxState block_softmax_merge(SoftmaxState s, SoftmaxState* scratch) {
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int n_warps = blockDim.x / WARP_SIZE;
-    s = warp_softmax_merge(s);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = s;
-    __syncthreads();
-    s = lane < n_warps ? scratch[lane] : softmax_init();
-    return warp_softmax_merge(s);
+    return block_reduce(s, scratch, softmax_init(), [](SoftmaxState v) { return warp_softmax_merge(v); });
 }
 
 // ------------------------------------------------------------------------------------ row visits
