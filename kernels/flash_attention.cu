@@ -156,6 +156,22 @@ __device__ __forceinline__ void store_rows(bf16* dst, FragC (&acc)[4], float* sc
     }
 }
 
+// Who this thread is and where its head starts, as every tile kernel begins: warp and lane, the lane's row
+// r and first column c0 of the warp's 16 x 64 tile, head h and batch b (grid y and z), C = NH * 64, the
+// row length ld = 3C of qkv and dqkv, and qkv's row t = 0 at head h (part q).
+struct Place {
+    int warp, lane, r, c0, h, b, C;
+    long long ld;
+    const bf16* base;
+};
+
+__device__ __forceinline__ Place this_place(const bf16* qkv, int T, int NH) {
+    const int lane = threadIdx.x % WARP_SIZE, h = blockIdx.y, b = blockIdx.z, C = NH * FLASH_HS;
+    const long long ld = 3LL * C;
+    return {(int)(threadIdx.x / WARP_SIZE), lane, lane % 16, (lane / 16) * 32, h, b, C, ld,
+            qkv + (long long)b * T * ld + (long long)h * FLASH_HS};
+}
+
 // Heavy tiles first: the query tile with the most key tiles to its left starts first.
 __device__ __forceinline__ int tile_from_the_end() { return gridDim.x - 1 - blockIdx.x; }
 
@@ -166,13 +182,9 @@ __device__ void forward(bf16* out, float* lse, const bf16* qkv, int T, int NH) {
     __shared__ __align__(128) float scratch_all[FLASH_WARPS][SCRATCH_FLOATS];  // S, then P
     __shared__ __align__(128) float o_all[FLASH_WARPS][16 * ACC_LD];          // the running output
 
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int r = lane % 16, c0 = (lane / 16) * 32;
-    const int qt = tile_from_the_end(), h = blockIdx.y, b = blockIdx.z;
+    const auto [warp, lane, r, c0, h, b, C, ld, base] = this_place(qkv, T, NH);
+    const int qt = tile_from_the_end();
     const int q0 = qt * FLASH_TILE;
-    const int C = NH * FLASH_HS;
-    const long long ld = 3LL * C;
-    const bf16* base = qkv + (long long)b * T * ld + (long long)h * FLASH_HS;  // (b, t = 0, head h) of q
     float* scratch = scratch_all[warp];
     float* o = o_all[warp];
     const int i = q0 + warp * 16 + r;  // this lane's query
@@ -286,13 +298,9 @@ __device__ void backward_dkdv(bf16* dqkv, const bf16* dout, const bf16* qkv, con
     __shared__ __align__(128) bf16 v_all[FLASH_WARPS][16 * TILE_LD];          // each warp's 16 rows of V
     __shared__ float lse_tile[FLASH_TILE], d_tile[FLASH_TILE];
 
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int r = lane % 16, c0 = (lane / 16) * 32;
-    const int kt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // light tiles are the high kt: no reversal needed
+    const auto [warp, lane, r, c0, h, b, C, ld, base] = this_place(qkv, T, NH);
+    const int kt = blockIdx.x;  // light tiles are the high kt: no reversal needed
     const int k0 = kt * FLASH_TILE;
-    const int C = NH * FLASH_HS;
-    const long long ld = 3LL * C;
-    const bf16* base = qkv + (long long)b * T * ld + (long long)h * FLASH_HS;
     const bf16* dout_base = dout + (long long)b * T * C + (long long)h * FLASH_HS;
     const float* lse_row = lse + ((long long)b * NH + h) * T;
     const float* d_row = D + ((long long)b * NH + h) * T;
@@ -363,13 +371,9 @@ __device__ void backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const
     __shared__ __align__(128) bf16 v_tile[FLASH_TILE * TILE_LD];   // dout, then each V tile
     __shared__ __align__(128) float scratch_all[FLASH_WARPS][SCRATCH_FLOATS];
 
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int r = lane % 16, c0 = (lane / 16) * 32;
-    const int qt = tile_from_the_end(), h = blockIdx.y, b = blockIdx.z;
+    const auto [warp, lane, r, c0, h, b, C, ld, base] = this_place(qkv, T, NH);
+    const int qt = tile_from_the_end();
     const int q0 = qt * FLASH_TILE;
-    const int C = NH * FLASH_HS;
-    const long long ld = 3LL * C;
-    const bf16* base = qkv + (long long)b * T * ld + (long long)h * FLASH_HS;
     const int i = q0 + warp * 16 + r;
     const float lse_i = i < T ? lse[((long long)b * NH + h) * T + i] : 0.0f;
     const float d_i = i < T ? D[((long long)b * NH + h) * T + i] : 0.0f;
