@@ -572,7 +572,7 @@ class CudaBackend:
         B, T, C3 = qkv.shape
         C = C3 // 3
         check_flash_attention(self.dtype, C // n_head)
-        _rows_16_byte_aligned(qkv)
+        self._flash_aligned(qkv)
         out = cupy.empty((B, T, C), dtype=self.act_dtype)
         lse = cupy.empty((B, n_head, T), dtype=cupy.float32)
         self._launch(self._k.flash_attention_forward, (_cdiv(T, FLASH_TILE), n_head, B), (FLASH_THREADS,),
@@ -586,7 +586,7 @@ class CudaBackend:
         _f32(lse)
         B, T, C3 = qkv.shape
         check_flash_attention(self.dtype, C3 // 3 // n_head)
-        _rows_16_byte_aligned(qkv, dout, out)
+        self._flash_aligned(qkv, dout, out)
         D = cupy.empty((B, n_head, T), dtype=cupy.float32)
         rows = B * n_head * T
         self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_THREADS // 32),), (FLASH_THREADS,),
@@ -598,6 +598,12 @@ class CudaBackend:
         self._launch(self._k.flash_attention_backward_dq, grid, (FLASH_THREADS,),
                      dqkv, dout, qkv, lse, D, np.int32(T), np.int32(n_head))
         return dqkv
+
+    def _flash_aligned(self, *arrays) -> None:
+        """The flash kernels read and write whole 64-channel head rows with 16-byte accesses: no scalar
+        fallback, so a misaligned array is an error (_vec says which the vector kernels may take)."""
+        if not _vec(self._vec_x, *arrays):
+            raise ValueError("cuda_ops flash attention: arrays must start on a 16-byte boundary")
 
     def causal_softmax(self, scores):
         scores = _contiguous(scores)
@@ -813,13 +819,6 @@ def _ids(ids):
     if ids.dtype != np.int32:
         ids = ids.astype(cupy.int32)
     return _contiguous(ids)
-
-
-def _rows_16_byte_aligned(*arrays) -> None:
-    """The flash kernels read and write whole 64-channel head rows with 16-byte accesses."""
-    for a in arrays:
-        if a.data.ptr % 16:
-            raise ValueError("cuda_ops flash attention: arrays must start on a 16-byte boundary")
 
 
 def _attention_scale(hs: int) -> float:
