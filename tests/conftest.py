@@ -7,12 +7,31 @@ No test depends on the thread count: results are compared within one process.
 """
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# XTRAIN_CUDASIM=1: `import cupy` gives tests/cudasim's stand-in, which runs kernels/*.cu on the CPU,
+# so the GPU tests run without a GPU (tests/test_cudasim.py does this in a subprocess; see
+# tests/cudasim/fake_cupy.py for what it checks and what it cannot).
+CUDASIM = os.environ.get("XTRAIN_CUDASIM") == "1"
+if CUDASIM:
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "cudasim"))
+    import fake_cupy
+
+    fake_cupy.install()
+
+
+def pytest_report_header(config):
+    if CUDASIM:
+        return (f"cudasim: GPU tests run on the CPU simulator (tests/cudasim), "
+                f"XTRAIN_CUDASIM_ORDER={os.environ.get('XTRAIN_CUDASIM_ORDER', 'forward')}")
+    return None
 
 
 def _gpu_usable() -> bool:
@@ -26,6 +45,15 @@ def _gpu_usable() -> bool:
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` skip, each with the reason, where no CUDA device is usable."""
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_tests and CUDASIM:
+        from xtrain_dist.backend import cuda_ops
+
+        for item in gpu_tests:
+            if item.get_closest_marker("real_gpu"):
+                item.add_marker(pytest.mark.skip(reason="needs a real GPU, not the CPU simulator"))
+
+        fake_cupy.prebuild([(cuda_ops.kernel_source(f), cuda_ops.nvrtc_options(dtype))
+                            for dtype in cuda_ops.PRECISIONS for f in cuda_ops.KERNELS])
     if gpu_tests and not _gpu_usable():
         for item in gpu_tests:
             item.add_marker(pytest.mark.skip(reason="no usable CUDA device"))

@@ -184,6 +184,7 @@ def test_bf16_ddp_options_follow_numpy_bf16(corpus, options):
     assert len(set(cuda["param_sha256"])) == 1
 
 
+@pytest.mark.real_gpu
 def test_the_command_line_trains_in_bf16_on_the_gpu():
     out = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "40", "8", "64", "--backend", "cuda",
                           "--model", "tiny", "--dtype", "bf16"], capture_output=True, text=True, timeout=300)

@@ -307,6 +307,7 @@ def test_tf32_products_run_in_their_own_thread(rng):
 
 
 
+@pytest.mark.real_gpu
 def test_the_clock_times_the_gpu_not_the_host(be, rng):
     """timestamp() marks a point in the stream: a span around a stall behind another stream's work
     measures the stall, though the host queued both marks in microseconds."""
@@ -416,6 +417,7 @@ def test_cuda_training_is_bitwise_reproducible():
     assert first["losses"] == second["losses"]
 
 
+@pytest.mark.real_gpu
 def test_the_command_line_trains_on_the_gpu():
     import subprocess
     import sys

@@ -1,0 +1,436 @@
+// cudasim.h: run kernels/*.cu on the CPU, one C++ fiber per CUDA thread, for machines without a GPU.
+//
+// What it is for. The kernels are checked against their numpy oracles on a GPU (tests/test_cuda_*.py).
+// Without one, this header lets the same sources, unchanged, run under g++: tests/cudasim/fake_cupy.py
+// compiles each kernel file with this header force-included, launches the kernels through ctypes with
+// CuPy's grid/block/argument conventions, and so the GPU tests run on the CPU. It checks the parts of a
+// kernel that do not depend on the hardware: indexing, launch geometry, argument types against the
+// kernel's parameters, barriers and warp-synchronous code, shared-memory races that show up as a
+// different result when threads run in another order. It says nothing about speed, the compiler's
+// NVRTC dialect, the device's float rounding (expf, fma contraction) or the real memory model.
+//
+// The execution model. Blocks run one after another. The threads of a block are fibers (coroutines) on
+// the calling OS thread; a fiber runs until it reaches a synchronisation point and then gives way:
+//   __syncthreads()                    waits until every thread of the block that has not exited is there;
+//   __syncwarp(mask), __shfl_*_sync,   wait until every lane named in mask is at a warp synchronisation
+//   wmma::*_sync (mma.h)               (the lanes must exist and must not have exited: an error otherwise).
+// Between those points one thread runs alone, which is one legal interleaving of the real machine.
+// The scheduler runs one warp as far as it can go (to a __syncthreads, its end, or a lane that waits
+// for another warp) before the next, so a warp runs ahead of the others as far as CUDA allows.
+// XTRAIN_CUDASIM_ORDER picks the order of warps, of lanes within a warp, and of blocks: forward,
+// reverse, or a seeded shuffle. A kernel that is correct under CUDA's rules gives the same result in
+// every order; one that reads what another warp writes without a barrier between usually does not.
+// A barrier that not every thread reaches (a deadlock on the GPU) ends the launch with an error naming
+// the threads, and so does __trap().
+//
+// __shared__ variables become function statics: one copy, shared by the threads of the block that is
+// running, which is what shared memory is when blocks run one at a time.
+#pragma once
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+
+struct uint3 {
+    unsigned int x, y, z;
+};
+struct dim3 {
+    unsigned int x, y, z;
+};
+
+inline uint3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+constexpr int warpSize = 32;
+
+namespace cudasim {
+
+enum class State { runnable, at_block_barrier, at_warp_barrier, done };
+
+// Switching between fibers. On x86-64 a few instructions that save the callee-saved registers on the
+// old stack and restore them from the new one (glibc's swapcontext also saves the signal mask, a system
+// call per switch, which made the simulator ten times slower); elsewhere ucontext.
+#if defined(__x86_64__)
+extern "C" void cudasim_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .p2align 4
+    .globl cudasim_switch
+    .hidden cudasim_switch
+    .type cudasim_switch, @function
+cudasim_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cudasim_switch, .-cudasim_switch
+)");
+struct Context {
+    void* sp;
+};
+#else
+struct Context {
+    ucontext_t uc;
+};
+#endif
+
+struct Fiber {
+    Context context;
+    State state;
+    unsigned warp_mask;   // the lanes a warp synchronisation waits for
+    unsigned shuffles;    // shuffles done: selects the exchange buffer (see shuffle())
+    uint3 index;
+};
+
+constexpr int MAX_THREADS = 1024;
+constexpr size_t STACK_BYTES = 256 * 1024;  // flash attention keeps whole WMMA tiles per thread (mma.h)
+
+struct Launch {
+    std::vector<Fiber> fibers;
+    std::vector<char*> stacks;
+    int current = 0;
+    Context scheduler;
+    std::function<void()> body;
+    std::string error;
+    // per warp and lane, two exchange slots of up to 8 bytes for shuffles
+    unsigned char exchange[MAX_THREADS / 32][2][32][8];
+};
+
+inline Launch& launch_state() {
+    static Launch state;
+    return state;
+}
+
+inline void fiber_main();
+
+// Go from `from` to `to`, saving where `from` was.
+inline void switch_to(Context& from, Context& to) {
+#if defined(__x86_64__)
+    cudasim_switch(&from.sp, to.sp);
+#else
+    swapcontext(&from.uc, &to.uc);
+#endif
+}
+
+#if defined(__x86_64__)
+[[noreturn]] inline void fiber_entry() {
+    fiber_main();
+    Launch& l = launch_state();
+    void* unused;
+    cudasim_switch(&unused, l.scheduler.sp);
+    __builtin_unreachable();
+}
+#endif
+
+// A fresh fiber that starts in fiber_main() on `stack` and goes back to the scheduler when it ends.
+inline void start_fiber(Context& c, char* stack, size_t size) {
+#if defined(__x86_64__)
+    auto* top = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15));
+    *--top = 0;                                                  // fiber_entry's return address: never used
+    *--top = reinterpret_cast<uint64_t>(&fiber_entry);           // where the first switch's ret goes
+    for (int i = 0; i < 6; ++i) *--top = 0;                      // rbp rbx r12-r15
+    c.sp = top;
+#else
+    Launch& l = launch_state();
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = &l.scheduler.uc;
+    makecontext(&c.uc, fiber_main, 0);
+#endif
+}
+
+inline std::string thread_name(const uint3& t) {
+    return "thread (" + std::to_string(t.x) + "," + std::to_string(t.y) + "," + std::to_string(t.z) + ") of block (" +
+           std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," + std::to_string(blockIdx.z) + ")";
+}
+
+// Park the running fiber in `state` and go back to the scheduler; returns when it is resumed.
+inline void wait(State state, unsigned mask = 0) {
+    Launch& l = launch_state();
+    Fiber& f = l.fibers[l.current];
+    f.state = state;
+    f.warp_mask = mask;
+    switch_to(f.context, l.scheduler);
+    threadIdx = l.fibers[l.current].index;  // the scheduler resumed us: our index again
+}
+
+// End the launch from inside a thread (the fiber is never resumed).
+[[noreturn]] inline void fail(const std::string& why) {
+    Launch& l = launch_state();
+    if (l.error.empty()) l.error = why;
+    Fiber& f = l.fibers[l.current];
+    f.state = State::done;
+    switch_to(f.context, l.scheduler);  // never resumed
+    __builtin_unreachable();
+}
+
+inline int linear_thread() { return launch_state().current; }
+
+inline void warp_barrier(unsigned mask) {
+    const int lane = linear_thread() % 32;
+    if (!(mask >> lane & 1u))
+        fail(thread_name(threadIdx) + ": warp synchronisation with a mask that leaves out its own lane");
+    wait(State::at_warp_barrier, mask);
+}
+
+// A shuffle: every lane of the mask parks its value, they meet, each reads its source lane's value.
+// Two buffers alternate, so a lane that has read may go on to its next shuffle (and write the other
+// buffer) while slower lanes still read this one; it cannot get two shuffles ahead, because the next
+// shuffle's meeting waits for every lane.
+template <typename T>
+T shuffle(unsigned mask, T value, int source) {
+    static_assert(sizeof(T) <= 8, "cudasim: shuffles move at most 8 bytes");
+    Launch& l = launch_state();
+    const int me = linear_thread(), warp = me / 32, lane = me % 32;
+    Fiber& f = l.fibers[me];
+    const unsigned buffer = f.shuffles++ & 1u;
+    std::memcpy(l.exchange[warp][buffer][lane], &value, sizeof(T));
+    warp_barrier(mask);
+    if (!(mask >> source & 1u))
+        fail(thread_name(threadIdx) + ": shuffle reads lane " + std::to_string(source) + ", which is not in the mask");
+    T out;
+    std::memcpy(&out, l.exchange[warp][buffer][source], sizeof(T));
+    return out;
+}
+
+// Resume order of runnable threads and of blocks: 0 forward, 1 reverse, else a shuffle seeded by it.
+inline std::vector<int> visit_order(int n, unsigned long long order) {
+    std::vector<int> out(n);
+    for (int i = 0; i < n; ++i) out[i] = i;
+    if (order == 1) std::reverse(out.begin(), out.end());
+    if (order > 1) std::shuffle(out.begin(), out.end(), std::mt19937_64(order));
+    return out;
+}
+
+inline void fiber_main() {
+    Launch& l = launch_state();
+    l.body();
+    l.fibers[l.current].state = State::done;  // then back to the scheduler (fiber_entry, or uc_link)
+}
+
+// Release warp w's lanes waiting at a warp barrier if every lane they name has arrived. False if not.
+inline bool release_warp(int w, int n_threads) {
+    Launch& l = launch_state();
+    int first = -1;
+    for (int lane = 0; lane < 32 && w * 32 + lane < n_threads; ++lane)
+        if (l.fibers[w * 32 + lane].state == State::at_warp_barrier) { first = w * 32 + lane; break; }
+    if (first < 0) return false;
+    const unsigned mask = l.fibers[first].warp_mask;
+    for (int lane = 0; lane < 32; ++lane) {
+        if (!(mask >> lane & 1u)) continue;
+        const int t = w * 32 + lane;
+        if (t >= n_threads) {
+            l.error = thread_name(l.fibers[first].index) + ": warp synchronisation names lane " + std::to_string(lane) +
+                      ", which does not exist in a block of " + std::to_string(n_threads) + " threads";
+            return false;
+        }
+        const Fiber& f = l.fibers[t];
+        if (f.state == State::done) {
+            l.error = thread_name(l.fibers[first].index) + ": warp synchronisation waits for " + thread_name(f.index) +
+                      ", which has exited";
+            return false;
+        }
+        if (f.state != State::at_warp_barrier || f.warp_mask != mask) return false;
+    }
+    for (int lane = 0; lane < 32; ++lane)
+        if (mask >> lane & 1u) l.fibers[w * 32 + lane].state = State::runnable;
+    return true;
+}
+
+// Run warp w as far as it goes: its runnable lanes in `lanes` order, then its warp barriers as they
+// fill, until every lane waits at __syncthreads, has exited, or waits for a lane that cannot come.
+// One warp running ahead of the others is what exposes a missing __syncthreads: it overwrites shared
+// memory the others have not read yet, or reads what they have not written.
+inline bool run_warp(int w, const std::vector<int>& lanes, int n_threads) {
+    Launch& l = launch_state();
+    bool progressed = false;
+    for (;;) {
+        bool ran = false;
+        for (int lane : lanes) {
+            const int t = w * 32 + lane;
+            if (t >= n_threads || l.fibers[t].state != State::runnable) continue;
+            l.current = t;
+            threadIdx = l.fibers[t].index;
+            switch_to(l.scheduler, l.fibers[t].context);
+            ran = true;
+            if (!l.error.empty()) return true;
+        }
+        if (!ran && !release_warp(w, n_threads)) return progressed;
+        progressed = true;
+    }
+}
+
+inline std::string where_everyone_is(int n_threads) {
+    Launch& l = launch_state();
+    int counts[4] = {0, 0, 0, 0};
+    for (int t = 0; t < n_threads; ++t) counts[(int)l.fibers[t].state]++;
+    return std::to_string(counts[1]) + " at __syncthreads, " + std::to_string(counts[2]) +
+           " at a warp synchronisation, " + std::to_string(counts[3]) + " exited";
+}
+
+inline int run(const unsigned* grid, const unsigned* block, unsigned long long order, char* error, int error_size) {
+    Launch& l = launch_state();
+    const int n_threads = (int)(block[0] * block[1] * block[2]);
+    if (n_threads < 1 || n_threads > MAX_THREADS) {
+        std::snprintf(error, error_size, "block of %d threads (CUDA allows 1 to %d)", n_threads, MAX_THREADS);
+        return 1;
+    }
+    l.error.clear();
+    l.fibers.resize(n_threads);
+    while ((int)l.stacks.size() < n_threads) l.stacks.push_back(new char[STACK_BYTES]);
+    blockDim = {block[0], block[1], block[2]};
+    gridDim = {grid[0], grid[1], grid[2]};
+    const long long n_blocks = (long long)grid[0] * grid[1] * grid[2];
+    const int n_warps = (n_threads + 31) / 32;
+    const std::vector<int> warps = visit_order(n_warps, order), lanes = visit_order(32, order);
+    for (long long bb = 0; bb < n_blocks; ++bb) {
+        const long long b = order == 0 ? bb : (order == 1 ? n_blocks - 1 - bb : (bb * 2654435761ll + order) % n_blocks);
+        blockIdx = {(unsigned)(b % grid[0]), (unsigned)(b / grid[0] % grid[1]), (unsigned)(b / grid[0] / grid[1])};
+        for (int t = 0; t < n_threads; ++t) {
+            Fiber& f = l.fibers[t];
+            f.state = State::runnable;
+            f.shuffles = 0;
+            f.index = {(unsigned)(t % block[0]), (unsigned)(t / block[0] % block[1]), (unsigned)(t / block[0] / block[1])};
+            start_fiber(f.context, l.stacks[t], STACK_BYTES);
+        }
+        for (;;) {
+            bool progressed = false;
+            for (int w : warps) {
+                progressed |= run_warp(w, lanes, n_threads);
+                if (!l.error.empty()) break;
+            }
+            if (!l.error.empty()) break;
+            if (progressed) continue;
+            int at_block = 0, at_warp = 0, done = 0;
+            for (int t = 0; t < n_threads; ++t) {
+                at_block += l.fibers[t].state == State::at_block_barrier;
+                at_warp += l.fibers[t].state == State::at_warp_barrier;
+                done += l.fibers[t].state == State::done;
+            }
+            if (done == n_threads) break;
+            if (at_warp == 0 && at_block > 0) {
+                for (int t = 0; t < n_threads; ++t)
+                    if (l.fibers[t].state == State::at_block_barrier) l.fibers[t].state = State::runnable;
+                continue;
+            }
+            l.error = "deadlock in block (" + std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," +
+                      std::to_string(blockIdx.z) + "): " + where_everyone_is(n_threads);
+            break;
+        }
+        if (!l.error.empty()) {
+            std::snprintf(error, error_size, "%s", l.error.c_str());
+            return 1;
+        }
+    }
+    return 0;
+}
+
+// ------------------------------------------------------------------ kernels as C functions
+
+// A parameter's kind as the Python side checks it against the value passed: p (pointer), iN, uN, fN
+// (integer, unsigned, floating point of N bytes).
+template <typename T>
+std::string kind() {
+    using U = std::remove_cv_t<T>;
+    if constexpr (std::is_pointer_v<U>) return "p";
+    else if constexpr (std::is_floating_point_v<U>) return "f" + std::to_string(sizeof(U));
+    else if constexpr (std::is_integral_v<U> && std::is_signed_v<U>) return "i" + std::to_string(sizeof(U));
+    else if constexpr (std::is_integral_v<U>) return "u" + std::to_string(sizeof(U));
+    else return "?" + std::to_string(sizeof(U));
+}
+
+template <typename... A>
+std::string signature(void (*)(A...)) {
+    std::string s;
+    ((s += kind<A>() + ","), ...);
+    return s;
+}
+
+// args[i] points at the value of parameter i, as cuLaunchKernel's kernelParams do.
+template <typename... A, size_t... I>
+void invoke(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_cv_t<A>*>(args[I])...);
+}
+
+template <typename... A>
+int launch(void (*kernel)(A...), const unsigned* grid, const unsigned* block, void** args, unsigned long long order,
+           char* error, int error_size) {
+    launch_state().body = [=] { invoke(kernel, args, std::index_sequence_for<A...>{}); };
+    return run(grid, block, order, error, error_size);
+}
+
+}  // namespace cudasim
+
+// ------------------------------------------------------------------ the device functions the kernels use
+
+inline void __syncthreads() { cudasim::wait(cudasim::State::at_block_barrier); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { cudasim::warp_barrier(mask); }
+
+template <typename T>
+T __shfl_sync(unsigned mask, T value, int source, int width = 32) {
+    const int lane = cudasim::linear_thread() % 32;
+    return cudasim::shuffle(mask, value, (lane / width) * width + source % width);
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+    const int lane = cudasim::linear_thread() % 32, source = lane ^ lane_mask;
+    return cudasim::shuffle(mask, value, source / width > lane / width ? lane : source);  // no later groups
+}
+template <typename T>
+T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32) {
+    const int lane = cudasim::linear_thread() % 32, source = lane + (int)delta;
+    return cudasim::shuffle(mask, value, source / width != lane / width ? lane : source);
+}
+
+[[noreturn]] inline void __trap() { cudasim::fail(cudasim::thread_name(threadIdx) + " called __trap()"); }
+
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
+inline unsigned __float_as_uint(float f) { unsigned x; std::memcpy(&x, &f, 4); return x; }
+inline float __fadd_rn(float a, float b) { return a + b; }  // compiled with -ffp-contract=off: never fused
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float rsqrtf(float a) { return 1.0f / std::sqrt(a); }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }

@@ -1,0 +1,631 @@
+"""A stand-in for CuPy under which xtrain_dist.backend.cuda_ops runs its real kernels on the CPU.
+
+`install()` puts modules named `cupy`, `cupy.cuda` and `cupy_backends.cuda.libs.cublas` in
+sys.modules (tests/conftest.py does so when XTRAIN_CUDASIM=1). Then:
+
+- Kernels. `RawModule(code=..., options=...)` compiles the text cuda_ops hands to NVRTC with g++ and
+  cudasim.h force-included (one fiber per CUDA thread, see there), once per text and options (cached on
+  disk). A launch checks what CuPy and the driver cannot: the number of arguments and each one's kind
+  against the kernel's parameters (a pointer for an array or None, int32 for `int`, int64 for
+  `long long`, float32 for `float`, ...), the grid and block limits, and afterwards the guard bytes
+  around every array it was given (a write past either end is an error naming the argument).
+- Arrays. `ndarray` is a numpy subclass living in ordinary memory, with CuPy's `.data.ptr`, `.get()`
+  and `.set()`. Allocations start on 256-byte boundaries, as CuPy's pool gives, and are filled with
+  0xFF bytes (NaN as float32), as the GPU tests' poisoned allocator does, so an output element a
+  kernel forgets to write is seen. Ufuncs that mix one with a host numpy array fail, as in CuPy.
+- cuBLAS. gemmEx and gemmStridedBatchedEx read their operands from memory with the column-major
+  conventions of the real library (op, leading dimensions, strides), check that the type combination
+  is one cuBLAS supports, and compute in float32 (numpy's BLAS), rounding once to the output type (bf16
+  outputs to nearest even); TF32 compute rounds float32 operands to TF32 first.
+- Streams and events exist for cuda_ops' bookkeeping, but every launch runs to completion when it
+  is made: there is no concurrency to test here, and event times are host times.
+
+It is a test instrument, not a backend: nothing in xtrain_dist imports it, and a run that asks for
+--backend cuda without CuPy still fails. What it cannot see is listed in cudasim.h.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ALIGN = 256          # CuPy's pool hands out 256-byte aligned blocks; _vec's 16- and 32-byte tests see the same
+GUARD = 64           # guard bytes on either side of every allocation
+GUARD_BYTE = 0xA5
+POISON_BYTE = 0xFF
+CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall",
+             "-Wno-unknown-pragmas")
+
+
+def order() -> int:
+    """XTRAIN_CUDASIM_ORDER: forward (default), reverse, or a seed (>= 2) for a shuffled resume order."""
+    text = os.environ.get("XTRAIN_CUDASIM_ORDER", "forward")
+    named = {"forward": 0, "reverse": 1}
+    if text in named:
+        return named[text]
+    if text.isdigit() and int(text) >= 2:
+        return int(text)
+    raise ValueError(f"XTRAIN_CUDASIM_ORDER={text!r}: use forward, reverse or a seed >= 2")
+
+
+# ---------------------------------------------------------------------------- memory
+
+class _Pointer:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+# root buffer id -> (weak reference to it, offset of the data, bytes of data)
+_allocations: dict[int, tuple[weakref.ref, int, int]] = {}
+_allocations_lock = threading.Lock()
+
+
+def _forget(key: int) -> None:
+    with _allocations_lock:
+        _allocations.pop(key, None)
+
+
+def _allocate(shape, dtype, fill: int | None = POISON_BYTE) -> ndarray:
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + 2 * GUARD + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN + GUARD
+    raw[:] = GUARD_BYTE
+    if fill is not None:
+        raw[start:start + nbytes] = fill
+    key = id(raw)
+    with _allocations_lock:
+        _allocations[key] = (weakref.ref(raw, lambda _: _forget(key)), start, nbytes)
+    return raw[start:start + nbytes].view(dtype).reshape(shape).view(ndarray)
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _check_guards(a: np.ndarray) -> str | None:
+    root = _root(a)
+    with _allocations_lock:
+        entry = _allocations.get(id(root))
+    if entry is None or entry[0]() is not root:
+        return None
+    _, start, nbytes = entry
+    if np.any(root[:start] != GUARD_BYTE):
+        return "before its start"
+    if np.any(root[start + nbytes:] != GUARD_BYTE):
+        return "past its end"
+    return None
+
+
+class ndarray(np.ndarray):
+    """A device array of the simulator: numpy memory with CuPy's handles on it."""
+
+    @property
+    def data(self):  # CuPy: a MemoryPointer whose .ptr is the device address
+        return _Pointer(self.__array_interface__["data"][0])
+
+    def get(self, stream=None, order="C", out=None) -> np.ndarray:
+        return np.array(self.view(np.ndarray), order=order)
+
+    def set(self, arr, stream=None) -> None:
+        arr = np.asarray(arr)
+        if arr.shape != self.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        self.view(np.ndarray)[...] = arr
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        for x in inputs + (out or ()):
+            if type(x) is np.ndarray and x.ndim > 0:
+                raise TypeError(f"cudasim: {ufunc.__name__} mixes a device array with a host numpy array "
+                                "(CuPy refuses: Unsupported type <class 'numpy.ndarray'>)")
+        plain = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs)
+        if out is not None:
+            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in out)
+        result = getattr(ufunc, method)(*plain, **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        if isinstance(result, tuple):
+            return tuple(_wrap(r) for r in result)
+        return _wrap(result)
+
+
+def _wrap(x):
+    if isinstance(x, np.ndarray) and not isinstance(x, ndarray):
+        return x.view(ndarray)
+    if isinstance(x, np.generic):  # CuPy reductions give 0-d arrays, not scalars
+        out = _allocate((), x.dtype)
+        out[...] = x
+        return out
+    return x
+
+
+def _host(x):
+    return x.view(np.ndarray) if isinstance(x, ndarray) else x
+
+
+def _from(values, dtype=None) -> ndarray:
+    values = np.asarray(_host(values) if isinstance(values, ndarray) else values, dtype=dtype)
+    out = _allocate(values.shape, values.dtype)
+    out.view(np.ndarray)[...] = values
+    return out
+
+
+def empty(shape, dtype=np.float64, order="C"):
+    return _allocate(shape, dtype)
+
+
+def zeros(shape, dtype=np.float64, order="C"):
+    return _allocate(shape, dtype, fill=0)
+
+
+def ones(shape, dtype=np.float64):
+    out = _allocate(shape, dtype)
+    out.view(np.ndarray)[...] = 1
+    return out
+
+
+def full(shape, fill_value, dtype=None):
+    out = _allocate(shape, dtype if dtype is not None else np.asarray(fill_value).dtype)
+    out.view(np.ndarray)[...] = fill_value
+    return out
+
+
+def empty_like(a, dtype=None):
+    return _allocate(a.shape, dtype or a.dtype)
+
+
+def zeros_like(a, dtype=None):
+    return _allocate(a.shape, dtype or a.dtype, fill=0)
+
+
+def asarray(a, dtype=None):
+    if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
+        return a
+    return _from(a, dtype)
+
+
+def array(a, dtype=None, copy=True):
+    return _from(a, dtype)
+
+
+def argsort(a, axis=-1, kind=None):
+    return _from(np.argsort(_host(a), axis=axis, kind="stable"))
+
+
+def concatenate(arrays, axis=0):
+    return _from(np.concatenate([_host(a) for a in arrays], axis=axis))
+
+
+def matmul(a, b):
+    return _from(np.matmul(_host(a), _host(b)))
+
+
+def _numpy_fallback(name: str):
+    """Any other cupy.<name>: numpy's, with device arrays in and out."""
+    target = getattr(np, name)
+    if isinstance(target, type) or not callable(target):
+        return target
+
+    def call(*args, **kwargs):
+        args = tuple(_host(a) for a in args)
+        kwargs = {k: _host(v) for k, v in kwargs.items()}
+        result = target(*args, **kwargs)
+        return _from(result) if isinstance(result, np.ndarray) else result
+
+    return call
+
+
+# ---------------------------------------------------------------------------- devices, streams, events
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def device_count() -> int:
+    return int(os.environ.get("XTRAIN_CUDASIM_DEVICES", "1"))
+
+
+_thread = threading.local()
+_stream_ids = itertools.count(0x1000, 0x10)
+
+
+class Device:
+    def __init__(self, device: int = 0):
+        if not 0 <= int(device) < device_count():
+            raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+        self.id = int(device)
+
+    def use(self):
+        _thread.device = self.id
+
+    def __enter__(self):
+        self._previous = getattr(_thread, "device", 0)
+        self.use()
+        return self
+
+    def __exit__(self, *exc):
+        _thread.device = self._previous
+
+    def synchronize(self):
+        pass
+
+
+class Stream:
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None):
+        self.ptr = 0 if null else next(_stream_ids)
+
+    def use(self):
+        _thread.stream = self
+        return self
+
+    def __enter__(self):
+        self._previous = get_current_stream()
+        return self.use()
+
+    def __exit__(self, *exc):
+        _thread.stream = self._previous
+
+    def synchronize(self):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+
+Stream.null = Stream(null=True)
+
+
+def get_current_stream(device=None):
+    return getattr(_thread, "stream", Stream.null)
+
+
+class Event:
+    def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False):
+        self.disable_timing = disable_timing
+        self.time = None
+
+    def record(self, stream=None):
+        self.time = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    @property
+    def done(self):
+        return True
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    if start.disable_timing or end.disable_timing:
+        raise CUDARuntimeError("cudaErrorInvalidResourceHandle: an event made with disable_timing")
+    return (end.time - start.time) * 1e3
+
+
+_handles = threading.local()
+_handle_ids = itertools.count(1)
+
+
+def get_cublas_handle():
+    if not hasattr(_handles, "handle"):
+        _handles.handle = next(_handle_ids)
+    return _handles.handle
+
+
+class _MemoryPool:
+    def malloc(self, size):
+        return _allocate(size, np.uint8).data
+
+    def free_all_blocks(self):
+        pass
+
+    def used_bytes(self):
+        return 0
+
+
+_pool = _MemoryPool()
+
+
+# ---------------------------------------------------------------------------- kernels
+
+def _cache_dir() -> Path:
+    path = Path(os.environ.get("XTRAIN_CUDASIM_CACHE", Path(tempfile.gettempdir()) / f"xtrain-cudasim-{os.getuid()}"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+_libraries: dict[str, ctypes.CDLL] = {}
+_compile_lock = threading.Lock()
+_launch_lock = threading.Lock()  # one launch at a time: the runtime's thread indices are process globals
+
+
+def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, list[str]]:
+    """Compile `code` (what NVRTC would get) with g++ into a cached shared library."""
+    names = _KERNEL.findall(code)
+    defines = [o for o in options if o.startswith(("-D", "-U"))]
+    header = (HERE / "cudasim.h").read_text() + (HERE / "include" / "mma.h").read_text() + \
+        (HERE / "include" / "cuda_bf16.h").read_text()
+    key = hashlib.sha256("\0".join([code, *defines, *CXX_FLAGS, header]).encode()).hexdigest()[:24]
+    with _compile_lock:
+        if key in _libraries:
+            return _libraries[key], names
+    target = _cache_dir() / f"{key}.so"
+    if not target.exists():
+        work = Path(tempfile.mkdtemp(prefix="cudasim-"))
+        (work / "kernels.cuh").write_text(code)
+        glue = ['#include "kernels.cuh"'] + [
+            f'extern "C" int cudasim_launch_{n}(const unsigned* g, const unsigned* b, void** a, '
+            f'unsigned long long o, char* e, int es) {{ return cudasim::launch({n}, g, b, a, o, e, es); }}\n'
+            f'extern "C" const char* cudasim_signature_{n}() {{ static const std::string s = '
+            f'cudasim::signature({n}); return s.c_str(); }}' for n in names]
+        (work / "glue.cpp").write_text("\n".join(glue) + "\n")
+        partial = work / "out.so"
+        result = subprocess.run(["g++", *CXX_FLAGS, *defines, f"-I{HERE / 'include'}", f"-I{work}",
+                                 "-include", str(HERE / "cudasim.h"), str(work / "glue.cpp"), "-o", str(partial)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"cudasim: g++ failed:\n{result.stderr}")
+        os.replace(partial, target)  # atomic: a concurrent compile of the same text writes the same bytes
+    with _compile_lock:
+        if key not in _libraries:
+            _libraries[key] = ctypes.CDLL(str(target))
+        return _libraries[key], names
+
+
+_CTYPES = {"i4": ctypes.c_int32, "i8": ctypes.c_int64, "u4": ctypes.c_uint32, "u8": ctypes.c_uint64,
+           "f4": ctypes.c_float, "f8": ctypes.c_double, "i2": ctypes.c_int16, "u2": ctypes.c_uint16,
+           "i1": ctypes.c_int8, "u1": ctypes.c_uint8}
+
+
+def _kind_of(value) -> str:
+    """What CuPy would pass for an argument: p (a pointer), or the kind of a scalar of that numpy type."""
+    if value is None or isinstance(value, ndarray):
+        return "p"
+    if isinstance(value, np.ndarray):
+        raise TypeError(f"Unsupported type {type(value)} (a host numpy array passed to a kernel)")
+    if isinstance(value, bool):
+        return "b"
+    if isinstance(value, int):
+        return "i8"  # CuPy passes Python ints as int64 and floats as float64
+    if isinstance(value, float):
+        return "f8"
+    if isinstance(value, np.generic):
+        dt = np.dtype(type(value))
+        return {"i": "i", "u": "u", "f": "f"}.get(dt.kind, "?") + str(dt.itemsize)
+    raise TypeError(f"Unsupported type {type(value)}")
+
+
+class Function:
+    def __init__(self, library: ctypes.CDLL, name: str):
+        self.name = name
+        self._launch = getattr(library, f"cudasim_launch_{name}")
+        self._launch.restype = ctypes.c_int
+        signature = getattr(library, f"cudasim_signature_{name}")
+        signature.restype = ctypes.c_char_p
+        self.params = signature().decode().rstrip(",").split(",") if signature() else []
+        self.params = [p for p in self.params if p]
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
+        grid, block = _dims(grid, "grid"), _dims(block, "block")
+        if (block[0] > 1024 or block[1] > 1024 or block[2] > 64 or block[0] * block[1] * block[2] > 1024
+                or grid[0] > 2**31 - 1 or grid[1] > 65535 or grid[2] > 65535 or 0 in grid + block):
+            raise CUDARuntimeError(f"cudaErrorInvalidConfiguration: {self.name} grid {grid} block {block}")
+        args = tuple(args)
+        if len(args) != len(self.params):
+            raise TypeError(f"cudasim: {self.name} takes {len(self.params)} arguments, got {len(args)}")
+        holders = []
+        for i, (value, want) in enumerate(zip(args, self.params, strict=True)):
+            got = _kind_of(value)
+            if got != want:
+                raise TypeError(f"cudasim: {self.name} argument {i} is {got} ({type(value).__name__}), the kernel's "
+                                f"parameter is {want}")
+            if want == "p":
+                holders.append(ctypes.c_void_p(None if value is None else value.data.ptr))
+            else:
+                holders.append(_CTYPES[want](value.item() if isinstance(value, np.generic) else value))
+        pointers = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
+        error = ctypes.create_string_buffer(4096)
+        with _launch_lock:
+            failed = self._launch((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), pointers,
+                                  ctypes.c_ulonglong(order()), error, ctypes.c_int(len(error)))
+        if failed:
+            raise CUDARuntimeError(f"cudaErrorLaunchFailure: cudasim: {self.name}: {error.value.decode()}")
+        for i, value in enumerate(args):
+            if isinstance(value, ndarray):
+                where = _check_guards(value)
+                if where is not None:
+                    raise CUDARuntimeError(f"cudaErrorIllegalAddress: cudasim: {self.name} wrote {where} of the "
+                                           f"allocation behind argument {i}")
+
+
+def _dims(dims, what: str) -> tuple[int, int, int]:
+    dims = tuple(int(d) for d in (dims if isinstance(dims, tuple) else (dims,)))
+    if not 1 <= len(dims) <= 3:
+        raise ValueError(f"cudasim: {what} must have 1 to 3 dimensions, got {dims}")
+    return dims + (1,) * (3 - len(dims))
+
+
+class RawModule:
+    def __init__(self, code: str, options: tuple = (), backend: str = "nvrtc", name_expressions=None):
+        self._library, self._names = _shared_library(code, tuple(options))
+
+    def get_function(self, name: str) -> Function:
+        if name not in self._names:
+            raise RuntimeError(f"CUDA_ERROR_NOT_FOUND: named symbol not found: {name}")
+        return Function(self._library, name)
+
+
+def prebuild(codes_and_options) -> None:
+    """Compile several (code, options) in parallel, so the first backend does not wait for them in turn."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        list(pool.map(lambda co: _shared_library(*co), codes_and_options))
+
+
+# ---------------------------------------------------------------------------- cuBLAS
+
+CUDA_R_32F, CUDA_R_16BF = 0, 14
+_ELEMENT = {CUDA_R_32F: np.float32, CUDA_R_16BF: np.uint16}
+# (A/B type, C type) -> the compute types cuBLAS accepts for it (cublasGemmEx's table, the rows we use)
+_SUPPORTED = {(CUDA_R_32F, CUDA_R_32F): {68, 77}, (CUDA_R_16BF, CUDA_R_16BF): {68}, (CUDA_R_16BF, CUDA_R_32F): {68}}
+
+
+class CUBLASError(RuntimeError):
+    pass
+
+
+def _memory(ptr: int, dtype, count: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(ptr)).view(dtype)
+
+
+def _to_float(x: np.ndarray, kind: int) -> np.ndarray:
+    if kind == CUDA_R_16BF:
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return np.array(x, np.float32)
+
+
+def _tf32(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to TF32 (10 mantissa bits), to nearest even."""
+    bits = x.astype(np.float32).view(np.uint32)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & np.uint32(0xFFFFE000)
+    return bits.view(np.float32)
+
+
+def _operand(ptr, kind, op, rows, cols, ld, what) -> np.ndarray:
+    """op(X) as a (rows, cols) float32 array, X stored column-major with leading dimension ld."""
+    stored_rows, stored_cols = (rows, cols) if op == 0 else (cols, rows)
+    if ld < max(1, stored_rows):
+        raise CUBLASError(f"CUBLAS_STATUS_INVALID_VALUE: ld{what} = {ld} < {stored_rows} rows")
+    count = ld * (stored_cols - 1) + stored_rows
+    flat = _memory(ptr, _ELEMENT[kind], count)
+    item = flat.itemsize
+    x = np.lib.stride_tricks.as_strided(flat, (stored_rows, stored_cols), (item, ld * item))
+    x = _to_float(x, kind)
+    return x if op == 0 else x.T
+
+
+def _gemm(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute):
+    if Atype != Btype or compute not in _SUPPORTED.get((Atype, Ctype), ()):
+        raise CUBLASError(f"CUBLAS_STATUS_NOT_SUPPORTED: A/B type {Atype}, C type {Ctype}, compute {compute}")
+    if min(m, n, k) < 0:
+        raise CUBLASError("CUBLAS_STATUS_INVALID_VALUE: negative size")
+    if m == 0 or n == 0:
+        return
+    if ldc < max(1, m):
+        raise CUBLASError(f"CUBLAS_STATUS_INVALID_VALUE: ldc = {ldc} < m = {m}")
+    a = _operand(A, Atype, transa, m, k, lda, "a") if k else np.zeros((m, 0), np.float32)
+    b = _operand(B, Btype, transb, k, n, ldb, "b") if k else np.zeros((0, n), np.float32)
+    if compute == 77:
+        a, b = _tf32(a), _tf32(b)
+    flat = _memory(C, _ELEMENT[Ctype], ldc * (n - 1) + m)
+    c = np.lib.stride_tricks.as_strided(flat, (m, n), (flat.itemsize, ldc * flat.itemsize), writeable=True)
+    result = np.float32(alpha) * (a @ b)
+    if beta != 0.0:
+        result = result + np.float32(beta) * _to_float(c, Ctype)
+    if Ctype == CUDA_R_16BF:
+        c[...] = _bf16_bits(result.astype(np.float32))
+    else:
+        c[...] = result.astype(np.float32)
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    bits = x.view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _scalar(ptr: int) -> float:
+    return float(_memory(ptr, np.float32, 1)[0])
+
+
+def _cublas_module() -> types.ModuleType:
+    cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
+    cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T = 0, 1
+    cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
+    cublas.CUBLAS_GEMM_DEFAULT = -1
+    cublas.CUBLAS_POINTER_MODE_HOST, cublas.CUBLAS_POINTER_MODE_DEVICE = 0, 1
+    cublas.CUBLASError = CUBLASError
+
+    def setPointerMode(handle, mode):
+        pass
+
+    def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+               computeType, algo):
+        _gemm(transa, transb, m, n, k, _scalar(alpha), A, Atype, lda, B, Btype, ldb, _scalar(beta), C, Ctype, ldc,
+              computeType)
+
+    def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
+                             strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
+        item = {CUDA_R_32F: 4, CUDA_R_16BF: 2}
+        for i in range(batchCount):
+            _gemm(transa, transb, m, n, k, _scalar(alpha), A + i * strideA * item[Atype], Atype, lda,
+                  B + i * strideB * item[Btype], Btype, ldb, _scalar(beta), C + i * strideC * item[Ctype], Ctype,
+                  ldc, computeType)
+
+    cublas.setPointerMode, cublas.gemmEx, cublas.gemmStridedBatchedEx = setPointerMode, gemmEx, gemmStridedBatchedEx
+    return cublas
+
+
+# ---------------------------------------------------------------------------- the modules
+
+def install() -> types.ModuleType:
+    """Make `import cupy` (and cupy_backends' cuBLAS) give the simulator, in this process."""
+    this = sys.modules[__name__]
+    cupy = types.ModuleType("cupy")
+    cupy.__doc__ = __doc__
+    for name in ("ndarray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "asarray", "array",
+                 "argsort", "concatenate", "matmul", "RawModule"):
+        setattr(cupy, name, getattr(this, name))
+    cupy.get_default_memory_pool = lambda: _pool
+    cupy.__getattr__ = _numpy_fallback
+    cupy.cudasim = True
+
+    cuda = types.ModuleType("cupy.cuda")
+    runtime = types.SimpleNamespace(
+        getDeviceCount=device_count, CUDARuntimeError=CUDARuntimeError, CUDA_R_32F=CUDA_R_32F,
+        memsetAsync=lambda ptr, value, size, stream: ctypes.memset(ptr, value, size),
+        memcpyAsync=lambda dst, src, size, kind, stream: ctypes.memmove(dst, src, size),
+        deviceSynchronize=lambda: None,
+        getDeviceProperties=lambda d: {"name": b"cudasim (CPU)", "totalGlobalMem": 0, "major": 9, "minor": 0},
+        driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
+    cuda.runtime = runtime
+    cuda.Device, cuda.Stream, cuda.Event = Device, Stream, Event
+    cuda.get_current_stream, cuda.get_elapsed_time = get_current_stream, get_elapsed_time
+    cuda.device = types.SimpleNamespace(get_cublas_handle=get_cublas_handle)
+    cuda.set_allocator = lambda allocator=None: None
+    cupy.cuda = cuda
+
+    backends = types.ModuleType("cupy_backends")
+    backends_cuda = types.ModuleType("cupy_backends.cuda")
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.cublas = _cublas_module()
+    backends.cuda, backends_cuda.libs = backends_cuda, libs
+    sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": backends,
+                        "cupy_backends.cuda": backends_cuda, "cupy_backends.cuda.libs": libs,
+                        "cupy_backends.cuda.libs.cublas": libs.cublas})
+    return cupy

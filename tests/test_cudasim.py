@@ -1,0 +1,229 @@
+"""The CUDA simulator (tests/cudasim): that it catches what it claims to, and the GPU tests run on it.
+
+The first half holds the instrument to its claims on small kernels written to be wrong: a race that
+only shows in another thread order, a barrier not every thread reaches, a shuffle with a lane that has
+left, a write past an array's end, an argument of the wrong type, a trap. The second half runs the
+GPU test modules (tests/test_cuda_ops.py, tests/test_cuda_bf16.py) on the simulator in a subprocess,
+in forward and reverse thread order: every kernel against its numpy oracle, on the CPU.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the simulator compiles kernels with g++")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cudasim"))
+import fake_cupy as sim  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module(body: str, options=()):
+    return sim.RawModule(code='#include <mma.h>\n#include <cuda_bf16.h>\n' + body, options=options)
+
+
+def upload(host):
+    return sim.asarray(np.ascontiguousarray(host))
+
+
+def run_in_order(kernel, order: str, grid, block, make_args):
+    old = os.environ.get("XTRAIN_CUDASIM_ORDER")
+    os.environ["XTRAIN_CUDASIM_ORDER"] = order
+    try:
+        args = make_args()
+        kernel(grid, block, args)
+        return args
+    finally:
+        if old is None:
+            del os.environ["XTRAIN_CUDASIM_ORDER"]
+        else:
+            os.environ["XTRAIN_CUDASIM_ORDER"] = old
+
+
+BLOCK_SUM = r'''
+__device__ float warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+// out[block] = sum of in over the block's 256 elements: warp sums, then warp 0 adds the 8 partials
+extern "C" __global__ void block_sum(float* out, const float* in) {
+    __shared__ float partial[8];
+    const float x = warp_sum(in[blockIdx.x * blockDim.x + threadIdx.x]);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = x;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const float total = warp_sum(threadIdx.x < 8 ? partial[threadIdx.x] : 0.0f);
+        if (threadIdx.x == 0) out[blockIdx.x] = total;
+    }
+}
+// the same without the __syncthreads: warp 0 may read partials the other warps have not written
+extern "C" __global__ void racy_block_sum(float* out, const float* in) {
+    __shared__ float partial[8];
+    const float x = warp_sum(in[blockIdx.x * blockDim.x + threadIdx.x]);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = x;
+    if (threadIdx.x < 32) {
+        const float total = warp_sum(threadIdx.x < 8 ? partial[threadIdx.x] : 0.0f);
+        if (threadIdx.x == 0) out[blockIdx.x] = total;
+    }
+}
+'''
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "12345"])
+def test_a_correct_reduction_gives_the_sum_in_every_order(order):
+    host = np.arange(3 * 256, dtype=np.float32).reshape(3, 256) % 7 - 3  # small integers: exact sums
+    kernel = module(BLOCK_SUM).get_function("block_sum")
+    out, _ = run_in_order(kernel, order, (3,), (256,), lambda: (sim.empty(3, np.float32), upload(host)))
+    np.testing.assert_array_equal(out.get(), host.sum(axis=1))
+
+
+def test_a_missing_syncthreads_shows_as_a_wrong_sum_in_some_order():
+    host = np.ones((2, 256), np.float32)
+    kernel = module(BLOCK_SUM).get_function("racy_block_sum")
+    results = {}
+    for order in ("forward", "reverse"):
+        out, _ = run_in_order(kernel, order, (2,), (256,), lambda: (sim.zeros(2, np.float32), upload(host)))
+        results[order] = out.get()
+    # forward: warps 1-7 have not run yet when warp 0 reads their partials, so a block misses them
+    assert not np.array_equal(results["forward"], [256, 256]), results
+    assert not np.array_equal(results["forward"], results["reverse"]), results
+
+
+def test_a_warp_split_between_two_barriers_is_a_deadlock():
+    kernel = module(r'''
+extern "C" __global__ void split_warp(float* out) {
+    if (threadIdx.x < 16) __syncthreads();  // half the warp waits for the block,
+    else __syncwarp();                      // the other half for the whole warp: neither can go on
+    out[threadIdx.x] = 1.0f;
+}''').get_function("split_warp")
+    with pytest.raises(sim.CUDARuntimeError, match=r"split_warp: deadlock in block \(0,0,0\): 16 at __syncthreads, "
+                                                   r"16 at a warp synchronisation, 0 exited"):
+        kernel((1,), (32,), (sim.empty(32, np.float32),))
+
+
+def test_a_shuffle_waiting_for_a_lane_that_has_left_is_an_error():
+    kernel = module(r'''
+extern "C" __global__ void early_exit(float* out, int n) {
+    if (threadIdx.x >= n) return;  // leaves lanes n..31 out of the full-mask shuffle below
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (float)threadIdx.x, 1);
+}''').get_function("early_exit")
+    with pytest.raises(sim.CUDARuntimeError, match=r"warp synchronisation waits for thread \(20,0,0\) of block "
+                                                   r"\(0,0,0\), which has exited"):
+        kernel((1,), (32,), (sim.empty(32, np.float32), np.int32(20)))
+
+
+def test_writes_past_either_end_are_caught():
+    kernel = module(r'''
+extern "C" __global__ void write_at(float* out, long long i) { out[i] = 1.0f; }''').get_function("write_at")
+    kernel((1,), (1,), (sim.empty(10, np.float32), np.int64(9)))  # the last element: fine
+    with pytest.raises(sim.CUDARuntimeError, match="write_at wrote past its end of the allocation behind argument 0"):
+        kernel((1,), (1,), (sim.empty(10, np.float32), np.int64(10)))
+    with pytest.raises(sim.CUDARuntimeError, match="write_at wrote before its start"):
+        kernel((1,), (1,), (sim.empty(10, np.float32), np.int64(-1)))
+
+
+def test_arguments_are_checked_against_the_parameters():
+    kernel = module(r'''
+extern "C" __global__ void axpy(float* y, const float* x, float a, long long n) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] += a * x[i];
+}''').get_function("axpy")
+    y, x = sim.zeros(5, np.float32), upload(np.arange(5, dtype=np.float32))
+    kernel((1,), (32,), (y, x, np.float32(2), np.int64(5)))
+    np.testing.assert_array_equal(y.get(), 2 * np.arange(5))
+    with pytest.raises(TypeError, match=r"axpy argument 3 is i4 \(int32\), the kernel's parameter is i8"):
+        kernel((1,), (32,), (y, x, np.float32(2), np.int32(5)))
+    with pytest.raises(TypeError, match=r"axpy argument 2 is f8 \(float\), the kernel's parameter is f4"):
+        kernel((1,), (32,), (y, x, 2.0, np.int64(5)))
+    with pytest.raises(TypeError, match="axpy takes 4 arguments, got 3"):
+        kernel((1,), (32,), (y, x, np.float32(2)))
+    with pytest.raises(TypeError, match="a host numpy array passed to a kernel"):
+        kernel((1,), (32,), (y, np.arange(5, dtype=np.float32), np.float32(2), np.int64(5)))
+    with pytest.raises(sim.CUDARuntimeError, match="cudaErrorInvalidConfiguration"):
+        kernel((1,), (2048,), (y, x, np.float32(2), np.int64(5)))
+
+
+def test_a_trap_ends_the_launch_with_the_thread_that_trapped():
+    kernel = module(r'''
+extern "C" __global__ void trap_at(int bad) { if (blockIdx.x * blockDim.x + threadIdx.x == bad) __trap(); }
+''').get_function("trap_at")
+    kernel((2,), (64,), (np.int32(-1),))
+    with pytest.raises(sim.CUDARuntimeError, match=r"thread \(6,0,0\) of block \(1,0,0\) called __trap\(\)"):
+        kernel((2,), (64,), (np.int32(70),))
+
+
+def test_wmma_product_is_the_matrix_product():
+    kernel = module(r'''
+using namespace nvcuda;
+// one warp: c = a @ b for 16x16 bf16 a (row-major) and b (column-major), float c
+extern "C" __global__ void tile_product(float* c, const __nv_bfloat16* a, const __nv_bfloat16* b) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+    wmma::load_matrix_sync(fa, a, 16);
+    wmma::load_matrix_sync(fb, b, 16);
+    wmma::mma_sync(acc, fa, fb, acc);
+    wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+}''').get_function("tile_product")
+    rng = np.random.default_rng(0)
+    a, b = (rng.integers(-8, 8, (16, 16)).astype(np.float32) for _ in range(2))  # exact in bf16 and in sums
+    bits = lambda x: (x.view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+    c = sim.empty((16, 16), np.float32)
+    kernel((1,), (32,), (c, upload(bits(a)), upload(bits(np.ascontiguousarray(b.T)))))
+    np.testing.assert_array_equal(c.get(), a @ b)
+
+
+@pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_cublas_stand_in_follows_column_major_conventions(ta, tb):
+    """C (m x n, column-major, ldc) = op(A) op(B) + beta C, with padded leading dimensions."""
+    rng = np.random.default_rng(1)
+    m, n, k, pad = 5, 3, 4, 2
+    opa, opb = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    # column-major storage with leading dimension ld = rows + pad: element (i, j) at i + j * ld
+    def stored(x):
+        ld = x.shape[0] + pad
+        buf = np.full((x.shape[1], ld), np.nan, np.float32)
+        buf[:, :x.shape[0]] = x.T
+        return upload(buf), ld
+    A, lda = stored(opa.T if ta else opa)
+    B, ldb = stored(opb.T if tb else opb)
+    c0 = rng.standard_normal((m, n))
+    C, ldc = stored(c0)
+    alpha, beta = np.array(1.5, np.float32), np.array(0.5, np.float32)
+    cublas = sim._cublas_module()
+    cublas.gemmEx(0, ta, tb, m, n, k, alpha.ctypes.data, A.data.ptr, 0, lda, B.data.ptr, 0, ldb, beta.ctypes.data,
+                  C.data.ptr, 0, ldc, cublas.CUBLAS_COMPUTE_32F, -1)
+    got = C.get()[:, :m].T
+    want = 1.5 * opa.astype(np.float32).astype(np.float64) @ opb.astype(np.float32) + 0.5 * c0.astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.isnan(C.get()[:, m:]).all()  # the padding is not touched
+    with pytest.raises(sim.CUBLASError, match="CUBLAS_STATUS_NOT_SUPPORTED"):
+        cublas.gemmEx(0, ta, tb, m, n, k, alpha.ctypes.data, A.data.ptr, 14, lda, B.data.ptr, 0, ldb,
+                      beta.ctypes.data, C.data.ptr, 0, ldc, cublas.CUBLAS_COMPUTE_32F, -1)
+
+
+# ---------------------------------------------------------------------------- the GPU tests, on the simulator
+
+# The reverse-order run repeats the op tests only: the training tests compose the same kernels.
+OP_TESTS = ["-k", "not ddp and not trains and not reproducible"]
+
+
+@pytest.mark.parametrize("order, select", [("forward", []), ("reverse", OP_TESTS)])
+def test_the_gpu_test_modules_pass_on_the_simulator(order, select):
+    """Every kernel against its numpy oracle (fp32 and bf16, flash attention included), the whole tiny
+    model, and two virtual ranks training with every DDP option: the GPU tests, run on the CPU. Those
+    marked real_gpu (timing across streams, commands in their own process) skip."""
+    env = dict(os.environ, XTRAIN_CUDASIM="1", XTRAIN_CUDASIM_ORDER=order, PYTHONUNBUFFERED="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select,
+                             "tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    tail = "\n".join(result.stdout.splitlines()[-30:])
+    assert result.returncode == 0, f"GPU tests on the simulator ({order}) failed:\n{tail}\n{result.stderr[-2000:]}"
+    assert " passed" in tail.splitlines()[-1], tail
