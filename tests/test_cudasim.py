@@ -7,6 +7,7 @@ GPU test modules (tests/test_cuda_ops.py, tests/test_cuda_bf16.py) on the simula
 in forward and reverse thread order: every kernel against its numpy oracle, on the CPU.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -227,3 +228,61 @@ def test_the_gpu_test_modules_pass_on_the_simulator(order, select):
     tail = "\n".join(result.stdout.splitlines()[-30:])
     assert result.returncode == 0, f"GPU tests on the simulator ({order}) failed:\n{tail}\n{result.stderr[-2000:]}"
     assert " passed" in tail.splitlines()[-1], tail
+
+
+# ---------------------------------------------------------------------------- scripts, on the simulator
+
+RUN = [sys.executable, str(ROOT / "tests" / "cudasim" / "run.py")]
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(line.split("| loss ")[1].split()[0]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+def test_the_command_line_trains_on_cuda_like_numpy():
+    """train_ddp's --backend cuda path end to end (device choice, two virtual ranks, bf16), before a GPU
+    session spends time on it: the same command on numpy's bf16 emulation gives the same losses."""
+    command = ["-m", "xtrain_dist.train_ddp", "3", "4", "32", "--model", "tiny", "--world-size", "2", "--dtype", "bf16"]
+    cuda = subprocess.run([*RUN, *command, "--backend", "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert cuda.returncode == 0, cuda.stderr[-2000:]
+    assert "cuda backend, bf16, 2 rank(s) on GPUs [0, 0]" in cuda.stdout
+    numpy_run = subprocess.run([sys.executable, *command, "--backend", "numpy"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=600)
+    assert numpy_run.returncode == 0, numpy_run.stderr[-2000:]
+    got, want = _losses(cuda.stdout), _losses(numpy_run.stdout)
+    assert len(got) == 3 and got[-1] < got[0]
+    np.testing.assert_allclose(got, want, rtol=1e-3)
+
+
+def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
+    """bin/bench_gpu's side of ours (fp32, bf16, flash, the per-op profile, the results files) runs; the
+    first losses of the three agree (the same weights and batch), and the profile names the step's ops."""
+    result = subprocess.run([*RUN, "bin/bench_gpu", "--presets", "small", "--shapes", "1x64", "--precisions",
+                             "fp32,bf16", "--torch-modes", "", "--steps", "1", "--warmup", "1", "--vocab", "512",
+                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [report] = tmp_path.glob("*.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["precision"], r["impl"]) for r in rows] == [("fp32", "ours"), ("bf16", "ours"), ("bf16", "ours flash")]
+    for row in rows:
+        assert "error" not in row, row
+        assert abs(row["first_loss"] - rows[0]["first_loss"]) < 1e-3 * rows[0]["first_loss"], row
+        ops = {p["op"] for p in row["profile"]}
+        assert {"matmul_forward", "fused_classifier", "adamw_update"} <= ops, ops
+        assert ("flash_attention_forward" in ops) == (row["impl"] == "ours flash"), ops
+    assert len(list(tmp_path.glob("*.md"))) == 1
+
+
+@pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--tf32"]])
+def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
+    """bin/kernel_errors (the GPU session's error tables) runs every op; in fp32 every error is float32-sized."""
+    out = tmp_path / "errors.json"
+    result = subprocess.run([*RUN, "bin/kernel_errors", "--batch", "2", "--seq", "32", "--channels", "64", "--heads",
+                             "2", "--vocab", "500", "--json", str(out), *options], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["adamw_bitwise_equal"] is True
+    worst = max(row["norm_rel"] for row in report["rows"])
+    bound = {(): 1e-5, ("--dtype", "bf16"): 5e-3, ("--tf32",): 5e-3}[tuple(options)]
+    assert 0 <= worst <= bound, [r for r in report["rows"] if r["norm_rel"] > bound]

@@ -348,6 +348,9 @@ class _MemoryPool:
     def used_bytes(self):
         return 0
 
+    def total_bytes(self):
+        return 0
+
 
 _pool = _MemoryPool()
 
@@ -604,6 +607,7 @@ def install() -> types.ModuleType:
     cupy.get_default_memory_pool = lambda: _pool
     cupy.__getattr__ = _numpy_fallback
     cupy.cudasim = True
+    cupy.__version__ = "cudasim"
 
     cuda = types.ModuleType("cupy.cuda")
     runtime = types.SimpleNamespace(
@@ -611,7 +615,8 @@ def install() -> types.ModuleType:
         memsetAsync=lambda ptr, value, size, stream: ctypes.memset(ptr, value, size),
         memcpyAsync=lambda dst, src, size, kind, stream: ctypes.memmove(dst, src, size),
         deviceSynchronize=lambda: None,
-        getDeviceProperties=lambda d: {"name": b"cudasim (CPU)", "totalGlobalMem": 0, "major": 9, "minor": 0},
+        getDeviceProperties=lambda d: {"name": b"cudasim (CPU)", "totalGlobalMem": 0, "major": 9, "minor": 0,
+                                       "multiProcessorCount": 1},
         driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
     cuda.runtime = runtime
     cuda.Device, cuda.Stream, cuda.Event = Device, Stream, Event

@@ -1,0 +1,26 @@
+"""Run a command of this repository with `import cupy` giving the CUDA simulator (see README.md).
+
+    python tests/cudasim/run.py -m xtrain_dist.train_ddp 20 8 64 --backend cuda --model tiny
+    python tests/cudasim/run.py bin/bench_gpu --presets tiny --shapes 2x32 --torch-modes '' --out /tmp/b
+
+For the tests that start their own process, and for trying a script's CUDA path before a GPU session.
+"""
+
+import runpy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fake_cupy  # noqa: E402
+
+fake_cupy.install()
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: run.py -m MODULE [ARGS...] | run.py SCRIPT [ARGS...]")
+    if sys.argv[1] == "-m":
+        module, sys.argv = sys.argv[2], [sys.argv[2], *sys.argv[3:]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script, sys.argv = sys.argv[1], sys.argv[1:]
+        runpy.run_path(script, run_name="__main__")
