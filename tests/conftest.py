@@ -17,14 +17,16 @@ import pytest
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # XTRAIN_CUDASIM=1: `import cupy` gives tests/cudasim's stand-in, which runs kernels/*.cu on the CPU,
-# so the GPU tests run without a GPU (tests/test_cudasim.py does this in a subprocess; see
-# tests/cudasim/fake_cupy.py for what it checks and what it cannot).
+# and `import nccl` one for rank threads of this process, so the GPU tests run without a GPU
+# (tests/test_cudasim.py does this in a subprocess; tests/cudasim/README.md says what it checks).
 CUDASIM = os.environ.get("XTRAIN_CUDASIM") == "1"
 if CUDASIM:
     sys.path.insert(0, str(Path(__file__).resolve().parent / "cudasim"))
     import fake_cupy
+    import fake_nccl
 
     fake_cupy.install()
+    fake_nccl.install()
 
 
 def pytest_report_header(config):

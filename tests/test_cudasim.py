@@ -212,22 +212,59 @@ def test_cublas_stand_in_follows_column_major_conventions(ta, tb):
 
 # ---------------------------------------------------------------------------- the GPU tests, on the simulator
 
-# The reverse-order run repeats the op tests only: the training tests compose the same kernels.
+# The reverse-order run repeats the op tests only: the training tests compose the same kernels. NCCL's
+# tests run with two simulated GPUs (rank threads of one process on one GPU each, through fake_nccl).
 OP_TESTS = ["-k", "not ddp and not trains and not reproducible"]
+CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"]
 
 
-@pytest.mark.parametrize("order, select", [("forward", []), ("reverse", OP_TESTS)])
-def test_the_gpu_test_modules_pass_on_the_simulator(order, select):
+@pytest.mark.parametrize("order, select, devices", [("forward", CUDA_MODULES, "1"),
+                                                    ("reverse", OP_TESTS + CUDA_MODULES, "1"),
+                                                    ("forward", ["tests/test_nccl.py"], "2")],
+                         ids=["cuda-forward", "cuda-ops-reverse", "nccl-2-gpus"])
+def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices):
     """Every kernel against its numpy oracle (fp32 and bf16, flash attention included), the whole tiny
-    model, and two virtual ranks training with every DDP option: the GPU tests, run on the CPU. Those
-    marked real_gpu (timing across streams, commands in their own process) skip."""
-    env = dict(os.environ, XTRAIN_CUDASIM="1", XTRAIN_CUDASIM_ORDER=order, PYTHONUNBUFFERED="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select,
-                             "tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"],
+    model, two virtual ranks training with every DDP option, and NCCL in one process (world 1 bits, rank
+    threads on two GPUs, training over it): the GPU tests, run on the CPU. Those marked real_gpu (timing
+    across streams, commands and NCCL worlds in processes of their own) skip."""
+    env = dict(os.environ, XTRAIN_CUDASIM="1", XTRAIN_CUDASIM_ORDER=order, XTRAIN_CUDASIM_DEVICES=devices,
+               PYTHONUNBUFFERED="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = "\n".join(result.stdout.splitlines()[-30:])
     assert result.returncode == 0, f"GPU tests on the simulator ({order}) failed:\n{tail}\n{result.stderr[-2000:]}"
     assert " passed" in tail.splitlines()[-1], tail
+
+
+def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
+    """The NCCL stand-in sums in rank order across rank threads, and two ranks calling different
+    collectives fail in words instead of hanging."""
+    import threading
+
+    import fake_nccl
+
+    uid = fake_nccl.UniqueId.from_bytes(fake_nccl.get_unique_id().as_bytes)
+    comms = [fake_nccl.Communicator.init(2, r, uid) for r in range(2)]
+    raw = fake_nccl._bindings()
+    bufs = [upload(np.arange(6, dtype=np.float32) * (r + 1)) for r in range(2)]
+    errors = []
+
+    def rank(r, count):
+        try:
+            raw.all_reduce(bufs[r].data.ptr, bufs[r].data.ptr, count, fake_nccl.FLOAT32, fake_nccl.SUM,
+                           comms[r].ptr, 0)
+        except fake_nccl.NcclError as e:
+            errors.append(str(e))
+
+    for counts in ((6, 6), (6, 5)):
+        threads = [threading.Thread(target=rank, args=(r, counts[r])) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    np.testing.assert_array_equal(bufs[0].get(), 3 * np.arange(6))
+    np.testing.assert_array_equal(bufs[1].get(), 3 * np.arange(6))
+    assert len(errors) == 2 and all("ranks called different collectives" in e for e in errors), errors
 
 
 # ---------------------------------------------------------------------------- scripts, on the simulator

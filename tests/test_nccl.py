@@ -53,6 +53,12 @@ def has_cuda_backend():
         return False
 
 
+def shipped_corpus():
+    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+
+    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,19 +166,40 @@ def test_world1_training_over_nccl_has_the_bits_of_the_in_process_communicator()
 
     def job(comm):
         cfg = TrainConfig(steps=10, batch=8, seq=64, seed=3, backend="cuda", comm=comm).resolved()
-        return train(cfg, log=lambda line: None)
+        return train(cfg, shipped_corpus(), log=lambda line: None)
 
     nccl, local = job("nccl"), job("local")
     assert nccl["param_sha256"] == local["param_sha256"]
     assert nccl["losses"] == local["losses"]
 
 
+@pytest.mark.skipif(GPUS < 2 or not has_cuda_backend(), reason="needs two GPUs and the CUDA backend")
+def test_two_gpu_training_over_nccl_follows_numpy():
+    """Two rank threads, a GPU each, reducing through NCCL (bucketed on a side stream; ZeRO-1's unequal
+    shards as grouped reduces and broadcasts): the ranks keep the same bits and follow the numpy backend's
+    run of the same options."""
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.train_ddp import train
+
+    for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}):
+        def job(backend, options=options):
+            cfg = TrainConfig(steps=4, batch=8, seq=64, seed=3, backend=backend, world_size=2, **options).resolved()
+            return train(cfg, shipped_corpus(), log=lambda line: None)
+
+        nccl, reference = job("cuda"), job("numpy")
+        assert nccl["launch"]["comm"] == "nccl"  # a GPU per rank: NCCL, not the in-process communicator
+        assert len(nccl["param_sha256"]) == 2 and len(set(nccl["param_sha256"])) == 1
+        np.testing.assert_allclose(nccl["losses"], reference["losses"], rtol=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------- two processes
+@pytest.mark.real_gpu
 def test_two_processes_on_one_gpu_with_distinct_nccl_hostid(hostid_probe):
     """The check itself: reported as a skip with NCCL's last words when this machine does not allow it."""
     needs_hostid(hostid_probe)
 
 
+@pytest.mark.real_gpu
 def test_two_process_collectives_fp32_and_bf16(hostid_probe):
     needs_hostid(hostid_probe)
     procs = two_processes([str(WORKER), "collectives"], free_port())
@@ -183,6 +210,7 @@ def test_two_process_collectives_fp32_and_bf16(hostid_probe):
 
 
 @pytest.mark.skipif(not has_cuda_backend(), reason="the CUDA backend (backend/cuda_ops.py) is not in this tree")
+@pytest.mark.real_gpu
 def test_two_process_ddp_matches_world1_with_bitwise_ranks(hostid_probe, tmp_path):
     needs_hostid(hostid_probe)
     from xtrain_dist.config import TrainConfig
@@ -199,6 +227,7 @@ def test_two_process_ddp_matches_world1_with_bitwise_ranks(hostid_probe, tmp_pat
     assert np.max(np.abs(a - b) / np.abs(b)) <= 1e-3
 
 
+@pytest.mark.real_gpu
 def test_a_killed_nccl_peer_ends_the_other_process(hostid_probe):
     needs_hostid(hostid_probe)
     procs = two_processes([str(WORKER), "loop"], free_port())

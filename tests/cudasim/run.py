@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fake_cupy  # noqa: E402
+import fake_cupy
+import fake_nccl
 
 fake_cupy.install()
+fake_nccl.install()
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:

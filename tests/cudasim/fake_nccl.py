@@ -1,0 +1,232 @@
+"""A stand-in for nccl4py (`nccl.core`, `nccl.bindings.nccl`) for rank threads of one process on the
+simulator's devices, so xtrain_dist/comm/nccl.py moves real data on the CPU.
+
+`install()` puts it in sys.modules beside fake_cupy (tests/conftest.py, when XTRAIN_CUDASIM=1). The
+surface is the one nccl.py uses and tests/test_nccl_logic.py checks against the real nccl4py: the
+unique id, Communicator.init / abort / finalize / destroy, group_start / group_end, the error strings,
+and the five collectives on raw pointers, counts, NCCL data types and streams.
+
+Semantics. The communicators made from one unique id form a clique. A collective blocks its caller
+until every rank of the clique has called the same collective (name, count, type, root), copies every
+rank's send buffer, meets again, and then each rank writes its own result, summing in rank order (the
+real NCCL's order is its ring's; only the in-rank-order part is promised here: every rank gets the same
+bits). Inits do not block, as inside the group nccl.py makes them in. Two ranks calling different
+collectives, or one never coming, fail in the clique's words instead of hanging.
+What it cannot see: several processes, NCCL's transports, its real summation order, its speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import sys
+import threading
+import types
+
+import numpy as np
+
+FLOAT16, FLOAT32, FLOAT64, BFLOAT16 = 6, 7, 8, 9  # ncclDataType_t
+INT32, INT64, UINT8 = 2, 4, 1
+SUM = 0
+_ITEM = {FLOAT16: 2, FLOAT32: 4, FLOAT64: 8, BFLOAT16: 2, INT32: 4, INT64: 8, UINT8: 1}
+_NUMPY = {FLOAT32: np.float32, FLOAT64: np.float64, INT32: np.int32, INT64: np.int64, UINT8: np.uint8,
+          FLOAT16: np.float16}
+TIMEOUT_S = float(os.environ.get("XTRAIN_CUDASIM_NCCL_TIMEOUT", "60"))
+
+
+class NcclError(RuntimeError):
+    def __init__(self, message: str, status: int = 5):  # ncclInvalidUsage
+        super().__init__(message)
+        self.status = status
+
+
+class _Clique:
+    def __init__(self, nranks: int):
+        self.nranks = nranks
+        self.barrier = threading.Barrier(nranks)
+        self.calls: list = [None] * nranks
+        self.data: list = [None] * nranks
+
+
+_cliques: dict[bytes, _Clique] = {}
+_comms: dict[int, Communicator] = {}
+_lock = threading.Lock()
+_ptrs = itertools.count(0x10000)
+
+
+class UniqueId:
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    @staticmethod
+    def from_bytes(raw: bytes) -> UniqueId:
+        if len(raw) != 128:
+            raise ValueError(f"a unique id has 128 bytes, got {len(raw)}")
+        return UniqueId(bytes(raw))
+
+    def as_bytes(self) -> bytes:
+        return self.raw
+
+
+def get_unique_id():
+    uid = UniqueId(os.urandom(128))
+    return types.SimpleNamespace(as_bytes=uid.raw)
+
+
+class Communicator:
+    def __init__(self, clique: _Clique, rank: int):
+        self.clique, self.rank, self.nranks = clique, rank, clique.nranks
+        self.ptr = next(_ptrs)
+        self.aborted = False
+
+    @staticmethod
+    def init(nranks: int, rank: int, uid: UniqueId) -> Communicator:
+        if not 0 <= rank < nranks:
+            raise NcclError(f"ncclInvalidArgument: rank {rank} of {nranks}", 4)
+        with _lock:
+            clique = _cliques.setdefault(uid.raw, _Clique(nranks))
+            if clique.nranks != nranks:
+                raise NcclError(f"ncclInvalidUsage: {nranks} ranks for a unique id first used with {clique.nranks}")
+            comm = Communicator(clique, rank)
+            _comms[comm.ptr] = comm
+        return comm
+
+    def get_async_error(self) -> int:
+        return 0
+
+    def get_last_error(self) -> str:
+        return ""
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.clique.barrier.abort()  # releases peers waiting in a collective, as ncclCommAbort does
+
+    def finalize(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        with _lock:
+            _comms.pop(self.ptr, None)
+
+
+def group_start() -> None:
+    pass
+
+
+def group_end() -> None:
+    pass
+
+
+def get_error_string(status: int) -> str:
+    return {0: "no error", 4: "invalid argument", 5: "invalid usage",
+            6: "remote process exited or there was a network error"}.get(int(status), f"NCCL status {status}")
+
+
+# ---------------------------------------------------------------------------- the collectives
+
+def _memory(ptr: int, data_type: int, count: int) -> np.ndarray:
+    nbytes = count * _ITEM[data_type]
+    raw = np.ctypeslib.as_array((ctypes.c_char * max(nbytes, 1)).from_address(ptr))[:nbytes]
+    return raw.view(np.uint16 if data_type == BFLOAT16 else _NUMPY[data_type])
+
+
+def _sum(parts: list[np.ndarray], data_type: int) -> np.ndarray:
+    if data_type == BFLOAT16:  # add in float32, rounding to bf16 after each addition, as a bf16 ring does
+        total = (parts[0].astype(np.uint32) << 16).view(np.float32)
+        for part in parts[1:]:
+            total = total + (part.astype(np.uint32) << 16).view(np.float32)
+            total = _bf16(total)
+        return (total.view(np.uint32) >> 16).astype(np.uint16)
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def _meet(comm: Communicator, what: str) -> None:
+    try:
+        comm.clique.barrier.wait(TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        raise NcclError(f"ncclRemoteError: rank {comm.rank}'s {what}: a peer aborted or never came "
+                        f"(fake NCCL, {TIMEOUT_S:g} s)", 6) from None
+
+
+def _collective(handle, call: tuple, send: np.ndarray | None, finish) -> None:
+    comm = _comms.get(int(handle))
+    if comm is None or comm.aborted:
+        raise NcclError("ncclInvalidArgument: a destroyed or aborted communicator", 4)
+    clique = comm.clique
+    clique.calls[comm.rank] = call
+    clique.data[comm.rank] = None if send is None else send.copy()
+    _meet(comm, call[0])
+    if any(c != clique.calls[0] for c in clique.calls):
+        error = NcclError(f"ncclInvalidUsage: ranks called different collectives: {clique.calls}")
+        _meet(comm, call[0])
+        raise error
+    finish(clique.data)
+    _meet(comm, call[0])  # every rank has read the others' copies before the next collective replaces them
+
+
+def _bindings() -> types.ModuleType:
+    raw = types.ModuleType("nccl.bindings.nccl")
+    raw.Comm = lambda ptr: int(ptr)
+    raw.Result = types.SimpleNamespace(Success=0, InProgress=7)
+
+    def all_reduce(send, recv, count, data_type, op, comm, stream):
+        out = _memory(recv, data_type, count)
+        _collective(comm, ("all_reduce", count, data_type, op), _memory(send, data_type, count),
+                    lambda parts: out.__setitem__(slice(None), _sum(parts, data_type)))
+
+    def reduce_scatter(send, recv, recv_count, data_type, op, comm, stream):
+        rank = _comms[int(comm)].rank
+        n = _comms[int(comm)].nranks
+        out = _memory(recv, data_type, recv_count)
+        _collective(comm, ("reduce_scatter", recv_count, data_type, op), _memory(send, data_type, recv_count * n),
+                    lambda parts: out.__setitem__(slice(None), _sum(
+                        [p[rank * recv_count:(rank + 1) * recv_count] for p in parts], data_type)))
+
+    def all_gather(send, recv, send_count, data_type, comm, stream):
+        n = _comms[int(comm)].nranks
+        out = _memory(recv, data_type, send_count * n)
+        _collective(comm, ("all_gather", send_count, data_type), _memory(send, data_type, send_count),
+                    lambda parts: out.__setitem__(slice(None), np.concatenate(parts)))
+
+    def broadcast(send, recv, count, data_type, root, comm, stream):
+        rank = _comms[int(comm)].rank
+        out = _memory(recv, data_type, count)
+        _collective(comm, ("broadcast", count, data_type, root),
+                    _memory(send, data_type, count) if rank == root else None,
+                    lambda parts: out.__setitem__(slice(None), parts[root]))
+
+    def reduce(send, recv, count, data_type, op, root, comm, stream):
+        rank = _comms[int(comm)].rank
+
+        def finish(parts):
+            if rank == root:
+                _memory(recv, data_type, count)[:] = _sum(parts, data_type)
+
+        _collective(comm, ("reduce", count, data_type, op, root), _memory(send, data_type, count), finish)
+
+    raw.all_reduce, raw.reduce_scatter, raw.all_gather = all_reduce, reduce_scatter, all_gather
+    raw.broadcast, raw.reduce = broadcast, reduce
+    return raw
+
+
+def install() -> None:
+    core = types.ModuleType("nccl.core")
+    for name in ("UniqueId", "Communicator", "get_unique_id", "group_start", "group_end", "get_error_string",
+                 "NcclError", "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "INT32", "INT64", "UINT8", "SUM"):
+        setattr(core, name, getattr(sys.modules[__name__], name))
+    package, bindings = types.ModuleType("nccl"), types.ModuleType("nccl.bindings")
+    bindings.nccl = _bindings()
+    package.core, package.bindings = core, bindings
+    package.__path__ = []  # a package, so `import nccl.core` looks in sys.modules
+    bindings.__path__ = []
+    sys.modules.update({"nccl": package, "nccl.core": core, "nccl.bindings": bindings,
+                        "nccl.bindings.nccl": bindings.nccl})
