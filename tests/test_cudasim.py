@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -218,10 +219,15 @@ OP_TESTS = ["-k", "not ddp and not trains and not reproducible"]
 CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"]
 
 
+# A shuffled order drawn from the clock each run (printed on failure; XTRAIN_CUDASIM_ORDER=<it> replays it).
+SHUFFLED = str(2 + time.time_ns() % 2**31)
+
+
 @pytest.mark.parametrize("order, select, devices", [("forward", CUDA_MODULES, "1"),
                                                     ("reverse", OP_TESTS + CUDA_MODULES, "1"),
+                                                    (SHUFFLED, OP_TESTS + CUDA_MODULES, "1"),
                                                     ("forward", ["tests/test_nccl.py"], "2")],
-                         ids=["cuda-forward", "cuda-ops-reverse", "nccl-2-gpus"])
+                         ids=["cuda-forward", "cuda-ops-reverse", "cuda-ops-shuffled", "nccl-2-gpus"])
 def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices):
     """Every kernel against its numpy oracle (fp32 and bf16, flash attention included), the whole tiny
     model, two virtual ranks training with every DDP option, and NCCL in one process (world 1 bits, rank
@@ -232,7 +238,8 @@ def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = "\n".join(result.stdout.splitlines()[-30:])
-    assert result.returncode == 0, f"GPU tests on the simulator ({order}) failed:\n{tail}\n{result.stderr[-2000:]}"
+    replay = f"XTRAIN_CUDASIM_ORDER={order} XTRAIN_CUDASIM_DEVICES={devices}"
+    assert result.returncode == 0, f"GPU tests on the simulator ({replay}) failed:\n{tail}\n{result.stderr[-2000:]}"
     assert " passed" in tail.splitlines()[-1], tail
 
 
