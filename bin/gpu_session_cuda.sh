@@ -100,42 +100,4 @@ else
   echo "compute-sanitizer not on this image" | tee "$OUT/sanitizer_memcheck.txt"
 fi
 
-$PY - "$OUT" "$tests_rc" "$curves_rc" "$errors_rc" "$sanitizer_rc" "$(( SECONDS - START ))" <<'EOF'
-import json, pathlib, sys
-out, *rcs, elapsed = pathlib.Path(sys.argv[1]), *map(int, sys.argv[2:])
-tests_rc, curves_rc, errors_rc, sanitizer_rc = rcs
-env = (out / "environment.txt").read_text().strip()
-tests = out / "pytest_cuda.txt"
-summary = [l for l in (tests.read_text().splitlines() if tests.exists() else [])
-           if " passed" in l or " failed" in l or l.startswith(("SKIPPED", "FAILED", "ERROR"))]
-skipped = (out / "skipped.txt").read_text().splitlines() if (out / "skipped.txt").exists() else []
-lines = ["# CUDA backend: GPU session (fp32 and bf16)", "", "```", env, "```", "",
-         "Command: `bash bin/gpu_session_cuda.sh` (tests: `python3 -m pytest -q -rs tests/test_kernels_compile.py "
-         "tests/test_cuda_ops.py tests/test_cuda_bf16.py`; errors: `bin/kernel_errors [--dtype bf16 | --tf32]`; "
-         "curves: `python3 -m xtrain_dist.train_ddp 200 8 128 --model mini --backend numpy|cuda --dtype fp32|bf16 "
-         f"--world-size 1|2`). {elapsed} s in all.", "",
-         f"- tests: exit {tests_rc}", *[f"  - {l}" for l in summary],
-         f"- curves: exit {curves_rc}", f"- kernel_errors: exit {errors_rc}",
-         f"- compute-sanitizer memcheck + racecheck: exit {sanitizer_rc}",
-         *[f"- {line.lstrip('# ')}" for line in skipped], ""]
-for name in ("kernel_errors.md", "kernel_errors_bf16.md", "kernel_errors_tf32.md"):
-    if (out / name).exists():
-        lines += [(out / name).read_text(), ""]
-runs = {p.stem.removeprefix("curve_"): json.loads(p.read_text()) for p in sorted(out.glob("curve_*.json"))}
-if runs:
-    names = list(runs)
-    lines += ["Loss, mini, 200 steps of 8 x 128 tokens, seed 1337:", "",
-              "| step | " + " | ".join(names) + " |", "| ---: |" + " ---: |" * len(names)]
-    for i in (0, 49, 99, 149, 199):
-        lines.append(f"| {i + 1} | " + " | ".join(f"{runs[n]['losses'][i]:.4f}" if len(runs[n]['losses']) > i else ""
-                                                  for n in names) + " |")
-    lines += ["", "| run | ms/step | tokens/s | val loss | param_sha256 (rank 0) | ranks equal |",
-              "| --- | ---: | ---: | ---: | --- | --- |"]
-    for n, r in runs.items():
-        val = f"{r['val_losses'][-1][1]:.4f}" if r.get("val_losses") else ""
-        lines.append(f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | {val} | {r['param_sha256'][0][:16]} | "
-                     f"{len(set(r['param_sha256'])) == 1} |")
-(out / "cuda_results.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-EOF
-exit $(( tests_rc || curves_rc || errors_rc || sanitizer_rc ))
+$PY bin/gpu_session_summary "$OUT" "$tests_rc" "$curves_rc" "$errors_rc" "$sanitizer_rc" "$(( SECONDS - START ))"

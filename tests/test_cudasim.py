@@ -330,3 +330,27 @@ def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
     worst = max(row["norm_rel"] for row in report["rows"])
     bound = {(): 1e-5, ("--dtype", "bf16"): 5e-3, ("--tf32",): 5e-3}[tuple(options)]
     assert 0 <= worst <= bound, [r for r in report["rows"] if r["norm_rel"] > bound]
+
+
+def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
+    """bin/gpu_session_summary (the end of bin/gpu_session_cuda.sh) on a results folder like a session's:
+    a real training report, an error table, a test summary and a skipped step; the summary lists them all."""
+    report = tmp_path / "curve_numpy_fp32_w2.json"
+    run = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "3", "4", "32", "--model", "tiny",
+                          "--world-size", "2", "--report", str(report)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    (tmp_path / "environment.txt").write_text("## device\nNVIDIA H100 80GB HBM3, 81559 MiB, 580.00\n")
+    (tmp_path / "pytest_cuda.txt").write_text("....\nSKIPPED [1] tests/x.py:3: why\n120 passed, 1 skipped in 90.00s\n")
+    (tmp_path / "skipped.txt").write_text("## compute-sanitizer racecheck: skipped, the time budget is spent\n")
+    (tmp_path / "kernel_errors.md").write_text("| op | output |\n| --- | --- |\n| gelu_forward | out |\n")
+    result = subprocess.run([sys.executable, "bin/gpu_session_summary", str(tmp_path), "0", "0", "1", "124", "512"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    summary = (tmp_path / "cuda_results.md").read_text()
+    losses = json.loads(report.read_text())["losses"]
+    for expected in ("NVIDIA H100 80GB HBM3", "512 s in all", "- tests: exit 0", "  - 120 passed, 1 skipped",
+                     "- kernel_errors: exit 1", "- compute-sanitizer memcheck + racecheck: exit 124",
+                     "- compute-sanitizer racecheck: skipped, the time budget is spent", "| gelu_forward | out |",
+                     f"| 1 | {losses[0]:.4f} |", "| numpy_fp32_w2 | ", " | True |"):
+        assert expected in summary, (expected, summary)
