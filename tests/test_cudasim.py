@@ -97,6 +97,20 @@ def test_a_missing_syncthreads_shows_as_a_wrong_sum_in_some_order():
     assert not np.array_equal(results["forward"], results["reverse"]), results
 
 
+def test_shared_memory_is_poisoned_for_every_block():
+    """A block that reads shared memory it did not write gets NaN, not what the previous block left."""
+    kernel = module(r'''
+extern "C" __global__ void first_block_writes(float* out) {
+    __shared__ float value;
+    if (blockIdx.x == 0 && threadIdx.x == 0) value = 1.0f;
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = value;
+}''').get_function("first_block_writes")
+    out = sim.zeros(3, np.float32)
+    kernel((3,), (32,), (out,))
+    assert out.get()[0] == 1.0 and np.isnan(out.get()[1:]).all(), out.get()
+
+
 def test_a_warp_split_between_two_barriers_is_a_deadlock():
     kernel = module(r'''
 extern "C" __global__ void split_warp(float* out) {

@@ -24,7 +24,9 @@
 // the threads, and so does __trap().
 //
 // __shared__ variables become function statics: one copy, shared by the threads of the block that is
-// running, which is what shared memory is when blocks run one at a time.
+// running, which is what shared memory is when blocks run one at a time. They are placed in a section
+// of their own, which the scheduler fills with 0xFF bytes (NaN as float) before each block, so a block
+// that reads shared memory it did not write sees garbage, as on a GPU, not the previous block's values.
 #pragma once
 
 #include <ucontext.h>
@@ -46,7 +48,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __noinline__
-#define __shared__ static
+#define __shared__ static __attribute__((section("cudasim_shared")))
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 
@@ -60,6 +62,10 @@ struct dim3 {
 inline uint3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 constexpr int warpSize = 32;
+
+// the linker's bounds of the section holding every __shared__ variable (weak: a file may have none)
+extern "C" char __start_cudasim_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_cudasim_shared[] __attribute__((weak, visibility("hidden")));
 
 namespace cudasim {
 
@@ -316,6 +322,8 @@ inline int run(const unsigned* grid, const unsigned* block, unsigned long long o
     for (long long bb = 0; bb < n_blocks; ++bb) {
         const long long b = order == 0 ? bb : (order == 1 ? n_blocks - 1 - bb : (bb * 2654435761ll + order) % n_blocks);
         blockIdx = {(unsigned)(b % grid[0]), (unsigned)(b / grid[0] % grid[1]), (unsigned)(b / grid[0] / grid[1])};
+        if (__start_cudasim_shared != nullptr)
+            std::memset(__start_cudasim_shared, 0xFF, __stop_cudasim_shared - __start_cudasim_shared);
         for (int t = 0; t < n_threads; ++t) {
             Fiber& f = l.fibers[t];
             f.state = State::runnable;
