@@ -144,6 +144,21 @@ extern "C" __global__ void write_at(float* out, long long i) { out[i] = 1.0f; }'
         kernel((1,), (1,), (sim.empty(10, np.float32), np.int64(-1)))
 
 
+def test_reads_just_outside_an_array_give_nan():
+    """A row kernel that reads one element too many (the classic tail bug) returns NaN, not a plausible sum."""
+    kernel = module(r'''
+extern "C" __global__ void row_sum(float* out, const float* x, int n, int extra) {
+    float total = 0.0f;
+    for (int i = 0; i < n + extra; ++i) total += x[i];
+    out[0] = total;
+}''').get_function("row_sum")
+    out, x = sim.empty(1, np.float32), upload(np.ones(7, np.float32))
+    kernel((1,), (1,), (out, x, np.int32(7), np.int32(0)))
+    assert out.get()[0] == 7
+    kernel((1,), (1,), (out, x, np.int32(7), np.int32(1)))
+    assert np.isnan(out.get()[0])
+
+
 def test_arguments_are_checked_against_the_parameters():
     kernel = module(r'''
 extern "C" __global__ void axpy(float* y, const float* x, float a, long long n) {

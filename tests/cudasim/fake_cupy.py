@@ -12,7 +12,8 @@ sys.modules (tests/conftest.py does so when XTRAIN_CUDASIM=1). Then:
 - Arrays. `ndarray` is a numpy subclass living in ordinary memory, with CuPy's `.data.ptr`, `.get()`
   and `.set()`. Allocations start on 256-byte boundaries, as CuPy's pool gives, and are filled with
   0xFF bytes (NaN as float32), as the GPU tests' poisoned allocator does, so an output element a
-  kernel forgets to write is seen. Ufuncs that mix one with a host numpy array fail, as in CuPy.
+  kernel forgets to write is seen; so are the 64 guard bytes on each side, so a read just outside
+  the array gives NaN. Ufuncs that mix one with a host numpy array fail, as in CuPy.
 - cuBLAS. gemmEx and gemmStridedBatchedEx read their operands from memory with the column-major
   conventions of the real library (op, leading dimensions, strides), check that the type combination
   is one cuBLAS supports, and compute in float32 (numpy's BLAS), rounding once to the output type (bf16
@@ -46,7 +47,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ALIGN = 256          # CuPy's pool hands out 256-byte aligned blocks; _vec's 16- and 32-byte tests see the same
 GUARD = 64           # guard bytes on either side of every allocation
-GUARD_BYTE = 0xA5
+# Guard bytes and fresh allocations are 0xFF: NaN as float32 and as bf16, so a read just outside an array
+# (or of an element nobody wrote) turns the result into NaN, which the tests' finiteness checks catch, and
+# a write outside changes bytes the launch checks afterwards.
+GUARD_BYTE = 0xFF
 POISON_BYTE = 0xFF
 CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall",
              "-Wno-unknown-pragmas")
