@@ -159,6 +159,18 @@ extern "C" __global__ void row_sum(float* out, const float* x, int n, int extra)
     assert np.isnan(out.get()[0])
 
 
+def test_a_wild_read_is_an_error_naming_the_thread_not_a_crash():
+    kernel = module(r'''
+extern "C" __global__ void wild_read(float* out, const float* x, long long i) { out[threadIdx.x] = x[i]; }
+''').get_function("wild_read")
+    out, x = sim.empty(32, np.float32), upload(np.ones(4, np.float32))
+    with pytest.raises(sim.CUDARuntimeError, match=r"wild_read: thread \(0,0,0\) of block \(0,0,0\): invalid memory "
+                                                   r"access at 0x"):
+        kernel((1,), (32,), (out, x, np.int64(1) << 40))  # 4 TiB past x: mapped by nobody
+    kernel((1,), (32,), (out, x, np.int64(3)))  # the process goes on, and so do launches
+    np.testing.assert_array_equal(out.get(), np.ones(32))
+
+
 def test_arguments_are_checked_against_the_parameters():
     kernel = module(r'''
 extern "C" __global__ void axpy(float* y, const float* x, float a, long long n) {

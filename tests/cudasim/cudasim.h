@@ -29,6 +29,7 @@
 // that reads shared memory it did not write sees garbage, as on a GPU, not the previous block's values.
 #pragma once
 
+#include <signal.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -124,6 +125,7 @@ struct Launch {
     std::vector<Fiber> fibers;
     std::vector<char*> stacks;
     int current = 0;
+    bool in_fiber = false;  // a kernel thread is running (a fault there is the kernel's)
     Context scheduler;
     std::function<void()> body;
     std::string error;
@@ -199,6 +201,38 @@ inline void wait(State state, unsigned mask = 0) {
     switch_to(f.context, l.scheduler);  // never resumed
     __builtin_unreachable();
 }
+
+// A kernel thread touching unmapped memory (a wild index) ends the launch with an error naming the
+// thread and the address, instead of killing the process; a fault anywhere else keeps its default action.
+inline void on_fault(int sig, siginfo_t* info, void*) {
+    Launch& l = launch_state();
+    if (!l.in_fiber) {
+        signal(sig, SIG_DFL);  // not a kernel's: returning re-runs the access, which now ends the process
+        return;
+    }
+    char address[48];
+    if (info->si_addr == nullptr) std::snprintf(address, sizeof address, "an address the CPU refuses outright");
+    else std::snprintf(address, sizeof address, "%p", info->si_addr);
+    l.in_fiber = false;
+    fail(thread_name(threadIdx) + ": invalid memory access at " + address);
+}
+
+// Installs on_fault for one launch and puts back what was there (Python's faulthandler, say) after it.
+struct FaultGuard {
+    struct sigaction old_segv, old_bus;
+    FaultGuard() {
+        struct sigaction fault = {};
+        fault.sa_sigaction = on_fault;
+        fault.sa_flags = SA_SIGINFO | SA_NODEFER;  // not blocked after we leave the handler by a switch
+        sigemptyset(&fault.sa_mask);
+        sigaction(SIGSEGV, &fault, &old_segv);
+        sigaction(SIGBUS, &fault, &old_bus);
+    }
+    ~FaultGuard() {
+        sigaction(SIGSEGV, &old_segv, nullptr);
+        sigaction(SIGBUS, &old_bus, nullptr);
+    }
+};
 
 inline int linear_thread() { return launch_state().current; }
 
@@ -287,7 +321,9 @@ inline bool run_warp(int w, const std::vector<int>& lanes, int n_threads) {
             if (t >= n_threads || l.fibers[t].state != State::runnable) continue;
             l.current = t;
             threadIdx = l.fibers[t].index;
+            l.in_fiber = true;
             switch_to(l.scheduler, l.fibers[t].context);
+            l.in_fiber = false;
             ran = true;
             if (!l.error.empty()) return true;
         }
@@ -312,6 +348,7 @@ inline int run(const unsigned* grid, const unsigned* block, unsigned long long o
         return 1;
     }
     l.error.clear();
+    const FaultGuard fault_guard;
     l.fibers.resize(n_threads);
     while ((int)l.stacks.size() < n_threads) l.stacks.push_back(new char[STACK_BYTES]);
     blockDim = {block[0], block[1], block[2]};
