@@ -21,7 +21,8 @@
 // reverse, or a seeded shuffle. A kernel that is correct under CUDA's rules gives the same result in
 // every order; one that reads what another warp writes without a barrier between usually does not.
 // A barrier that not every thread reaches (a deadlock on the GPU) ends the launch with an error naming
-// the threads, and so does __trap().
+// the threads, and so do __trap() and a thread touching unmapped memory (on_fault). Accesses just
+// outside an array are fake_cupy's to catch, with the guard bytes around every allocation.
 //
 // __shared__ variables become function statics: one copy, shared by the threads of the block that is
 // running, which is what shared memory is when blocks run one at a time. They are placed in a section
