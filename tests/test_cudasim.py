@@ -395,3 +395,15 @@ def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
                      "- compute-sanitizer racecheck: skipped, the time budget is spent", "| gelu_forward | out |",
                      f"| 1 | {losses[0]:.4f} |", "| numpy_fp32_w2 | ", " | True |"):
         assert expected in summary, (expected, summary)
+
+
+def test_bench_collectives_over_nccl_on_two_simulated_gpus(tmp_path):
+    """bin/bench_collectives --comm nccl (rank threads on two GPUs through nccl4py) runs every op and
+    writes its table: the path the GPU session's bandwidth sweep takes, before it has a GPU."""
+    env = dict(os.environ, XTRAIN_CUDASIM_DEVICES="2")
+    result = subprocess.run([*RUN, "bin/bench_collectives", "--comm", "nccl", "--worlds", "2", "--sizes", "4K,64K",
+                             "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "collectives.json").read_text())["rows"]
+    assert sorted({(r["op"], r["world"], r["bytes"]) for r in rows}) == sorted(
+        (op, 2, size) for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast") for size in (4096, 65536))
