@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,14 @@ GUARD_BYTE = 0xFF
 POISON_BYTE = 0xFF
 CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall",
              "-Wno-unknown-pragmas")
+
+
+def cxx_flags() -> tuple[str, ...]:
+    """CXX_FLAGS, or with XTRAIN_CUDASIM_DEBUG=1 unoptimised with debug information, for a debugger:
+    `gdb --args python tests/cudasim/run.py ...`, `directory kernels`, `break layernorm.cu:40`."""
+    if os.environ.get("XTRAIN_CUDASIM_DEBUG") == "1":
+        return (*("-O0" if f == "-O2" else f for f in CXX_FLAGS), "-g")
+    return CXX_FLAGS
 
 
 def order() -> int:
@@ -379,13 +388,14 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
     defines = [o for o in options if o.startswith(("-D", "-U"))]
     header = (HERE / "cudasim.h").read_text() + (HERE / "include" / "mma.h").read_text() + \
         (HERE / "include" / "cuda_bf16.h").read_text()
-    key = hashlib.sha256("\0".join([code, *defines, *CXX_FLAGS, header]).encode()).hexdigest()[:24]
+    flags = cxx_flags()
+    key = hashlib.sha256("\0".join([code, *defines, *flags, header]).encode()).hexdigest()[:24]
     with _compile_lock:
         if key in _libraries:
             return _libraries[key], names
     target = _cache_dir() / f"{key}.so"
     if not target.exists():
-        work = Path(tempfile.mkdtemp(prefix="cudasim-"))
+        work = Path(tempfile.mkdtemp(prefix="build-", dir=_cache_dir()))
         (work / "kernels.cuh").write_text(code)
         glue = ['#include "kernels.cuh"'] + [
             f'extern "C" int cudasim_launch_{n}(const unsigned* g, const unsigned* b, void** a, '
@@ -394,12 +404,13 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
             f'cudasim::signature({n}); return s.c_str(); }}' for n in names]
         (work / "glue.cpp").write_text("\n".join(glue) + "\n")
         partial = work / "out.so"
-        result = subprocess.run(["g++", *CXX_FLAGS, *defines, f"-I{HERE / 'include'}", f"-I{work}",
+        result = subprocess.run(["g++", *flags, *defines, f"-I{HERE / 'include'}", f"-I{work}",
                                  "-include", str(HERE / "cudasim.h"), str(work / "glue.cpp"), "-o", str(partial)],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"cudasim: g++ failed:\n{result.stderr}")
         os.replace(partial, target)  # atomic: a concurrent compile of the same text writes the same bytes
+        shutil.rmtree(work, ignore_errors=True)  # #line directives point a debugger at kernels/ itself
     with _compile_lock:
         if key not in _libraries:
             _libraries[key] = ctypes.CDLL(str(target))
