@@ -1,10 +1,13 @@
 """The CUDA simulator (tests/cudasim): that it catches what it claims to, and the GPU tests run on it.
 
-The first half holds the instrument to its claims on small kernels written to be wrong: a race that
-only shows in another thread order, a barrier not every thread reaches, a shuffle with a lane that has
-left, a write past an array's end, an argument of the wrong type, a trap. The second half runs the
-GPU test modules (tests/test_cuda_ops.py, tests/test_cuda_bf16.py) on the simulator in a subprocess,
-in forward and reverse thread order: every kernel against its numpy oracle, on the CPU.
+First, the instrument is held to its claims on small kernels written to be wrong: a race that only
+shows in another thread order, a barrier not every thread reaches, a shuffle with a lane that has left,
+accesses outside an array or to unmapped memory, unpoisoned shared memory, an argument of the wrong
+type, a trap; and the WMMA, cuBLAS and NCCL stand-ins against plain arithmetic. Then the GPU test
+modules run on it in subprocesses (tests/test_cuda_ops.py and tests/test_cuda_bf16.py in forward,
+reverse and a shuffled order; tests/test_nccl.py with two simulated GPUs), and the scripts a GPU session
+runs (train_ddp --backend cuda, bench_gpu, kernel_errors, bench_collectives --comm nccl, the session's
+summary) are dry-run, so none of them meets a GPU for the first time in its session.
 """
 
 import json
