@@ -157,6 +157,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _chunk_grid(n: int, width: int, vec: int) -> tuple[int]:
+    """The 1-D grid of a chunked kernel (common.cuh's chunk_start): a thread per `width` elements when
+    `vec`, else per element, BLOCK threads a block. Empty when n = 0: _launch then launches nothing."""
+    return (_cdiv(_cdiv(n, width if vec else 1), BLOCK),)
+
+
 def _column_splits(rows: int) -> tuple[int, int]:
     """(splits, rows_per_split) for the deterministic column sums: at most 128 splits of at least 32
     rows. A function of the row count only, so the summation order never depends on the device."""
@@ -390,8 +396,7 @@ class CudaBackend:
         self._act(wte, wpe)
         out = cupy.empty((B, T, C), dtype=wte.dtype)
         vec = _vec(self._vec_x, out, _contiguous(wte), _contiguous(wpe), row=C)
-        chunks = _cdiv(B * T * C, self._vec_x if vec else 1)
-        self._launch(self._k.encoder_forward, (_cdiv(chunks, BLOCK),), (BLOCK,),
+        self._launch(self._k.encoder_forward, _chunk_grid(B * T * C, self._vec_x, vec), (BLOCK,),
                      out, ids, wte, wpe, np.int64(B * T), np.int32(T), np.int32(C), np.int32(V), np.int32(vec))
         return out
 
@@ -404,8 +409,7 @@ class CudaBackend:
         dout = _contiguous(dout)
         # wpe: one thread per (t, channel chunk), summing over b in order
         vec = _vec(self._vec_x, _contiguous(dwpe), dout, row=C)
-        chunks = _cdiv(T * C, self._vec_x if vec else 1)
-        self._launch(self._k.encoder_backward_wpe, (_cdiv(chunks, BLOCK),), (BLOCK,),
+        self._launch(self._k.encoder_backward_wpe, _chunk_grid(T * C, self._vec_x, vec), (BLOCK,),
                      dwpe, dout, np.int32(B), np.int32(T), np.int32(C), np.int32(vec))
         # wte: positions sorted by token, stably (CuPy's argsort is always stable: thrust's
         # stable_sort_by_key, queued on the current stream without a host sync), then one block per
@@ -472,8 +476,7 @@ class CudaBackend:
         self._act(bias)
         OC = out.shape[-1]
         vec = _vec(self._vec_x, out, _contiguous(bias), row=OC)
-        chunks = _cdiv(out.size, self._vec_x if vec else 1)
-        self._launch(self._k.bias_broadcast, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,),
+        self._launch(self._k.bias_broadcast, _chunk_grid(out.size, self._vec_x, vec), (BLOCK,),
                      out, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
 
     def matmul_backward(self, dweight, dbias, dout, inp, weight):
@@ -502,8 +505,7 @@ class CudaBackend:
     def _head_launch(self, token_major, head_major: tuple, B: int, NH: int, T: int, hs: int):
         """Geometry shared by split_heads and merge_heads: one thread per chunk of the head-major arrays."""
         vec = _vec(self._vec_x, token_major, *head_major, row=hs)
-        chunks = _cdiv(B * NH * T * hs, self._vec_x if vec else 1)
-        return (_cdiv(chunks, BLOCK),), (BLOCK,), vec
+        return _chunk_grid(B * NH * T * hs, self._vec_x, vec), (BLOCK,), vec
 
     def _split_heads(self, token_major, head_major: tuple, ld: int, B: int, NH: int, T: int, hs: int) -> None:
         """head_major[s] (B, NH, T, hs) <- part s of each (b, t) row of token_major (B, T, ld)."""
@@ -650,8 +652,7 @@ class CudaBackend:
     def _elementwise(self, kernel, out, *inputs) -> None:
         n = out.size
         vec = _vec(self._vec_x, out, *inputs)
-        chunks = _cdiv(n, self._vec_x if vec else 1)
-        self._launch(kernel, (_cdiv(chunks, BLOCK),), (BLOCK,), out, *inputs, np.int64(n), np.int32(vec))
+        self._launch(kernel, _chunk_grid(n, self._vec_x, vec), (BLOCK,), out, *inputs, np.int64(n), np.int32(vec))
 
     def gelu_forward(self, inp):
         inp = _contiguous(inp)
@@ -726,8 +727,7 @@ class CudaBackend:
             factor_ptr, factor_value = None, np.float32(factor)
         n = buf.size
         vec = _vec(4, buf)
-        chunks = _cdiv(n, 4 if vec else 1)
-        self._launch(self._k.scale_inplace, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,),
+        self._launch(self._k.scale_inplace, _chunk_grid(n, 4, vec), (BLOCK,),
                      buf, np.int64(n), factor_ptr, factor_value, np.int32(vec))
 
     def bf16_round(self, buf) -> None:
@@ -735,8 +735,7 @@ class CudaBackend:
         _f32(buf)
         n = buf.size
         vec = _vec(4, buf)
-        chunks = _cdiv(n, 4 if vec else 1)
-        self._launch(self._k.bf16_round_inplace, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,), buf, np.int64(n),
+        self._launch(self._k.bf16_round_inplace, _chunk_grid(n, 4, vec), (BLOCK,), buf, np.int64(n),
                      np.int32(vec))
 
     def adamw_update(self, params, grads, m, v, decay_mask, step: int, lr: float, beta1: float, beta2: float,
@@ -755,14 +754,12 @@ class CudaBackend:
         grad_scale = _contiguous(grad_scale.astype(cupy.float32, copy=False))
         n = params.size
         vec = _vec(4, params, grads, m, v, decay_mask, params_lowp)
-        chunks = _cdiv(n, 4 if vec else 1)
         f32 = np.float32
         # the float32 roundings of numpy_ops.adamw_update: f(1 - beta1), f(1 - beta1 ** step), ...
-        self._launch(self._k.adamw_update, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,),
+        self._launch(self._k.adamw_update, _chunk_grid(n, 4, vec), (BLOCK,),
                      params, params_lowp, grads, m, v, decay_mask, np.int64(n), grad_scale,
                      f32(lr), f32(beta1), f32(beta2), f32(1 - beta1), f32(1 - beta2),
                      f32(1 - beta1 ** step), f32(1 - beta2 ** step), f32(eps), f32(weight_decay), np.int32(vec))
-
 
     def lowp_copy(self, dst, src) -> None:
         _f32(src)
@@ -771,8 +768,8 @@ class CudaBackend:
             raise ValueError(f"lowp_copy: {dst.size} elements into {src.size}")
         n = src.size
         vec = _vec(4, dst, _contiguous(src))
-        chunks = _cdiv(n, 4 if vec else 1)
-        self._launch(self._k.lowp_copy, (max(1, _cdiv(chunks, BLOCK)),), (BLOCK,), dst, src, np.int64(n), np.int32(vec))
+        self._launch(self._k.lowp_copy, _chunk_grid(n, 4, vec), (BLOCK,), dst, src, np.int64(n), np.int32(vec))
+
 
 # ---------------------------------------------------------------------------- helpers
 
