@@ -69,6 +69,19 @@ def bf16_round(buf) -> None:
         bits[nan] = 0x7FC00000
 
 
+def _split_qkv(qkv, n_head: int):
+    """The fused projection (B, T, 3C) as q, k, v, each (B, NH, T, hs): views through (B, T, 3, NH, hs),
+    what attention.cu's split_heads kernel copies out."""
+    B, T, C3 = qkv.shape
+    return qkv.reshape(B, T, 3, n_head, C3 // 3 // n_head).transpose(2, 0, 3, 1, 4)
+
+
+def _mask_future(scores):
+    """(..., T, T) scores with -inf where key j > query i: what a causal softmax leaves out."""
+    T = scores.shape[-1]
+    return np.where(np.triu(np.ones((T, T), dtype=bool), k=1), -np.inf, scores)
+
+
 class NumpyBackend:
     """The ops on the CPU, with activations stored in `dtype` ("fp32", or "bf16" emulated in float32)."""
 
@@ -220,8 +233,7 @@ class NumpyBackend:
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
-        # (B, T, 3, NH, hs) -> 3 x (B, NH, T, hs): the permute kernel on CUDA
-        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+        q, k, v = _split_qkv(qkv, n_head)
         scale = qkv.dtype.type(1.0 / np.sqrt(hs))
         scores = (q @ k.transpose(0, 1, 3, 2)) * scale
         att = self.causal_softmax(scores)
@@ -230,9 +242,7 @@ class NumpyBackend:
 
     def causal_softmax(self, scores):
         """Row-wise softmax of (..., T, T) scores over keys j <= query i; entries j > i become 0."""
-        T = scores.shape[-1]
-        future = np.triu(np.ones((T, T), dtype=bool), k=1)
-        masked = np.where(future, -np.inf, scores)
+        masked = _mask_future(scores)
         e = np.exp(masked - masked.max(axis=-1, keepdims=True))
         return self.store(e / e.sum(axis=-1, keepdims=True))
 
@@ -241,7 +251,7 @@ class NumpyBackend:
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
-        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+        q, k, v = _split_qkv(qkv, n_head)
         scale = qkv.dtype.type(1.0 / np.sqrt(hs))
         dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # permute like the forward's y
         datt = dy @ v.transpose(0, 1, 3, 2)                        # float32, like the scores
@@ -264,7 +274,7 @@ class NumpyBackend:
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
-        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+        q, k, v = _split_qkv(qkv, n_head)
         scores = self._causal_scores(q, k, hs)
         top = scores.max(axis=-1, keepdims=True)
         lse = (top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
@@ -282,7 +292,7 @@ class NumpyBackend:
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
-        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+        q, k, v = _split_qkv(qkv, n_head)
         att = self.store(np.exp(self._causal_scores(q, k, hs) - lse[..., None]))
         dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
         y = out.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
@@ -297,9 +307,7 @@ class NumpyBackend:
     @staticmethod
     def _causal_scores(q, k, hs):
         """q k^T / sqrt(hs), -inf above the diagonal: the scores the softmax sees."""
-        T = q.shape[-2]
-        scores = (q @ k.transpose(0, 1, 3, 2)) * q.dtype.type(1.0 / np.sqrt(hs))
-        return np.where(np.triu(np.ones((T, T), dtype=bool), k=1), -np.inf, scores)
+        return _mask_future((q @ k.transpose(0, 1, 3, 2)) * q.dtype.type(1.0 / np.sqrt(hs)))
 
     def causal_softmax_backward(self, datt, att):
         """d scores = att * (datt - sum_j datt * att); zero above the diagonal because att is."""
