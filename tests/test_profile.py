@@ -10,8 +10,8 @@ from xtrain_dist.optim import AdamW
 from xtrain_dist.profile import OpProfiler
 
 
-def one_step(backend, config, ids, targets):
-    model = GPT2(config, backend, seed=3)
+def one_step(backend, config, ids, targets, attention="standard"):
+    model = GPT2(config, backend, seed=3, attention=attention)
     optimizer = AdamW(model, TrainConfig(steps=1, batch=ids.shape[0], seq=ids.shape[1]))
     losses = model.forward(ids, targets, dloss=1.0 / ids.size)
     model.backward()
@@ -45,6 +45,17 @@ def test_a_profiled_step_is_the_same_step_and_every_op_is_counted(rng):
     assert flops["matmul_backward"] == 2 * flops["matmul_forward"]
     assert flops["attention_forward"] == 4 * B * T * T * C * L
     assert 0 < report["ops_s"] <= report["span_s"] and report["gaps_s"] == report["span_s"] - report["ops_s"]
+
+
+def test_flash_attention_is_counted_like_the_attention_it_computes(rng):
+    config = model_config("tiny", 512)
+    B, T, L, C = 2, 16, config.n_layer, config.n_embd
+    ids = rng.integers(0, 512, (B, T)).astype(np.int32)
+    profiler = OpProfiler(numpy_ops)
+    one_step(profiler, config, ids, ids, attention="flash")
+    flops = {t.name: t.flops for t in profiler.report()["ops"]}
+    assert flops["flash_attention_forward"] == 4 * B * T * T * C * L
+    assert flops["flash_attention_backward"] == 2 * flops["flash_attention_forward"]
 
 
 class TickBackend:

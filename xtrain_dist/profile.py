@@ -8,8 +8,8 @@ seconds only in `report()`). What no op covers, the gaps between spans, is time 
 waiting for the host to launch the next op: the launch-bound part of a step.
 
 Matrix products and attention also get their arithmetic rate: matmul_forward does 2·rows·in·out flops,
-matmul_backward twice that (dinp and dweight); attention computes the full T×T square, 4·B·NH·T²·hs
-forward and 8·B·NH·T²·hs backward, the same counts bin/bench_gpu's MFU uses.
+matmul_backward twice that (dinp and dweight); attention (standard or flash) counts the full T×T
+square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same counts bin/bench_gpu's MFU uses.
 
     profiler = OpProfiler(backend)
     model = GPT2(config, profiler, seed=1)      # every op the model or AdamW calls is timed
@@ -24,6 +24,12 @@ PLUMBING = {"to_host", "from_host", "from_host_act", "synchronize", "bind_side_t
             "timestamp", "elapsed"}
 
 
+# attention op -> (which argument is qkv, how many T x T x hs products it counts); flash attention is the
+# same function, so the same count (its kernels skip the masked half, as MFU conventions ignore)
+ATTENTION_SQUARES = {"attention_forward": (0, 2), "flash_attention_forward": (0, 2),
+                     "attention_backward": (1, 4), "flash_attention_backward": (1, 4)}
+
+
 def op_flops(name: str, args: tuple) -> float:
     """Floating-point operations of one call, for the ops whose count is plain; 0 for the others."""
     if name in ("matmul_forward", "matmul_backward"):
@@ -32,11 +38,10 @@ def op_flops(name: str, args: tuple) -> float:
         in_features, out_features = weight.shape
         rows = inp.size // in_features
         return (2.0 if name == "matmul_forward" else 4.0) * rows * in_features * out_features
-    if name in ("attention_forward", "attention_backward"):
-        qkv = args[0] if name == "attention_forward" else args[1]
-        batch, seq, three_c = qkv.shape
-        per_square = 2.0 * batch * seq * seq * (three_c // 3)  # one T x T x hs product over all heads
-        return (2 if name == "attention_forward" else 4) * per_square
+    if name in ATTENTION_SQUARES:
+        where_qkv, squares = ATTENTION_SQUARES[name]
+        batch, seq, three_c = args[where_qkv].shape
+        return squares * 2.0 * batch * seq * seq * (three_c // 3)  # a T x T x hs product over all heads
     return 0.0
 
 
