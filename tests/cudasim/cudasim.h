@@ -189,8 +189,7 @@ inline void wait(State state, unsigned mask = 0) {
     Fiber& f = l.fibers[l.current];
     f.state = state;
     f.warp_mask = mask;
-    switch_to(f.context, l.scheduler);
-    threadIdx = l.fibers[l.current].index;  // the scheduler resumed us: our index again
+    switch_to(f.context, l.scheduler);  // back here when the scheduler resumes us (it sets threadIdx)
 }
 
 // End the launch from inside a thread (the fiber is never resumed).

@@ -65,13 +65,13 @@ class UniqueId:
             raise ValueError(f"a unique id has 128 bytes, got {len(raw)}")
         return UniqueId(bytes(raw))
 
-    def as_bytes(self) -> bytes:
+    @property
+    def as_bytes(self) -> bytes:  # a property in nccl4py too: nccl.py reads get_unique_id().as_bytes
         return self.raw
 
 
-def get_unique_id():
-    uid = UniqueId(os.urandom(128))
-    return types.SimpleNamespace(as_bytes=uid.raw)
+def get_unique_id() -> UniqueId:
+    return UniqueId(os.urandom(128))
 
 
 class Communicator:
