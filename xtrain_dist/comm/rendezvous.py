@@ -120,6 +120,16 @@ def _describe(err: BaseException) -> str:
     return str(err) or type(err).__name__
 
 
+def _refuse_joined(peers: list, reason: str) -> list[int]:
+    """Answer every joined rank (an open connection in `peers`) with REFUSE `reason`, close it and clear its
+    slot; returns those ranks."""
+    joined = [r for r, p in enumerate(peers) if p is not None]
+    for r in joined:
+        _refuse(peers[r], reason)
+        peers[r] = None
+    return joined
+
+
 class _Message(NamedTuple):
     """What a peer said: a JOIN (fingerprint, nonce) or a FAIL (reason)."""
     kind: int
@@ -175,10 +185,7 @@ class RendezvousServer:
                     missing = [str(r) for r in range(1, self.world) if peers[r] is None]
                     why = (f"only {self.world - len(missing)} of {self.world} processes joined within "
                            f"{self.timeout_s:g} s (missing rank {', '.join(missing)})")
-                    for r, p in enumerate(peers):  # the ranks waiting for the others hear it too
-                        if p is not None:
-                            _refuse(p, why)
-                            peers[r] = None
+                    _refuse_joined(peers, why)  # the ranks waiting for the others hear it too
                     raise XtrainError(f"rendezvous at {self.host}:{self.port}: {why}"
                                       + (f"; refused: {'; '.join(refused)}" if refused else ""))
                 self.sock.settimeout(remaining)
@@ -221,12 +228,7 @@ class RendezvousServer:
         """Rank `failed` will never join: tell the joined ranks, then every joiner for a while (until
         all ranks know), so that they end now instead of at their timeout; then raise."""
         news = f"process {failed} failed: {reason}"
-        told = {0, failed}
-        for r, p in enumerate(peers):
-            if p is not None:
-                _refuse(p, news)
-                peers[r] = None
-                told.add(r)
+        told = {0, failed, *_refuse_joined(peers, news)}
         self._tell_everyone(news, told, min(deadline - time.monotonic(), LINGER_S))
         raise XtrainError(f"process {failed} failed before joining: {reason}")
 
