@@ -29,6 +29,21 @@ if CUDASIM:
     fake_nccl.install()
 
 
+@pytest.fixture(autouse=True)
+def _no_use_after_free_left():
+    """On the simulator, an array a test dropped while another stream might still use it (see
+    tests/cudasim/streams.py) fails that test, also when no operation came after to report it."""
+    yield
+    if CUDASIM:
+        import gc
+
+        import streams
+
+        gc.collect()
+        reports = streams.take_deferred()
+        assert not reports, "\n".join(reports)
+
+
 def pytest_report_header(config):
     if CUDASIM:
         return (f"cudasim: GPU tests run on the CPU simulator (tests/cudasim), "

@@ -3,7 +3,9 @@
 First, the instrument is held to its claims on small kernels written to be wrong: a race that only
 shows in another thread order, a barrier not every thread reaches, a shuffle with a lane that has left,
 accesses outside an array or to unmapped memory, unpoisoned shared memory, an argument of the wrong
-type, a trap; and the WMMA, cuBLAS and NCCL stand-ins against plain arithmetic. Then the GPU test
+type, a trap, two streams with nothing ordering them, an array freed under another stream's use; the
+training loop with each of its cross-stream fences taken out; and the WMMA, cuBLAS and NCCL stand-ins
+against plain arithmetic. Then the GPU test
 modules run on it in subprocesses (tests/test_cuda_ops.py and tests/test_cuda_bf16.py in forward,
 reverse and a shuffled order; tests/test_nccl.py with two simulated GPUs), and the scripts a GPU session
 runs (train_ddp --backend cuda, bench_gpu, kernel_errors, bench_collectives --comm nccl, the session's
@@ -12,6 +14,7 @@ summary) are dry-run, so none of them meets a GPU for the first time in its sess
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -316,6 +319,111 @@ def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
     np.testing.assert_array_equal(bufs[0].get(), 3 * np.arange(6))
     np.testing.assert_array_equal(bufs[1].get(), 3 * np.arange(6))
     assert len(errors) == 2 and all("ranks called different collectives" in e for e in errors), errors
+
+
+# ---------------------------------------------------------------------------- stream order (streams.py)
+
+COPY = r'''
+extern "C" __global__ void copy(float* out, const float* in, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = in[i];
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def copy_kernel():
+    return module(COPY).get_function("copy")
+
+
+def _streams_and_source():
+    a, b = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    with a:
+        src = sim.asarray(np.arange(64, dtype=np.float32))  # written on a
+    return a, b, src
+
+
+def test_a_read_on_another_stream_needs_an_event_or_the_host(copy_kernel):
+    """A kernel on stream b reading what stream a wrote is a stream race, named with both operations,
+    until a's event is waited for by b or the host has synchronised a."""
+    a, b, src = _streams_and_source()
+    out = sim.empty(64, np.float32)
+    with pytest.raises(sim.StreamRace, match=r"kernel copy on stream .* reads bytes 0\.\.256 of a 256-byte "
+                                            r"allocation that a copy to the device on stream .* wrote"):
+        copy_kernel((1,), (64,), (out, src, np.int32(64)), stream=b)
+    b.wait_event(a.record())
+    copy_kernel((1,), (64,), (out, src, np.int32(64)), stream=b)
+    np.testing.assert_array_equal(out.get(stream=b), np.arange(64))
+
+    a, b, src = _streams_and_source()
+    a.synchronize()
+    copy_kernel((1,), (64,), (out, src, np.int32(64)), stream=b)
+    b.synchronize()  # before src goes: b's read must be known finished (see the use-after-free test)
+
+
+def test_a_write_after_another_streams_read_needs_an_order_too(copy_kernel):
+    """Write after read: stream a overwriting what stream b still reads is a race; reads on two streams
+    are not (the kernel's `const` parameter says it only reads)."""
+    a, b, src = _streams_and_source()
+    b.wait_event(a.record())
+    out_b, out_c = sim.empty(64, np.float32), sim.empty(64, np.float32)
+    c = sim.Stream(non_blocking=True)
+    c.wait_event(a.record())
+    copy_kernel((1,), (64,), (out_b, src, np.int32(64)), stream=b)
+    copy_kernel((1,), (64,), (out_c, src, np.int32(64)), stream=c)  # two readers: fine
+    with a:
+        ones = sim.ones(64, np.float32)
+    with pytest.raises(sim.StreamRace, match=r"kernel copy on stream .* writes .* that kernel copy on stream .* read"):
+        copy_kernel((1,), (64,), (src, ones, np.int32(64)), stream=a)
+    sim.Device().synchronize()
+
+
+def test_an_array_freed_while_another_stream_uses_it_is_reported(copy_kernel):
+    """CuPy's pool hands a freed block to the allocating stream's next allocation, so dropping an
+    array that another stream may still read is a use after free, reported at the next operation;
+    once the allocating stream waits for that stream it is not."""
+    for wait_first in (True, False):
+        a, b, src = _streams_and_source()
+        b.wait_event(a.record())
+        with b:
+            out = sim.empty(64, np.float32)
+        copy_kernel((1,), (64,), (out, src, np.int32(64)), stream=b)
+        if wait_first:
+            a.wait_event(b.record())
+        del src
+        with a:
+            if wait_first:
+                sim.zeros(4, np.float32)
+            else:
+                with pytest.raises(sim.StreamRace, match=r"use after free: an array allocated on stream .* was "
+                                                         r"freed while kernel copy on stream .* may still read it"):
+                    sim.zeros(4, np.float32)
+
+
+@pytest.mark.parametrize("fence,comm,expected", [
+    ("none", "local", "trained"),
+    ("none", "nccl", "trained"),
+    ("bucket", "local", r"cupy\.add on stream .* \(made by thread rank\d-comm\) reads .* that .* on stream .* "
+                        r"\(made by thread rank\d\) wrote"),
+    ("bucket", "nccl", r"nccl all_reduce on stream .* \(made by thread rank\d-comm\) reads .* that .* "
+                       r"\(made by thread rank\d\) wrote"),
+    ("finish", "nccl", r"kernel \w+ on stream .* \(made by thread rank\d\) reads .* that nccl all_reduce on "
+                       r"stream .* \(made by thread rank\d-comm\) wrote"),
+    ("post", "local", r"cupy\.add on stream .* \(made by thread rank(\d)-comm\) reads .* that .* \(made by thread "
+                      r"rank(?!\1)\d\) wrote"),
+])
+def test_training_without_one_of_its_fences_is_a_stream_race(fence, comm, expected):
+    """The training loop's orderings across streams, each taken out in turn (tests/cudasim/drop_fence.py):
+    the bucket fence (comm thread waits for backward), finish's (AdamW waits for the reductions) and the
+    in-process communicator's wait before peers read a posted buffer. Each missing one is found,
+    although the simulator ran everything in an order where the results came out right. (finish's
+    fence is not needed with the in-process communicator, whose comm thread waits for its own stream
+    on the host before finish() returns.)"""
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "cudasim" / "drop_fence.py"), fence, comm],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.search(expected, last), last
 
 
 # ---------------------------------------------------------------------------- scripts, on the simulator

@@ -402,12 +402,13 @@ inline int run(const unsigned* grid, const unsigned* block, unsigned long long o
 
 // ------------------------------------------------------------------ kernels as C functions
 
-// A parameter's kind as the Python side checks it against the value passed: p (pointer), iN, uN, fN
-// (integer, unsigned, floating point of N bytes).
+// A parameter's kind as the Python side checks it against the value passed: p (pointer), pc (pointer to
+// const: the kernel only reads through it, which tells the stream checker), iN, uN, fN (integer,
+// unsigned, floating point of N bytes).
 template <typename T>
 std::string kind() {
     using U = std::remove_cv_t<T>;
-    if constexpr (std::is_pointer_v<U>) return "p";
+    if constexpr (std::is_pointer_v<U>) return std::is_const_v<std::remove_pointer_t<U>> ? "pc" : "p";
     else if constexpr (std::is_floating_point_v<U>) return "f" + std::to_string(sizeof(U));
     else if constexpr (std::is_integral_v<U> && std::is_signed_v<U>) return "i" + std::to_string(sizeof(U));
     else if constexpr (std::is_integral_v<U>) return "u" + std::to_string(sizeof(U));

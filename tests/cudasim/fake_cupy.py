@@ -18,8 +18,11 @@ sys.modules (tests/conftest.py does so when XTRAIN_CUDASIM=1). Then:
   conventions of the real library (op, leading dimensions, strides), check that the type combination
   is one cuBLAS supports, and compute in float32 (numpy's BLAS), rounding once to the output type (bf16
   outputs to nearest even); TF32 compute rounds float32 operands to TF32 first.
-- Streams and events exist for cuda_ops' bookkeeping, but every launch runs to completion when it
-  is made: there is no concurrency to test here, and event times are host times.
+- Streams and events. Every operation runs to completion when it is queued (event times are host
+  times), so streams never overlap here; but every operation tells streams.py which bytes it reads
+  and writes on which stream, and an access that no stream order, event or host synchronisation
+  orders after a conflicting one on another stream is an error (`StreamRace`): a missing fence is
+  found although nothing here ran concurrently.
 
 It is a test instrument, not a backend: nothing in xtrain_dist imports it, and a run that asks for
 --backend cuda without CuPy still fails. What it cannot see is listed in cudasim.h.
@@ -44,6 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import streams
+from streams import StreamRace  # noqa: F401  (what a test catches)
 
 HERE = Path(__file__).resolve().parent
 ALIGN = 256          # CuPy's pool hands out 256-byte aligned blocks; _vec's 16- and 32-byte tests see the same
@@ -85,14 +90,16 @@ class _Pointer:
         self.ptr = ptr
 
 
-# root buffer id -> (weak reference to it, offset of the data, bytes of data)
+# root buffer id -> (weak reference to it, offset of the data, bytes of data, address of the data)
 _allocations: dict[int, tuple[weakref.ref, int, int]] = {}
 _allocations_lock = threading.Lock()
 
 
 def _forget(key: int) -> None:
     with _allocations_lock:
-        _allocations.pop(key, None)
+        entry = _allocations.pop(key, None)
+    if entry is not None:
+        streams.freed(entry[3])
 
 
 def _allocate(shape, dtype, fill: int | None = POISON_BYTE) -> ndarray:
@@ -105,8 +112,10 @@ def _allocate(shape, dtype, fill: int | None = POISON_BYTE) -> ndarray:
     if fill is not None:
         raw[start:start + nbytes] = fill
     key = id(raw)
+    address = raw.ctypes.data + start
     with _allocations_lock:
-        _allocations[key] = (weakref.ref(raw, lambda _: _forget(key)), start, nbytes)
+        _allocations[key] = (weakref.ref(raw, lambda _: _forget(key)), start, nbytes, address)
+    streams.allocated(address, nbytes, get_current_stream())
     return raw[start:start + nbytes].view(dtype).reshape(shape).view(ndarray)
 
 
@@ -122,7 +131,7 @@ def _check_guards(a: np.ndarray) -> str | None:
         entry = _allocations.get(id(root))
     if entry is None or entry[0]() is not root:
         return None
-    _, start, nbytes = entry
+    _, start, nbytes, _ = entry
     if np.any(root[:start] != GUARD_BYTE):
         return "before its start"
     if np.any(root[start + nbytes:] != GUARD_BYTE):
@@ -130,14 +139,53 @@ def _check_guards(a: np.ndarray) -> str | None:
     return None
 
 
+def _span(a: np.ndarray) -> tuple[int, int]:
+    """The first and the end address of the bytes a (possibly strided) view covers."""
+    lo = hi = a.__array_interface__["data"][0]
+    if a.size == 0:
+        return lo, lo
+    for n, stride in zip(a.shape, a.strides, strict=True):
+        if stride < 0:
+            lo += (n - 1) * stride
+        else:
+            hi += (n - 1) * stride
+    return lo, hi + a.itemsize
+
+
+def _on_stream(what: str, reads=(), writes=(), stream=None) -> None:
+    """Tell streams.py about one operation on `stream` (the calling thread's current one by default)
+    that reads and writes these device arrays."""
+    accesses = [(*_span(a), False) for a in reads if isinstance(a, ndarray)]
+    accesses += [(*_span(a), True) for a in writes if isinstance(a, ndarray)]
+    streams.operation(stream or get_current_stream(), what, accesses)
+
+
+def raw_operation(stream, what: str, accesses) -> None:
+    """An operation on raw addresses ((first, end, writes?) triples: cuBLAS, NCCL, the runtime's copies)
+    on a stream given as a Stream or as its handle."""
+    if not isinstance(stream, Stream):
+        stream = streams.stream_at(int(stream or 0)) or Stream.null
+    streams.operation(stream, what, accesses)
+
+
 class ndarray(np.ndarray):
-    """A device array of the simulator: numpy memory with CuPy's handles on it."""
+    """A device array of the simulator: numpy memory with CuPy's handles on it. What would be a kernel
+    or a copy on the GPU runs here at once, and tells streams.py what it read and wrote on which stream."""
 
     @property
     def data(self):  # CuPy: a MemoryPointer whose .ptr is the device address
         return _Pointer(self.__array_interface__["data"][0])
 
+    @property
+    def __cuda_array_interface__(self) -> dict:  # what tells code that an array lives on a device
+        host = self.__array_interface__
+        return {"shape": host["shape"], "typestr": host["typestr"], "data": host["data"],
+                "strides": host["strides"], "version": 3}
+
     def get(self, stream=None, order="C", out=None) -> np.ndarray:
+        stream = stream or get_current_stream()
+        _on_stream("a copy to the host (ndarray.get)", reads=[self], stream=stream)
+        streams.host_saw(streams.recorded(stream))  # CuPy's get waits for the stream
         return np.array(self.view(np.ndarray), order=order)
 
     def set(self, arr, stream=None) -> None:
@@ -146,13 +194,48 @@ class ndarray(np.ndarray):
             raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
         if arr.dtype != self.dtype:
             raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        _on_stream("a copy from the host (ndarray.set)", writes=[self], stream=stream)
         self.view(np.ndarray)[...] = arr
+
+    # a value read on the host: CuPy copies it out on the current stream and waits
+    def item(self, *args):
+        return self.get().item(*args)
+
+    def __float__(self):
+        return float(self.get())
+
+    def __int__(self):
+        return int(self.get())
+
+    def tolist(self):
+        return self.get().tolist()
+
+    def __setitem__(self, key, value) -> None:
+        target = np.ndarray.__getitem__(self, key)
+        _on_stream("an assignment (ndarray.__setitem__)", reads=[value],
+                   writes=[target if isinstance(target, np.ndarray) else self])
+        np.ndarray.__setitem__(self.view(np.ndarray), key, _host(value))
+
+    def fill(self, value) -> None:
+        _on_stream("ndarray.fill", writes=[self])
+        self.view(np.ndarray).fill(value)
+
+    def copy(self, order="C"):
+        return _from(self, what="ndarray.copy")
+
+    def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return _from(self, dtype, what="ndarray.astype")
 
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
         for x in inputs + (out or ()):
             if type(x) is np.ndarray and x.ndim > 0:
                 raise TypeError(f"cudasim: {ufunc.__name__} mixes a device array with a host numpy array "
                                 "(CuPy refuses: Unsupported type <class 'numpy.ndarray'>)")
+        written = list(out or ()) + ([inputs[0]] if method == "at" else [])
+        _on_stream(f"cupy.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}"), reads=inputs,
+                   writes=written)
         plain = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs)
         if out is not None:
             kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in out)
@@ -165,12 +248,10 @@ class ndarray(np.ndarray):
 
 
 def _wrap(x):
-    if isinstance(x, np.ndarray) and not isinstance(x, ndarray):
-        return x.view(ndarray)
-    if isinstance(x, np.generic):  # CuPy reductions give 0-d arrays, not scalars
-        out = _allocate((), x.dtype)
-        out[...] = x
-        return out
+    """A ufunc's result as a fresh device array (tracked like every allocation; a scalar as a 0-d array,
+    as CuPy's reductions give)."""
+    if isinstance(x, (np.ndarray, np.generic)) and not isinstance(x, ndarray):
+        return _from(x, what="a ufunc's result")
     return x
 
 
@@ -178,9 +259,12 @@ def _host(x):
     return x.view(np.ndarray) if isinstance(x, ndarray) else x
 
 
-def _from(values, dtype=None) -> ndarray:
-    values = np.asarray(_host(values) if isinstance(values, ndarray) else values, dtype=dtype)
+def _from(values, dtype=None, what="a copy to the device") -> ndarray:
+    """A new device array holding values (a host or device array, or a scalar)."""
+    source = values
+    values = np.asarray(_host(values), dtype=dtype)
     out = _allocate(values.shape, values.dtype)
+    _on_stream(what, reads=[source], writes=[out])
     out.view(np.ndarray)[...] = values
     return out
 
@@ -189,20 +273,19 @@ def empty(shape, dtype=np.float64, order="C"):
     return _allocate(shape, dtype)
 
 
+def full(shape, fill_value, dtype=None):
+    out = _allocate(shape, dtype if dtype is not None else np.asarray(fill_value).dtype)
+    _on_stream("a fill (cupy.full, zeros, ones)", writes=[out])
+    out.view(np.ndarray)[...] = fill_value
+    return out
+
+
 def zeros(shape, dtype=np.float64, order="C"):
-    return _allocate(shape, dtype, fill=0)
+    return full(shape, 0, dtype)
 
 
 def ones(shape, dtype=np.float64):
-    out = _allocate(shape, dtype)
-    out.view(np.ndarray)[...] = 1
-    return out
-
-
-def full(shape, fill_value, dtype=None):
-    out = _allocate(shape, dtype if dtype is not None else np.asarray(fill_value).dtype)
-    out.view(np.ndarray)[...] = fill_value
-    return out
+    return full(shape, 1, dtype)
 
 
 def empty_like(a, dtype=None):
@@ -210,7 +293,7 @@ def empty_like(a, dtype=None):
 
 
 def zeros_like(a, dtype=None):
-    return _allocate(a.shape, dtype or a.dtype, fill=0)
+    return full(a.shape, 0, dtype or a.dtype)
 
 
 def asarray(a, dtype=None):
@@ -224,15 +307,18 @@ def array(a, dtype=None, copy=True):
 
 
 def argsort(a, axis=-1, kind=None):
-    return _from(np.argsort(_host(a), axis=axis, kind="stable"))
+    _on_stream("cupy.argsort", reads=[a])
+    return _from(np.argsort(_host(a), axis=axis, kind="stable"), what="cupy.argsort")
 
 
 def concatenate(arrays, axis=0):
-    return _from(np.concatenate([_host(a) for a in arrays], axis=axis))
+    _on_stream("cupy.concatenate", reads=arrays)
+    return _from(np.concatenate([_host(a) for a in arrays], axis=axis), what="cupy.concatenate")
 
 
 def matmul(a, b):
-    return _from(np.matmul(_host(a), _host(b)))
+    _on_stream("cupy.matmul", reads=[a, b])
+    return _from(np.matmul(_host(a), _host(b)), what="cupy.matmul")
 
 
 def _numpy_fallback(name: str):
@@ -242,10 +328,11 @@ def _numpy_fallback(name: str):
         return target
 
     def call(*args, **kwargs):
+        _on_stream(f"cupy.{name}", reads=[*args, *kwargs.values()])
         args = tuple(_host(a) for a in args)
         kwargs = {k: _host(v) for k, v in kwargs.items()}
         result = target(*args, **kwargs)
-        return _from(result) if isinstance(result, np.ndarray) else result
+        return _from(result, what=f"cupy.{name}") if isinstance(result, np.ndarray) else result
 
     return call
 
@@ -282,12 +369,15 @@ class Device:
         _thread.device = self._previous
 
     def synchronize(self):
-        pass
+        streams.host_saw_all()
 
 
-class Stream:
+class Stream(streams.Clocked):
+    """A stream: which thread uses it, and its clock in streams.py. `non_blocking=False` (CuPy's default)
+    is a blocking stream, ordered with the legacy null stream both ways."""
+
     def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None):
-        self.ptr = 0 if null else next(_stream_ids)
+        super().__init__(0 if null else next(_stream_ids), blocking=null or not non_blocking)
 
     def use(self):
         _thread.stream = self
@@ -301,10 +391,10 @@ class Stream:
         _thread.stream = self._previous
 
     def synchronize(self):
-        pass
+        streams.host_saw(streams.recorded(self))
 
     def wait_event(self, event):
-        pass
+        streams.wait(self, event.clock)
 
     def record(self, event=None):
         event = event or Event()
@@ -323,15 +413,17 @@ class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False):
         self.disable_timing = disable_timing
         self.time = None
+        self.clock: dict[int, int] = {}  # an event never recorded orders nothing
 
     def record(self, stream=None):
+        self.clock = streams.recorded(stream or get_current_stream())
         self.time = time.perf_counter()
 
     def synchronize(self):
-        pass
+        streams.host_saw(self.clock)
 
     @property
-    def done(self):
+    def done(self):  # True at once, and orders nothing (see streams.py: the watchdog polls it)
         return True
 
 
@@ -447,8 +539,9 @@ class Function:
         self._launch.restype = ctypes.c_int
         signature = getattr(library, f"cudasim_signature_{name}")
         signature.restype = ctypes.c_char_p
-        self.params = signature().decode().rstrip(",").split(",") if signature() else []
-        self.params = [p for p in self.params if p]
+        params = [p for p in signature().decode().split(",") if p]
+        self.writes = [p == "p" for p in params]  # "pc": a pointer to const, which the kernel only reads
+        self.params = ["p" if p == "pc" else p for p in params]
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
         grid, block = _dims(grid, "grid"), _dims(block, "block")
@@ -468,6 +561,9 @@ class Function:
                 holders.append(ctypes.c_void_p(None if value is None else value.data.ptr))
             else:
                 holders.append(_CTYPES[want](value.item() if isinstance(value, np.generic) else value))
+        _on_stream(f"kernel {self.name}", stream=stream,
+                   reads=[a for a, w in zip(args, self.writes, strict=True) if not w],
+                   writes=[a for a, w in zip(args, self.writes, strict=True) if w])
         pointers = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
         error = ctypes.create_string_buffer(4096)
         with _launch_lock:
@@ -577,6 +673,25 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def _extent(ptr, kind, op, rows, cols, ld, batch=1, stride=0) -> tuple[int, int, bool]:
+    """The bytes op(X) (rows x cols, column-major, leading dimension ld) covers, over every batch."""
+    stored_rows, stored_cols = (rows, cols) if op == 0 else (cols, rows)
+    item = np.dtype(_ELEMENT[kind]).itemsize
+    return ptr, ptr + ((batch - 1) * stride + ld * (stored_cols - 1) + stored_rows) * item, False
+
+
+def _gemm_operation(what, transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc,
+                    batch=1, strides=(0, 0, 0)) -> None:
+    """Tell streams.py what a gemm reads and writes, on the current stream (CuPy's cuBLAS wrappers set the
+    handle's stream to it on every call)."""
+    if min(m, n, k, batch) <= 0:
+        return
+    a = _extent(A, Atype, transa, m, k, lda, batch, strides[0])
+    b = _extent(B, Btype, transb, k, n, ldb, batch, strides[1])
+    c = _extent(C, Ctype, 0, m, n, ldc, batch, strides[2])
+    raw_operation(get_current_stream(), what, [a, b, (c[0], c[1], True)])
+
+
 def _scalar(ptr: int) -> float:
     return float(_memory(ptr, np.float32, 1)[0])
 
@@ -594,11 +709,14 @@ def _cublas_module() -> types.ModuleType:
 
     def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
                computeType, algo):
+        _gemm_operation("cublasGemmEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc)
         _gemm(transa, transb, m, n, k, _scalar(alpha), A, Atype, lda, B, Btype, ldb, _scalar(beta), C, Ctype, ldc,
               computeType)
 
     def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
                              strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
+        _gemm_operation("cublasGemmStridedBatchedEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C,
+                        Ctype, ldc, batchCount, (strideA, strideB, strideC))
         item = {CUDA_R_32F: 4, CUDA_R_16BF: 2}
         for i in range(batchCount):
             _gemm(transa, transb, m, n, k, _scalar(alpha), A + i * strideA * item[Atype], Atype, lda,
@@ -607,6 +725,18 @@ def _cublas_module() -> types.ModuleType:
 
     cublas.setPointerMode, cublas.gemmEx, cublas.gemmStridedBatchedEx = setPointerMode, gemmEx, gemmStridedBatchedEx
     return cublas
+
+
+# ---------------------------------------------------------------------------- the runtime's copies
+
+def _memset_async(ptr, value, size, stream):
+    raw_operation(stream, "cudaMemsetAsync", [(ptr, ptr + size, True)])
+    ctypes.memset(ptr, value, size)
+
+
+def _memcpy_async(dst, src, size, kind, stream):
+    raw_operation(stream, "cudaMemcpyAsync", [(src, src + size, False), (dst, dst + size, True)])
+    ctypes.memmove(dst, src, size)
 
 
 # ---------------------------------------------------------------------------- the modules
@@ -627,9 +757,7 @@ def install() -> types.ModuleType:
     cuda = types.ModuleType("cupy.cuda")
     runtime = types.SimpleNamespace(
         getDeviceCount=device_count, CUDARuntimeError=CUDARuntimeError, CUDA_R_32F=CUDA_R_32F,
-        memsetAsync=lambda ptr, value, size, stream: ctypes.memset(ptr, value, size),
-        memcpyAsync=lambda dst, src, size, kind, stream: ctypes.memmove(dst, src, size),
-        deviceSynchronize=lambda: None,
+        memsetAsync=_memset_async, memcpyAsync=_memcpy_async, deviceSynchronize=streams.host_saw_all,
         getDeviceProperties=lambda d: {"name": b"cudasim (CPU)", "totalGlobalMem": 0, "major": 9, "minor": 0,
                                        "multiProcessorCount": 1},
         driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)

@@ -24,6 +24,7 @@ import sys
 import threading
 import types
 
+import fake_cupy
 import numpy as np
 
 FLOAT16, FLOAT32, FLOAT64, BFLOAT16 = 6, 7, 8, 9  # ncclDataType_t
@@ -173,12 +174,21 @@ def _collective(handle, call: tuple, send: np.ndarray | None, finish) -> None:
     _meet(comm, call[0])  # every rank has read the others' copies before the next collective replaces them
 
 
+def _queued(stream, what: str, send: int, send_count: int, recv: int, recv_count: int, data_type: int) -> None:
+    """Tell the stream checker (tests/cudasim/streams.py) what this rank's collective reads and writes on
+    its stream: its own send and receive buffers; the exchange with the peers is NCCL's own business."""
+    item = _ITEM[data_type]
+    fake_cupy.raw_operation(stream, f"nccl {what}", [(send, send + send_count * item, False),
+                                                     (recv, recv + recv_count * item, True)])
+
+
 def _bindings() -> types.ModuleType:
     raw = types.ModuleType("nccl.bindings.nccl")
     raw.Comm = lambda ptr: int(ptr)
     raw.Result = types.SimpleNamespace(Success=0, InProgress=7)
 
     def all_reduce(send, recv, count, data_type, op, comm, stream):
+        _queued(stream, "all_reduce", send, count, recv, count, data_type)
         out = _memory(recv, data_type, count)
         _collective(comm, ("all_reduce", count, data_type, op), _memory(send, data_type, count),
                     lambda parts: out.__setitem__(slice(None), _sum(parts, data_type)))
@@ -186,6 +196,7 @@ def _bindings() -> types.ModuleType:
     def reduce_scatter(send, recv, recv_count, data_type, op, comm, stream):
         rank = _comms[int(comm)].rank
         n = _comms[int(comm)].nranks
+        _queued(stream, "reduce_scatter", send, recv_count * n, recv, recv_count, data_type)
         out = _memory(recv, data_type, recv_count)
         _collective(comm, ("reduce_scatter", recv_count, data_type, op), _memory(send, data_type, recv_count * n),
                     lambda parts: out.__setitem__(slice(None), _sum(
@@ -193,12 +204,14 @@ def _bindings() -> types.ModuleType:
 
     def all_gather(send, recv, send_count, data_type, comm, stream):
         n = _comms[int(comm)].nranks
+        _queued(stream, "all_gather", send, send_count, recv, send_count * n, data_type)
         out = _memory(recv, data_type, send_count * n)
         _collective(comm, ("all_gather", send_count, data_type), _memory(send, data_type, send_count),
                     lambda parts: out.__setitem__(slice(None), np.concatenate(parts)))
 
     def broadcast(send, recv, count, data_type, root, comm, stream):
         rank = _comms[int(comm)].rank
+        _queued(stream, "broadcast", send, count if rank == root else 0, recv, count, data_type)
         out = _memory(recv, data_type, count)
         _collective(comm, ("broadcast", count, data_type, root),
                     _memory(send, data_type, count) if rank == root else None,
@@ -206,6 +219,7 @@ def _bindings() -> types.ModuleType:
 
     def reduce(send, recv, count, data_type, op, root, comm, stream):
         rank = _comms[int(comm)].rank
+        _queued(stream, "reduce", send, count, recv, count if rank == root else 0, data_type)
 
         def finish(parts):
             if rank == root:
