@@ -9,6 +9,7 @@ shapes that take the scalar paths: T=1, channel counts and vocabularies that are
 the 16-byte vector width or of the block size, and views that start off a 16-byte boundary.
 """
 
+import re
 import threading
 
 import numpy as np
@@ -409,6 +410,23 @@ def test_ddp_two_virtual_ranks_match_single_rank_and_numpy():
         worst = np.max(np.abs(np.array(run["losses"]) - one["losses"]) / np.array(one["losses"]))
         assert worst < 1e-3, worst
     assert len(two["param_sha256"]) == 2 and len(set(two["param_sha256"])) == 1
+
+
+def test_a_training_step_copies_the_batch_in_and_one_array_out():
+    """No hidden host<->device traffic in the step: per optimizer step the host uploads each
+    micro-batch's ids and targets, downloads one array (the loss and the squared grad norm together),
+    and never waits for the device before that read (the event waits after it only turn the step's
+    timing marks into seconds). The simulator logs every copy and wait (CuPy has no hook for them), so
+    this runs there only."""
+    if not getattr(cupy, "cudasim", False):
+        pytest.skip("the host traffic log is the CUDA simulator's (tests/cudasim)")
+    import fake_cupy
+
+    fake_cupy.host_traffic_by_thread.clear()
+    _train(backend="cuda", world_size=1, steps=3, grad_accum=2, eval_batches=0)
+    log = " ".join(fake_cupy.host_traffic_by_thread["rank0"])
+    step = r"(?:upload ){4}download(?: event_sync)* "
+    assert re.fullmatch(rf"(?:upload )*(?:{step}){{3}}download(?: .*)?", log), log  # setup, 3 steps, then the digests
 
 
 def test_cuda_training_is_bitwise_reproducible():

@@ -9,6 +9,7 @@ the multi-process tests use it only then.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -190,6 +191,29 @@ def test_two_gpu_training_over_nccl_follows_numpy():
         assert nccl["launch"]["comm"] == "nccl"  # a GPU per rank: NCCL, not the in-process communicator
         assert len(nccl["param_sha256"]) == 2 and len(set(nccl["param_sha256"])) == 1
         np.testing.assert_allclose(nccl["losses"], reference["losses"], rtol=1e-3)
+
+
+@pytest.mark.skipif(GPUS < 2 or not has_cuda_backend(), reason="needs two GPUs and the CUDA backend")
+def test_a_step_over_nccl_copies_the_batch_in_and_one_array_out():
+    """Over NCCL too (bucketed on a side stream, and ZeRO-1), each rank's step uploads its micro-batches,
+    downloads one array and never waits for the device before that: the reductions are queued, not
+    waited for. The simulator logs every copy and wait (CuPy has no hook for them): there only."""
+    if not getattr(cupy, "cudasim", False):
+        pytest.skip("the host traffic log is the CUDA simulator's (tests/cudasim)")
+    import fake_cupy
+
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.train_ddp import train
+
+    for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}):
+        fake_cupy.host_traffic_by_thread.clear()
+        cfg = TrainConfig(steps=3, batch=8, seq=64, seed=3, backend="cuda", world_size=2, grad_accum=2,
+                          eval_batches=0, **options).resolved()
+        assert train(cfg, shipped_corpus(), log=lambda line: None)["launch"]["comm"] == "nccl"
+        step = r"(?:upload ){4}download(?: event_sync)* "
+        for rank in ("rank0", "rank1"):
+            log = " ".join(fake_cupy.host_traffic_by_thread[rank])
+            assert re.fullmatch(rf"(?:upload )*(?:{step}){{3}}download(?: .*)?", log), (options, rank, log)
 
 
 # ---------------------------------------------------------------------------------------------- two processes

@@ -30,6 +30,7 @@ It is a test instrument, not a backend: nothing in xtrain_dist imports it, and a
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import itertools
@@ -79,6 +80,20 @@ def order() -> int:
     if text.isdigit() and int(text) >= 2:
         return int(text)
     raise ValueError(f"XTRAIN_CUDASIM_ORDER={text!r}: use forward, reverse or a seed >= 2")
+
+
+# ---------------------------------------------------------------------------- host traffic
+
+# What crossed between host and device, and where the host waited for the device, in order, per thread
+# name: upload (a host array copied in: set, asarray of a host array), download (get, item, float),
+# stream_sync, event_sync, device_sync. CuPy has no hook for these; tests read them to hold the training
+# step to the copies it means to make (tests/test_cuda_ops.py, tests/test_nccl.py).
+host_traffic_by_thread: dict[str, list[str]] = collections.defaultdict(list)
+
+
+def host_traffic() -> list[str]:
+    """The calling thread's log (by its name: a rank thread's is `host_traffic_by_thread["rank0"]`)."""
+    return host_traffic_by_thread[threading.current_thread().name]
 
 
 # ---------------------------------------------------------------------------- memory
@@ -185,6 +200,7 @@ class ndarray(np.ndarray):
     def get(self, stream=None, order="C", out=None) -> np.ndarray:
         stream = stream or get_current_stream()
         _on_stream("a copy to the host (ndarray.get)", reads=[self], stream=stream)
+        host_traffic().append("download")
         streams.host_saw(streams.recorded(stream))  # CuPy's get waits for the stream
         return np.array(self.view(np.ndarray), order=order)
 
@@ -195,6 +211,7 @@ class ndarray(np.ndarray):
         if arr.dtype != self.dtype:
             raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
         _on_stream("a copy from the host (ndarray.set)", writes=[self], stream=stream)
+        host_traffic().append("upload")
         self.view(np.ndarray)[...] = arr
 
     # a value read on the host: CuPy copies it out on the current stream and waits
@@ -299,10 +316,12 @@ def zeros_like(a, dtype=None):
 def asarray(a, dtype=None):
     if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
-    return _from(a, dtype)
+    return array(a, dtype)
 
 
 def array(a, dtype=None, copy=True):
+    if not isinstance(a, ndarray):
+        host_traffic().append("upload")
     return _from(a, dtype)
 
 
@@ -369,7 +388,12 @@ class Device:
         _thread.device = self._previous
 
     def synchronize(self):
-        streams.host_saw_all()
+        _device_synchronize()
+
+
+def _device_synchronize():
+    host_traffic().append("device_sync")
+    streams.host_saw_all()
 
 
 class Stream(streams.Clocked):
@@ -391,6 +415,7 @@ class Stream(streams.Clocked):
         _thread.stream = self._previous
 
     def synchronize(self):
+        host_traffic().append("stream_sync")
         streams.host_saw(streams.recorded(self))
 
     def wait_event(self, event):
@@ -420,6 +445,7 @@ class Event:
         self.time = time.perf_counter()
 
     def synchronize(self):
+        host_traffic().append("event_sync")
         streams.host_saw(self.clock)
 
     @property
@@ -757,7 +783,7 @@ def install() -> types.ModuleType:
     cuda = types.ModuleType("cupy.cuda")
     runtime = types.SimpleNamespace(
         getDeviceCount=device_count, CUDARuntimeError=CUDARuntimeError, CUDA_R_32F=CUDA_R_32F,
-        memsetAsync=_memset_async, memcpyAsync=_memcpy_async, deviceSynchronize=streams.host_saw_all,
+        memsetAsync=_memset_async, memcpyAsync=_memcpy_async, deviceSynchronize=_device_synchronize,
         getDeviceProperties=lambda d: {"name": b"cudasim (CPU)", "totalGlobalMem": 0, "major": 9, "minor": 0,
                                        "multiProcessorCount": 1},
         driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
