@@ -429,6 +429,50 @@ def test_a_training_step_copies_the_batch_in_and_one_array_out():
     assert re.fullmatch(rf"(?:upload )*(?:{step}){{3}}download(?: .*)?", log), log  # setup, 3 steps, then the digests
 
 
+@pytest.mark.parametrize("world, options", [
+    (1, {}), (1, {"dtype": "bf16"}), (2, {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05})])
+def test_a_cuda_run_resumes_bitwise(tmp_path, world, options):
+    """A GPU run saved after 3 of 5 steps and resumed gives the losses of steps 4 and 5, the validation
+    loss and the final parameters of the uninterrupted run, to the bit: the float32 masters, AdamW's
+    moments (one file per rank under ZeRO-1) and the sampler's state go through the host and the
+    checkpoint, and bf16's weight copy is rebuilt from the masters."""
+    kw = dict(backend="cuda", world_size=world, lr_decay_steps=5, eval_batches=2, **options)
+    full = _train(steps=5, **kw)
+    first = _train(steps=3, save_dir=str(tmp_path / "ck"), **kw)
+    resumed = _train(steps=5, resume=str(tmp_path / "ck"), **kw)
+    assert first["losses"] == full["losses"][:3]
+    assert resumed["start_step"] == 3 and resumed["losses"] == full["losses"][3:]
+    assert resumed["param_sha256"] == full["param_sha256"] and resumed["val_losses"] == full["val_losses"]
+
+
+def test_a_cuda_checkpoint_evaluates_and_samples_as_on_numpy(be, tmp_path):
+    """The folder a GPU run saves is read back by either backend: the same held-out loss (float32 noise
+    apart), the same logits, and greedy decoding picks the same ids (a differing id is allowed only
+    where numpy's top two logits are a near tie)."""
+    from xtrain_dist.backend import numpy_ops
+    from xtrain_dist.comm.local import LocalGroup
+    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.evaluate import Evaluator
+    from xtrain_dist.sample import generate, load
+
+    _train(backend="cuda", steps=20, save_dir=str(tmp_path / "ck"), eval_batches=0)
+    corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    (cpu, tokenizer, _), (gpu, _, _) = load(tmp_path / "ck", numpy_ops), load(tmp_path / "ck", be)
+    losses = [Evaluator(corpus.val, 8, 64, 3, 0, 1, m.ops).loss(m, LocalGroup(1).communicator(0)) for m in (cpu, gpu)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+    prompt = tokenizer.encode("ROMEO:", add_special_tokens=False).ids
+    want = generate(cpu, prompt, 16, temperature=0, top_k=None, rng=np.random.default_rng(0))
+    got = generate(gpu, prompt, 16, temperature=0, top_k=None, rng=np.random.default_rng(0))
+    ids = np.array([prompt + want], dtype=np.int32)
+    cpu_logits = cpu.forward(ids)[0]
+    np.testing.assert_allclose(be.to_host(gpu.forward(be.from_host(ids)))[0], cpu_logits, rtol=1e-4, atol=1e-4)
+    if got != want:
+        i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        top2 = np.sort(cpu_logits[len(prompt) + i - 1])[-2:]
+        assert top2[1] - top2[0] < 1e-4, (i, got, want, top2)
+
+
 def test_cuda_training_is_bitwise_reproducible():
     first, second = _train(backend="cuda", world_size=2, steps=5), _train(backend="cuda", world_size=2, steps=5)
     assert first["param_sha256"] == second["param_sha256"]
