@@ -388,6 +388,15 @@ def test_bf16_round_is_bitwise_the_oracle(be, rng):
         assert np.array_equal(be.to_host(buf).view(np.uint32), want.view(np.uint32))
 
 
+def test_a_device_that_does_not_exist_is_one_line():
+    from xtrain_dist.errors import XtrainError
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    for device in (count, -1):
+        with pytest.raises(XtrainError, match=rf"^--backend cuda: device {device} does not exist \({count} visible\)$"):
+            CudaBackend(device)
+
+
 # ---------------------------------------------------------------------------- training on the GPU
 
 def _train(**kw):
