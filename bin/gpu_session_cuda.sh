@@ -97,7 +97,8 @@ if command -v compute-sanitizer >/dev/null; then
     rc=$?; tail -n 5 "$OUT/sanitizer_$tool.txt"; [ $rc -ne 0 ] && sanitizer_rc=$rc
   done
 else
-  echo "compute-sanitizer not on this image" | tee "$OUT/sanitizer_memcheck.txt"
+  echo "compute-sanitizer not on this image" | tee "$OUT/sanitizer_memcheck.txt" "$OUT/sanitizer_racecheck.txt"
+  sanitizer_rc=127
 fi
 
 $PY bin/gpu_session_summary "$OUT" "$tests_rc" "$curves_rc" "$errors_rc" "$sanitizer_rc" "$(( SECONDS - START ))"

@@ -497,6 +497,7 @@ def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
     (tmp_path / "pytest_cuda.txt").write_text("....\nSKIPPED [1] tests/x.py:3: why\n120 passed, 1 skipped in 90.00s\n")
     (tmp_path / "skipped.txt").write_text("## compute-sanitizer racecheck: skipped, the time budget is spent\n")
     (tmp_path / "kernel_errors.md").write_text("| op | output |\n| --- | --- |\n| gelu_forward | out |\n")
+    (tmp_path / "sanitizer_memcheck.txt").write_text("........\n========= ERROR SUMMARY: 0 errors\n")
     result = subprocess.run([sys.executable, "bin/gpu_session_summary", str(tmp_path), "0", "0", "1", "124", "512"],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -505,6 +506,7 @@ def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
     for expected in ("NVIDIA H100 80GB HBM3", "512 s in all", "- tests: exit 0", "  - 120 passed, 1 skipped",
                      "- kernel_errors: exit 1", "- compute-sanitizer memcheck + racecheck: exit 124",
                      "- compute-sanitizer racecheck: skipped, the time budget is spent", "| gelu_forward | out |",
+                     "  - memcheck: ERROR SUMMARY: 0 errors", "  - racecheck: did not run",
                      f"| 1 | {losses[0]:.4f} |", "| numpy_fp32_w2 | ", " | True |"):
         assert expected in summary, (expected, summary)
 
