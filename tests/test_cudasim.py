@@ -511,6 +511,33 @@ def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
         assert expected in summary, (expected, summary)
 
 
+def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_path):
+    """bin/gpu_session_cuda.sh and bin/gpu_session_nccl.sh, unchanged, with every Python process they
+    start on the simulator (tests/cudasim/site): each step runs or is skipped by the time budget, and
+    each script ends in its summary. A small budget keeps it short: what it checks is the scripts' own
+    flow, which otherwise would first run in a GPU session's 30 minutes."""
+    env = dict(os.environ, XTRAIN_CUDASIM="1", PYTHONPATH=str(ROOT / "tests" / "cudasim" / "site"), BUDGET="60",
+               XTRAIN_CUDASIM_NCCL_TIMEOUT="5", PYTHONDONTWRITEBYTECODE="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cuda = subprocess.run(["bash", "bin/gpu_session_cuda.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "cuda")),
+                          capture_output=True, text=True, timeout=300)
+    assert cuda.returncode == 0, cuda.stderr[-2000:]
+    summary = (tmp_path / "cuda" / "cuda_results.md").read_text()
+    for expected in ("## versions", "- tests: exit", "- curve cuda fp32 w1: skipped, the time budget is spent",
+                     "- kernel_errors tf32: skipped", "- compute-sanitizer memcheck + racecheck: exit",
+                     "  - memcheck: "):
+        assert expected in summary, (expected, summary)
+    nccl = subprocess.run(["bash", "bin/gpu_session_nccl.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "nccl")),
+                          capture_output=True, text=True, timeout=300)
+    summary = (tmp_path / "nccl" / "nccl_results.md").read_text()
+    # one process's fake NCCL cannot reach another process: the probe fails there, the summary says so, and
+    # the script's exit status is the probe's
+    assert nccl.returncode == 1, nccl.stderr[-2000:]
+    for expected in ("- tests/test_nccl.py: exit 0", "passed", "two processes on one GPU with distinct NCCL_HOSTID: "
+                     "FAILED", "No bandwidth table"):
+        assert expected in summary, (expected, summary)
+
+
 def test_bench_collectives_over_nccl_on_two_simulated_gpus(tmp_path):
     """bin/bench_collectives --comm nccl (rank threads on two GPUs through nccl4py) runs every op and
     writes its table: the path the GPU session's bandwidth sweep takes, before it has a GPU."""

@@ -768,7 +768,10 @@ def _memcpy_async(dst, src, size, kind, stream):
 # ---------------------------------------------------------------------------- the modules
 
 def install() -> types.ModuleType:
-    """Make `import cupy` (and cupy_backends' cuBLAS) give the simulator, in this process."""
+    """Make `import cupy` (and cupy_backends' cuBLAS) give the simulator, in this process (once: a second
+    call, say conftest's after site/sitecustomize.py's, returns the module already there)."""
+    if getattr(sys.modules.get("cupy"), "cudasim", False):
+        return sys.modules["cupy"]
     this = sys.modules[__name__]
     cupy = types.ModuleType("cupy")
     cupy.__doc__ = __doc__

@@ -233,6 +233,8 @@ def _bindings() -> types.ModuleType:
 
 
 def install() -> None:
+    if getattr(sys.modules.get("nccl.core"), "NcclError", None) is NcclError:
+        return  # installed already (site/sitecustomize.py, then conftest)
     core = types.ModuleType("nccl.core")
     for name in ("UniqueId", "Communicator", "get_unique_id", "group_start", "group_end", "get_error_string",
                  "NcclError", "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "INT32", "INT64", "UINT8", "SUM"):
