@@ -106,7 +106,7 @@ class _Pointer:
 
 
 # root buffer id -> (weak reference to it, offset of the data, bytes of data, address of the data)
-_allocations: dict[int, tuple[weakref.ref, int, int]] = {}
+_allocations: dict[int, tuple[weakref.ref, int, int, int]] = {}
 _allocations_lock = threading.RLock()  # re-entrant: a weakref callback (_forget) may run inside a locked block
 
 
