@@ -92,7 +92,7 @@ if command -v compute-sanitizer >/dev/null; then
     echo "## compute-sanitizer $tool"
     step "compute-sanitizer $tool" 120 compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -x \
       tests/test_cuda_ops.py tests/test_cuda_bf16.py \
-      -k "not tiny_model and not ddp and not reproducible and not command_line and not B4-T64 and not trains and not resumes and not as_on_numpy and not copies_the_batch" \
+      -m "not training" -k "not tiny_model and not B4-T64" \
       > "$OUT/sanitizer_$tool.txt" 2>&1
     rc=$?; tail -n 5 "$OUT/sanitizer_$tool.txt"; [ $rc -ne 0 ] && sanitizer_rc=$rc
   done

@@ -163,6 +163,7 @@ def _train(corpus, **kw):
     return train(cfg, corpus, log=lambda line: None)
 
 
+@pytest.mark.training
 def test_bf16_ddp_two_virtual_ranks_match_one_rank_and_numpy(corpus):
     one = _train(corpus, backend="cuda", world_size=1)
     two = _train(corpus, backend="cuda", world_size=2)
@@ -175,6 +176,7 @@ def test_bf16_ddp_two_virtual_ranks_match_one_rank_and_numpy(corpus):
     assert again["param_sha256"] == two["param_sha256"] and again["losses"] == two["losses"]
 
 
+@pytest.mark.training
 @pytest.mark.parametrize("options", [{"zero": 1}, {"grad_sync": "bucketed", "bucket_mb": 0.05},
                                      {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05, "grad_accum": 2}])
 def test_bf16_ddp_options_follow_numpy_bf16(corpus, options):
@@ -184,6 +186,7 @@ def test_bf16_ddp_options_follow_numpy_bf16(corpus, options):
     assert len(set(cuda["param_sha256"])) == 1
 
 
+@pytest.mark.training
 @pytest.mark.real_gpu
 def test_the_command_line_trains_in_bf16_on_the_gpu():
     out = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "40", "8", "64", "--backend", "cuda",
@@ -233,6 +236,7 @@ def test_flash_attention_matches_the_emulation_and_the_standard_path(be, rng, T)
     assert np.array_equal(be.to_host(again), dqkv_h) and np.array_equal(be.to_host(again_out), out_h)
 
 
+@pytest.mark.training
 def test_flash_attention_trains_like_the_emulation_and_the_standard_path(corpus):
     """A 64-channel-head model (small) on 2 virtual ranks: --attention flash follows the numpy emulation of
     the same and the GPU's standard attention, with bitwise ranks."""

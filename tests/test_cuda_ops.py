@@ -347,6 +347,7 @@ def test_tiny_model_loss_and_gradients_match_numpy(be, rng):
     assert worst <= 1e-4 * float(np.abs(grads_np).max()), f"gradient max abs error {worst:.3g}"
 
 
+@pytest.mark.training
 def test_tiny_model_trains_the_same_for_a_few_steps(be, rng):
     """Three steps of clip + AdamW on both backends. Parameters whose gradient is near zero may take
     opposite-sign Adam steps (sign(m) flips on a 1e-9 difference), so the check is on the losses and
@@ -409,6 +410,7 @@ def _train(**kw):
     return train(cfg, corpus, log=lambda line: None)
 
 
+@pytest.mark.training
 def test_ddp_two_virtual_ranks_match_single_rank_and_numpy():
     """Two rank threads share device 0, each with its own CudaBackend and stream, reducing through the
     in-process communicator: they follow the 1-rank CUDA run and the numpy run, with identical bits."""
@@ -421,6 +423,7 @@ def test_ddp_two_virtual_ranks_match_single_rank_and_numpy():
     assert len(two["param_sha256"]) == 2 and len(set(two["param_sha256"])) == 1
 
 
+@pytest.mark.training
 def test_a_training_step_copies_the_batch_in_and_one_array_out():
     """No hidden host<->device traffic in the step: per optimizer step the host uploads each
     micro-batch's ids and targets, downloads one array (the loss and the squared grad norm together),
@@ -438,6 +441,7 @@ def test_a_training_step_copies_the_batch_in_and_one_array_out():
     assert re.fullmatch(rf"(?:upload )*(?:{step}){{3}}download(?: .*)?", log), log  # setup, 3 steps, then the digests
 
 
+@pytest.mark.training
 @pytest.mark.parametrize("world, options", [
     (1, {}), (1, {"dtype": "bf16"}), (2, {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05})])
 def test_a_cuda_run_resumes_bitwise(tmp_path, world, options):
@@ -454,6 +458,7 @@ def test_a_cuda_run_resumes_bitwise(tmp_path, world, options):
     assert resumed["param_sha256"] == full["param_sha256"] and resumed["val_losses"] == full["val_losses"]
 
 
+@pytest.mark.training
 def test_a_cuda_checkpoint_evaluates_and_samples_as_on_numpy(be, tmp_path):
     """The folder a GPU run saves is read back by either backend: the same held-out loss (float32 noise
     apart), the same logits, and greedy decoding picks the same ids (a differing id is allowed only
@@ -482,12 +487,14 @@ def test_a_cuda_checkpoint_evaluates_and_samples_as_on_numpy(be, tmp_path):
         assert top2[1] - top2[0] < 1e-4, (i, got, want, top2)
 
 
+@pytest.mark.training
 def test_cuda_training_is_bitwise_reproducible():
     first, second = _train(backend="cuda", world_size=2, steps=5), _train(backend="cuda", world_size=2, steps=5)
     assert first["param_sha256"] == second["param_sha256"]
     assert first["losses"] == second["losses"]
 
 
+@pytest.mark.training
 @pytest.mark.real_gpu
 def test_the_command_line_trains_on_the_gpu():
     import subprocess
@@ -501,6 +508,7 @@ def test_the_command_line_trains_on_the_gpu():
     assert len(losses) == 40 and np.mean(losses[-5:]) < losses[0] - 0.5
 
 
+@pytest.mark.training
 @pytest.mark.parametrize("options", [
     {"grad_sync": "flat"}, {"grad_sync": "per-param"}, {"grad_sync": "bucketed", "bucket_mb": 0.05},
     {"zero": 1}, {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05}, {"grad_compress": "bf16"},

@@ -260,10 +260,10 @@ def test_cublas_stand_in_follows_column_major_conventions(ta, tb):
 
 # ---------------------------------------------------------------------------- the GPU tests, on the simulator
 
-# The reverse-order run repeats the op tests only: the training tests compose the same kernels. NCCL's
-# tests run with two simulated GPUs (rank threads of one process on one GPU each, through fake_nccl).
-OP_TESTS = ["-k", "not ddp and not trains and not reproducible and not resumes and not as_on_numpy "
-                  "and not copies_the_batch"]
+# The reverse-order run repeats the op tests only: the training tests (marked `training`) compose the
+# same kernels. NCCL's tests run with two simulated GPUs (rank threads of one process on one GPU each,
+# through fake_nccl).
+OP_TESTS = ["-m", "not training"]
 CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"]
 
 
