@@ -420,7 +420,7 @@ def test_training_without_one_of_its_fences_is_a_stream_race(fence, comm, expect
     although the simulator ran everything in an order where the results came out right. (finish's
     fence is not needed with the in-process communicator, whose comm thread waits for its own stream
     on the host before finish() returns.)"""
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "cudasim" / "drop_fence.py"), fence, comm],
+    result = subprocess.run([*RUN, str(ROOT / "tests" / "cudasim" / "drop_fence.py"), fence, comm],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     last = result.stdout.strip().splitlines()[-1]

@@ -1,7 +1,8 @@
 """Train two ranks on the simulator with one of the GPU path's orderings taken out, and print what the
 stream checker (streams.py) says: the evidence that it finds a missing fence in the real training code.
 
-    python tests/cudasim/drop_fence.py FENCE COMM      (FENCE: none, bucket, finish, post; COMM: local, nccl)
+    python tests/cudasim/run.py tests/cudasim/drop_fence.py FENCE COMM   (FENCE: none, bucket, finish, post;
+                                                                          COMM: local, nccl)
 
 - bucket: the communication thread no longer makes its stream wait for the compute stream's event
   before reducing a bucket (ddp._serve's `ops.wait(computed)`);
@@ -17,22 +18,12 @@ prints `trained` or the error that ended the run, and exits 0 either way.
 import os
 import sys
 import threading
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-if sys.argv[2:3] == ["nccl"]:
-    os.environ["XTRAIN_CUDASIM_DEVICES"] = "2"
-import fake_cupy
-import fake_nccl
-
-fake_cupy.install()
-fake_nccl.install()
-
-from xtrain_dist.backend import cuda_ops  # noqa: E402
-from xtrain_dist.comm import local  # noqa: E402
-from xtrain_dist.config import TrainConfig  # noqa: E402
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus  # noqa: E402
-from xtrain_dist.train_ddp import train  # noqa: E402
+from xtrain_dist.backend import cuda_ops
+from xtrain_dist.comm import local
+from xtrain_dist.config import TrainConfig
+from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.train_ddp import train
 
 
 def main(fence: str, comm: str) -> None:
@@ -52,6 +43,8 @@ def main(fence: str, comm: str) -> None:
         local._sync_device = lambda buf: None
     elif fence != "none":
         sys.exit(f"unknown fence {fence!r}")
+    if comm == "nccl":  # a simulated GPU per rank (read when the ranks pick their devices)
+        os.environ["XTRAIN_CUDASIM_DEVICES"] = "2"
     corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
     cfg = TrainConfig(steps=2, batch=4, seq=32, model="tiny", backend="cuda", world_size=2, comm=comm,
                       grad_sync="bucketed", bucket_mb=0.05, eval_batches=0).resolved()
