@@ -114,10 +114,11 @@ def freed(start: int) -> None:
         _merge(known, _host)
         for a in region.accesses:
             if a.stream is not region.stream and not a.before(known):
+                use = "write" if a.write else "read"
                 _deferred.append(
                     f"cudasim: use after free: an array allocated on {region.stream.label} was freed while "
-                    f"{a.what} on {a.stream.label} may still {'write' if a.write else 'read'} it (nothing orders "
-                    f"that {'write' if a.write else 'read'} before {region.stream.label}, whose next allocation "
+                    f"{a.what} on {a.stream.label} may still {use} it (nothing orders that {use} before "
+                    f"{region.stream.label}, whose next allocation "
                     "may reuse the block): keep the array alive, or make its stream wait for an event recorded "
                     "after the access")
                 return
