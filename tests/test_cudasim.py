@@ -208,25 +208,32 @@ extern "C" __global__ void trap_at(int bad) { if (blockIdx.x * blockDim.x + thre
 
 
 def test_wmma_product_is_the_matrix_product():
+    """Each block (one warp) multiplies its own tiles; a second product adds to the first. mma.h keeps
+    the last product for the next lane whose inputs are the same: blocks run one after another, so
+    block w's product comes right after block w-1's, and must not be taken for it when only the A
+    tile, only the B tile, or only the accumulator differs."""
     kernel = module(r'''
 using namespace nvcuda;
-// one warp: c = a @ b for 16x16 bf16 a (row-major) and b (column-major), float c
-extern "C" __global__ void tile_product(float* c, const __nv_bfloat16* a, const __nv_bfloat16* b) {
+// block w: c[w] = products * a[w] @ b[w] for 16x16 bf16 a (row-major) and b (column-major), float c
+extern "C" __global__ void tile_product(float* c, const __nv_bfloat16* a, const __nv_bfloat16* b, int products) {
+    const int w = blockIdx.x;
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
     wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
     wmma::fill_fragment(acc, 0.0f);
-    wmma::load_matrix_sync(fa, a, 16);
-    wmma::load_matrix_sync(fb, b, 16);
-    wmma::mma_sync(acc, fa, fb, acc);
-    wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+    wmma::load_matrix_sync(fa, a + 256 * w, 16);
+    wmma::load_matrix_sync(fb, b + 256 * w, 16);
+    for (int i = 0; i < products; ++i) wmma::mma_sync(acc, fa, fb, acc);
+    wmma::store_matrix_sync(c + 256 * w, acc, 16, wmma::mem_row_major);
 }''').get_function("tile_product")
     rng = np.random.default_rng(0)
-    a, b = (rng.integers(-8, 8, (16, 16)).astype(np.float32) for _ in range(2))  # exact in bf16 and in sums
-    bits = lambda x: (x.view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
-    c = sim.empty((16, 16), np.float32)
-    kernel((1,), (32,), (c, upload(bits(a)), upload(bits(np.ascontiguousarray(b.T)))))
-    np.testing.assert_array_equal(c.get(), a @ b)
+    a, b = (rng.integers(-8, 8, (3, 16, 16)).astype(np.float32) for _ in range(2))  # exact in bf16 and in sums
+    bits = lambda x: upload((x.view(np.uint32) >> 16).astype(np.uint16))  # noqa: E731
+    for a_tiles, b_tiles, products in ((a, b[[0, 0, 0]], 1), (a[[0, 0, 0]], b, 1), (a[:1], b[:1], 2)):
+        c = sim.empty(a_tiles.shape, np.float32)
+        kernel((len(a_tiles),), (32,), (c, bits(a_tiles), bits(np.ascontiguousarray(b_tiles.transpose(0, 2, 1))),
+                                        np.int32(products)))
+        np.testing.assert_array_equal(c.get(), products * (a_tiles @ b_tiles))
 
 
 @pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
