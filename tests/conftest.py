@@ -1,9 +1,11 @@
 """Test-session setup, and the fixtures the GPU test modules share.
 
-One BLAS thread per process, set before numpy loads OpenBLAS (it sizes its pool once, at load).
-The tests run thread ranks on tiny matrices: several ranks each calling a machine-wide OpenBLAS
-pool oversubscribe the cores, and on a busy 2-core machine that made a 5-step run 10-50x slower.
-No test depends on the thread count: results are compared within one process.
+One BLAS thread per process. The tests run thread ranks on tiny matrices: several ranks each calling a
+machine-wide OpenBLAS pool oversubscribe the cores, and on a busy 2-core machine that made a 5-step run
+10-50x slower. The variable reaches the processes tests start; in this one numpy is imported above it
+(imports come first), and OpenBLAS sizes its pool when it loads, so here the limit is set through
+threadpoolctl. A training run sets its own share while it runs (train_ddp.cpu_threads_per_rank). No
+test depends on the thread count: results are compared within one process.
 """
 
 import os
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+threadpool_limits(1, user_api="blas")
 
 # XTRAIN_CUDASIM=1: `import cupy` gives tests/cudasim's stand-in, which runs kernels/*.cu on the CPU,
 # and `import nccl` one for rank threads of this process, so the GPU tests run without a GPU
