@@ -5,6 +5,9 @@ to ~1e-8; a wrong term in any backward shows up as an error of order 1.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -265,3 +268,37 @@ def test_bf16_round_is_torchs_round_to_nearest_even(rng):
 def test_bf16_round_needs_float32():
     with pytest.raises(TypeError, match="bf16_round needs float32, got float64"):
         ops.bf16_round(np.zeros(3))
+
+
+# ------------------------------------------------------------------ the heap (keep_freed_arrays)
+
+FAULTS = r"""
+import resource, sys
+import numpy as np
+from xtrain_dist.backend import get_backend
+if sys.argv[1] == "backend":
+    get_backend("numpy")
+x = np.ones(1 << 20, np.float32)
+y = x * 2; z = y + 1; del y, z                       # the first 4 MiB arrays: fresh pages either way
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    y = x * 2; z = y + 1; del y, z                   # what a step does: the same sizes, freed and made again
+import xtrain_dist.backend.numpy_ops as ops
+print(ops._heap_set, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ
+                    or "MALLOC_TRIM_THRESHOLD_" in os.environ, reason="glibc's malloc, with its defaults")
+def test_the_backend_reuses_the_pages_of_freed_arrays():
+    """Twenty rounds of making and freeing two 4 MiB arrays fault thousands of fresh pages with glibc's
+    defaults (importing the backend changes nothing), and none once the trainer has made its numpy
+    backend; MALLOC_* variables of the user's are left in charge."""
+    def run(mode, **env):
+        out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True,
+                             env={**os.environ, **env}).stdout.split()
+        return out[0] == "True", int(out[1])
+
+    assert run("plain") == (False, pytest.approx(20 * 2 * 1024, rel=0.6))
+    assert run("backend") == (True, 0)
+    assert run("backend", MALLOC_TRIM_THRESHOLD_="131072", MALLOC_MMAP_THRESHOLD_="131072")[0] is False

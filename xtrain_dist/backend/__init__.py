@@ -17,6 +17,7 @@ def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, 
     check_dtype(dtype)
     if name == "numpy":
         from . import numpy_ops
+        numpy_ops.keep_freed_arrays()  # the CPU's arrays are this process's heap: let it reuse their pages
         return numpy_ops.NumpyBackend(dtype)
     if name == "cuda":
         from . import cuda_ops
