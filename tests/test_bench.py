@@ -41,6 +41,25 @@ def test_every_script_writes_json_markdown_and_png(results):
     assert "Machine: " in (out / "ddp.md").read_text()
 
 
+def test_bench_cpu_writes_its_rows_and_both_sides_learn_the_same(tmp_path):
+    """numpy against PyTorch: the same weights and batches give the same losses to float32 rounding,
+    each side's figure is the median of its steps, and the three files are written."""
+    pytest.importorskip("torch")
+    run = script("bench_cpu", "--presets", "tiny", "--batch", "4", "--seq", "16", "--steps", "3", "--warmup", "1",
+                 "--repeats", "2", "--out", tmp_path)
+    assert run.returncode == 0, run.stderr
+    for suffix in (".json", ".md", ".png"):
+        assert (tmp_path / f"cpu_step{suffix}").stat().st_size > 0
+    data = json.loads((tmp_path / "cpu_step.json").read_text())
+    assert data["command"].startswith("bench_cpu --presets tiny") and data["machine"]["cores"] >= 1
+    (row,) = data["rows"]
+    assert row["max_loss_diff"] < 1e-5
+    for side in ("numpy", "torch", "torch_sdpa"):
+        assert 0 < row[f"{side}_ms_min"] <= row[f"{side}_ms"]
+    assert row["numpy_over_torch"] == pytest.approx(row["numpy_ms"] / row["torch_ms"])
+    assert "| tiny | 4 x 16 |" in (tmp_path / "cpu_step.md").read_text()
+
+
 def test_collective_bandwidths_follow_nccl_tests(results):
     out, _ = results
     rows = json.loads((out / "collectives.json").read_text())["rows"]
