@@ -241,6 +241,38 @@ def test_adamw_matches_torch_formula(rng):
         np.testing.assert_allclose(p, p_ref, rtol=1e-6, atol=1e-9)
 
 
+def test_chunked_elementwise_ops_give_the_whole_array_bits(rng):
+    """gelu (both ways) and AdamW run CHUNK elements at a time (numpy_ops.CHUNK): on float32 arrays of a
+    few chunks and a ragged tail, and on a transposed (non-contiguous) input, they give bit for bit what
+    the same formulas give evaluated over whole arrays."""
+    f = np.float32
+    s, c = f(ops.GELU_SCALE), f(0.044715)
+    rows = 2 * ops.CHUNK // 96 + 7
+    for x, d in (((rng.standard_normal((rows, 96)) * 3).astype(np.float32), rng.standard_normal((rows, 96))),
+                 ((rng.standard_normal((96, rows)) * 3).astype(np.float32).T, rng.standard_normal((rows, 96)))):
+        d = d.astype(np.float32)
+        assert np.array_equal(ops.gelu_forward(x), f(0.5) * x * (1 + np.tanh(s * (x + c * x * x * x))))
+        x2 = x * x
+        th = np.tanh(s * x * (1 + c * x2))
+        whole = ((th + 1) * f(0.5) + f(0.5) * s * x * (1 + f(3) * c * x2) * (1 - th * th)) * d
+        assert np.array_equal(ops.gelu_backward(d, x), whole)
+
+    n = 2 * ops.CHUNK + 12345
+    p, m, v = rng.standard_normal(n).astype(np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    mask = (np.arange(n) % 3 != 0).astype(np.uint8)
+    p_ref, m_ref, v_ref = p.copy(), m.copy(), v.copy()
+    lr, b1, b2, eps, wd, clip = f(1e-2), 0.9, 0.95, 1e-8, 0.1, np.array([0.5], np.float32)
+    for step in range(1, 4):
+        g = rng.standard_normal(n).astype(np.float32)
+        ops.adamw_update(p, g, m, v, mask, step, lr, b1, b2, eps, wd, clip)
+        gs = g * clip.reshape(())
+        m_ref = f(b1) * m_ref + f(1 - b1) * gs
+        v_ref = f(b2) * v_ref + f(1 - b2) * (gs * gs)
+        update = (m_ref / f(1 - b1**step)) / (np.sqrt(v_ref / f(1 - b2**step)) + f(eps)) + f(wd) * mask * p_ref
+        p_ref = p_ref - lr * update
+        assert np.array_equal(p, p_ref) and np.array_equal(m, m_ref) and np.array_equal(v, v_ref), step
+
+
 def test_bf16_round_is_torchs_round_to_nearest_even(rng):
     """Against torch's float32 -> bfloat16 -> float32, on random bit patterns (every exponent,
     subnormals, inf, NaN) and on the cases that decide the rule: exact ties go to the even neighbour,
