@@ -32,6 +32,28 @@ def test_a_run_prints_progress_and_writes_the_report(tmp_path):
     assert not list(report.parent.glob(".*tmp*"))  # no temporary left behind
 
 
+def test_profile_step_prints_where_the_step_went_and_changes_no_bits(tmp_path):
+    """--profile-step times every op of one step on rank 0 and prints the table; the run's parameters are
+    those of the same run without it. Under bucketed sync with bf16 compression the communication thread
+    rounds the buckets: its calls are not the rank's ops and stay out of the table."""
+    args = (4, 8, 16, "--world-size", 2, "--eval-batches", 0, "--grad-compress", "bf16")
+    plain, profiled = tmp_path / "plain.json", tmp_path / "profiled.json"
+    assert cli(*args, "--report", plain).returncode == 0
+    out = cli(*args, "--report", profiled, "--profile-step", 3)
+    assert out.returncode == 0, out.stderr
+    assert "profile of step 3 (rank 0, " in out.stdout and "| matmul_backward | 9 |" in out.stdout
+    a, b = json.loads(plain.read_text()), json.loads(profiled.read_text())
+    assert a["param_sha256"] == b["param_sha256"] and "profile" not in a
+    ops = {row["op"]: row for row in b["profile"]["ops"]}
+    # 2 layers: 4 products each and the tied classifier; one AdamW over the flat buffer
+    assert ops["matmul_forward"]["calls"] == 9 and ops["adamw_update"]["calls"] == 1
+    assert "bf16_round" not in ops
+    assert b["profile"]["step"] == 3 and b["profile"]["step_ms"] == b["step_ms"][2]
+    assert sum(row["share"] for row in b["profile"]["ops"]) == pytest.approx(1.0)
+    assert error_line(cli(*args, "--profile-step", 5)) == \
+        "train_ddp: error: --profile-step 5 is not a step of this run (it runs steps 1 to 4)"
+
+
 def test_explicit_tokenizer_and_corpus(tmp_path):
     out = cli(2, 2, 16, DEFAULT_TOKENIZER, DEFAULT_CORPUS)
     assert out.returncode == 0, out.stderr
@@ -102,6 +124,7 @@ def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
     ("--comm-timeout", "nan", "--comm-timeout must be a finite number > 0, got 'nan'"),
     ("--comm-timeout", "0", "--comm-timeout must be a finite number > 0, got '0'"),
     ("--rdzv-timeout", "inf", "--rdzv-timeout must be a finite number > 0, got 'inf'"),
+    ("--profile-step", "0", "--profile-step must be a positive integer, got '0'"),
 ])
 def test_numeric_options_are_checked_before_anything_runs(flag, value, message):
     from xtrain_dist.errors import XtrainError

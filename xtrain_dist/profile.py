@@ -17,6 +17,7 @@ square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same count
     print(profiler.markdown(profiler.report()))
 """
 
+import threading
 from dataclasses import dataclass
 
 # the backend functions that are plumbing, not a step's work: never timed
@@ -59,6 +60,9 @@ class OpProfiler:
     def __init__(self, backend, active: bool = True):
         self._backend = backend
         self.active = active  # off: ops pass straight through, nothing is recorded
+        # the thread whose ops are timed (the rank's); another thread's calls pass through, so the bucketed
+        # sync's communication thread (its bf16 rounding, its fences) adds no marks to the rank's stream
+        self._thread = threading.get_ident()
         self._spans: list[tuple[str, object, object, float]] = []
         self._timed: dict = {}
 
@@ -70,7 +74,7 @@ class OpProfiler:
             backend, spans = self._backend, self._spans
 
             def timed(*args, **kwargs):
-                if not self.active:
+                if not self.active or threading.get_ident() != self._thread:
                     return attr(*args, **kwargs)
                 start = backend.timestamp()
                 out = attr(*args, **kwargs)

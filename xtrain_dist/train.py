@@ -15,6 +15,7 @@ from .ddp import make_grad_sync
 from .evaluate import Evaluator, is_eval_step
 from .model import GPT2
 from .optim import lr_at, make_optimizer
+from .profile import OpProfiler
 
 
 @dataclass
@@ -36,6 +37,7 @@ class RankResult:
     param_bytes: int = 0
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
+    profile: list | None = None      # --profile-step: OpProfiler.rows of that step
 
     def add(self, record: dict) -> None:
         """Keep one step's figures (a metrics record)."""
@@ -65,7 +67,10 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     """One rank's whole run. `resume`: what to restore from (a checkpoint.SharedRestore that the process's
     ranks share), by default cfg.resume."""
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
-    model = GPT2(model_config(cfg.model, corpus.vocab_size), backend, seed=cfg.seed, attention=cfg.attention)
+    # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
+    # op of step N on the backend's clock (profile.py) and passes every other call straight through
+    ops = OpProfiler(backend, active=False) if cfg.profile_step else backend
+    model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention)
     # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
     step_comm = TimedCommunicator(comm, clock=backend)
     optimizer = make_optimizer(model, cfg, step_comm)
@@ -82,6 +87,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                         zero_shards=optimizer.shards)
 
     for step in range(start, cfg.steps):
+        if cfg.profile_step:
+            ops.active = step + 1 == cfg.profile_step
         t0 = time.perf_counter()
         model.zero_grad()
         loss = backend.xp.zeros(1, dtype=backend.xp.float32)
@@ -95,9 +102,11 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         step_comm.all_reduce(loss)
         norm_squared = optimizer.grad_norm_squared()
         lr = lr_at(step, cfg)
-        optimizer.step(lr, backend.clip_coefficient(norm_squared, cfg.grad_clip))
+        optimizer.step(lr, ops.clip_coefficient(norm_squared, cfg.grad_clip))
         loss_host, norm_sq_host = backend.to_host(backend.xp.concatenate([loss, norm_squared]))  # the step's one read
         ms = (time.perf_counter() - t0) * 1e3
+        if cfg.profile_step and ops.active:
+            result.profile, ops.active = OpProfiler.rows(ops.report()), False
         comm_s, exposed_s, result.comm_calls = step_comm.take()
         done = step + 1
         record = {"step": done, "loss": float(loss_host), "lr": lr, "grad_norm": float(np.sqrt(norm_sq_host)),

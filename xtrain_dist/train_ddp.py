@@ -24,6 +24,7 @@ from .errors import XtrainError
 from .launch import RankFailed, run_thread_ranks
 from .launch_env import Launch, detect_launch, gpu_for, local_world_for
 from .model import ATTENTIONS
+from .profile import rows_markdown
 from .train import train_rank
 
 PROG = "train_ddp"
@@ -53,6 +54,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--cpu-threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", default=None, help="write a JSON report here")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--profile-step", metavar="N", type=positive_int, default=None,
+                   help="time every op of step N (CUDA events on a GPU) and print where the step's time went")
     procs = p.add_argument_group("processes and launchers (torchrun, srun, mpirun)")
     procs.add_argument("--comm", default="auto", help="auto | local | mpi | tcp | nccl (default: local in one process; "
                        "across processes nccl with --backend cuda, else mpi under mpirun, tcp under torchrun/srun)")
@@ -116,7 +119,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
-        report=args.report, log_every=args.log_every,
+        report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=args.rdzv_timeout,
         save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, eval_every=args.eval_every,
@@ -148,7 +151,7 @@ def cpu_threads_per_rank(ranks_on_node: int) -> int:
 
 # what every process of a run must agree on; paths and addresses may differ from node to node
 _PER_PROCESS_FIELDS = {"tokenizer", "corpus", "report", "metrics", "log_every", "rdzv_bind", "rdzv_advertise",
-                       "cpu_threads", "extra"}
+                       "cpu_threads", "profile_step", "extra"}
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None) -> dict:
@@ -213,7 +216,15 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "param_sha256": outcomes[0][1],  # every rank of the job, in rank order
         "optimizer_state_bytes": [r.optimizer_state_bytes for r in results],
         **ddp.report_fields(cfg, results),
+        **({"profile": profile_of(lead, cfg.profile_step)} if cfg.profile_step else {}),
     }
+
+
+def profile_of(lead, step: int) -> dict:
+    """The report's --profile-step section: the step's time and collectives on local rank 0, and its ops."""
+    i = step - lead.start_step - 1
+    return {"step": step, "step_ms": lead.step_ms[i], "comm_ms": lead.comm_s[i] * 1e3,
+            "exposed_comm_ms": lead.exposed_comm_s[i] * 1e3, "ops": lead.profile}
 
 
 def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log):
@@ -241,11 +252,16 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if cfg.report and launch.process_rank == 0:
         check_report_path(cfg.report)
     cfg = evaluate.check(cfg, corpus, log)
+    first = 1
     if cfg.resume:
         step, notes = checkpoint.check_resume(cfg, corpus)
+        first = step + 1
         if launch.process_rank == 0:
             for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
                 log(line)
+    if cfg.profile_step and not first <= cfg.profile_step <= cfg.steps:
+        raise XtrainError(f"--profile-step {cfg.profile_step} is not a step of this run (it runs steps {first} "
+                          f"to {cfg.steps})")
     if launch.process_rank == 0:
         where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
         processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
@@ -301,6 +317,15 @@ def write_json_atomic(path: str, data: dict) -> None:
         raise XtrainError(f"cannot write --report '{path}' ({err.strerror or err})") from None
 
 
+def profile_table(profile: dict) -> str:
+    """The profiled step's ops on rank 0, slowest first, and its collectives: the time between ops holds
+    the host's own work and the communication that backward did not hide."""
+    return (f"profile of step {profile['step']} (rank 0, {profile['step_ms']:.1f} ms):\n"
+            + rows_markdown(profile["ops"])
+            + f"collectives: {profile['comm_ms']:.2f} ms inside them (all of rank 0's threads), "
+              f"{profile['exposed_comm_ms']:.2f} ms waited for by rank 0's own thread (in the gaps above)")
+
+
 def main(argv=None) -> int:
     code = _main(argv)
     if code:
@@ -318,6 +343,8 @@ def _main(argv=None) -> int:
             return 0
         if cfg.report:
             write_json_atomic(cfg.report, report)
+        if cfg.profile_step:
+            print(profile_table(report["profile"]))
         val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
         print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
               f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s"
