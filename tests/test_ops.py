@@ -323,14 +323,16 @@ print(ops._heap_set, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 @pytest.mark.skipif(not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ
                     or "MALLOC_TRIM_THRESHOLD_" in os.environ, reason="glibc's malloc, with its defaults")
 def test_the_backend_reuses_the_pages_of_freed_arrays():
-    """Twenty rounds of making and freeing two 4 MiB arrays fault thousands of fresh pages with glibc's
-    defaults (importing the backend changes nothing), and none once the trainer has made its numpy
-    backend; MALLOC_* variables of the user's are left in charge."""
+    """Twenty rounds of making and freeing two 4 MiB arrays: with glibc's defaults every round faults in
+    fresh pages (about 20,000 here; importing the backend changes nothing), once the trainer has made
+    its numpy backend none do; a user's MALLOC_* variables are left in charge."""
     def run(mode, **env):
         out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True,
                              env={**os.environ, **env}).stdout.split()
         return out[0] == "True", int(out[1])
 
-    assert run("plain") == (False, pytest.approx(20 * 2 * 1024, rel=0.6))
-    assert run("backend") == (True, 0)
+    heap_set, faults = run("plain")
+    assert not heap_set and faults >= 20 * 2  # each fresh array faults (1024 pages of 4 KiB, or 2 huge pages)
+    heap_set, faults = run("backend")
+    assert heap_set and faults < 20  # none here; fewer than one a round allows for the interpreter's own
     assert run("backend", MALLOC_TRIM_THRESHOLD_="131072", MALLOC_MMAP_THRESHOLD_="131072")[0] is False
