@@ -236,6 +236,23 @@ extern "C" __global__ void tile_product(float* c, const __nv_bfloat16* a, const 
         np.testing.assert_array_equal(c.get(), products * (a_tiles @ b_tiles))
 
 
+@pytest.mark.parametrize("offset, ld, words", [
+    (8, 16, r"load_matrix_sync pointer is not 256-bit aligned"),   # 16 bytes in: aligned for a vector, not WMMA
+    (0, 20, r"load_matrix_sync leading dimension 20 is not a multiple of 16 bytes"),
+])
+def test_wmma_tiles_must_be_where_the_hardware_can_load_them(offset, ld, words):
+    """A GPU does not check WMMA's alignment rules (what breaks them is undefined); the simulator does."""
+    kernel = module(r'''
+using namespace nvcuda;
+extern "C" __global__ void tile_load(float* c, const __nv_bfloat16* a, int offset, int ld) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+    wmma::load_matrix_sync(fa, a + offset, ld);
+}''').get_function("tile_load")
+    a = sim.empty((16 * 32,), np.uint16)
+    with pytest.raises(sim.CUDARuntimeError, match=r"thread \(0,0,0\) of block \(0,0,0\): " + words):
+        kernel((1,), (32,), (sim.empty((1,), np.float32), a, np.int32(offset), np.int32(ld)))
+
+
 @pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
 def test_cublas_stand_in_follows_column_major_conventions(ta, tb):
     """C (m x n, column-major, ldc) = op(A) op(B) + beta C, with padded leading dimensions."""

@@ -31,12 +31,25 @@ struct fragment {
 
 inline void meet() { __syncwarp(); }
 
+// What the CUDA guide requires of every load and store, which a GPU does not check (a violation is
+// undefined: wrong values or a fault): the pointer 256-bit aligned, the leading dimension a multiple of
+// 16 bytes (8 bf16 or 4 float elements).
+template <typename T>
+void check_tile_address(const char* call, const T* p, unsigned ld) {
+    if (reinterpret_cast<unsigned long long>(p) % 32 != 0)
+        cudasim::fail(cudasim::thread_name(threadIdx) + ": " + call + " pointer is not 256-bit aligned");
+    if (ld * sizeof(T) % 16 != 0)
+        cudasim::fail(cudasim::thread_name(threadIdx) + ": " + call + " leading dimension " + std::to_string(ld) +
+                      " is not a multiple of 16 bytes");
+}
+
 inline float as_float(float x) { return x; }
 inline float as_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 template <typename Use, int M, int N, int K, typename T, typename Layout>
 void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned ld) {
     meet();
+    check_tile_address("load_matrix_sync", p, ld);
     using F = fragment<Use, M, N, K, T, Layout>;
     for (int r = 0; r < F::rows; ++r)
         for (int c = 0; c < F::cols; ++c)
@@ -46,6 +59,7 @@ void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned
 template <int M, int N, int K>
 void load_matrix_sync(fragment<accumulator, M, N, K, float>& f, const float* p, unsigned ld, layout_t layout) {
     meet();
+    check_tile_address("load_matrix_sync", p, ld);
     for (int r = 0; r < M; ++r)
         for (int c = 0; c < N; ++c) f.x[r * N + c] = layout == mem_col_major ? p[c * ld + r] : p[r * ld + c];
 }
@@ -53,6 +67,7 @@ void load_matrix_sync(fragment<accumulator, M, N, K, float>& f, const float* p, 
 template <int M, int N, int K>
 void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& f, unsigned ld, layout_t layout) {
     meet();
+    check_tile_address("store_matrix_sync", p, ld);
     for (int r = 0; r < M; ++r)
         for (int c = 0; c < N; ++c) (layout == mem_col_major ? p[c * ld + r] : p[r * ld + c]) = f.x[r * N + c];
 }
