@@ -21,7 +21,7 @@ def script(name, *args, timeout=300):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    coll = script("bench_collectives", "--worlds", "2,3", "--sizes", "4K,64K,1M", "--iters", "3", "--warmup", "1",
+    coll = script("bench_collectives", "--worlds", "2,3", "--sizes", "4K,64K,16M", "--iters", "3", "--warmup", "1",
                   "--out", out)
     assert coll.returncode == 0, coll.stderr
     ddp = script("bench_ddp", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--repeats", "1",
