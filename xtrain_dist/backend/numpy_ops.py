@@ -45,7 +45,6 @@ LN_EPS = 1e-5
 # thread per chunk, every operation on registers.
 CHUNK = 1 << 16
 GELU_SCALE = float(np.sqrt(2.0 / np.pi))
-_BF16_BLOCK = 1 << 16
 
 
 def _chunks(*arrays):
@@ -108,10 +107,9 @@ def bf16_round(buf) -> None:
     flat = buf.reshape(-1)
     bits = flat.view(np.uint32)
     nan = np.isnan(flat)
-    # in cache-sized blocks: five passes over the data cost about one when the block stays in L2
-    lowest_kept = np.empty(min(flat.size, _BF16_BLOCK), np.uint32)
-    for lo in range(0, flat.size, _BF16_BLOCK):
-        block = bits[lo: lo + _BF16_BLOCK]
+    # in cache-sized chunks: five passes over the data cost about one when the chunk stays in L2
+    lowest_kept = np.empty(min(flat.size, CHUNK), np.uint32)
+    for (block,) in _chunks(bits):
         lk = lowest_kept[: block.size]
         np.right_shift(block, 16, out=lk)
         lk &= 1
@@ -472,10 +470,8 @@ class NumpyBackend:
         scale = np.asarray(grad_scale, dtype=params.dtype).reshape(())
         # a chunk at a time (see CHUNK): the dozen temporaries of the formula stay in cache, instead of a
         # dozen passes over parameter-sized arrays (and, for GPT-2 124M, 4 GB of them allocated per step)
-        for lo in range(0, params.size, CHUNK):
-            part = slice(lo, lo + CHUNK)
-            p, m_, v_ = params[part], m[part], v[part]
-            g = grads[part] * scale
+        for p, m_, v_, grad, decay in _chunks(params, m, v, grads, decay_mask):
+            g = grad * scale
             m_ *= f(beta1)
             m_ += f(1 - beta1) * g
             v_ *= f(beta2)
@@ -483,7 +479,7 @@ class NumpyBackend:
             m_hat = m_ / f(1 - beta1 ** step)
             v_hat = v_ / f(1 - beta2 ** step)
             update = m_hat / (np.sqrt(v_hat) + f(eps))
-            update += f(weight_decay) * decay_mask[part] * p
+            update += f(weight_decay) * decay * p
             p -= f(lr) * update
         if params_lowp is not None:
             self.lowp_copy(params_lowp, params)
