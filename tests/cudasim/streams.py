@@ -92,6 +92,20 @@ def stream_at(ptr: int) -> Clocked | None:
     return _streams.get(int(ptr))
 
 
+def _next_clock(stream: Clocked) -> dict[int, int]:
+    """What the next operation queued on `stream` comes after: the stream's own clock, the work the host
+    has seen finish, and the legacy null stream's order (it waits for every blocking stream, they for it)."""
+    clock = dict(stream.clock)
+    _merge(clock, _host)
+    if stream.ptr == 0:
+        for other in list(_streams.values()):
+            if other.blocking:
+                _merge(clock, other.clock)
+    elif stream.blocking and 0 in _streams:
+        _merge(clock, _streams[0].clock)
+    return clock
+
+
 # ---------------------------------------------------------------------------- memory
 
 def allocated(start: int, nbytes: int, stream: Clocked) -> None:
@@ -110,8 +124,7 @@ def freed(start: int) -> None:
         if region is None:
             return
         del _starts[bisect.bisect_left(_starts, start)]
-        known = dict(region.stream.clock)
-        _merge(known, _host)
+        known = _next_clock(region.stream)
         for a in region.accesses:
             if a.stream is not region.stream and not a.before(known):
                 use = "write" if a.write else "read"
@@ -140,14 +153,7 @@ def operation(stream: Clocked, what: str, accesses) -> None:
     with _lock:
         if _deferred:
             raise StreamRace(_deferred.pop(0))
-        clock = dict(stream.clock)
-        _merge(clock, _host)
-        if stream.ptr == 0:  # the legacy null stream waits for every blocking stream, and they for it
-            for other in list(_streams.values()):
-                if other.blocking:
-                    _merge(clock, other.clock)
-        elif stream.blocking and 0 in _streams:
-            _merge(clock, _streams[0].clock)
+        clock = _next_clock(stream)
         clock[stream.ptr] = clock.get(stream.ptr, 0) + 1
         found = []
         for lo, hi, write in accesses:
