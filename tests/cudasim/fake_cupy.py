@@ -96,6 +96,15 @@ def host_traffic() -> list[str]:
     return host_traffic_by_thread[threading.current_thread().name]
 
 
+def training_traffic(steps: int, uploads: int) -> str:
+    """A rank thread's whole log, joined by spaces, as a regular expression of what a training run may do:
+    setup uploads; per optimizer step `uploads` uploads and then the step's one download, after which
+    only event waits (the step's timing marks becoming seconds); then the end of the run, which starts
+    with a download (the parameter digest)."""
+    step = rf"(?:upload ){{{uploads}}}download(?: event_sync)* "
+    return rf"(?:upload )*(?:{step}){{{steps}}}download(?: .*)?"
+
+
 # ---------------------------------------------------------------------------- memory
 
 class _Pointer:
