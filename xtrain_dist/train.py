@@ -87,8 +87,9 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                         zero_shards=optimizer.shards)
 
     for step in range(start, cfg.steps):
-        if cfg.profile_step:
-            ops.active = step + 1 == cfg.profile_step
+        profiling = step + 1 == cfg.profile_step  # never with profile_step 0: steps count from 1
+        if profiling:
+            ops.active = True
         t0 = time.perf_counter()
         model.zero_grad()
         loss = backend.xp.zeros(1, dtype=backend.xp.float32)
@@ -105,7 +106,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         optimizer.step(lr, ops.clip_coefficient(norm_squared, cfg.grad_clip))
         loss_host, norm_sq_host = backend.to_host(backend.xp.concatenate([loss, norm_squared]))  # the step's one read
         ms = (time.perf_counter() - t0) * 1e3
-        if cfg.profile_step and ops.active:
+        if profiling:
             result.profile, ops.active = OpProfiler.rows(ops.report()), False
         comm_s, exposed_s, result.comm_calls = step_comm.take()
         done = step + 1
