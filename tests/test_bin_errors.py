@@ -100,6 +100,28 @@ def test_bench_cpu_bad_arguments(args, words):
     assert words in error("bench_cpu", *args)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be a positive integer, got '0'"),
+    (["--warmup", "-1"], "--warmup must be an integer >= 0, got '-1'"),
+    (["--peak-tflops", "inf"], "--peak-tflops must be a finite number > 0, got 'inf'"),
+    (["--precisions", "fp32,fp64"], "--precisions: unknown 'fp64'"),
+    (["--torch-modes", "jit"], "--torch-modes: unknown 'jit'"),
+    (["--shapes", "8x0"], "--shapes: '8x0' is not BATCHxSEQ (two positive integers)"),
+    (["--presets", "tiny", "--shapes", "1x4096"], "tiny: sequence 4096 exceeds its 128 positions"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bench_gpu_bad_arguments_cost_no_device_time(args, message):
+    # checked before CuPy is imported or a GPU is looked for: on this machine, with neither, the message
+    # is still about the argument
+    assert error("bench_gpu", *args) == message
+
+
+def test_fit_overhead_model_names_a_missing_file(tmp_path):
+    assert error("fit_overhead_model", "--bogus") == "unrecognized arguments: --bogus"
+    assert "nope.json" in error("fit_overhead_model", "--collectives", tmp_path / "nope.json",
+                                "--ddp", tmp_path / "nope.json")
+
+
 def test_kernel_errors_without_a_gpu():
     # no visible device, GPU machine or not: CuPy missing or no device is the same one line
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

@@ -2,6 +2,8 @@
 
 import argparse
 import re
+import sys
+from collections.abc import Callable
 
 from .errors import XtrainError
 
@@ -36,3 +38,17 @@ non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
 # a NaN or infinite timeout would switch the protection against hung peers off
 positive_float = _checked(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+
+
+def run_command(prog: str, main: Callable[[], int | None]) -> int:
+    """Run a command line's `main` and turn how it ends into an exit status: an XtrainError (bad input, a
+    missing engine) is the one line `prog: error: message` and status 2, Ctrl-C is `prog: interrupted` and
+    130. Anything else is a bug and keeps its traceback."""
+    try:
+        return main() or 0
+    except XtrainError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

@@ -16,7 +16,7 @@ import numpy as np
 
 from .backend import BACKENDS, get_backend
 from .checkpoint import CONFIG, MODEL, TOKENIZER, open_checkpoint
-from .cli import OneLineParser, non_negative_float, positive_int
+from .cli import OneLineParser, non_negative_float, positive_int, run_command
 from .errors import XtrainError
 from .model import GPT2
 
@@ -105,15 +105,7 @@ def sample_text(argv) -> str:
 
 
 def main(argv=None) -> int:
-    try:
-        print(sample_text(sys.argv[1:] if argv is None else argv))
-        return 0
-    except XtrainError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    return run_command(PROG, lambda: print(sample_text(sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

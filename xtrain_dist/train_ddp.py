@@ -16,7 +16,7 @@ from threadpoolctl import threadpool_limits
 
 from . import checkpoint, ddp, evaluate, metrics, precision
 from .backend import BACKENDS, rank_device
-from .cli import OneLineParser, non_negative_float, non_negative_int, positive_float, positive_int
+from .cli import OneLineParser, non_negative_float, non_negative_int, positive_float, positive_int, run_command
 from .comm.world import choose_engine, config_fingerprint, open_world, report_failure_before_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -327,7 +327,7 @@ def profile_table(profile: dict) -> str:
 
 
 def main(argv=None) -> int:
-    code = _main(argv)
+    code = run_command(PROG, lambda: _main(sys.argv[1:] if argv is None else argv))
     if code:
         # under mpirun a process that gives up must take the job with it, or its peers wait in MPI
         from .comm.mpi import abort_job
@@ -335,24 +335,10 @@ def main(argv=None) -> int:
     return code
 
 
-def _main(argv=None) -> int:
+def _main(argv: list[str]) -> int:
+    cfg = parse_config(argv)
     try:
-        cfg = parse_config(sys.argv[1:] if argv is None else argv)
         report = train(cfg)
-        if report["process_rank"] != 0:  # one process writes and reports for the job
-            return 0
-        if cfg.report:
-            write_json_atomic(cfg.report, report)
-        if cfg.profile_step:
-            print(profile_table(report["profile"]))
-        val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
-        print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
-              f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s"
-              + (f", report {cfg.report}" if cfg.report else ""))
-        return 0
-    except XtrainError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
     except RankFailed as e:
         detail = str(e.error) if isinstance(e.error, XtrainError) else f"{type(e.error).__name__}: {e.error}"
         print(f"{PROG}: error: rank {e.rank} failed: {detail}", file=sys.stderr)
@@ -360,9 +346,17 @@ def _main(argv=None) -> int:
             import traceback
             traceback.print_exception(e.error)
         return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    if report["process_rank"] != 0:  # one process writes and reports for the job
+        return 0
+    if cfg.report:
+        write_json_atomic(cfg.report, report)
+    if cfg.profile_step:
+        print(profile_table(report["profile"]))
+    val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
+    print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
+          f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s"
+          + (f", report {cfg.report}" if cfg.report else ""))
+    return 0
 
 
 if __name__ == "__main__":
