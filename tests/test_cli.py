@@ -73,6 +73,8 @@ def error_line(out):
     ((5, 8, "1.5"), "SEQ must be a positive integer, got '1.5'"),
     ((5, 1, 32, "--world-size", 2), "BATCH (1) must be at least the world size (2): every rank needs a sequence"),
     ((5, 8, 32, "--world-size", 0), "--world-size must be at least 1, got 0"),
+    ((5, 8, 32, "--log-every", 0), "--log-every must be a positive integer, got '0'"),
+    ((5, 8, 32, "--cpu-threads", "two"), "--cpu-threads must be a positive integer, got 'two'"),
     ((5, 8, 200), "SEQ (200) exceeds the context length of model 'tiny' (128)"),
     ((5, 8, 32, "--model", "huge"), "unknown model preset 'huge' (choose from tiny, mini, small, gpt2-124m, "
                                     "gpt2-350m, gpt2-774m)"),

@@ -98,9 +98,9 @@ def test_by_default_the_command_line_evaluates_once_at_the_end(corpus):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--eval-every", "-1"], "--eval-every must be 0 or more, got -1"),
-    (["--eval-batches", "-2"], "--eval-batches must be 0 or more, got -2"),
-    (["--save-every", "-1"], "--save-every must be 0 or more, got -1"),
+    (["--eval-every", "-1"], "--eval-every must be an integer >= 0, got '-1'"),
+    (["--eval-batches", "-2"], "--eval-batches must be an integer >= 0, got '-2'"),
+    (["--save-every", "-1"], "--save-every must be an integer >= 0, got '-1'"),
     (["--save-every", "5"], "--save-every needs --save-dir"),
 ])
 def test_bad_flags_are_one_line(args, message):

@@ -51,9 +51,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global norm clip; 0 disables")
     p.add_argument("--comm-timeout", type=positive_float, default=300.0, help="seconds a rank may wait in a collective")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
-    p.add_argument("--cpu-threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
+    p.add_argument("--cpu-threads", type=positive_int, default=None,
+                   help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", default=None, help="write a JSON report here")
-    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--log-every", type=positive_int, default=1)
     p.add_argument("--profile-step", metavar="N", type=positive_int, default=None,
                    help="time every op of step N (CUDA events on a GPU) and print where the step's time went")
     procs = p.add_argument_group("processes and launchers (torchrun, srun, mpirun)")
@@ -69,11 +70,11 @@ def build_parser() -> OneLineParser:
     g = p.add_argument_group("checkpoints, evaluation and metrics")
     g.add_argument("--save-dir", metavar="DIR", default=None,
                    help="keep the latest checkpoint in DIR, replaced atomically at each save (and at the end)")
-    g.add_argument("--save-every", metavar="N", type=int, default=0, help="also save every N steps")
+    g.add_argument("--save-every", metavar="N", type=non_negative_int, default=0, help="also save every N steps")
     g.add_argument("--resume", metavar="DIR", default=None, help="continue the run whose checkpoint is DIR")
-    g.add_argument("--eval-every", metavar="N", type=int, default=0,
+    g.add_argument("--eval-every", metavar="N", type=non_negative_int, default=0,
                    help="validation loss every N steps and at the end (default 0: at the end only)")
-    g.add_argument("--eval-batches", metavar="N", type=int, default=20,
+    g.add_argument("--eval-batches", metavar="N", type=non_negative_int, default=20,
                    help="held-out batches of BATCH x SEQ per evaluation; 0: none (default 20)")
     g.add_argument("--metrics", metavar="PATH", default=None, help="append one JSON line per step to PATH")
     sync = p.add_argument_group("gradient synchronisation, ZeRO-1 and accumulation (see docs/ddp.md)")
@@ -103,13 +104,6 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     if args.batch < world_size:
         raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({world_size}): "
                           "every rank needs a sequence")
-    if args.cpu_threads is not None and args.cpu_threads < 1:
-        raise XtrainError(f"--cpu-threads must be at least 1, got {args.cpu_threads}")
-    if args.log_every < 1:
-        raise XtrainError(f"--log-every must be at least 1, got {args.log_every}")
-    for flag in ("save_every", "eval_every", "eval_batches"):
-        if getattr(args, flag) < 0:
-            raise XtrainError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
     if args.save_every and not args.save_dir:
         raise XtrainError("--save-every needs --save-dir")
     return TrainConfig(
