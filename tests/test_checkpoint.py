@@ -383,6 +383,25 @@ def test_save_dir_never_replaces_a_folder_that_is_not_a_checkpoint(corpus, tmp_p
         run(corpus, 2, save_dir=precious / "thesis.tex")
 
 
+def test_save_dir_never_replaces_the_checkpoint_of_another_run(corpus, saved, tmp_path):
+    """Forgetting --resume must not cost the run in --save-dir: a run that did not start from that
+    checkpoint is refused before it trains, and one that did start from it replaces it as it goes."""
+    folder = tmp_path / "ck"
+    shutil.copytree(saved[0], folder)
+    before = digests(folder)
+    refusal = (f"--save-dir '{folder}' holds the checkpoint of another run (step 3): give --resume '{folder}' "
+               "to continue it, or a new folder; it is not replaced")
+    with pytest.raises(XtrainError) as info:
+        run(corpus, 2, save_dir=folder)
+    assert str(info.value) == refusal
+    with pytest.raises(XtrainError) as info:  # continuing some other checkpoint does not make this one ours
+        run(corpus, 5, world=2, save_dir=folder, resume=saved[0])
+    assert str(info.value) == refusal
+    assert digests(folder) == before
+    run(corpus, 5, world=2, save_dir=folder, resume=tmp_path / "." / "ck")  # the same folder, spelled otherwise
+    assert checkpoint.open_checkpoint(folder).state["step"] == 5
+
+
 # ------------------------------------------------------------------------------- bad checkpoints
 def resume_error(corpus, folder, steps=6, **kw) -> str:
     with pytest.raises(XtrainError) as info:

@@ -162,6 +162,27 @@ def test_a_report_write_that_fails_leaves_no_temporary(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_report_through_a_symlink_or_to_a_pipe(tmp_path):
+    """The rename that makes a report atomic replaces the file a symlink names, not the link; a device or
+    a pipe (here /dev/stdout, a pipe to this test) is written as it is, not replaced by a regular file."""
+    from xtrain_dist import train_ddp
+
+    (tmp_path / "runs").mkdir()
+    target, link = tmp_path / "runs" / "report.json", tmp_path / "latest.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    train_ddp.write_json_atomic(str(link), {"losses": [1.0]})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"losses": [1.0]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "runs"]  # no temporary beside the link
+    assert [p.name for p in target.parent.iterdir()] == ["report.json"]
+
+    out = cli(2, 2, 16, "--report", "/dev/stdout", "--log-every", 5)
+    assert out.returncode == 0, out.stderr
+    report = out.stdout[:out.stdout.index("done: ")]
+    report = report[report.index("{"):]
+    assert len(json.loads(report)["losses"]) == 2
+
+
 def test_metrics_that_cannot_be_appended_name_the_file(tmp_path):
     from xtrain_dist import metrics
     from xtrain_dist.errors import XtrainError

@@ -163,6 +163,20 @@ def prepare_save_dir(folder) -> str | None:
     return note
 
 
+def refuse_another_runs_checkpoint(folder, resume) -> None:
+    """A run's first save replaces what --save-dir holds. If that is a checkpoint the run did not start
+    from, a forgotten --resume would lose it: refuse before training instead."""
+    folder = Path(folder)
+    if not _is_complete(folder) or (resume and Path(resume).exists() and os.path.samefile(resume, folder)):
+        return
+    try:
+        step = f" (step {json.loads((folder / STATE).read_text())['step']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        step = ""
+    raise XtrainError(f"--save-dir '{folder}' holds the checkpoint of another run{step}: give --resume "
+                      f"'{folder}' to continue it, or a new folder; it is not replaced")
+
+
 # ---------------------------------------------------------------------------------------------- save
 def hf_config(config: GPTConfig, tokenizer: tokenizers.Tokenizer) -> dict:
     """config.json as transformers' GPT2Config reads it.

@@ -239,8 +239,10 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     else:
         devices = [rank_device(cfg.backend, local) for local in range(local_world)]
     # checkpoints, evaluation, metrics: fail before training rather than after it
-    if cfg.save_dir and launch.process_rank == 0 and (note := checkpoint.prepare_save_dir(cfg.save_dir)):
-        log(note)
+    if cfg.save_dir and launch.process_rank == 0:
+        if note := checkpoint.prepare_save_dir(cfg.save_dir):
+            log(note)
+        checkpoint.refuse_another_runs_checkpoint(cfg.save_dir, cfg.resume)
     if cfg.metrics:
         metrics.check_path(cfg.metrics)
     if cfg.report and launch.process_rank == 0:
@@ -279,16 +281,26 @@ def all_param_digests(comm, digest_hex: str, backend: str) -> list[str]:
     return [raw[i:i + 32].hex() for i in range(0, len(raw), 32)]
 
 
+def _in_place(path: Path) -> bool:
+    """A report path that is a device or a pipe (/dev/stdout, /dev/null) is written as it is: there is no
+    file to replace, and renaming over it would put a regular file where the device was."""
+    return path.exists() and not path.is_file() and not path.is_dir()
+
+
 def check_report_path(path: str) -> None:
     """Fail before training, not after it, if the report cannot be written where it is asked for."""
-    path = Path(path)
-    if path.is_dir():
+    if Path(path).is_dir():
         raise XtrainError(f"--report '{path}' is a folder, not a file")
-    if any(parent.exists() and not parent.is_dir() for parent in path.parents):
+    if _in_place(Path(path)):
+        if not os.access(path, os.W_OK):
+            raise XtrainError(f"--report '{path}' cannot be written (Permission denied)")
+        return
+    target = Path(os.path.realpath(path))  # through symlinks: the file a link names is the one replaced
+    if any(parent.exists() and not parent.is_dir() for parent in target.parents):
         raise XtrainError(f"--report '{path}' cannot be written (a part of its folder is a file)")
-    probe = path.with_name(f".{path.name}.probe{os.getpid()}")
+    probe = target.with_name(f".{target.name}.probe{os.getpid()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
         probe.touch()
         probe.unlink()
     except OSError as err:
@@ -296,16 +308,25 @@ def check_report_path(path: str) -> None:
 
 
 def write_json_atomic(path: str, data: dict) -> None:
-    """The whole report or none: a temporary file, flushed to disk, renamed over PATH."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    """The whole report or none: a temporary file, flushed to disk, renamed over the file PATH names
+    (a symlink stays a link to the new file); a device or a pipe is written directly."""
+    text = json.dumps(data, indent=1) + "\n"
+    if _in_place(Path(path)):
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as err:
+            raise XtrainError(f"cannot write --report '{path}' ({err.strerror or err})") from None
+        return
+    target = Path(os.path.realpath(path))
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=1) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise XtrainError(f"cannot write --report '{path}' ({err.strerror or err})") from None
