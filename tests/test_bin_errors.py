@@ -57,6 +57,24 @@ def test_plot_metrics_refuses_a_file_with_nothing_to_plot(tmp_path):
         "--smooth must be a positive integer, got '0'"
 
 
+def test_plot_metrics_names_what_it_cannot_use(tmp_path):
+    good = write_metrics(tmp_path / "run.jsonl", [{"step": 1, "loss": 3.0}])
+    binary = tmp_path / "run.bin"
+    binary.write_bytes(b"\xd7\x00\xff")
+    assert error("plot_metrics", binary, "-o", tmp_path / "p.png") == \
+        f"metrics file '{binary}' is not UTF-8 text (invalid byte at offset 0)"
+    assert error("plot_metrics", good, "-o", tmp_path) == f"--out '{tmp_path}' is a folder: name the .png file to write"
+    wrong = tmp_path / "p.foo"
+    assert error("plot_metrics", good, "-o", wrong) == f"--out '{wrong}' must name a .png file"
+    # without matplotlib (a stand-in package that fails to import, ahead of the real one on the path)
+    (tmp_path / "stub" / "matplotlib").mkdir(parents=True)
+    (tmp_path / "stub" / "matplotlib" / "__init__.py").write_text("raise ImportError('stand-in')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "stub")}
+    assert error("plot_metrics", good, "-o", tmp_path / "p.png", env=env) == \
+        "matplotlib is not installed (pip install 'xtrain-dist[bench]')"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.bin", "run.jsonl", "stub"]
+
+
 # ------------------------------------------------------------------------------- benchmarks
 @pytest.mark.parametrize("args, message", [
     (["--worlds", "a"], "--worlds must be positive integers separated by commas, got 'a'"),

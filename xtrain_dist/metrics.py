@@ -59,6 +59,8 @@ def read(path) -> list[dict]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as err:
         raise XtrainError(f"metrics file '{path}' cannot be read ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise XtrainError(f"metrics file '{path}' is not UTF-8 text (invalid byte at offset {err.start})") from None
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
