@@ -45,6 +45,13 @@ step() {
   timeout "$max" "$@"
 }
 
+# a GPU first: without one every step would fail slowly, one timeout after another
+if ! $PY -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" > "$OUT/no_gpu.txt" 2>&1; then
+  echo "$(basename "$0"): no GPU that CuPy can use: $(tail -n 1 "$OUT/no_gpu.txt")" >&2
+  exit 2
+fi
+rm -f "$OUT/no_gpu.txt"
+
 {
   echo "## device"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   echo "## date"; date -u +%Y-%m-%dT%H:%MZ
@@ -56,6 +63,9 @@ cat "$OUT/environment.txt"
 
 CURVE="200 8 128 --model mini --log-every 50"
 numpy_pids=()
+# the CPU curves run in the background: they end with the script, however it ends (a timeout's SIGTERM too)
+trap '[ ${#numpy_pids[@]} -gt 0 ] && kill "${numpy_pids[@]}" 2>/dev/null' EXIT
+trap 'exit 143' TERM INT
 for dtype in fp32 bf16; do  # CPU only: they run while the GPU works, four BLAS threads each, inside the budget
   timeout $(( BUDGET - 45 )) $PY -m xtrain_dist.train_ddp $CURVE --backend numpy --dtype $dtype --cpu-threads 4 \
     --report "$OUT/curve_numpy_${dtype}_w1.json" > "$OUT/curve_numpy_${dtype}_w1.log" 2>&1 &
