@@ -74,6 +74,12 @@ def error_line(out):
     ((5, 1, 32, "--world-size", 2), "BATCH (1) must be at least the world size (2): every rank needs a sequence"),
     ((5, 8, 32, "--world-size", 0), "--world-size must be at least 1, got 0"),
     ((5, 8, 32, "--log-every", 0), "--log-every must be a positive integer, got '0'"),
+    ((5, 8, 32, "--report", ""), "--report must be a path, got ''"),
+    ((5, 8, 32, "--save-dir", ""), "--save-dir must be a path, got ''"),
+    ((5, 8, 32, "--min-lr", "0.01"), "--min-lr (0.01) must not exceed --lr (0.001): the schedule decays from the one "
+                                     "to the other"),
+    ((5, 8, 32, "--tf32"), "--tf32 is a choice of the cuda backend's matmuls; the numpy backend computes in float32 "
+                           "only"),
     ((5, 8, 32, "--cpu-threads", "two"), "--cpu-threads must be a positive integer, got 'two'"),
     ((5, 8, 200), "SEQ (200) exceeds the context length of model 'tiny' (128)"),
     ((5, 8, 32, "--model", "huge"), "unknown model preset 'huge' (choose from tiny, mini, small, gpt2-124m, "
@@ -82,6 +88,13 @@ def error_line(out):
 ])
 def test_bad_arguments_get_one_line(args, message):
     assert error_line(cli(*args)) == f"train_ddp: error: {message}"
+
+
+def test_batch_equal_to_the_world_size_is_enough():
+    from xtrain_dist.launch_env import Launch
+    from xtrain_dist.train_ddp import parse_config
+
+    assert parse_config(["1", "2", "16", "--world-size", "2"], launch=Launch("single")).batch == 2
 
 
 def test_missing_files(tmp_path):

@@ -70,20 +70,24 @@ def test_same_seed_agrees_and_another_seed_differs():
     assert not np.array_equal(first[0][0], other[0][0])
 
 
-def test_state_resumes_the_exact_stream_even_at_another_world_size():
+# An odd number of offsets drawn so far leaves half of a 64-bit draw buffered in the generator (has_uint32):
+# (5, 1) and (3, 3) stop there, and a state without that half resumes on another stream.
+@pytest.mark.parametrize("batch, drawn, half_buffered", [(6, 3, 0), (5, 1, 1), (3, 3, 1), (5, 2, 0)])
+def test_state_resumes_the_exact_stream_even_at_another_world_size(batch, drawn, half_buffered):
     tokens = np.arange(10_000, dtype=np.uint16)
-    sampler = BatchSampler(tokens, batch=6, seq=32, seed=5)
-    draw(sampler, 3)
+    sampler = BatchSampler(tokens, batch=batch, seq=32, seed=5)
+    draw(sampler, drawn)
     state = json.loads(json.dumps(sampler.state()))  # must survive a trip through a JSON checkpoint
+    assert state["pcg64"]["has_uint32"] == half_buffered
     expected = draw(sampler, 4)
 
-    resumed = BatchSampler(tokens, batch=6, seq=32, seed=5)
+    resumed = BatchSampler(tokens, batch=batch, seq=32, seed=5)
     resumed.load_state(state)
     for (x, y), (x_resumed, y_resumed) in zip(expected, draw(resumed, 4), strict=True):
         np.testing.assert_array_equal(x, x_resumed)
         np.testing.assert_array_equal(y, y_resumed)
 
-    rank_1 = BatchSampler(tokens, batch=6, seq=32, seed=5, rank=1, world=2)
+    rank_1 = BatchSampler(tokens, batch=batch, seq=32, seed=5, rank=1, world=2)
     rank_1.load_state(state)
     np.testing.assert_array_equal(rank_1.next()[0], expected[0][0][1::2])
 

@@ -75,6 +75,9 @@ def test_report_fields(world1):
     for key in ("config", "losses", "param_sha256", "tokens_per_s", "ms_per_step", "grad_norms", "lrs"):
         assert key in world1
     assert len(world1["losses"]) == 20 and world1["tokens_per_s"] > 0
+    # the rate each step used is the schedule's at that step (counted from 0), not the next one's
+    cfg = TrainConfig(**world1["config"])
+    assert world1["lrs"] == [lr_at(s, cfg) for s in range(20)]
     assert world1["lrs"][0] == pytest.approx(1e-3)  # 20 steps: one warmup step
     assert world1["lrs"][-1] < world1["lrs"][1]
 
@@ -85,6 +88,11 @@ def test_lr_schedule_warms_up_then_follows_the_cosine():
     assert lr_at(35, cfg) == pytest.approx(0.55)  # half way through the cosine: the mean of lr and min_lr
     assert lr_at(60, cfg) == pytest.approx(0.1) and lr_at(99, cfg) == pytest.approx(0.1)
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(9, 70))
+    # warmup as long as the schedule: the last warmup step is at lr, the next one already at min_lr
+    short = TrainConfig(steps=8, batch=1, seq=1, lr=1.0, min_lr=0.1, warmup_steps=5, lr_decay_steps=5).resolved()
+    assert [lr_at(s, short) for s in range(7)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 0.1, 0.1])
+    # the default warmup: a twentieth of the schedule, at least one step
+    assert [TrainConfig(steps=n, batch=1, seq=1).resolved().warmup_steps for n in (10, 100, 1000)] == [1, 5, 50]
 
 
 def test_a_rank_that_raises_ends_the_run(corpus, monkeypatch):

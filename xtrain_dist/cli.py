@@ -38,6 +38,8 @@ non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
 # a NaN or infinite timeout would switch the protection against hung peers off
 positive_float = _checked(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+# an empty path would read as "not given" and quietly switch the report, checkpoint or metrics off
+non_empty_path = _checked(str, bool, "a path")
 
 
 def run_command(prog: str, main: Callable[[], int | None]) -> int:

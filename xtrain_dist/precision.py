@@ -36,6 +36,9 @@ def check_config(cfg) -> None:
     if cfg.dtype == "bf16" and cfg.tf32:
         raise XtrainError("--tf32 makes float32 matmuls use TF32; with --dtype bf16 every matmul is bf16 already: "
                           "drop one of the two")
+    if cfg.tf32 and cfg.backend != "cuda":
+        raise XtrainError(f"--tf32 is a choice of the cuda backend's matmuls; the {cfg.backend} backend computes in "
+                          "float32 only")
 
 
 def bf16_bits(x) -> np.ndarray:

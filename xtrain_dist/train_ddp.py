@@ -16,7 +16,15 @@ from threadpoolctl import threadpool_limits
 
 from . import checkpoint, ddp, evaluate, metrics, precision
 from .backend import BACKENDS, rank_device
-from .cli import OneLineParser, non_negative_float, non_negative_int, positive_float, positive_int, run_command
+from .cli import (
+    OneLineParser,
+    non_empty_path,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    run_command,
+)
 from .comm.world import choose_engine, config_fingerprint, open_world, report_failure_before_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -53,7 +61,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
     p.add_argument("--cpu-threads", type=positive_int, default=None,
                    help="BLAS threads per rank (default: cores / ranks)")
-    p.add_argument("--report", default=None, help="write a JSON report here")
+    p.add_argument("--report", type=non_empty_path, default=None, help="write a JSON report here")
     p.add_argument("--log-every", type=positive_int, default=1)
     p.add_argument("--profile-step", metavar="N", type=positive_int, default=None,
                    help="time every op of step N (CUDA events on a GPU) and print where the step's time went")
@@ -68,15 +76,17 @@ def build_parser() -> OneLineParser:
     procs.add_argument("--rdzv-timeout", type=positive_float, default=300.0,
                        help="seconds processes wait for each other")
     g = p.add_argument_group("checkpoints, evaluation and metrics")
-    g.add_argument("--save-dir", metavar="DIR", default=None,
+    g.add_argument("--save-dir", metavar="DIR", type=non_empty_path, default=None,
                    help="keep the latest checkpoint in DIR, replaced atomically at each save (and at the end)")
     g.add_argument("--save-every", metavar="N", type=non_negative_int, default=0, help="also save every N steps")
-    g.add_argument("--resume", metavar="DIR", default=None, help="continue the run whose checkpoint is DIR")
+    g.add_argument("--resume", metavar="DIR", type=non_empty_path, default=None,
+                   help="continue the run whose checkpoint is DIR")
     g.add_argument("--eval-every", metavar="N", type=non_negative_int, default=0,
                    help="validation loss every N steps and at the end (default 0: at the end only)")
     g.add_argument("--eval-batches", metavar="N", type=non_negative_int, default=20,
                    help="held-out batches of BATCH x SEQ per evaluation; 0: none (default 20)")
-    g.add_argument("--metrics", metavar="PATH", default=None, help="append one JSON line per step to PATH")
+    g.add_argument("--metrics", metavar="PATH", type=non_empty_path, default=None,
+                   help="append one JSON line per step to PATH")
     sync = p.add_argument_group("gradient synchronisation, ZeRO-1 and accumulation (see docs/ddp.md)")
     sync.add_argument("--grad-sync", choices=list(ddp.STRATEGIES), default="bucketed",
                       help="when and in what pieces gradients are reduced (default bucketed)")
@@ -129,6 +139,9 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     if cfg.seq > model.n_ctx:
         raise XtrainError(f"SEQ ({cfg.seq}) exceeds the context length of model '{cfg.model}' ({model.n_ctx})")
     corpus.check_seq(cfg.seq)
+    if cfg.min_lr is not None and cfg.min_lr > cfg.lr:
+        raise XtrainError(f"--min-lr ({cfg.min_lr:g}) must not exceed --lr ({cfg.lr:g}): the schedule decays from "
+                          "the one to the other")
     ddp.check_config(cfg)
     precision.check_config(cfg)
     if cfg.attention == "flash" and cfg.backend == "cuda":
