@@ -153,7 +153,7 @@ def test_the_second_load_reads_the_cache_instead_of_encoding(small_corpus, tmp_p
     tokenizer_path, corpus_path = small_corpus
     cache = tmp_path / "cache"
     first = Corpus.load(tokenizer_path, corpus_path, cache_dir=cache)
-    assert len(list(cache.glob("tokens-*.npy"))) == 1
+    assert len(list(cache.glob("tokens-*.npz"))) == 1
 
     def no_encoding(*args):
         raise AssertionError("encoded although the ids were cached")
@@ -177,13 +177,13 @@ def test_the_cache_is_keyed_by_the_corpus_and_the_tokenizer(small_corpus, tmp_pa
     tokenizer.add_tokens(["unicorn"])
     tokenizer.save(str(tokenizer_path))
     Corpus.load(tokenizer_path, corpus_path, val_fraction=0, cache_dir=cache)
-    assert len(list(cache.glob("tokens-*.npy"))) == 3
+    assert len(list(cache.glob("tokens-*.npz"))) == 3
 
 
 def test_the_cache_dir_defaults_to_xtrain_cache(small_corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("XTRAIN_CACHE", str(tmp_path / "from-env"))
     Corpus.load(*small_corpus)
-    assert len(list((tmp_path / "from-env").glob("tokens-*.npy"))) == 1
+    assert len(list((tmp_path / "from-env").glob("tokens-*.npz"))) == 1
 
 
 def test_a_cache_dir_that_cannot_be_written_means_no_cache(small_corpus, tmp_path):
@@ -195,10 +195,18 @@ def test_a_cache_dir_that_cannot_be_written_means_no_cache(small_corpus, tmp_pat
 def test_a_damaged_cache_file_is_rebuilt(small_corpus, tmp_path):
     cache = tmp_path / "cache"
     expected = Corpus.load(*small_corpus, cache_dir=cache).train
-    (cached,) = cache.glob("tokens-*.npy")
-    cached.write_bytes(b"\x93NUMPY")
+    (cached,) = cache.glob("tokens-*.npz")
+    cached.write_bytes(b"PK\x03\x04")
     np.testing.assert_array_equal(Corpus.load(*small_corpus, cache_dir=cache).train, expected)
-    np.testing.assert_array_equal(np.load(cached)[: len(expected)], expected)
+    with np.load(cached) as rebuilt:
+        np.testing.assert_array_equal(rebuilt["ids"][: len(expected)], expected)
+    # a well-formed file whose ids were edited (here: cut short) does not match its digest
+    with np.load(cached) as good:
+        ids, digest = good["ids"], good["sha256"]
+    np.savez(cached, ids=ids[:9], sha256=digest)
+    np.testing.assert_array_equal(Corpus.load(*small_corpus, cache_dir=cache).train, expected)
+    with np.load(cached) as rebuilt:
+        assert np.array_equal(rebuilt["ids"], ids)
 
 
 # --- Corpus: bad input gives one line that names the file ---------------------------------------

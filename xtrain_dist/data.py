@@ -14,6 +14,7 @@ import itertools
 import os
 import re
 import tempfile
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ DEFAULT_CORPUS = REPO_DATA / "shakespeare.txt"
 
 # Part of every cache key: change it whenever the same files would encode to different ids
 # (a new way of splitting the text, say), so that stale caches stop matching.
-_CACHE_FORMAT = b"xtrain-dist token ids v1"
+_CACHE_FORMAT = b"xtrain-dist token ids v2"
 
 # Where text is cut into independently encoded pieces: before the last newline of a run that ends a
 # blank line and is followed by text ("...ink;\n" | "\nSIR TOBY."). See _encode_text.
@@ -92,12 +93,22 @@ def _default_cache_dir() -> Path | None:
         return None
 
 
+def _ids_digest(ids: np.ndarray) -> np.ndarray:
+    return np.frombuffer(hashlib.sha256(ids.tobytes()).digest(), dtype=np.uint8)
+
+
 def _load_cached(path: Path, dtype: type[np.unsignedinteger]) -> np.ndarray | None:
+    """The cached ids, or None for a file that is absent or not exactly what _save_cached wrote: the ids
+    carry their sha256, because a damaged or edited cache would otherwise train on another stream (or
+    fail later with an error that blames the corpus)."""
     try:
-        ids = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError):  # absent, unreadable, or not a .npy file
+        with np.load(path, allow_pickle=False) as cached:
+            ids, digest = cached["ids"], cached["sha256"]
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):  # absent, unreadable, not ours
         return None
-    return ids if ids.ndim == 1 and ids.dtype == dtype else None
+    if ids.ndim != 1 or ids.dtype != dtype or not np.array_equal(digest, _ids_digest(ids)):
+        return None
+    return ids
 
 
 def _save_cached(path: Path, ids: np.ndarray) -> None:
@@ -109,7 +120,7 @@ def _save_cached(path: Path, ids: np.ndarray) -> None:
         return
     try:
         with os.fdopen(fd, "wb") as file:
-            np.save(file, ids)
+            np.savez(file, ids=ids, sha256=_ids_digest(ids))
         os.replace(temp, path)
     except OSError:
         with contextlib.suppress(OSError):
@@ -154,7 +165,7 @@ class Corpus:
             _CACHE_FORMAT + hashlib.sha256(tokenizer_bytes).digest() + hashlib.sha256(corpus_bytes).digest()
         ).hexdigest()
         cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-        cache_path = cache_dir / f"tokens-{key}.npy" if cache_dir is not None else None
+        cache_path = cache_dir / f"tokens-{key}.npz" if cache_dir is not None else None
 
         ids = _load_cached(cache_path, dtype) if cache_path is not None else None
         if ids is None:
