@@ -14,7 +14,10 @@ length-prefixed body of at most 64 KiB; no pickle), and a shared token that neve
 
 Rank 0 checks the peer's HMAC with hmac.compare_digest, the peer checks rank 0's, so neither side accepts
 bytes from a process that does not hold the token. `fingerprint` is a digest of the run's configuration:
-a process started with a different command line is refused with a line that says so.
+a process started with a different command line is refused with a line that says so. A process that holds
+the token but cannot join (another command line, another world size) ends the job at once: rank 0 tells
+every rank why and raises, instead of waiting out the timeout for a rank that will never come. A stranger
+without the token is only refused: it may belong to another job.
 
 Rank 0 answers ACCEPT once every rank has joined, so no process leaves the rendezvous before all can.
 A process that fails before it joins (a missing file on its node) says so instead, so that nobody waits
@@ -193,12 +196,14 @@ class RendezvousServer:
                     conn, addr = self.sock.accept()
                 except TimeoutError:
                     continue
-                msg, reason = self._hear(conn, min(HANDSHAKE_TIMEOUT_S, remaining))
+                msg, reason, of_this_job = self._hear(conn, min(HANDSHAKE_TIMEOUT_S, remaining))
                 if reason is None and msg.kind == FAIL:
                     conn.close()
-                    self._abort(msg.rank, msg.reason, peers, deadline)
+                    self._abort(f"process {msg.rank} failed: {msg.reason}", msg.rank, peers, deadline,
+                                f"process {msg.rank} failed before joining: {msg.reason}")
                 if reason is None and peers[msg.rank] is not None:
                     reason = f"rank {msg.rank} has already joined"
+                    of_this_job = False  # a stray second connection; the rank itself is here
                 if reason is None and not hmac.compare_digest(msg.fingerprint, self.fingerprint):
                     reason = (f"rank {msg.rank} was started with a different configuration than rank 0 "
                               "(another command line?)")
@@ -206,9 +211,14 @@ class RendezvousServer:
                     peers[msg.rank], nonces[msg.rank] = conn, msg.nonce
                     continue
                 who = f"{addr[0]}:{addr[1]}"
-                refused.append(f"{who} ({reason})")
                 self.log(f"rendezvous: refused a connection from {who}: {reason}")
                 _refuse(conn, reason)
+                if of_this_job:
+                    # it holds the token, so it is a process of this job, and it can never join: the job
+                    # cannot start, and every rank hears so now instead of at its timeout
+                    self._abort(reason, msg.rank, peers, deadline,
+                                f"rendezvous at {self.host}:{self.port}: refused {who}: {reason}")
+                refused.append(f"{who} ({reason})")
             for rank in range(1, self.world):  # everyone is here: let them all go
                 mac = _mac(self.token, b"accept", nonces[rank], payload)
                 try:
@@ -224,13 +234,12 @@ class RendezvousServer:
             self.sock.close()
         return peers
 
-    def _abort(self, failed: int, reason: str, peers: list, deadline: float) -> None:
-        """Rank `failed` will never join: tell the joined ranks, then every joiner for a while (until
-        all ranks know), so that they end now instead of at their timeout; then raise."""
-        news = f"process {failed} failed: {reason}"
-        told = {0, failed, *_refuse_joined(peers, news)}
+    def _abort(self, news: str, lost: int, peers: list, deadline: float, error: str) -> None:
+        """Rank `lost` will never join: tell the joined ranks `news`, then every joiner for a while (until
+        all ranks know), so that they end now instead of at their timeout; then raise `error`."""
+        told = {0, lost, *_refuse_joined(peers, news)}
         self._tell_everyone(news, told, min(deadline - time.monotonic(), LINGER_S))
-        raise XtrainError(f"process {failed} failed before joining: {reason}")
+        raise XtrainError(error)
 
     def refuse_all(self, reason: str, linger_s: float = 30.0) -> None:
         """Rank 0 failed before serving: answer every joiner with REFUSE "process 0 failed: reason"
@@ -255,16 +264,17 @@ class RendezvousServer:
                 conn, addr = self.sock.accept()
             except TimeoutError:
                 return
-            msg, reason = self._hear(conn, min(HANDSHAKE_TIMEOUT_S, remaining))
+            msg, reason, _ = self._hear(conn, min(HANDSHAKE_TIMEOUT_S, remaining))
             if reason is None:
                 told.add(msg.rank)
             else:
                 self.log(f"rendezvous: refused a connection from {addr[0]}:{addr[1]}: {reason}")
             _refuse(conn, news if reason is None else reason)
 
-    def _hear(self, conn, timeout_s) -> tuple[_Message | None, str | None]:
-        """Greet a new connection and read its message: (message, None) when it holds the token and
-        fits this job, else (message or None, why it is refused)."""
+    def _hear(self, conn, timeout_s) -> tuple[_Message | None, str | None, bool]:
+        """Greet a new connection and read its message: (message, None, True) when it holds the token and
+        fits this job, else (message or None, why it is refused, whether it holds the token: a process of
+        this job that does not fit it, rather than a stranger)."""
         conn.settimeout(timeout_s)
         server_nonce = secrets.token_bytes(32)
         try:
@@ -272,14 +282,14 @@ class RendezvousServer:
             magic, version, kind, rank, world, fingerprint, peer_nonce, mac, length = _JOIN.unpack(
                 _recv_exact(conn, _JOIN.size))
             if magic != MAGIC:
-                return None, "not an xtrain-dist process"
+                return None, "not an xtrain-dist process", False
             if version != VERSION:
-                return None, f"protocol version {version}, rank 0 speaks {VERSION}"
+                return None, f"protocol version {version}, rank 0 speaks {VERSION}", False
             if kind not in (JOIN, FAIL) or length > (MAX_REASON if kind == FAIL else 0):
-                return None, "a malformed message"
+                return None, "a malformed message", False
             text = _recv_exact(conn, length)
         except (OSError, struct.error) as e:
-            return None, f"no valid greeting ({_describe(e)})"
+            return None, f"no valid greeting ({_describe(e)})", False
         ranks = struct.pack("!II", rank, world)
         if kind == JOIN:
             expected = _mac(self.token, b"join", server_nonce, ranks, fingerprint, peer_nonce)
@@ -287,12 +297,12 @@ class RendezvousServer:
             expected = _mac(self.token, b"fail", server_nonce, ranks, text)
         msg = _Message(kind, rank, fingerprint, peer_nonce, _one_line(text.decode(errors="replace")))
         if not hmac.compare_digest(mac, expected):
-            return msg, f"wrong token (set the same {TOKEN_ENV} for every process)"
+            return msg, f"wrong token (set the same {TOKEN_ENV} for every process)", False
         if world != self.world:
-            return msg, f"it expects a world of {world} processes, rank 0 has {self.world}"
+            return msg, f"rank {rank} expects a world of {world} processes, rank 0 has {self.world}", True
         if not 0 < rank < self.world:
-            return msg, f"rank {rank} is outside 1..{self.world - 1}"
-        return msg, None
+            return msg, f"rank {rank} is outside 1..{self.world - 1}", True
+        return msg, None, True
 
 
 def join(advertise: tuple[str, int], rank: int, world: int, token: bytes, fingerprint: bytes = b"",
