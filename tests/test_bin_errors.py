@@ -140,6 +140,15 @@ def test_fit_overhead_model_names_a_missing_file(tmp_path):
                                 "--ddp", tmp_path / "nope.json")
 
 
+def test_gpu_session_summary_bad_arguments(tmp_path):
+    usage = ("usage: gpu_session_summary OUT TESTS_RC CURVES_RC ERRORS_RC SANITIZER_RC ELAPSED_S (a results folder, "
+             "then five integers)")
+    assert error("gpu_session_summary") == usage
+    assert error("gpu_session_summary", tmp_path, 0, 0, 0, "x", 5) == usage
+    assert error("gpu_session_summary", tmp_path, 0, 0, 0, 0, 5) == \
+        f"'{tmp_path}' holds no environment.txt: not the results folder of a GPU session"
+
+
 def test_kernel_errors_without_a_gpu():
     # no visible device, GPU machine or not: CuPy missing or no device is the same one line
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
