@@ -57,6 +57,10 @@ def test_profile_step_prints_where_the_step_went_and_changes_no_bits(tmp_path):
 def test_explicit_tokenizer_and_corpus(tmp_path):
     out = cli(2, 2, 16, DEFAULT_TOKENIZER, DEFAULT_CORPUS)
     assert out.returncode == 0, out.stderr
+    # after options too, as users type them: the same run
+    after = cli(2, 2, 16, "--log-every", 1, DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.splitlines()[-1].split(",")[0] == out.stdout.splitlines()[-1].split(",")[0]
 
 
 def error_line(out):

@@ -106,7 +106,7 @@ def build_parser() -> OneLineParser:
 
 
 def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # TOKENIZER CORPUS may come after options too
     if (args.tokenizer is None) != (args.corpus is None):
         raise XtrainError("give both TOKENIZER and CORPUS, or neither (for the shipped data)")
     launch = launch or detect_launch()
