@@ -134,6 +134,19 @@ def test_engine_choice():
         assert str(info.value) == message
 
 
+def test_mpi_without_mpi4py_is_refused_before_the_run_starts(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else
+                        real_find_spec(name, *a))
+    with pytest.raises(XtrainError) as info:
+        choose_engine("auto", "numpy", Launch("mpirun", 0, 2))
+    assert str(info.value) == ("the MPI communicator needs mpi4py and an MPI library: No module named 'mpi4py' "
+                               "(pip install 'xtrain-dist[mpi]')")
+    assert choose_engine("auto", "numpy", Launch("single")) == "local"  # no MPI asked for, none needed
+
+
 def test_rendezvous_addresses_bind_and_advertise_separately():
     launch = detect_launch(TORCHRUN)
     assert rdzv_addresses(launch, None, None) == (("node7", 29512), ("node7", 29512))
