@@ -20,6 +20,7 @@ is aborted, or the timeout passes. A rank that fails ends the job with MPI_Abort
 peer never waits in a collective for a process that has already given up.
 """
 
+import importlib.util
 import sys
 import time
 
@@ -30,12 +31,21 @@ from . import CommAborted, rank_share_offsets
 from .local import _chunk
 
 
+def _missing(why) -> XtrainError:
+    return XtrainError(f"the MPI communicator needs mpi4py and an MPI library: {why} (pip install 'xtrain-dist[mpi]')")
+
+
+def check_installed() -> None:
+    """Fail now if mpi4py is missing, without importing mpi4py.MPI (which starts MPI itself)."""
+    if importlib.util.find_spec("mpi4py") is None:
+        raise _missing("No module named 'mpi4py'")
+
+
 def mpi_module():
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise XtrainError(f"the MPI communicator needs mpi4py and an MPI library: {e} "
-                          "(pip install 'xtrain-dist[mpi]')") from None
+        raise _missing(e) from None
     return MPI
 
 

@@ -11,7 +11,6 @@ process_rank * local_world + l. `choose_engine` picks the engine a run asked for
 """
 
 import hashlib
-import importlib.util
 
 from ..errors import XtrainError
 from ..launch_env import Launch, detect_launch
@@ -48,9 +47,9 @@ def choose_engine(name: str, backend: str, launch: Launch, local_world: int = 1,
     if name == "mpi" and launch.multi_process and launch.kind != "mpirun":
         raise XtrainError(f"--comm mpi needs processes started by mpirun/mpiexec, not {launch.kind}: "
                           "use --comm tcp (or omit --comm)")
-    if name == "mpi" and importlib.util.find_spec("mpi4py") is None:  # said now, before the run's header
-        raise XtrainError("the MPI communicator needs mpi4py and an MPI library: No module named 'mpi4py' "
-                          "(pip install 'xtrain-dist[mpi]')")
+    if name == "mpi":  # said now, before the run's header, rather than at the join
+        from .mpi import check_installed
+        check_installed()
     return name
 
 
