@@ -302,13 +302,14 @@ def _in_place(path: Path) -> bool:
 
 def check_report_path(path: str) -> None:
     """Fail before training, not after it, if the report cannot be written where it is asked for."""
-    if Path(path).is_dir():
+    given = Path(path)
+    if given.is_dir():
         raise XtrainError(f"--report '{path}' is a folder, not a file")
-    if _in_place(Path(path)):
-        if not os.access(path, os.W_OK):
+    if _in_place(given):
+        if not os.access(given, os.W_OK):
             raise XtrainError(f"--report '{path}' cannot be written (Permission denied)")
         return
-    target = Path(os.path.realpath(path))  # through symlinks: the file a link names is the one replaced
+    target = Path(os.path.realpath(given))  # through symlinks: the file a link names is the one replaced
     if any(parent.exists() and not parent.is_dir() for parent in target.parents):
         raise XtrainError(f"--report '{path}' cannot be written (a part of its folder is a file)")
     probe = target.with_name(f".{target.name}.probe{os.getpid()}")
@@ -324,16 +325,14 @@ def write_json_atomic(path: str, data: dict) -> None:
     """The whole report or none: a temporary file, flushed to disk, renamed over the file PATH names
     (a symlink stays a link to the new file); a device or a pipe is written directly."""
     text = json.dumps(data, indent=1) + "\n"
-    if _in_place(Path(path)):
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as err:
-            raise XtrainError(f"cannot write --report '{path}' ({err.strerror or err})") from None
-        return
-    target = Path(os.path.realpath(path))
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    in_place = _in_place(Path(path))
+    target = Path(path) if in_place else Path(os.path.realpath(path))
+    tmp = None if in_place else target.with_name(f".{target.name}.tmp{os.getpid()}")
     try:
+        if in_place:
+            with open(target, "w", encoding="utf-8") as f:
+                f.write(text)
+            return
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -341,7 +340,8 @@ def write_json_atomic(path: str, data: dict) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise XtrainError(f"cannot write --report '{path}' ({err.strerror or err})") from None
 
 
