@@ -42,12 +42,8 @@ if ! $PY -c "import nccl.core" 2>/dev/null && ls .whl/fallback/*.whl >/dev/null 
     .whl/fallback/*.whl && export PYTHONPATH="/tmp/site-first:$PYTHONPATH"
 fi
 
-# a GPU first: without one every step would fail slowly, one timeout after another
-if ! $PY -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" > "$OUT/no_gpu.txt" 2>&1; then
-  echo "$(basename "$0"): no GPU that CuPy can use: $(tail -n 1 "$OUT/no_gpu.txt")" >&2
-  exit 2
-fi
-rm -f "$OUT/no_gpu.txt"
+. bin/gpu_session_common.sh
+require_gpu
 
 {
   echo "## device"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
