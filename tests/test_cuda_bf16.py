@@ -247,3 +247,19 @@ def test_flash_attention_trains_like_the_emulation_and_the_standard_path(corpus)
     for other in (emulated, standard):
         np.testing.assert_allclose(flash["losses"], other["losses"], rtol=5e-3)
     assert len(set(flash["param_sha256"])) == 1
+
+
+# ---------------------------------------------------------------------------- memory
+
+@pytest.mark.parametrize("attention", ["standard", "flash"])
+def test_the_memory_checks_figures_are_the_arrays_a_bf16_model_keeps(be, rng, attention):
+    """memory.py counts what forward keeps for backward by dtype: on the GPU activations are 2 bytes and
+    the layernorm statistics and flash's log-sum-exp 4, which numpy's float32 emulation cannot show."""
+    from test_memory import expected_arrays, saved_arrays
+
+    from xtrain_dist.config import GPTConfig
+    config = GPTConfig(vocab_size=512, n_ctx=64, n_layer=2, n_head=2, n_embd=128)  # 64-channel heads: flash
+    model = GPT2(config, be, seed=int(rng.integers(0, 2**31)), attention=attention)
+    ids = rng.integers(0, 512, (2, 64)).astype(np.int32)
+    model.forward(be.from_host(ids), be.from_host(np.roll(ids, -1, axis=1)), dloss=1.0)
+    assert saved_arrays(model) == expected_arrays(config, 2, 64, attention, np.uint16)

@@ -520,3 +520,13 @@ def test_every_ddp_option_on_two_virtual_ranks_follows_numpy(options):
     rtol = 1e-2 if options.get("grad_compress") == "bf16" else 1e-3
     np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=rtol)
     assert len(set(cuda["param_sha256"])) == 1
+
+
+def test_the_memory_checks_figures_are_the_arrays_the_model_keeps(be, rng):
+    from test_memory import expected_arrays, saved_arrays
+
+    config = model_config("tiny", 4096)
+    model = GPT2(config, be, seed=int(rng.integers(0, 2**31)))
+    ids = token_ids(rng, (B, T), 4096)
+    model.forward(be.from_host(ids), be.from_host(token_ids(rng, (B, T), 4096)), dloss=1.0)
+    assert saved_arrays(model) == expected_arrays(config, B, T, "standard", np.float32)

@@ -475,6 +475,22 @@ def test_the_command_line_trains_on_cuda_like_numpy():
     np.testing.assert_allclose(got, want, rtol=1e-3)
 
 
+def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
+    """The pre-flight memory check on --backend cuda reads each GPU's free memory (cudaMemGetInfo; the
+    simulator's is XTRAIN_CUDASIM_MEMORY) and counts the virtual ranks sharing it: 10 MiB holds one tiny
+    rank but not two."""
+    command = [*RUN, "-m", "xtrain_dist.train_ddp", "1", "4", "32", "--model", "tiny", "--backend", "cuda"]
+    env = dict(os.environ, XTRAIN_CUDASIM_MEMORY=str(10 << 20))
+    one = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([*command, "--world-size", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert two.returncode == 2 and two.stdout == "", two.stdout + two.stderr[-2000:]
+    [line] = two.stderr.splitlines()
+    assert line.startswith("train_ddp: error: not enough memory for this run: its 2 ranks need at least "), line
+    assert "and GPU 0 has 10.0 MiB available" in line, line
+
+
 def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
     """bin/bench_gpu's side of ours (fp32, bf16, flash, the per-op profile, the results files) runs; the
     first losses of the three agree (the same weights and batch), and the profile names the step's ops."""

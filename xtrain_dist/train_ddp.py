@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from . import checkpoint, ddp, evaluate, metrics, precision
+from . import checkpoint, ddp, evaluate, memory, metrics, precision
 from .backend import BACKENDS, rank_device
 from .cli import (
     OneLineParser,
@@ -271,6 +271,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if cfg.profile_step and not first <= cfg.profile_step <= cfg.steps:
         raise XtrainError(f"--profile-step {cfg.profile_step} is not a step of this run (it runs steps {first} "
                           f"to {cfg.steps})")
+    check_memory(cfg, model_config(cfg.model, corpus.vocab_size), local_world * launch.local_processes, devices)
+    warn_oversubscribed(cfg, local_world * launch.local_processes, log)
     if launch.process_rank == 0:
         where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
         processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
@@ -278,6 +280,31 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
             f"{cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
     fingerprint = config_fingerprint({k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS})
     return engine, corpus, devices, cfg, fingerprint
+
+
+def check_memory(cfg: TrainConfig, config, ranks_on_node: int, devices: list) -> None:
+    """Refuse a run whose ranks cannot fit in the memory they share (memory.py): on the CPU, this machine's
+    for all the job's ranks on it; on GPUs, each GPU's for the ranks placed on it. The job's smallest
+    per-rank figures are used, so whichever ranks are here, the bound holds."""
+    itemsize = 2 if cfg.backend == "cuda" and cfg.dtype == "bf16" else 4  # numpy emulates bf16 in float32
+    needs = sorted(memory.rank_memories(config, cfg, itemsize), key=lambda n: (n.persistent, n.activations))
+    if cfg.backend != "cuda":
+        memory.check_fits(needs[:ranks_on_node], memory.host_available_bytes(), "this machine", cfg)
+        return
+    from .backend.cuda_ops import device_free_bytes
+    for device in sorted(set(devices)):
+        memory.check_fits(needs[:devices.count(device)], device_free_bytes(device), f"GPU {device}", cfg)
+
+
+def warn_oversubscribed(cfg: TrainConfig, ranks_on_node: int, log) -> None:
+    """--cpu-threads asking for more BLAS threads than the cores is allowed (the user may know the machine
+    better than its affinity mask), but said: OpenBLAS threads past the cores spin against each other, and
+    a step on a 2-core machine ran 12x slower with 8 threads than with 2."""
+    cores = cpu_threads_per_rank(1)
+    if cfg.backend == "numpy" and cfg.cpu_threads and cfg.cpu_threads * ranks_on_node > cores:
+        log(f"note: --cpu-threads {cfg.cpu_threads} x {ranks_on_node} rank(s) on this machine is "
+            f"{cfg.cpu_threads * ranks_on_node} BLAS threads on {cores} cores: threads beyond the cores slow "
+            "the step down, often many times over (leave --cpu-threads out to share the cores)")
 
 
 def all_param_digests(comm, digest_hex: str, backend: str) -> list[str]:

@@ -375,6 +375,13 @@ def device_count() -> int:
     return int(os.environ.get("XTRAIN_CUDASIM_DEVICES", "1"))
 
 
+def _mem_get_info():
+    """(free, total) of the current simulated GPU: XTRAIN_CUDASIM_MEMORY bytes (default 80 GiB, an H100's),
+    all free. The arrays live in host memory, so this is only what the pre-flight memory check reads."""
+    total = int(os.environ.get("XTRAIN_CUDASIM_MEMORY", 80 << 30))
+    return total, total
+
+
 _thread = threading.local()
 _stream_ids = itertools.count(0x1000, 0x10)
 
@@ -798,7 +805,7 @@ def install() -> types.ModuleType:
         memsetAsync=_memset_async, memcpyAsync=_memcpy_async, deviceSynchronize=_device_synchronize,
         getDeviceProperties=lambda d: {"name": b"cudasim (CPU)", "totalGlobalMem": 0, "major": 9, "minor": 0,
                                        "multiProcessorCount": 1},
-        driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
+        driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0, memGetInfo=_mem_get_info)
     cuda.runtime = runtime
     cuda.Device, cuda.Stream, cuda.Event = Device, Stream, Event
     cuda.get_current_stream, cuda.get_elapsed_time = get_current_stream, get_elapsed_time

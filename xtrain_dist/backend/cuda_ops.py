@@ -223,6 +223,14 @@ def device_count() -> int:
     return count
 
 
+def device_free_bytes(device: int) -> int:
+    """Memory free on `device` now (cudaMemGetInfo): what the run's pre-flight check (memory.py) compares
+    the ranks sharing that GPU against, before any of them allocates."""
+    with cupy.cuda.Device(device):
+        free, _total = cupy.cuda.runtime.memGetInfo()
+    return int(free)
+
+
 class CudaBackend:
     """numpy_ops on one CUDA device, on one stream owned by the calling (rank) thread."""
 

@@ -1,0 +1,163 @@
+"""The pre-flight memory check (memory.py): its figures are the arrays a rank really holds, and a run that
+cannot fit is refused in one line before anything is allocated."""
+
+import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from xtrain_dist import memory
+from xtrain_dist.backend.numpy_ops import NumpyBackend
+from xtrain_dist.config import TrainConfig, model_config
+from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.errors import XtrainError
+from xtrain_dist.model import GPT2
+from xtrain_dist.optim import make_optimizer
+from xtrain_dist.train import micro_batches
+
+ROOT = Path(__file__).resolve().parents[1]
+KIND_DTYPE = {"f32": np.float32, "i32": np.int32}
+
+
+def saved_arrays(model) -> list[tuple[str, tuple, np.dtype]]:
+    """(name, shape, dtype) of every array GPT2.forward kept for backward, in memory.saved_activations'
+    order: read from the model itself, the oracle for that list (also used by the GPU tests)."""
+    ids, acts, x, lnf, lnf_mean, lnf_rstd, dlogits = model._saved
+    named = [("ids", ids)]
+    for layer, a in enumerate(acts):
+        named += [(f"h.{layer}.{f.name}", getattr(a, f.name)) for f in fields(a)]
+    named += [("x", x), ("lnf", lnf), ("lnf_mean", lnf_mean), ("lnf_rstd", lnf_rstd), ("dlogits", dlogits)]
+    return [(name, tuple(arr.shape), np.dtype(arr.dtype)) for name, arr in named]
+
+
+def expected_arrays(config, B, T, attention, act_dtype) -> list[tuple[str, tuple, np.dtype]]:
+    return [(name, shape, np.dtype(act_dtype if kind == "act" else KIND_DTYPE[kind]))
+            for name, shape, kind in memory.saved_activations(config, B, T, attention)]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+
+@pytest.mark.parametrize("attention", ["standard", "flash"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_saved_activations_are_what_forward_keeps(corpus, attention, dtype):
+    config = model_config("tiny", corpus.vocab_size)
+    backend = NumpyBackend(dtype)
+    model = GPT2(config, backend, seed=3, attention=attention)
+    B, T = 3, 24
+    ids, targets = BatchSampler(corpus.train, B, T, seed=1).next()
+    model.forward(ids, targets, dloss=1.0 / (B * T))
+    assert saved_arrays(model) == expected_arrays(config, B, T, attention, backend.act_dtype)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_ranks_figures_are_its_arrays(corpus, zero, dtype):
+    """World 3, BATCH 7, --grad-accum 2: rank 0 gets 3 sequences (micro-batches of 2 and 1), ranks 1 and 2
+    get 2 (1 and 1); each rank's parameters, gradients, optimizer state (its ZeRO shard) and largest
+    micro-batch's activations are the nbytes of the arrays that rank builds."""
+    cfg = TrainConfig(steps=1, batch=7, seq=16, model="tiny", world_size=3, grad_accum=2, zero=zero, dtype=dtype)
+    config = model_config("tiny", corpus.vocab_size)
+    figures = memory.rank_memories(config, cfg, act_itemsize=4)
+    assert len(figures) == 3
+    for rank, got in enumerate(figures):
+        backend = NumpyBackend(dtype)
+        model = GPT2(config, backend, seed=1)
+        optimizer = make_optimizer(model, cfg, SimpleNamespace(rank=rank, world_size=3))
+        lowp = model.lowp_copy.nbytes if model.lowp_copy is not None else 0
+        assert got.parameters == model.params.nbytes + lowp + model.decay_mask.nbytes
+        assert got.gradients == model.grads.nbytes
+        assert got.optimizer == optimizer.state_bytes
+        sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=1, rank=rank, world=3)
+        saved = []
+        for ids, targets in micro_batches(*sampler.next(), cfg.grad_accum):
+            model.forward(ids, targets, dloss=1.0)
+            saved.append(sum(int(np.prod(shape)) * dt.itemsize for _, shape, dt in saved_arrays(model)))
+            model.backward()
+        assert got.activations == max(saved), (rank, got.activations, saved)
+    assert figures[0].activations > figures[1].activations == figures[2].activations
+
+
+def test_bf16_on_a_gpu_halves_the_activations_and_the_copy_forward_reads(corpus):
+    config = model_config("tiny", corpus.vocab_size)
+    cfg = TrainConfig(steps=1, batch=4, seq=32, model="tiny", dtype="bf16")
+    wide, narrow = memory.rank_memories(config, cfg, 4)[0], memory.rank_memories(config, cfg, 2)[0]
+    size = GPT2(config, NumpyBackend(), seed=0).size
+    assert wide.parameters - narrow.parameters == 2 * size
+    saved = memory.saved_activations(config, 4, 32, "standard")
+    act_elements = sum(int(np.prod(shape)) for _, shape, kind in saved if kind == "act")
+    assert wide.activations - narrow.activations == 2 * act_elements
+
+
+def needs(persistent, activations):
+    return memory.RankMemory(parameters=persistent, gradients=0, optimizer=0, activations=activations)
+
+
+def test_ranks_sharing_memory_count_all_their_state_and_one_ranks_activations():
+    cfg = TrainConfig(steps=1, batch=4, seq=8)
+    group = [needs(100, 40), needs(100, 70), needs(90, 70)]
+    assert memory.least_bytes(group) == 360
+    memory.check_fits(group, 360, "this machine", cfg)   # exactly full fits
+    memory.check_fits(group, None, "this machine", cfg)  # unknown: not checked
+    with pytest.raises(XtrainError) as e:
+        memory.check_fits(group, 359, "GPU 1", cfg)
+    assert str(e.value) == (
+        "not enough memory for this run: its 3 ranks need at least 360 B and GPU 1 has 359 B available (a rank "
+        "holds up to 100 B of parameters, 0 B of gradients and 0 B of AdamW state, and one rank at a time at "
+        "least 70 B of activations kept for backward); lower BATCH, SEQ or --world-size, or raise --grad-accum, "
+        "or use --zero 1 or --attention flash")
+
+
+def test_the_remedies_leave_out_what_the_run_already_does():
+    cfg = TrainConfig(steps=1, batch=4, seq=8, zero=1, attention="flash")
+    with pytest.raises(XtrainError) as e:
+        memory.check_fits([needs(3 << 30, 1 << 29)], 1 << 30, "this machine", cfg)
+    assert str(e.value) == (
+        "not enough memory for this run: it needs at least 3.50 GiB and this machine has 1.00 GiB available "
+        "(3.00 GiB of parameters, 0 B of gradients and 0 B of AdamW state, and 0.50 GiB of activations kept for "
+        "backward); lower BATCH, SEQ or --world-size, or raise --grad-accum")
+
+
+def test_this_machines_available_memory_is_read():
+    available = memory.host_available_bytes()
+    if not Path("/proc/meminfo").exists():
+        assert available is None
+        return
+    total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                 if line.startswith("MemTotal:"))
+    assert 0 < available <= total
+
+
+def test_a_run_too_large_for_the_machine_is_refused_before_it_starts(tmp_path):
+    """5000 ranks of GPT-2 774M need terabytes: one line, exit 2, at once, and nothing written."""
+    report = tmp_path / "report.json"
+    run = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "5000", "64", "--model", "gpt2-774m",
+                          "--world-size", "5000", "--zero", "1", "--report", str(report)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stdout == ""
+    [line] = run.stderr.splitlines()
+    assert line.startswith("train_ddp: error: not enough memory for this run: its 5000 ranks need at least "), line
+    assert "this machine has" in line and line.endswith("or raise --grad-accum, or use --attention flash"), line
+    assert not report.exists()
+
+
+def test_more_blas_threads_than_cores_is_said_once(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    command = [sys.executable, "-m", "xtrain_dist.train_ddp", "1", "2", "16", "--world-size", "2"]
+    over = subprocess.run([*command, "--cpu-threads", str(cores)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert over.returncode == 0, over.stderr
+    assert over.stdout.splitlines()[0] == (
+        f"note: --cpu-threads {cores} x 2 rank(s) on this machine is {2 * cores} BLAS threads on {cores} cores: "
+        "threads beyond the cores slow the step down, often many times over (leave --cpu-threads out to share "
+        "the cores)")
+    shared = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert shared.returncode == 0 and "note:" not in shared.stdout, shared.stdout

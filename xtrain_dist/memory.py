@@ -1,0 +1,156 @@
+"""How much memory a run needs at least, and the check that it fits before any rank starts.
+
+A rank holds its parameters, their gradients, AdamW's m and v (a shard of them under ZeRO-1) and, between
+forward and backward, the activations backward reads. Every thread rank of a process holds all of that
+for itself, so `--world-size 8` on one machine needs eight times a rank's memory. Without a check, a run
+too large for the machine ends in the kernel's OOM killer ("Killed", no word of why) or, with CuPy, in an
+out-of-memory error after minutes of setup; this module turns that into one line before anything is
+allocated. The figure is a lower bound: it counts the arrays that live through a whole step and leaves
+out the transient ones (an op's temporaries, the gradients of activations, allocator slack), so a run
+refused by it cannot have fit, and a run it passes may still run short.
+"""
+
+from dataclasses import dataclass
+
+from .config import GPTConfig
+from .errors import XtrainError
+from .model import param_layout
+from .optim import shard_bounds
+
+GIB = float(1 << 30)
+ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
+
+
+def saved_activations(config: GPTConfig, B: int, T: int, attention: str) -> list[tuple[str, tuple, str]]:
+    """What GPT2.forward keeps for backward, array by array: (name, shape, kind), kind "act" for the
+    activation dtype, "f32" or "i32" for arrays of that type whatever the precision. Its order and names
+    follow GPT2.forward's `_saved` and `_LayerActs`, which tests/test_memory.py holds it to."""
+    C, NH, V = config.n_embd, config.n_head, config.vocab_size
+    arrays = [("ids", (B, T), "i32")]
+    for layer in range(config.n_layer):
+        def named(field, shape, kind, layer=layer):
+            return (f"h.{layer}.{field}", shape, kind)
+        arrays += [
+            named("x_in", (B, T, C), "act"),
+            named("ln1", (B, T, C), "act"), named("ln1_mean", (B, T), "f32"), named("ln1_rstd", (B, T), "f32"),
+            named("qkv", (B, T, 3 * C), "act"),
+            named("atty", (B, T, C), "act"),
+            # standard attention keeps the softmax probabilities; flash keeps one log-sum-exp per row
+            named("att", (B, NH, T, T), "act") if attention == "standard" else named("att", (B, NH, T), "f32"),
+            named("x_mid", (B, T, C), "act"),
+            named("ln2", (B, T, C), "act"), named("ln2_mean", (B, T), "f32"), named("ln2_rstd", (B, T), "f32"),
+            named("fch", (B, T, 4 * C), "act"),
+            named("fch_gelu", (B, T, 4 * C), "act"),
+        ]
+    arrays += [("x", (B, T, C), "act"), ("lnf", (B, T, C), "act"), ("lnf_mean", (B, T), "f32"),
+               ("lnf_rstd", (B, T), "f32"), ("dlogits", (B, T, V), "act")]
+    return arrays
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds, by what holds them."""
+    parameters: int    # the float32 master, the activation-dtype copy forward reads, the weight-decay mask
+    gradients: int
+    optimizer: int     # AdamW's m and v: the whole buffer, or this rank's ZeRO-1 shard
+    activations: int   # what forward keeps for backward, for the rank's largest micro-batch
+
+    @property
+    def persistent(self) -> int:
+        """What the rank holds for the whole run."""
+        return self.parameters + self.gradients + self.optimizer
+
+
+def least_bytes(needs: list[RankMemory]) -> int:
+    """The least that ranks sharing one memory take together: all of their persistent state, and the
+    activations of one of them. Rank threads usually run their steps side by side, each holding its own
+    activations, but nothing forces it (a rank may finish its backward before another starts its
+    forward), so only one rank's activations are certain."""
+    return sum(n.persistent for n in needs) + max(n.activations for n in needs)
+
+
+def gib(n: int) -> str:
+    """A size for the message: GiB, or MiB and bytes for the small models' figures."""
+    if n >= GIB / 10:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB" if n >= (1 << 20) / 10 else f"{n} B"
+
+
+def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]:
+    """The lower bound for every rank of a run with TrainConfig `cfg`, in rank order, with activations of
+    `act_itemsize` bytes (4: float32, and numpy's bf16 emulation; 2: bf16 on a GPU)."""
+    _, size = param_layout(config)
+    parameters = 4 * size + (size * act_itemsize if cfg.dtype != "fp32" else 0) + ITEMSIZE["u8"] * size
+    shards = shard_bounds(size, cfg.world_size) if cfg.zero else [(0, size)] * cfg.world_size
+    activations = {}  # by micro-batch rows: ranks differ by at most one row
+
+    def saved_bytes(rows: int) -> int:
+        if rows not in activations:
+            activations[rows] = sum(_count(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
+                                    for _, shape, kind in saved_activations(config, rows, cfg.seq, cfg.attention))
+        return activations[rows]
+
+    memories = []
+    for rank, (lo, hi) in enumerate(shards):
+        # rank r takes the sequences i % world == r, then cuts them into --grad-accum micro-batches
+        rows = len(range(rank, cfg.batch, cfg.world_size))
+        memories.append(RankMemory(parameters=parameters, gradients=4 * size, optimizer=2 * 4 * (hi - lo),
+                                   activations=saved_bytes(-(-rows // cfg.grad_accum))))
+    return memories
+
+
+def host_available_bytes() -> int | None:
+    """Memory this process may still take on this machine: /proc/meminfo's MemAvailable, lowered to what
+    the process's cgroup (a container's or a job's limit, v2 or v1) has left. None where neither is
+    readable (not Linux)."""
+    figures = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    figures.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file, encoding="ascii") as f:
+                limit = f.read().strip()
+            with open(usage_file, encoding="ascii") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():  # "max" (v2) means no limit; v1 writes a huge number instead
+            figures.append(max(0, int(limit) - usage))
+    return min(figures) if figures else None
+
+
+def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) -> None:
+    """XtrainError when the ranks in `needs`, which share one memory (this machine's, or one GPU's),
+    cannot fit in `available` bytes of it; nothing when they may, or when `available` is unknown."""
+    total = least_bytes(needs)
+    if available is None or total <= available:
+        return
+    top = max(needs, key=lambda n: n.persistent)
+    state = f"{gib(top.parameters)} of parameters, {gib(top.gradients)} of gradients and {gib(top.optimizer)} " \
+            "of AdamW state"
+    acts = f"{gib(max(n.activations for n in needs))} of activations kept for backward"
+    if len(needs) == 1:
+        detail = f"{state}, and {acts}"
+    else:
+        detail = f"a rank holds up to {state}, and one rank at a time at least {acts}"
+    options = ["--zero 1"] if not cfg.zero else []
+    options += ["--attention flash"] if cfg.attention == "standard" else []
+    remedy = "lower BATCH, SEQ or --world-size, or raise --grad-accum" + \
+        (f", or use {' or '.join(options)}" if options else "")
+    who = f"its {len(needs)} ranks need" if len(needs) > 1 else "it needs"
+    raise XtrainError(f"not enough memory for this run: {who} at least {gib(total)} and {where} has {gib(available)} "
+                      f"available ({detail}); {remedy}")
