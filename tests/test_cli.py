@@ -165,34 +165,9 @@ def test_a_report_that_cannot_be_written_fails_before_training(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # no probe or temporary left behind
 
 
-def test_a_report_write_that_fails_leaves_no_temporary(tmp_path, monkeypatch):
-    from xtrain_dist import train_ddp
-    from xtrain_dist.errors import XtrainError
-
-    def full_disk(src, dst):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(train_ddp.os, "replace", full_disk)
-    with pytest.raises(XtrainError) as info:
-        train_ddp.write_json_atomic(str(tmp_path / "r.json"), {"losses": [1.0]})
-    assert str(info.value) == f"cannot write --report '{tmp_path / 'r.json'}' (No space left on device)"
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_a_report_through_a_symlink_or_to_a_pipe(tmp_path):
-    """The rename that makes a report atomic replaces the file a symlink names, not the link; a device or
-    a pipe (here /dev/stdout, a pipe to this test) is written as it is, not replaced by a regular file."""
-    from xtrain_dist import train_ddp
-
-    (tmp_path / "runs").mkdir()
-    target, link = tmp_path / "runs" / "report.json", tmp_path / "latest.json"
-    target.write_text("old")
-    link.symlink_to(target)
-    train_ddp.write_json_atomic(str(link), {"losses": [1.0]})
-    assert link.is_symlink() and json.loads(target.read_text()) == {"losses": [1.0]}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "runs"]  # no temporary beside the link
-    assert [p.name for p in target.parent.iterdir()] == ["report.json"]
-
+def test_a_report_to_a_pipe(tmp_path):
+    """A device or a pipe (here /dev/stdout, a pipe to this test) is written as it is, not replaced by a
+    regular file (tests/test_files.py holds the rest of how outputs are written)."""
     out = cli(2, 2, 16, "--report", "/dev/stdout", "--log-every", 5)
     assert out.returncode == 0, out.stderr
     report = out.stdout[:out.stdout.index("done: ")]

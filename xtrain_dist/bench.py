@@ -7,6 +7,7 @@ shows up there rather than silently in the timings.
 """
 
 import datetime
+import io
 import json
 import os
 import platform
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import files
 from .errors import XtrainError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,14 +96,12 @@ def write_results(folder: Path, stem: str, data: dict, title: str, table: str, f
         m["loadavg_1m_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     md = (f"## {title}\n\n`{data['command']}`, {data['date']}, commit {data['git_commit']}\n\n"
           f"Machine: {describe(m)} (after: {m.get('loadavg_1m_after', float('nan')):.1f})\n\n{table}")
-    paths = [folder / f"{stem}.json", folder / f"{stem}.md", folder / f"{stem}.png"]
-    writers = [lambda p: p.write_text(json.dumps(data, indent=1) + "\n"), lambda p: p.write_text(md),
-               lambda p: figure.savefig(p, dpi=110, bbox_inches="tight")]
-    for path, write in zip(paths, writers, strict=True):
-        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
-        write(tmp)
-        os.replace(tmp, path)
-    return paths
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=110, bbox_inches="tight")
+    contents = {f"{stem}.json": json.dumps(data, indent=1) + "\n", f"{stem}.md": md, f"{stem}.png": png.getvalue()}
+    for name, content in contents.items():
+        files.write_atomic(folder / name, content, "results file")
+    return [folder / name for name in contents]
 
 
 def pyplot():

@@ -9,12 +9,11 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from . import checkpoint, ddp, evaluate, memory, metrics, precision
+from . import checkpoint, ddp, evaluate, files, memory, metrics, precision
 from .backend import BACKENDS, rank_device
 from .cli import (
     OneLineParser,
@@ -259,7 +258,7 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if cfg.metrics:
         metrics.check_path(cfg.metrics)
     if cfg.report and launch.process_rank == 0:
-        check_report_path(cfg.report)
+        files.check_writable(cfg.report, "--report")
     cfg = evaluate.check(cfg, corpus, log)
     first = 1
     if cfg.resume:
@@ -321,57 +320,6 @@ def all_param_digests(comm, digest_hex: str, backend: str) -> list[str]:
     return [raw[i:i + 32].hex() for i in range(0, len(raw), 32)]
 
 
-def _in_place(path: Path) -> bool:
-    """A report path that is a device or a pipe (/dev/stdout, /dev/null) is written as it is: there is no
-    file to replace, and renaming over it would put a regular file where the device was."""
-    return path.exists() and not path.is_file() and not path.is_dir()
-
-
-def check_report_path(path: str) -> None:
-    """Fail before training, not after it, if the report cannot be written where it is asked for."""
-    given = Path(path)
-    if given.is_dir():
-        raise XtrainError(f"--report '{path}' is a folder, not a file")
-    if _in_place(given):
-        if not os.access(given, os.W_OK):
-            raise XtrainError(f"--report '{path}' cannot be written (Permission denied)")
-        return
-    target = Path(os.path.realpath(given))  # through symlinks: the file a link names is the one replaced
-    if any(parent.exists() and not parent.is_dir() for parent in target.parents):
-        raise XtrainError(f"--report '{path}' cannot be written (a part of its folder is a file)")
-    probe = target.with_name(f".{target.name}.probe{os.getpid()}")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        raise XtrainError(f"--report '{path}' cannot be written ({err.strerror})") from None
-
-
-def write_json_atomic(path: str, data: dict) -> None:
-    """The whole report or none: a temporary file, flushed to disk, renamed over the file PATH names
-    (a symlink stays a link to the new file); a device or a pipe is written directly."""
-    text = json.dumps(data, indent=1) + "\n"
-    in_place = _in_place(Path(path))
-    target = Path(path) if in_place else Path(os.path.realpath(path))
-    tmp = None if in_place else target.with_name(f".{target.name}.tmp{os.getpid()}")
-    try:
-        if in_place:
-            with open(target, "w", encoding="utf-8") as f:
-                f.write(text)
-            return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except OSError as err:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        raise XtrainError(f"cannot write --report '{path}' ({err.strerror or err})") from None
-
-
 def profile_table(profile: dict) -> str:
     """The profiled step's ops on rank 0, slowest first, and its collectives: the time between ops holds
     the host's own work and the communication that backward did not hide."""
@@ -404,7 +352,7 @@ def _main(argv: list[str]) -> int:
     if report["process_rank"] != 0:  # one process writes and reports for the job
         return 0
     if cfg.report:
-        write_json_atomic(cfg.report, report)
+        files.write_atomic(cfg.report, json.dumps(report, indent=1) + "\n", "--report")
     if cfg.profile_step:
         print(profile_table(report["profile"]))
     val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""

@@ -1,0 +1,85 @@
+"""files.write_atomic and files.check_writable: how every command writes its outputs (the --report, the
+benchmarks' results, the tokenizer and the corpus)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xtrain_dist import files
+from xtrain_dist.errors import XtrainError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_text_and_bytes_land_whole_in_folders_made_for_them(tmp_path):
+    files.write_atomic(tmp_path / "a" / "b" / "report.json", "héllo\n", "--report")
+    files.write_atomic(tmp_path / "plot.png", b"\x89PNG\x00\xff", "results file")
+    assert (tmp_path / "a" / "b" / "report.json").read_bytes() == "héllo\n".encode()
+    assert (tmp_path / "plot.png").read_bytes() == b"\x89PNG\x00\xff"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "plot.png"]  # no temporary left
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    out = tmp_path / "r.json"
+    out.write_text("old")
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.os, "replace", full_disk)
+    with pytest.raises(XtrainError) as info:
+        files.write_atomic(out, "new", "--report")
+    assert str(info.value) == f"--report '{out}' cannot be written (No space left on device)"
+    assert out.read_text() == "old" and list(tmp_path.iterdir()) == [out]
+
+
+def test_a_symlink_stays_and_the_file_it_names_is_replaced(tmp_path):
+    (tmp_path / "runs").mkdir()
+    target, link = tmp_path / "runs" / "tokenizer.json", tmp_path / "latest.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    files.write_atomic(link, "new", "output")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "runs"]  # no temporary beside the link
+    assert [p.name for p in target.parent.iterdir()] == ["tokenizer.json"]
+
+
+def test_a_device_is_written_as_it_is(tmp_path):
+    assert files.written_in_place(Path("/dev/null"))
+    files.write_atomic("/dev/null", "discarded", "--report")
+    assert Path("/dev/null").is_char_device()
+    files.check_writable("/dev/null", "--report")
+
+
+def test_unwritable_places_are_named_before_any_work(tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("")
+    cases = [(tmp_path, f"--out '{tmp_path}' is a folder, not a file"),
+             (blocker / "x.txt", f"--out '{blocker / 'x.txt'}' cannot be written (a part of its folder is a file)")]
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cases.append((locked / "x.txt", f"--out '{locked / 'x.txt'}' cannot be written (Permission denied)"))
+    for path, message in cases:
+        with pytest.raises(XtrainError) as info:
+            files.check_writable(path, "--out")
+        assert str(info.value) == message
+    files.check_writable(tmp_path / "new" / "x.txt", "--out")
+    assert list((tmp_path / "new").iterdir()) == []  # the probe is gone
+
+
+def test_train_tokenizer_replaces_the_file_a_symlink_names(tmp_path):
+    """The outputs of bin/ scripts go through write_atomic too: a tokenizer written through a link."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 20)
+    (tmp_path / "store").mkdir()
+    target, link = tmp_path / "store" / "tok.json", tmp_path / "tok.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    run = subprocess.run([sys.executable, "bin/train_tokenizer", str(corpus), str(link), "--vocab-size", "270"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert link.is_symlink() and target.read_text().startswith("{")

@@ -1,0 +1,63 @@
+"""Output files appear whole or not at all: the one way every command here writes a file it produces."""
+
+import os
+from pathlib import Path
+
+from .errors import XtrainError
+
+
+def written_in_place(path: Path) -> bool:
+    """A path that is a device or a pipe (/dev/stdout, /dev/null) is written as it is: there is no file to
+    replace, and renaming over it would put a regular file where the device was."""
+    return path.exists() and not path.is_file() and not path.is_dir()
+
+
+def write_atomic(path, data: bytes | str, name: str) -> None:
+    """Write `data` (str: UTF-8) to `path` so that a reader finds the old file or the new one, never a part:
+    a temporary file beside the file PATH names, flushed to disk, then renamed over it. A symlink is
+    followed (the link stays, and the file it names is replaced); a device or a pipe is written directly;
+    missing folders are made. Any failure is one XtrainError, "{name} '{path}' cannot be written (why)",
+    and leaves no temporary file behind."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    given = Path(path)
+    direct = written_in_place(given)
+    target = given if direct else Path(os.path.realpath(given))
+    tmp = None if direct else target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        if direct:
+            with open(target, "wb") as f:
+                f.write(raw)
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as err:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise XtrainError(f"{name} '{path}' cannot be written ({err.strerror or err})") from None
+
+
+def check_writable(path, name: str) -> None:
+    """Fail before the work, not after it, where write_atomic(path, ..., name) could not write: a folder,
+    a folder path through a file, a folder without write permission. Leaves nothing behind but the
+    folders it had to make."""
+    given = Path(path)
+    if given.is_dir():
+        raise XtrainError(f"{name} '{path}' is a folder, not a file")
+    if written_in_place(given):
+        if not os.access(given, os.W_OK):
+            raise XtrainError(f"{name} '{path}' cannot be written (Permission denied)")
+        return
+    target = Path(os.path.realpath(given))  # through symlinks: the file a link names is the one replaced
+    if any(parent.exists() and not parent.is_dir() for parent in target.parents):
+        raise XtrainError(f"{name} '{path}' cannot be written (a part of its folder is a file)")
+    probe = target.with_name(f".{target.name}.probe{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise XtrainError(f"{name} '{path}' cannot be written ({err.strerror})") from None
