@@ -10,6 +10,8 @@ out the transient ones (an op's temporaries, the gradients of activations, alloc
 refused by it cannot have fit, and a run it passes may still run short.
 """
 
+import resource
+import sys
 from dataclasses import dataclass
 
 from .config import GPTConfig
@@ -154,3 +156,10 @@ def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) 
     who = f"its {len(needs)} ranks need" if len(needs) > 1 else "it needs"
     raise XtrainError(f"not enough memory for this run: {who} at least {gib(total)} and {where} has {gib(available)} "
                       f"available ({detail}); {remedy}")
+
+
+def peak_rss_bytes() -> int:
+    """The most memory this process has held at once so far (its peak resident set): what the machine
+    really gave the run's ranks of this process, to set beside the lower bound."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -222,6 +223,10 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "param_sha256": outcomes[0][1],  # every rank of the job, in rank order
         "optimizer_state_bytes": [r.optimizer_state_bytes for r in results],
         **ddp.report_fields(cfg, results),
+        # memory: what rank 0 holds at least, by part (memory.py), and what this process took at its peak
+        "memory": {"rank0_bytes_at_least": asdict(memory.rank_memories(model_config(cfg.model, corpus.vocab_size),
+                                                                          cfg, act_itemsize(cfg))[0]),
+                   "peak_rss_bytes": memory.peak_rss_bytes()},
         **({"profile": profile_of(lead, cfg.profile_step)} if cfg.profile_step else {}),
     }
 
@@ -281,12 +286,16 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     return engine, corpus, devices, cfg, fingerprint
 
 
+def act_itemsize(cfg: TrainConfig) -> int:
+    """Bytes of an activation: bf16 on a GPU is 2, float32 and numpy's bf16 emulation (in float32) 4."""
+    return 2 if cfg.backend == "cuda" and cfg.dtype == "bf16" else 4
+
+
 def check_memory(cfg: TrainConfig, config, ranks_on_node: int, devices: list) -> None:
     """Refuse a run whose ranks cannot fit in the memory they share (memory.py): on the CPU, this machine's
     for all the job's ranks on it; on GPUs, each GPU's for the ranks placed on it. The job's smallest
     per-rank figures are used, so whichever ranks are here, the bound holds."""
-    itemsize = 2 if cfg.backend == "cuda" and cfg.dtype == "bf16" else 4  # numpy emulates bf16 in float32
-    needs = sorted(memory.rank_memories(config, cfg, itemsize), key=lambda n: (n.persistent, n.activations))
+    needs = sorted(memory.rank_memories(config, cfg, act_itemsize(cfg)), key=lambda n: (n.persistent, n.activations))
     if cfg.backend != "cuda":
         memory.check_fits(needs[:ranks_on_node], memory.host_available_bytes(), "this machine", cfg)
         return
@@ -357,7 +366,8 @@ def _main(argv: list[str]) -> int:
         print(profile_table(report["profile"]))
     val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
     print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
-          f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s"
+          f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s, "
+          f"peak RSS {memory.gib(report['memory']['peak_rss_bytes'])}"
           + (f", report {cfg.report}" if cfg.report else ""))
     return 0
 
