@@ -178,3 +178,29 @@ def test_the_report_sets_the_bound_beside_what_the_run_took(tmp_path):
     assert figures["rank0_bytes_at_least"]["activations"] > 0.9 * bound
     assert bound <= peak <= 1.5 * bound + (256 << 20), (bound, peak)
     assert run.stdout.splitlines()[-1].endswith(f", peak RSS {memory.gib(peak)}, report {report}")
+
+
+def test_ranks_that_fit_only_one_at_a_time_get_a_note_and_run(corpus, monkeypatch):
+    """Between the two figures (all the state and one rank's activations; every rank's activations at once)
+    the run goes ahead, saying it may run out of memory."""
+    from xtrain_dist import train_ddp
+
+    cfg = TrainConfig(steps=1, batch=4, seq=32, world_size=2, eval_batches=0).resolved()
+    figures = memory.rank_memories(model_config("tiny", corpus.vocab_size), cfg, 4)
+    least, overlapping = memory.least_bytes(figures), sum(n.persistent + n.activations for n in figures)
+    assert least < overlapping
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: least)
+    lines = []
+    report = train_ddp.train(cfg, corpus, log=lines.append)
+    assert len(report["losses"]) == 1
+    assert lines[0] == (f"note: the 2 ranks on this machine need at least {memory.gib(least)}, and "
+                        f"{memory.gib(overlapping)} when their steps overlap, as they usually do; this machine has "
+                        f"{memory.gib(least)} available, so the run may run out of memory: lower BATCH, SEQ or "
+                        "--world-size, or raise --grad-accum, or use --zero 1 or --attention flash")
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: overlapping)
+    lines.clear()
+    train_ddp.train(cfg, corpus, log=lines.append)
+    assert not any(line.startswith("note:") for line in lines), lines
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: least - 1)
+    with pytest.raises(XtrainError, match="^not enough memory for this run: its 2 ranks need at least "):
+        train_ddp.train(cfg, corpus, log=lines.append)

@@ -135,27 +135,35 @@ def host_available_bytes() -> int | None:
     return min(figures) if figures else None
 
 
-def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) -> None:
+def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) -> str | None:
     """XtrainError when the ranks in `needs`, which share one memory (this machine's, or one GPU's),
-    cannot fit in `available` bytes of it; nothing when they may, or when `available` is unknown."""
-    total = least_bytes(needs)
-    if available is None or total <= available:
-        return
-    top = max(needs, key=lambda n: n.persistent)
-    state = f"{gib(top.parameters)} of parameters, {gib(top.gradients)} of gradients and {gib(top.optimizer)} " \
-            "of AdamW state"
-    acts = f"{gib(max(n.activations for n in needs))} of activations kept for backward"
-    if len(needs) == 1:
-        detail = f"{state}, and {acts}"
-    else:
-        detail = f"a rank holds up to {state}, and one rank at a time at least {acts}"
+    cannot fit in `available` bytes of it. When they fit only if their steps do not overlap, a note to
+    print; None when they fit either way, or when `available` is unknown."""
+    if available is None:
+        return None
+    least = least_bytes(needs)
     options = ["--zero 1"] if not cfg.zero else []
     options += ["--attention flash"] if cfg.attention == "standard" else []
     remedy = "lower BATCH, SEQ or --world-size, or raise --grad-accum" + \
         (f", or use {' or '.join(options)}" if options else "")
-    who = f"its {len(needs)} ranks need" if len(needs) > 1 else "it needs"
-    raise XtrainError(f"not enough memory for this run: {who} at least {gib(total)} and {where} has {gib(available)} "
-                      f"available ({detail}); {remedy}")
+    if least > available:
+        top = max(needs, key=lambda n: n.persistent)
+        state = f"{gib(top.parameters)} of parameters, {gib(top.gradients)} of gradients and " \
+                f"{gib(top.optimizer)} of AdamW state"
+        acts = f"{gib(max(n.activations for n in needs))} of activations kept for backward"
+        if len(needs) == 1:
+            detail = f"{state}, and {acts}"
+        else:
+            detail = f"a rank holds up to {state}, and one rank at a time at least {acts}"
+        who = f"its {len(needs)} ranks need" if len(needs) > 1 else "it needs"
+        raise XtrainError(f"not enough memory for this run: {who} at least {gib(least)} and {where} has "
+                          f"{gib(available)} available ({detail}); {remedy}")
+    overlapping = sum(n.persistent + n.activations for n in needs)
+    if overlapping > available:
+        return (f"note: the {len(needs)} ranks on {where} need at least {gib(least)}, and {gib(overlapping)} when "
+                f"their steps overlap, as they usually do; {where} has {gib(available)} available, so the run "
+                f"may run out of memory: {remedy}")
+    return None
 
 
 def peak_rss_bytes() -> int:

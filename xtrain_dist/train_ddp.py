@@ -275,7 +275,10 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if cfg.profile_step and not first <= cfg.profile_step <= cfg.steps:
         raise XtrainError(f"--profile-step {cfg.profile_step} is not a step of this run (it runs steps {first} "
                           f"to {cfg.steps})")
-    check_memory(cfg, model_config(cfg.model, corpus.vocab_size), local_world * launch.local_processes, devices)
+    for note in check_memory(cfg, model_config(cfg.model, corpus.vocab_size), local_world * launch.local_processes,
+                             devices):
+        if launch.local_rank == 0:  # one process a machine says it
+            log(note)
     warn_oversubscribed(cfg, local_world * launch.local_processes, log)
     if launch.process_rank == 0:
         where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
@@ -291,17 +294,19 @@ def act_itemsize(cfg: TrainConfig) -> int:
     return 2 if cfg.backend == "cuda" and cfg.dtype == "bf16" else 4
 
 
-def check_memory(cfg: TrainConfig, config, ranks_on_node: int, devices: list) -> None:
+def check_memory(cfg: TrainConfig, config, ranks_on_node: int, devices: list) -> list[str]:
     """Refuse a run whose ranks cannot fit in the memory they share (memory.py): on the CPU, this machine's
     for all the job's ranks on it; on GPUs, each GPU's for the ranks placed on it. The job's smallest
-    per-rank figures are used, so whichever ranks are here, the bound holds."""
+    per-rank figures are used, so whichever ranks are here, the bound holds. Returns the notes for runs
+    that fit only if their ranks' steps do not overlap."""
     needs = sorted(memory.rank_memories(config, cfg, act_itemsize(cfg)), key=lambda n: (n.persistent, n.activations))
     if cfg.backend != "cuda":
-        memory.check_fits(needs[:ranks_on_node], memory.host_available_bytes(), "this machine", cfg)
-        return
+        note = memory.check_fits(needs[:ranks_on_node], memory.host_available_bytes(), "this machine", cfg)
+        return [note] if note else []
     from .backend.cuda_ops import device_free_bytes
-    for device in sorted(set(devices)):
-        memory.check_fits(needs[:devices.count(device)], device_free_bytes(device), f"GPU {device}", cfg)
+    notes = [memory.check_fits(needs[:devices.count(device)], device_free_bytes(device), f"GPU {device}", cfg)
+             for device in sorted(set(devices))]
+    return [note for note in notes if note]
 
 
 def warn_oversubscribed(cfg: TrainConfig, ranks_on_node: int, log) -> None:
