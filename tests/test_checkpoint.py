@@ -24,6 +24,7 @@ from xtrain_dist.evaluate import Evaluator
 from xtrain_dist.launch import RankFailed, run_thread_ranks
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
+from xtrain_dist.safetensors_io import read_safetensors, write_safetensors
 from xtrain_dist.train_ddp import train
 
 
@@ -462,17 +463,30 @@ def test_the_command_line_says_it_in_one_line(saved, tmp_path):
         [f"train_ddp: error: checkpoint '{folder}' is corrupt: config.json does not match its sha256 in manifest.json"]
 
 
+def rehash(folder: Path, name: str) -> None:
+    """Vouch for the edited file `name` in the manifest: a file that passes the integrity check but is
+    wrong inside (a bug in another writer, a hand edit)."""
+    path, manifest_path = folder / name, folder / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][name] = {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    manifest_path.write_text(json.dumps(manifest))
+
+
 def rewrite_state(folder: Path, change) -> None:
-    """Edit trainer_state.json and re-hash it in the manifest: a state that passes the integrity check
-    but is wrong inside (a bug in another writer, a hand edit)."""
-    state_path, manifest_path = folder / "trainer_state.json", folder / "manifest.json"
+    state_path = folder / "trainer_state.json"
     state = json.loads(state_path.read_text())
     change(state)
     state_path.write_text(json.dumps(state))
-    manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["trainer_state.json"] = {"bytes": state_path.stat().st_size,
-                                               "sha256": hashlib.sha256(state_path.read_bytes()).hexdigest()}
-    manifest_path.write_text(json.dumps(manifest))
+    rehash(folder, "trainer_state.json")
+
+
+def rewrite_tensors(folder: Path, name: str, change) -> None:
+    tensors, meta = read_safetensors(folder / name)
+    tensors = {k: np.array(v) for k, v in tensors.items()}
+    change(tensors, meta)
+    with open(folder / name, "wb") as f:
+        write_safetensors(f, tensors, meta)
+    rehash(folder, name)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -488,9 +502,31 @@ def test_a_rehashed_but_wrong_trainer_state_is_refused_before_training(corpus, s
     assert resume_error(corpus, folder) == f"checkpoint '{folder}' {message}"
 
 
+def _nudge_first_bias(tensors, meta):
+    tensors["transformer.h.0.attn.c_attn.bias"][0] += 1e-3
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("model.safetensors", _nudge_first_bias, "is corrupt: its parameters do not hash to the saved param_sha256"),
+    ("model.safetensors", lambda t, m: t.pop("transformer.wpe.weight"),
+     "is corrupt: model.safetensors has no tensor 'transformer.wpe.weight'"),
+    ("optimizer.safetensors", lambda t, m: m.update(start="32"),
+     "is corrupt: optimizer.safetensors does not continue the optimizer state at element 0"),
+    ("optimizer.safetensors", lambda t, m: t.update(m=t["m"][:-64], v=t["v"][:-64]),
+     "is corrupt: the optimizer files cover flat[0:{short}], the model has {used} elements"),
+])
+def test_rehashed_but_wrong_tensors_are_refused_before_training(corpus, saved, tmp_path, name, change, message):
+    """What the ranks would load is checked in _prepare: the same one line as any bad input (exit 2 on the
+    command line), not a rank failing after the run has started."""
+    folder = copy_of(saved, tmp_path)
+    rewrite_tensors(folder, name, change)
+    used = checkpoint.layout_size(model_config("tiny", corpus.vocab_size))
+    assert resume_error(corpus, folder) == f"checkpoint '{folder}' " + message.format(short=used - 64, used=used)
+
+
 def test_the_rank_threads_of_a_process_read_the_checkpoint_once(corpus, saved, monkeypatch):
-    """Resuming 2 rank threads reads and verifies the model and optimizer files once, not once per rank,
-    and every rank still resumes exactly."""
+    """Resuming 2 rank threads reads and verifies the checkpoint once in all, not once per rank nor again
+    after check_resume, and every rank still resumes exactly."""
     reads = []
     real_open = checkpoint.open_checkpoint
 
@@ -500,6 +536,6 @@ def test_the_rank_threads_of_a_process_read_the_checkpoint_once(corpus, saved, m
 
     monkeypatch.setattr(checkpoint, "open_checkpoint", counting_open)
     resumed = run(corpus, 5, world=2, resume=saved[0])
-    assert [r for r in reads if checkpoint.MODEL in r] == [(checkpoint.MODEL, checkpoint.STATE, "optimizer*")]
+    assert reads == [(checkpoint.MODEL, checkpoint.STATE, "optimizer*")]  # check_resume's read serves the ranks
     full = run(corpus, 5, world=2)
     assert resumed["losses"] == full["losses"][3:] and resumed["param_sha256"] == full["param_sha256"]

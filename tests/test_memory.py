@@ -202,5 +202,5 @@ def test_ranks_that_fit_only_one_at_a_time_get_a_note_and_run(corpus, monkeypatc
     train_ddp.train(cfg, corpus, log=lines.append)
     assert not any(line.startswith("note:") for line in lines), lines
     monkeypatch.setattr(memory, "host_available_bytes", lambda: least - 1)
-    with pytest.raises(XtrainError, match="^not enough memory for this run: its 2 ranks need at least "):
+    with pytest.raises(XtrainError, match=r"^not enough memory for this run: its 2 ranks need at least "):
         train_ddp.train(cfg, corpus, log=lines.append)

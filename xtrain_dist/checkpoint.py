@@ -72,6 +72,20 @@ def sha256_of(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
+def params_sha256(tensors: dict[str, np.ndarray], config: GPTConfig) -> str:
+    """sha256_of the flat float32 buffer that `tensors` fill (zeros between them, up to layout_size), fed
+    to the hash tensor by tensor: the digest a model holding them has, without building the buffer."""
+    digest = hashlib.sha256()
+    specs, used = param_layout(config)
+    end = 0
+    for s in sorted(specs, key=lambda spec: spec.offset):
+        digest.update(bytes(4 * (s.offset - end)))
+        digest.update(np.ascontiguousarray(tensors[s.name], dtype="<f4"))
+        end = s.offset + s.size
+    digest.update(bytes(4 * (used - end)))
+    return digest.hexdigest()
+
+
 def layout_size(config: GPTConfig) -> int:
     """Elements of the flat buffer that hold parameters: the rest (ZeRO's padding) is always zero."""
     return param_layout(config)[1]
@@ -396,11 +410,10 @@ class Checkpoint:
         except Exception as err:  # the Rust side raises a bare Exception
             raise self._corrupt(f"{TOKENIZER} is not a tokenizers JSON file ({str(err).splitlines()[0]})") from None
 
-    def optimizer_state(self, lo: int, hi: int, used: int) -> dict:
-        """An optimizer state for flat[lo:hi], assembled from the saved file or shards, whatever the
-        sharding they were saved under. Past `used` the flat buffer is padding: m and v are zero there."""
+    def _optimizer_pieces(self, used: int):
+        """(start, m, v) of every saved optimizer file in order, checked to continue one another from element 0
+        and to cover the model's `used` elements."""
         info = self.state["optimizer"]
-        m, v = np.zeros(hi - lo, dtype=np.float32), np.zeros(hi - lo, dtype=np.float32)
         covered = 0
         for name in info["files"]:
             tensors, meta = self.tensors(name)
@@ -411,14 +424,30 @@ class Checkpoint:
                 raise self._corrupt(f"{name} is not an optimizer state (no m, v, start, step_count)") from None
             if start != covered or shard_m.shape != shard_v.shape or step_count != info["step_count"]:
                 raise self._corrupt(f"{name} does not continue the optimizer state at element {covered}")
-            end = start + shard_m.size
-            a, b = max(lo, start), min(hi, end)
-            if a < b:
-                m[a - lo: b - lo], v[a - lo: b - lo] = shard_m[a - start: b - start], shard_v[a - start: b - start]
-            covered = end
+            yield start, shard_m, shard_v
+            covered = start + shard_m.size
         if covered < used:
             raise self._corrupt(f"the optimizer files cover flat[0:{covered}], the model has {used} elements")
-        return {"step_count": info["step_count"], "start": lo, "m": m, "v": v}
+
+    def optimizer_state(self, lo: int, hi: int, used: int) -> dict:
+        """An optimizer state for flat[lo:hi], assembled from the saved file or shards, whatever the
+        sharding they were saved under. Past `used` the flat buffer is padding: m and v are zero there."""
+        m, v = np.zeros(hi - lo, dtype=np.float32), np.zeros(hi - lo, dtype=np.float32)
+        for start, shard_m, shard_v in self._optimizer_pieces(used):
+            a, b = max(lo, start), min(hi, start + shard_m.size)
+            if a < b:
+                m[a - lo: b - lo], v[a - lo: b - lo] = shard_m[a - start: b - start], shard_v[a - start: b - start]
+        return {"step_count": self.state["optimizer"]["step_count"], "start": lo, "m": m, "v": v}
+
+    def check_contents(self, config: GPTConfig) -> None:
+        """What restore() will load, checked on the host before any rank starts: the model's tensors by
+        name, shape and dtype, their digest against param_sha256, and the optimizer files' coverage. The
+        manifest vouches only for the bytes; this catches a file that another writer (or a hand edit that
+        re-hashed the manifest) got wrong inside."""
+        if params_sha256(self.model_state(config), config) != self.state["param_sha256"]:
+            raise self._corrupt("its parameters do not hash to the saved param_sha256")
+        for _ in self._optimizer_pieces(layout_size(config)):
+            pass
 
 
 def open_checkpoint(path, read=(MODEL, CONFIG, TOKENIZER, STATE)) -> Checkpoint:
@@ -500,10 +529,11 @@ def _describe(model: dict) -> str:
             f"context {model['n_ctx']}, vocabulary {model['vocab_size']})")
 
 
-def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str]]:
-    """Can this run continue the checkpoint cfg.resume? Returns (its step, notes for the log), or
-    raises XtrainError naming what does not fit."""
-    ckpt = open_checkpoint(cfg.resume, read=(STATE,))
+def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
+    """Can this run continue the checkpoint cfg.resume? Returns (its step, notes for the log, the verified
+    checkpoint with the bytes restore() loads: a SharedRestore of it reads nothing again), or raises
+    XtrainError naming what does not fit."""
+    ckpt = open_checkpoint(cfg.resume, read=(MODEL, STATE, "optimizer*"))
     state, where = ckpt.state, f"checkpoint '{cfg.resume}'"
     notes = [ckpt.note] if ckpt.note else []
     model = {"preset": cfg.model, **asdict(model_config(cfg.model, corpus.vocab_size))}
@@ -523,6 +553,7 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str]]:
         BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed).load_state(state["sampler"])
     except XtrainError as err:
         raise XtrainError(f"{where} is corrupt: {err}") from None
+    ckpt.check_contents(model_config(cfg.model, corpus.vocab_size))
     step = state["step"]
     if cfg.steps <= step:
         raise XtrainError(f"{where} is already at step {step}: STEPS ({cfg.steps}) must be larger to train on")
@@ -539,7 +570,7 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str]]:
         notes.append(f"resume: the checkpoint was written by {state['world_size']} rank(s), this run has "
                      f"{cfg.world_size}: the state resumes exactly, but gradient sums now round in another "
                      "order, so losses follow the original world size to float rounding, not bitwise")
-    return step, notes
+    return step, notes, ckpt
 
 
 class SharedRestore:
@@ -549,10 +580,10 @@ class SharedRestore:
     their bytes, not one per rank (8 ranks of gpt2-774m would otherwise hold 8 x 9 GB); the last rank
     to finish lets the bytes go."""
 
-    def __init__(self, path, ranks: int):
+    def __init__(self, path, ranks: int, opened: Checkpoint | None = None):
         self.path, self._ranks_left = path, ranks
         self._lock = threading.Lock()
-        self._ckpt: Checkpoint | None = None
+        self._ckpt: Checkpoint | None = opened  # check_resume's read, when the caller has it
 
     def checkpoint(self) -> Checkpoint:
         with self._lock:

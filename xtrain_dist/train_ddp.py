@@ -167,7 +167,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     launch = launch or detect_launch()
     local_world = local_world_for(launch, cfg.world_size)
     try:
-        engine, corpus, devices, cfg, fingerprint = _prepare(cfg, corpus, launch, local_world, log)
+        engine, corpus, devices, cfg, fingerprint, resume_from = _prepare(cfg, corpus, launch, local_world, log)
     except Exception as err:
         # this process cannot start: tell the others now, or they wait for it until --rdzv-timeout
         reason = str(err) if isinstance(err, XtrainError) else f"{type(err).__name__}: {err}"
@@ -179,7 +179,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
                        fingerprint=fingerprint, devices=None if cfg.backend != "cuda" else devices,
                        log=lambda line: print(f"{PROG}: {line}", file=sys.stderr))
 
-    shared_resume = checkpoint.SharedRestore(cfg.resume, local_world) if cfg.resume else None
+    # the checkpoint _prepare verified, bytes and all: the ranks restore from it without reading it again
+    shared_resume = checkpoint.SharedRestore(cfg.resume, local_world, opened=resume_from) if cfg.resume else None
 
     def rank_fn(local, comm):
         result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log, resume=shared_resume)
@@ -240,7 +241,8 @@ def profile_of(lead, step: int) -> dict:
 
 def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log):
     """Everything a process checks and loads before it meets the others: (engine, corpus, devices, cfg,
-    config fingerprint), or one XtrainError naming what is wrong."""
+    config fingerprint, the verified checkpoint to resume from or None), or one XtrainError naming what
+    is wrong."""
     gpus = 0
     if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
         from .backend.cuda_ops import device_count
@@ -265,9 +267,9 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if cfg.report and launch.process_rank == 0:
         files.check_writable(cfg.report, "--report")
     cfg = evaluate.check(cfg, corpus, log)
-    first = 1
+    first, resume_from = 1, None
     if cfg.resume:
-        step, notes = checkpoint.check_resume(cfg, corpus)
+        step, notes, resume_from = checkpoint.check_resume(cfg, corpus)
         first = step + 1
         if launch.process_rank == 0:
             for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
@@ -286,7 +288,7 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}, "
             f"{cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
     fingerprint = config_fingerprint({k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS})
-    return engine, corpus, devices, cfg, fingerprint
+    return engine, corpus, devices, cfg, fingerprint, resume_from
 
 
 def act_itemsize(cfg: TrainConfig) -> int:
