@@ -83,3 +83,13 @@ def test_train_tokenizer_replaces_the_file_a_symlink_names(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert link.is_symlink() and target.read_text().startswith("{")
+
+
+def test_a_path_through_a_file_is_one_line_even_without_the_check(tmp_path):
+    """write_atomic on its own (the token cache calls it without check_writable): a folder part that is a
+    file fails the mkdir, and the clean-up of a temporary that never was must not raise in its turn."""
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "sub" / "x.json"
+    with pytest.raises(XtrainError) as info:
+        files.write_atomic(out, "{}", "--report")
+    assert str(info.value) == f"--report '{out}' cannot be written (Not a directory)"

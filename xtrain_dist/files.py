@@ -1,5 +1,6 @@
 """Output files appear whole or not at all: the one way every command here writes a file it produces."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -35,8 +36,9 @@ def write_atomic(path, data: bytes | str, name: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except OSError as err:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        if tmp is not None:  # there may be none to remove, or no folder to remove it from
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         raise XtrainError(f"{name} '{path}' cannot be written ({err.strerror or err})") from None
 
 
