@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import itertools
 import os
 import re
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from xtrain_dist import files
 from xtrain_dist.errors import XtrainError
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
@@ -112,19 +113,12 @@ def _load_cached(path: Path, dtype: type[np.unsignedinteger]) -> np.ndarray | No
 
 
 def _save_cached(path: Path, ids: np.ndarray) -> None:
-    """Write `ids` so that a concurrent reader sees the whole file or none; give up quietly on error."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "wb") as file:
-            np.savez(file, ids=ids, sha256=_ids_digest(ids))
-        os.replace(temp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
+    """Write `ids` so that a concurrent reader sees the whole file or none (files.write_atomic); a cache
+    that cannot be written only makes the next load encode afresh, so the failure is ignored."""
+    encoded = io.BytesIO()
+    np.savez(encoded, ids=ids, sha256=_ids_digest(ids))
+    with contextlib.suppress(XtrainError):
+        files.write_atomic(path, encoded.getvalue(), "token cache")
 
 
 @dataclass(eq=False)

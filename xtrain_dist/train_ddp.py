@@ -149,11 +149,15 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
         check_flash_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_threads_per_rank(ranks_on_node: int) -> int:
     """Share the cores among the rank threads of every process of the job on this node: BLAS threads
     beyond that only spin."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // ranks_on_node)
+    return max(1, available_cores() // ranks_on_node)
 
 
 # what every process of a run must agree on; paths and addresses may differ from node to node
@@ -315,7 +319,7 @@ def warn_oversubscribed(cfg: TrainConfig, ranks_on_node: int, log) -> None:
     """--cpu-threads asking for more BLAS threads than the cores is allowed (the user may know the machine
     better than its affinity mask), but said: OpenBLAS threads past the cores spin against each other, and
     a step on a 2-core machine ran 12x slower with 8 threads than with 2."""
-    cores = cpu_threads_per_rank(1)
+    cores = available_cores()
     if cfg.backend == "numpy" and cfg.cpu_threads and cfg.cpu_threads * ranks_on_node > cores:
         log(f"note: --cpu-threads {cfg.cpu_threads} x {ranks_on_node} rank(s) on this machine is "
             f"{cfg.cpu_threads * ranks_on_node} BLAS threads on {cores} cores: threads beyond the cores slow "
