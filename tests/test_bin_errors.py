@@ -66,6 +66,9 @@ def test_plot_metrics_names_what_it_cannot_use(tmp_path):
     assert error("plot_metrics", good, "-o", tmp_path) == f"--out '{tmp_path}' is a folder: name the .png file to write"
     wrong = tmp_path / "p.foo"
     assert error("plot_metrics", good, "-o", wrong) == f"--out '{wrong}' must name a .png file"
+    inside_a_file = good / "p.png"  # written through files.write_atomic: one line, and no temporary left
+    assert error("plot_metrics", good, "-o", inside_a_file) == \
+        f"--out '{inside_a_file}' cannot be written (a part of its folder is a file)"
     # without matplotlib (a stand-in package that fails to import, ahead of the real one on the path)
     (tmp_path / "stub" / "matplotlib").mkdir(parents=True)
     (tmp_path / "stub" / "matplotlib" / "__init__.py").write_text("raise ImportError('stand-in')\n")

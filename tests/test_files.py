@@ -92,4 +92,4 @@ def test_a_path_through_a_file_is_one_line_even_without_the_check(tmp_path):
     out = tmp_path / "a-file" / "sub" / "x.json"
     with pytest.raises(XtrainError) as info:
         files.write_atomic(out, "{}", "--report")
-    assert str(info.value) == f"--report '{out}' cannot be written (Not a directory)"
+    assert str(info.value) == f"--report '{out}' cannot be written (a part of its folder is a file)"

@@ -39,7 +39,14 @@ def write_atomic(path, data: bytes | str, name: str) -> None:
         if tmp is not None:  # there may be none to remove, or no folder to remove it from
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        raise XtrainError(f"{name} '{path}' cannot be written ({err.strerror or err})") from None
+        why = "a part of its folder is a file" if _through_a_file(target) else (err.strerror or err)
+        raise XtrainError(f"{name} '{path}' cannot be written ({why})") from None
+
+
+def _through_a_file(target: Path) -> bool:
+    """Whether a folder on the way to `target` is a file: mkdir's own words for it (File exists, Not a
+    directory) depend on which part it is, and name neither."""
+    return any(parent.exists() and not parent.is_dir() for parent in target.parents)
 
 
 def check_writable(path, name: str) -> None:
@@ -54,7 +61,7 @@ def check_writable(path, name: str) -> None:
             raise XtrainError(f"{name} '{path}' cannot be written (Permission denied)")
         return
     target = Path(os.path.realpath(given))  # through symlinks: the file a link names is the one replaced
-    if any(parent.exists() and not parent.is_dir() for parent in target.parents):
+    if _through_a_file(target):
         raise XtrainError(f"{name} '{path}' cannot be written (a part of its folder is a file)")
     probe = target.with_name(f".{target.name}.probe{os.getpid()}")
     try:
