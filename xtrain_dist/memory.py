@@ -10,6 +10,7 @@ out the transient ones (an op's temporaries, the gradients of activations, alloc
 refused by it cannot have fit, and a run it passes may still run short.
 """
 
+import math
 import resource
 import sys
 from dataclasses import dataclass
@@ -47,13 +48,6 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str) -> list
     arrays += [("x", (B, T, C), "act"), ("lnf", (B, T, C), "act"), ("lnf_mean", (B, T), "f32"),
                ("lnf_rstd", (B, T), "f32"), ("dlogits", (B, T, V), "act")]
     return arrays
-
-
-def _count(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclass
@@ -95,7 +89,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
 
     def saved_bytes(rows: int) -> int:
         if rows not in activations:
-            activations[rows] = sum(_count(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
+            activations[rows] = sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
                                     for _, shape, kind in saved_activations(config, rows, cfg.seq, cfg.attention))
         return activations[rows]
 
