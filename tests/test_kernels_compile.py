@@ -8,8 +8,13 @@ passing one says little about the other.
 
 The NVRTC tests need `cuda-bindings` (the Python binding) and `nvidia-cuda-nvrtc` (libnvrtc), both
 from PyPI, no GPU or driver; the bf16 variant also needs the CUDA runtime headers (a toolkit, or the
-`nvidia-cuda-runtime` wheel), found the way CuPy finds them (cuda.pathfinder). Each part skips when
-its tool is missing.
+`nvidia-cuda-runtime` wheel), found by cuda.pathfinder. The last compile goes through CuPy itself
+(its include options, its NVRTC call), so the headers are the ones CuPy would use on a GPU machine with
+the same packages. Each part skips when its tool is missing; the [test] extra installs them all, with
+the CUDA headers as pip wheels, the layout a `pip install 'xtrain-dist[cuda]'` gives.
+
+Then how cuda_ops loads them: a file is compiled when one of its kernels is first used, and a missing
+CUDA header is one line naming the package to install.
 """
 
 import re
@@ -18,10 +23,12 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from xtrain_dist.backend import cuda_ops
+from xtrain_dist.errors import XtrainError
 from xtrain_dist.precision import DTYPES
 
 KERNEL_DIR = cuda_ops.KERNEL_DIR
@@ -173,3 +180,100 @@ def test_every_kernel_compiles_with_nvrtc_as_cupy_does(dtype):
     failures = [f"{file} {arch} {' '.join(options)}:\n{log}" for file, arch, options, ok, log in results
                 if not ok or log]
     assert not failures, "\n\n".join(failures)
+
+
+# ---------------------------------------------------------------------------------------- CuPy's own pipeline
+
+def _real_cupy():
+    """CuPy itself (not the simulator's stand-in), or a skip."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    if getattr(cupy, "cudasim", False):
+        pytest.skip("the CPU simulator stands in for CuPy in this process")
+    return cupy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_compiles_through_cupys_own_nvrtc_pipeline(dtype, monkeypatch):
+    """What RawModule.get_function does on a GPU, run by CuPy's own code up to the cubin: its include
+    options (its headers, CCCL, and the CUDA headers beside the libnvrtc it loads: on a pip install,
+    site-packages/nvidia/cu13/include), -ftz=true, then compile_using_nvrtc's -arch=sm_XX and
+    --device-as-default-execution-space. The device it would ask for the architecture is replaced by
+    sm_80 and sm_90. This is how a pip install without the CUDA crt headers was found to fail the bf16
+    flash-attention file (crt/mma.h), which the toolkit-header compile above could not show."""
+    _real_cupy()
+    from cupy._core import core
+    from cupy.cuda import compiler
+
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
+    try:
+        options = (*core.assemble_cupy_compiler_options(cuda_ops.nvrtc_options(dtype)), "-ftz=true")
+    except Exception as e:  # no CUDA headers or NVRTC where CuPy looks
+        pytest.skip(f"CuPy cannot assemble its NVRTC options here: {e}")
+
+    def compile_one(job):
+        file, arch = job
+        try:
+            binary, _ = compiler.compile_using_nvrtc(cuda_ops.kernel_source(file), options=options, arch=arch[3:],
+                                                     filename=f"{file}.cu", cache_in_memory=True)
+        except Exception as e:
+            return f"{file} {arch}: {type(e).__name__}: {e}"
+        return None if binary else f"{file} {arch}: empty cubin"
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        failures = [f for f in pool.map(compile_one, [(f, a) for f in cuda_ops.KERNELS for a in ARCHS]) if f]
+    assert not failures, "\n\n".join(failures)
+
+
+class _RecordingModule:
+    """A stand-in for cupy.RawModule that records compiles and can fail like NVRTC."""
+    made: ClassVar[list] = []
+    fail_with: ClassVar[str | None] = None
+
+    def __init__(self, code, options):
+        self.file = re.search(r'#line 1 "(\w+)\.cu"', code).group(1)
+        _RecordingModule.made.append((self.file, options))
+
+    def get_function(self, name):
+        if _RecordingModule.fail_with:
+            raise RuntimeError(_RecordingModule.fail_with)
+        return (self.file, name)
+
+
+@pytest.fixture
+def recording_cupy(monkeypatch):
+    from types import SimpleNamespace
+
+    _RecordingModule.made, _RecordingModule.fail_with = [], None
+    monkeypatch.setattr(cuda_ops, "cupy", SimpleNamespace(RawModule=_RecordingModule))
+    monkeypatch.setattr(cuda_ops, "_modules", {})
+    return _RecordingModule
+
+
+def test_kernels_compile_a_file_when_one_of_its_kernels_is_first_used(recording_cupy):
+    """A backend compiles only the files it launches (a run without --attention flash never compiles
+    flash_attention.cu), each once per process and dtype, shared by every rank's table."""
+    rank0, rank1 = cuda_ops.Kernels("bf16"), cuda_ops.Kernels("bf16")
+    assert recording_cupy.made == []
+    assert rank0.gelu_forward == ("gelu", "gelu_forward")
+    assert rank1.gelu_backward == ("gelu", "gelu_backward")
+    assert rank0.gelu_forward == ("gelu", "gelu_forward")
+    assert recording_cupy.made == [("gelu", cuda_ops.nvrtc_options("bf16"))]
+    assert cuda_ops.Kernels("fp32").gelu_forward == ("gelu", "gelu_forward")
+    assert recording_cupy.made[1] == ("gelu", cuda_ops.nvrtc_options("fp32"))
+    with pytest.raises(AttributeError):
+        rank0.no_such_kernel  # noqa: B018
+
+
+def test_missing_crt_headers_are_one_line_naming_the_fix(recording_cupy):
+    """NVRTC's error for the header a pip CUDA install may lack becomes one line with the remedy; any
+    other compile error is a bug in a kernel and is raised as it is."""
+    recording_cupy.fail_with = ('site-packages/nvidia/cu13/include/mma.h(55): catastrophic error: cannot open '
+                                'source file "crt/mma.h"\n  #include "crt/mma.h"\n')
+    with pytest.raises(XtrainError) as e:
+        cuda_ops.Kernels("bf16").flash_attention_forward  # noqa: B018
+    assert str(e.value) == ("kernels/flash_attention.cu does not compile: the CUDA headers CuPy uses lack "
+                            "crt/mma.h; pip install 'cuda-toolkit[crt]==13.*' (the nvidia-cuda-crt wheel, of the "
+                            "nvidia-cuda-runtime version installed)")
+    recording_cupy.fail_with = "gelu.cu(12): error: identifier \"x\" is undefined"
+    with pytest.raises(RuntimeError, match="is undefined"):
+        cuda_ops.Kernels("fp32").gelu_forward  # noqa: B018

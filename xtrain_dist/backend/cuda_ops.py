@@ -11,8 +11,9 @@ gradient views they are given (layernorm_backward into dinp too); fused_classifi
 logits with dlogits. No op reads a device value on the host: there is no `.get()`, no float() of a
 device array and no branch on one, so the host only queues work and never waits inside an op.
 
-Kernels. Each kernels/<op>.cu is compiled by NVRTC through cupy.RawModule, once per process and
-device (CuPy also keeps compiled modules in its on-disk cache, keyed by the source text and options).
+Kernels. Each kernels/<op>.cu is compiled by NVRTC through cupy.RawModule when one of its kernels is
+first launched, once per process and device (`Kernels`; CuPy also keeps compiled modules in its on-disk
+cache, keyed by the source text and options).
 `kernel_source` pastes kernels/common.cuh into the text in place of its #include, so a change to the
 header changes the cache key; `#line` directives keep compiler messages pointing at the real files.
 tests/test_kernels_compile.py compiles the same text with the same options under NVRTC, and the
@@ -43,7 +44,6 @@ import os
 import re
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -126,21 +126,45 @@ def nvrtc_options(dtype: str = "fp32") -> tuple[str, ...]:
 
 _modules: dict[tuple[str, str], object] = {}
 _modules_lock = threading.Lock()
+FILE_OF = {kernel: file for file, names in KERNELS.items() for kernel in names}
+
+# The one header a pip-installed CUDA may lack: flash_attention.cu's tensor-core fragments come from
+# <mma.h>, which includes crt/mma.h. The nvidia-cuda-runtime wheel ships mma.h but not crt/ (that is the
+# nvidia-cuda-crt wheel, which CuPy's [ctk] extra does not pull in), and CuPy compiles against the
+# headers beside the libnvrtc it loads.
+_MISSING_CRT = re.compile(r'cannot open source file "(crt/[^"]+)"')
 
 
-def _load_kernels(dtype: str) -> SimpleNamespace:
-    """Every kernel of every file, compiled for the current device (cached per process and device)."""
-    kernels = SimpleNamespace()
-    # One lock for all ranks: the first thread compiles (or loads CuPy's disk cache) while the others
-    # wait, instead of several threads compiling the same source at once.
-    with _modules_lock:
-        for file, names in KERNELS.items():
-            key = (file, dtype)
+class Kernels:
+    """The kernels of one --dtype variant, each kernels/<file>.cu compiled on first use of one of its
+    kernels (once per process, shared by every rank). So a run compiles only the files it launches:
+    one without --attention flash never compiles flash_attention.cu, and a machine without the headers
+    that file needs trains everything else."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
+    def __getattr__(self, kernel: str):
+        if kernel not in FILE_OF:
+            raise AttributeError(kernel)
+        file = FILE_OF[kernel]
+        key = (file, self.dtype)
+        # One lock for all ranks: the first thread compiles (or loads CuPy's disk cache) while the others
+        # wait, instead of several threads compiling the same source at once.
+        with _modules_lock:
             if key not in _modules:
-                _modules[key] = cupy.RawModule(code=kernel_source(file), options=nvrtc_options(dtype))
-            for kernel in names:
-                setattr(kernels, kernel, _modules[key].get_function(kernel))
-    return kernels
+                _modules[key] = cupy.RawModule(code=kernel_source(file), options=nvrtc_options(self.dtype))
+            try:
+                function = _modules[key].get_function(kernel)  # CuPy compiles the module here
+            except Exception as e:
+                missing = _MISSING_CRT.search(str(e))
+                if missing is None:
+                    raise
+                raise XtrainError(f"kernels/{file}.cu does not compile: the CUDA headers CuPy uses lack "
+                                  f"{missing.group(1)}; pip install 'cuda-toolkit[crt]==13.*' (the "
+                                  f"nvidia-cuda-crt wheel, of the nvidia-cuda-runtime version installed)") from None
+        setattr(self, kernel, function)  # found as an attribute from now on: __getattr__ is not called again
+        return function
 
 
 # ---------------------------------------------------------------------------- launch geometry
@@ -259,7 +283,7 @@ class CudaBackend:
         self._cuda_type = {np.dtype(np.float32): cupy.cuda.runtime.CUDA_R_32F, np.dtype(np.uint16): CUDA_R_16BF}
         self.dtype = dtype
         self.act_dtype = ACT_DTYPES[dtype]
-        self._k = _load_kernels(dtype)
+        self._k = Kernels(dtype)
         self._side_streams: set[int] = set()
         self._keep_alive: list = []
         self._vec_x = 16 // self.act_dtype.itemsize  # elements of floatX per 16 bytes: 4 (fp32) or 8 (bf16)
