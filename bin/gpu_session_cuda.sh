@@ -2,8 +2,8 @@
 # Everything the CUDA backend needs a GPU for, fp32 and bf16, in ONE device call; results land in $OUT
 # for bench/results/.
 #
-# Device call: command "bash bin/gpu_session_cuda.sh", timeout_s 600 (no wheels to carry: the image
-# has CuPy and torch). The benchmark is a separate call: "python3 bin/bench_gpu --out $OUT ..." (see
+# Device call: command "bash bin/gpu_session_cuda.sh", carry [".whl"], timeout_s 600 (the image has CuPy
+# and torch; .whl/crt/ holds the CUDA crt headers its pip CUDA may lack, see ensure_crt_headers). The benchmark is a separate call: "python3 bin/bench_gpu --out $OUT ..." (see
 # bin/bench_gpu's docstring; torch.compile makes the full sweep longer than one call).
 #
 # What it does, each step recorded even when an earlier one failed, most important first:
@@ -47,6 +47,7 @@ step() {
 
 . bin/gpu_session_common.sh
 require_gpu
+ensure_crt_headers
 
 {
   echo "## device"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -54,6 +55,7 @@ require_gpu
   echo "## versions"
   $PY -m pip list 2>/dev/null | grep -i -E "^(cupy|cupy-cuda13x|cuda-core|cuda-bindings|numpy|torch|tokenizers) " || true
   nvcc --version 2>/dev/null | tail -1
+  echo "## CUDA crt headers (flash attention)"; cat "$OUT/crt.txt"
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
