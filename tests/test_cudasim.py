@@ -12,6 +12,7 @@ runs (train_ddp --backend cuda, bench_gpu, kernel_errors, bench_collectives --co
 summary) are dry-run, so none of them meets a GPU for the first time in its session.
 """
 
+import inspect
 import json
 import os
 import re
@@ -588,3 +589,94 @@ def test_bench_collectives_over_nccl_on_two_simulated_gpus(tmp_path):
     rows = json.loads((tmp_path / "collectives.json").read_text())["rows"]
     assert sorted({(r["op"], r["world"], r["bytes"]) for r in rows}) == sorted(
         (op, 2, size) for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast") for size in (4096, 65536))
+
+
+# ---------------------------------------------------------------------------------------- against CuPy itself
+
+def _documented_parameters(function) -> list[str]:
+    """A Cython function's parameter names, from the signature line CuPy embeds in its docstring."""
+    return _parameter_names(function.__doc__.splitlines()[0])
+
+
+def _parameter_names(signature: str) -> list[str]:
+    inside = signature[signature.index("(") + 1:signature.rindex(")")]
+    return [p.split("=")[0].split()[-1] for p in inside.split(",") if p.strip() and p.strip() != "self"]
+
+
+def _parameters(function) -> list[str]:
+    return [p for p in inspect.signature(function).parameters if p != "self"]
+
+
+def _real_cupy():
+    real = pytest.importorskip("cupy", reason="CuPy is not installed")
+    if getattr(real, "cudasim", False):
+        pytest.skip("the simulator already stands in for CuPy in this process")
+    return real
+
+
+def _install_stand_in(monkeypatch):
+    """The simulator's stand-in for CuPy and its cuBLAS binding, in sys.modules for this test only."""
+    for name in ("cupy", "cupy.cuda", "cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs",
+                 "cupy_backends.cuda.libs.cublas"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name))  # put back (or removed) after the test
+    return sim.install(), sys.modules["cupy_backends.cuda.libs.cublas"]
+
+
+def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch):
+    """What the simulator puts in place of CuPy, held to CuPy itself where it is installed (the [test]
+    extra installs it; it imports without a GPU): every name the stand-in defines exists there, every
+    constant has CuPy's value (the stand-in interprets them), and every function takes CuPy's parameters in
+    CuPy's order, cuBLAS's read from the signatures compiled into CuPy's binding (loading the binding needs
+    libcublas, a 444 MB wheel; the next test does that where it is installed). So code that runs on the
+    simulator calls nothing that the real library lacks or orders otherwise."""
+    import importlib.util
+
+    from xtrain_dist.backend import cuda_ops
+
+    real = _real_cupy()
+    binding = Path(importlib.util.find_spec("cupy_backends.cuda.libs.cublas").origin).read_bytes()
+    fake, fake_cublas = _install_stand_in(monkeypatch)
+    for name in ("ndarray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "asarray", "array",
+                 "argsort", "concatenate", "matmul", "RawModule", "get_default_memory_pool"):
+        assert hasattr(real, name), name
+    assert "kind" in inspect.signature(real.argsort).parameters  # cuda_ops sorts token ids with kind="stable"
+
+    for name, value in vars(fake_cublas).items():
+        if callable(value) and not name.startswith("_") and not isinstance(value, type):
+            signature = re.search(rb"\b" + name.encode() + rb"\(intptr_t handle[^)]*\)", binding)
+            assert signature, name
+            assert _parameters(value) == _parameter_names(signature.group(0).decode()), name
+
+    for name, value in vars(fake.cuda.runtime).items():
+        real_value = getattr(real.cuda.runtime, name)
+        if name.startswith("CUDA_R_"):
+            assert real_value == value, name
+        elif callable(value) and not isinstance(value, type):
+            assert _parameters(value) == _documented_parameters(real_value), name
+    assert real.cuda.runtime.CUDA_R_16BF == cuda_ops.CUDA_R_16BF
+
+    for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "set_allocator"):
+        assert hasattr(real.cuda, name), name
+    assert hasattr(real.cuda.device, "get_cublas_handle")
+    assert _parameters(fake.cuda.Event.__init__) == _documented_parameters(real.cuda.Event.__init__)
+    real_stream = _documented_parameters(real.cuda.Stream.__init__)
+    assert set(_parameters(fake.cuda.Stream.__init__)) <= set(real_stream), real_stream
+    for method in ("use", "synchronize", "wait_event", "record"):
+        assert hasattr(real.cuda.Stream, method), method
+    for method in ("record", "synchronize", "done"):
+        assert hasattr(real.cuda.Event, method), method
+
+
+def test_the_stand_in_cublas_constants_are_cupys(monkeypatch):
+    """The cuBLAS enum values the stand-in interprets (a wrong CUBLAS_OP_T would transpose on the simulator
+    and not on the GPU) against CuPy's binding, where libcublas is installed (a GPU machine)."""
+    _real_cupy()
+    try:
+        from cupy_backends.cuda.libs import cublas as real_cublas
+    except ImportError as e:
+        pytest.skip(f"CuPy's cuBLAS binding does not load here: {e}")
+    _, fake_cublas = _install_stand_in(monkeypatch)
+    constants = {name: value for name, value in vars(fake_cublas).items() if name.startswith("CUBLAS_")}
+    assert constants
+    for name, value in constants.items():
+        assert getattr(real_cublas, name) == value, name

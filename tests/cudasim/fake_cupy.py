@@ -416,7 +416,7 @@ class Stream(streams.Clocked):
     """A stream: which thread uses it, and its clock in streams.py. `non_blocking=False` (CuPy's default)
     is a blocking stream, ordered with the legacy null stream both ways."""
 
-    def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None):
+    def __init__(self, null: bool = False, non_blocking: bool = False):
         super().__init__(0 if null else next(_stream_ids), blocking=null or not non_blocking)
 
     def use(self):
@@ -803,7 +803,7 @@ def install() -> types.ModuleType:
     runtime = types.SimpleNamespace(
         getDeviceCount=device_count, CUDARuntimeError=CUDARuntimeError, CUDA_R_32F=CUDA_R_32F,
         memsetAsync=_memset_async, memcpyAsync=_memcpy_async, deviceSynchronize=_device_synchronize,
-        getDeviceProperties=lambda d: {"name": b"cudasim (CPU)", "totalGlobalMem": 0, "major": 9, "minor": 0,
+        getDeviceProperties=lambda device: {"name": b"cudasim (CPU)", "totalGlobalMem": 0, "major": 9, "minor": 0,
                                        "multiProcessorCount": 1},
         driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0, memGetInfo=_mem_get_info)
     cuda.runtime = runtime
