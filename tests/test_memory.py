@@ -167,7 +167,9 @@ def test_more_blas_threads_than_cores_is_said_once(tmp_path):
 def test_the_report_sets_the_bound_beside_what_the_run_took(tmp_path):
     """A run whose activations dominate (mini, 32 x 256: about 0.5 GiB of them): the process's peak RSS is
     above the bound, as a lower bound must be, and not far above it (Python, numpy and the corpus take
-    about 0.1 GiB before any array of the run), so the bound counts what matters."""
+    about 0.1 GiB before any array of the run), so the bound counts what matters. The peak is the
+    kernel's count of the process's pages, not only of its arrays: 0.77 GiB on every run by hand on the
+    2-core development machine, once 1.07 GiB inside a full test run there, hence a margin of 2x."""
     report = tmp_path / "r.json"
     run = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "1", "32", "256", "--model", "mini",
                           "--eval-batches", "0", "--report", str(report)], cwd=ROOT, capture_output=True, text=True,
@@ -176,7 +178,7 @@ def test_the_report_sets_the_bound_beside_what_the_run_took(tmp_path):
     figures = json.loads(report.read_text())["memory"]
     bound, peak = sum(figures["rank0_bytes_at_least"].values()), figures["peak_rss_bytes"]
     assert figures["rank0_bytes_at_least"]["activations"] > 0.9 * bound
-    assert bound <= peak <= 1.5 * bound + (256 << 20), (bound, peak)
+    assert bound <= peak <= 2 * bound + (256 << 20), (bound, peak)
     assert run.stdout.splitlines()[-1].endswith(f", peak RSS {memory.gib(peak)}, report {report}")
 
 
