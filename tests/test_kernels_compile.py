@@ -17,6 +17,7 @@ Then how cuda_ops loads them: a file is compiled when one of its kernels is firs
 CUDA header is one line naming the package to install.
 """
 
+import io
 import re
 import shutil
 import subprocess
@@ -159,7 +160,9 @@ def _nvrtc_compile(nvrtc, file: str, options: tuple[str, ...]) -> tuple[bool, st
 def test_every_kernel_compiles_with_nvrtc_as_cupy_does(dtype):
     """What CudaBackend(dtype=...) loads: cuda_ops' source text and options for that dtype, plus what
     CuPy's RawModule appends (-ftz=true, --device-as-default-execution-space, -arch=sm_XX for a cubin,
-    the CUDA include path), with NVRTC's warnings-as-errors on top."""
+    the CUDA include path). Any warning fails it: NVRTC prints nothing for a clean compile. (NVRTC 13.0,
+    the GPU image's, has no warnings-as-errors option: -Werror=all-warnings came later, and 13.0 refuses
+    every kernel with "unrecognized option".)"""
     nvrtc = _nvrtc()
     include = _cuda_include()
     if dtype == "bf16" and include is None:
@@ -170,7 +173,7 @@ def test_every_kernel_compiles_with_nvrtc_as_cupy_does(dtype):
     def compile_one(job):
         file, arch = job
         options = (cuda_ops.nvrtc_options(dtype) + cuda_ops.CUPY_ADDED_OPTIONS
-                   + (f"-arch={arch}", "-Werror=all-warnings", *extra))
+                   + (f"-arch={arch}", *extra))
         ok, log = _nvrtc_compile(nvrtc, file, options)
         return file, arch, options, ok, log
 
@@ -212,11 +215,14 @@ def test_every_kernel_compiles_through_cupys_own_nvrtc_pipeline(dtype, monkeypat
 
     def compile_one(job):
         file, arch = job
+        log = io.StringIO()
         try:
             binary, _ = compiler.compile_using_nvrtc(cuda_ops.kernel_source(file), options=options, arch=arch[3:],
-                                                     filename=f"{file}.cu", cache_in_memory=True)
+                                                     filename=f"{file}.cu", log_stream=log, cache_in_memory=True)
         except Exception as e:
             return f"{file} {arch}: {type(e).__name__}: {e}"
+        if log.getvalue().strip():  # a warning fails it too
+            return f"{file} {arch}: {log.getvalue()}"
         return None if binary else f"{file} {arch}: empty cubin"
 
     with ThreadPoolExecutor(WORKERS) as pool:
