@@ -121,3 +121,5 @@ def test_bench_gpu_writes_the_profile_of_our_step(rng):
     text = bench_gpu.markdown(header, [row])
     assert "### Where our step's time goes: tiny, 2 x 16, fp32" in text
     assert "| matmul_backward | 9 |" in text and "| adamw_update | 1 |" in text
+    # the memory column compares what each allocator holds from the driver, and says so
+    assert "| loss (1st) | peak GiB held |" in text and "torch.cuda.max_memory_reserved for PyTorch" in text
