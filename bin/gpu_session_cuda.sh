@@ -3,8 +3,9 @@
 # for bench/results/.
 #
 # Device call: command "bash bin/gpu_session_cuda.sh", carry [".whl"], timeout_s 600 (the image has CuPy
-# and torch; .whl/crt/ holds the CUDA crt headers its pip CUDA may lack, see ensure_crt_headers). The benchmark is a separate call: "python3 bin/bench_gpu --out $OUT ..." (see
-# bin/bench_gpu's docstring; torch.compile makes the full sweep longer than one call).
+# and torch; .whl/crt/ holds the CUDA crt headers its pip CUDA may lack, see ensure_crt_headers). The
+# benchmark is a separate call: "python3 bin/bench_gpu --out $OUT ..." (see bin/bench_gpu's docstring;
+# torch.compile makes the full sweep longer than one call).
 #
 # What it does, each step recorded even when an earlier one failed, most important first:
 #   1. device, driver, versions; the CPU (numpy) loss curves start in the background

@@ -90,6 +90,16 @@ def rng():
     return np.random.default_rng(seed)
 
 
+@pytest.fixture
+def real_cupy():
+    """CuPy itself, for the tests that hold our code or the simulator's stand-in to it: a skip where it is
+    not installed, or where the simulator stands in for it in this process."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    if getattr(cupy, "cudasim", False):
+        pytest.skip("the CPU simulator stands in for CuPy in this process")
+    return cupy
+
+
 @pytest.fixture(scope="module")
 def poisoned_device_memory(be):
     """While a GPU test module runs (after its `be` fixture has bound the device), every device

@@ -607,13 +607,6 @@ def _parameters(function) -> list[str]:
     return [p for p in inspect.signature(function).parameters if p != "self"]
 
 
-def _real_cupy():
-    real = pytest.importorskip("cupy", reason="CuPy is not installed")
-    if getattr(real, "cudasim", False):
-        pytest.skip("the simulator already stands in for CuPy in this process")
-    return real
-
-
 def _install_stand_in(monkeypatch):
     """The simulator's stand-in for CuPy and its cuBLAS binding, in sys.modules for this test only."""
     for name in ("cupy", "cupy.cuda", "cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs",
@@ -622,7 +615,7 @@ def _install_stand_in(monkeypatch):
     return sim.install(), sys.modules["cupy_backends.cuda.libs.cublas"]
 
 
-def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch):
+def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch, real_cupy):
     """What the simulator puts in place of CuPy, held to CuPy itself where it is installed (the [test]
     extra installs it; it imports without a GPU): every name the stand-in defines exists there, every
     constant has CuPy's value (the stand-in interprets them), and every function takes CuPy's parameters in
@@ -633,7 +626,7 @@ def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch):
 
     from xtrain_dist.backend import cuda_ops
 
-    real = _real_cupy()
+    real = real_cupy
     binding = Path(importlib.util.find_spec("cupy_backends.cuda.libs.cublas").origin).read_bytes()
     fake, fake_cublas = _install_stand_in(monkeypatch)
     for name in ("ndarray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "asarray", "array",
@@ -667,10 +660,9 @@ def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch):
         assert hasattr(real.cuda.Event, method), method
 
 
-def test_the_stand_in_cublas_constants_are_cupys(monkeypatch):
+def test_the_stand_in_cublas_constants_are_cupys(monkeypatch, real_cupy):
     """The cuBLAS enum values the stand-in interprets (a wrong CUBLAS_OP_T would transpose on the simulator
     and not on the GPU) against CuPy's binding, where libcublas is installed (a GPU machine)."""
-    _real_cupy()
     try:
         from cupy_backends.cuda.libs import cublas as real_cublas
     except ImportError as e:

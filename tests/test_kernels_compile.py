@@ -187,23 +187,14 @@ def test_every_kernel_compiles_with_nvrtc_as_cupy_does(dtype):
 
 # ---------------------------------------------------------------------------------------- CuPy's own pipeline
 
-def _real_cupy():
-    """CuPy itself (not the simulator's stand-in), or a skip."""
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
-    if getattr(cupy, "cudasim", False):
-        pytest.skip("the CPU simulator stands in for CuPy in this process")
-    return cupy
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_kernel_compiles_through_cupys_own_nvrtc_pipeline(dtype, monkeypatch):
+def test_every_kernel_compiles_through_cupys_own_nvrtc_pipeline(dtype, monkeypatch, real_cupy):
     """What RawModule.get_function does on a GPU, run by CuPy's own code up to the cubin: its include
     options (its headers, CCCL, and the CUDA headers beside the libnvrtc it loads: on a pip install,
     site-packages/nvidia/cu13/include), -ftz=true, then compile_using_nvrtc's -arch=sm_XX and
     --device-as-default-execution-space. The device it would ask for the architecture is replaced by
     sm_80 and sm_90. This is how a pip install without the CUDA crt headers was found to fail the bf16
     flash-attention file (crt/mma.h), which the toolkit-header compile above could not show."""
-    _real_cupy()
     from cupy._core import core
     from cupy.cuda import compiler
 
