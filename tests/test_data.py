@@ -296,15 +296,24 @@ def test_the_shipped_corpus_is_1_to_5_mb_of_clean_text():
     assert "\r" not in text and "gutenberg" not in text.lower()
 
 
-def test_the_shipped_tokenizer_is_byte_level_bpe_with_4096_ids_and_round_trips_a_passage():
+def test_the_shipped_tokenizer_is_byte_level_bpe_with_4096_ids_and_round_trips_a_passage(monkeypatch):
+    monkeypatch.setattr(data, "_ENCODE_GROUP", 7)  # the passage's ~400 paragraphs go in many groups
     tokenizer = Tokenizer.from_file(str(DEFAULT_TOKENIZER))
     assert tokenizer.get_vocab_size(with_added_tokens=True) == 4096
     assert tokenizer.token_to_id("<|endoftext|>") == 4095
     text = DEFAULT_CORPUS.read_text(encoding="utf-8")
     passage = text[len(text) // 2 : len(text) // 2 + 50_000]
-    ids = data._encode_text(tokenizer, passage)
+    batch_sizes = []
+
+    class CountingTokenizer:
+        def encode_batch(self, texts, **options):
+            batch_sizes.append(len(texts))
+            return tokenizer.encode_batch(texts, **options)
+
+    ids = data._encode_text(CountingTokenizer(), passage)
+    assert max(batch_sizes) == 7 and len(batch_sizes) > 50, batch_sizes
     assert tokenizer.decode(ids.tolist(), skip_special_tokens=False) == passage
-    # Encoding paragraph by paragraph must give exactly the ids of one encode of the whole passage.
+    # Encoding paragraph by paragraph, a group at a time, must give exactly the ids of one encode of the whole passage.
     assert ids.tolist() == tokenizer.encode(passage, add_special_tokens=False).ids
     # Bytes outside the corpus's ASCII still round-trip: that is what the 256 byte symbols are for.
     odd = "Ægir’s naïve café — 東京 🎭 <|endoftext|>"
