@@ -507,6 +507,29 @@ def test_the_command_line_trains_on_the_gpu():
     assert len(losses) == 40 and np.mean(losses[-5:]) < losses[0] - 0.5
 
 
+@pytest.mark.real_gpu
+def test_the_preflight_bound_is_below_what_the_gpu_held(tmp_path):
+    """mini at 16 x 256, activations most of it: CuPy's pool holds at least the memory check's bound (which
+    leaves out temporaries, so it must be below) and not over twice it plus 256 MiB (so it counts what
+    matters). The host's peak RSS is held to the same bounds on the CPU (test_memory)."""
+    import json
+    import subprocess
+    import sys
+
+    from xtrain_dist import memory
+
+    report = tmp_path / "r.json"
+    out = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "16", "256", "--backend", "cuda",
+                          "--model", "mini", "--eval-batches", "0", "--report", str(report)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(report.read_text())["memory"]
+    bound = sum(figures["rank0_bytes_at_least"].values())
+    [held] = figures["gpu_pool_bytes"].values()
+    assert bound <= held <= 2 * bound + (256 << 20), (bound, held)
+    assert out.stdout.splitlines()[-1].endswith(f", GPU memory held {memory.gib(held)}, report {report}")
+
+
 @pytest.mark.training
 @pytest.mark.parametrize("options", [
     {"grad_sync": "flat"}, {"grad_sync": "per-param"}, {"grad_sync": "bucketed", "bucket_mb": 0.05},

@@ -476,6 +476,26 @@ def test_the_command_line_trains_on_cuda_like_numpy():
     np.testing.assert_allclose(got, want, rtol=1e-3)
 
 
+def test_the_report_says_what_the_gpu_held_and_the_preflight_bound_is_below_it(tmp_path):
+    """Two virtual ranks on GPU 0: the report's gpu_pool_bytes (what CuPy's pool held: the simulator's pool
+    keeps the high-water mark of live arrays, as CuPy's keeps its freed blocks) is at least the memory
+    check's bound for them (both ranks' state, one rank's activations) and below twice their state and
+    activations together; the last line says it."""
+    from xtrain_dist import memory
+
+    report = tmp_path / "r.json"
+    run = subprocess.run([*RUN, "-m", "xtrain_dist.train_ddp", "2", "8", "64", "--model", "tiny", "--world-size",
+                          "2", "--eval-batches", "0", "--backend", "cuda", "--report", str(report)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    figures = json.loads(report.read_text())["memory"]
+    rank = memory.RankMemory(**figures["rank0_bytes_at_least"])  # the two ranks get 4 sequences each
+    [held] = figures["gpu_pool_bytes"].values()
+    assert list(figures["gpu_pool_bytes"]) == ["0"]
+    assert memory.least_bytes([rank, rank]) <= held <= 2 * 2 * (rank.persistent + rank.activations), (rank, held)
+    assert run.stdout.splitlines()[-1].endswith(f", GPU memory held {memory.gib(held)}, report {report}")
+
+
 def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
     """The pre-flight memory check on --backend cuda reads each GPU's free memory (cudaMemGetInfo; the
     simulator's is XTRAIN_CUDASIM_MEMORY) and counts the virtual ranks sharing it: 10 MiB holds one tiny

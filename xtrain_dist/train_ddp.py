@@ -231,9 +231,18 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         # memory: what rank 0 holds at least, by part (memory.py), and what this process took at its peak
         "memory": {"rank0_bytes_at_least": asdict(memory.rank_memories(model_config(cfg.model, corpus.vocab_size),
                                                                           cfg, act_itemsize(cfg))[0]),
-                   "peak_rss_bytes": memory.peak_rss_bytes()},
+                   "peak_rss_bytes": memory.peak_rss_bytes(), **gpu_memory(cfg, devices)},
         **({"profile": profile_of(lead, cfg.profile_step)} if cfg.profile_step else {}),
     }
+
+
+def gpu_memory(cfg: TrainConfig, devices: list) -> dict:
+    """On GPUs, what CuPy's pool held on each of this process's GPUs at the end of the run (cuda_ops.pool_bytes),
+    keyed by device; the ranks sharing a GPU share its pool."""
+    if cfg.backend != "cuda":
+        return {}
+    from .backend.cuda_ops import pool_bytes
+    return {"gpu_pool_bytes": {str(device): pool_bytes(device) for device in sorted(set(devices))}}
 
 
 def profile_of(lead, step: int) -> dict:
@@ -376,9 +385,11 @@ def _main(argv: list[str]) -> int:
     if cfg.profile_step:
         print(profile_table(report["profile"]))
     val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
+    pools = list(report["memory"].get("gpu_pool_bytes", {}).values())
+    gpu = f", GPU memory held {'up to ' if len(pools) > 1 else ''}{memory.gib(max(pools))}" if pools else ""
     print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
           f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s, "
-          f"peak RSS {memory.gib(report['memory']['peak_rss_bytes'])}"
+          f"peak RSS {memory.gib(report['memory']['peak_rss_bytes'])}{gpu}"
           + (f", report {cfg.report}" if cfg.report else ""))
     return 0
 

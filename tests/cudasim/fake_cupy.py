@@ -117,11 +117,18 @@ class _Pointer:
 # root buffer id -> (weak reference to it, offset of the data, bytes of data, address of the data)
 _allocations: dict[int, tuple[weakref.ref, int, int, int]] = {}
 _allocations_lock = threading.RLock()  # re-entrant: a weakref callback (_forget) may run inside a locked block
+# bytes of the arrays alive now, and the most alive at once since the pool last gave its free blocks back:
+# CuPy's pool keeps every freed block for reuse, so what it holds from the driver is that high-water mark
+_live_bytes = 0
+_held_bytes = 0
 
 
 def _forget(key: int) -> None:
+    global _live_bytes
     with _allocations_lock:
         entry = _allocations.pop(key, None)
+        if entry is not None:
+            _live_bytes -= entry[2]
     if entry is not None:
         streams.freed(entry[3])
 
@@ -137,8 +144,11 @@ def _allocate(shape, dtype, fill: int | None = POISON_BYTE) -> ndarray:
         raw[start:start + nbytes] = fill
     key = id(raw)
     address = raw.ctypes.data + start
+    global _live_bytes, _held_bytes
     with _allocations_lock:
         _allocations[key] = (weakref.ref(raw, lambda _: _forget(key)), start, nbytes, address)
+        _live_bytes += nbytes
+        _held_bytes = max(_held_bytes, _live_bytes)
     streams.allocated(address, nbytes, get_current_stream())
     return raw[start:start + nbytes].view(dtype).reshape(shape).view(ndarray)
 
@@ -490,13 +500,15 @@ class _MemoryPool:
         return _allocate(size, np.uint8).data
 
     def free_all_blocks(self):
-        pass
+        global _held_bytes
+        with _allocations_lock:
+            _held_bytes = _live_bytes
 
     def used_bytes(self):
-        return 0
+        return _live_bytes
 
     def total_bytes(self):
-        return 0
+        return _held_bytes
 
 
 _pool = _MemoryPool()

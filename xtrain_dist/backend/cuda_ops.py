@@ -255,6 +255,15 @@ def device_free_bytes(device: int) -> int:
     return int(free)
 
 
+def pool_bytes(device: int) -> int:
+    """Bytes CuPy's memory pool holds on `device` from the driver. The pool keeps every freed block for
+    reuse, so after a run this is the most its arrays held at once, plus the pool's rounding and what its
+    blocks could not be split into: the GPU's peer of the host's peak RSS. cuBLAS's workspace, NCCL's
+    buffers and the CUDA context are outside it."""
+    with cupy.cuda.Device(device):
+        return int(cupy.get_default_memory_pool().total_bytes())
+
+
 class CudaBackend:
     """numpy_ops on one CUDA device, on one stream owned by the calling (rank) thread."""
 
