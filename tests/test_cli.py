@@ -182,3 +182,20 @@ def test_metrics_that_cannot_be_appended_name_the_file(tmp_path):
     with pytest.raises(XtrainError) as info:
         metrics.append(tmp_path, {"step": 1})  # a folder: the open fails as a full disk's write would
     assert str(info.value).startswith(f"cannot append to --metrics '{tmp_path}' (")
+
+
+def test_a_run_that_diverges_stops_with_one_line_and_keeps_the_checkpoint(tmp_path):
+    """--lr 1e30: the first step is finite, the second overflows to nan on every rank. The run stops there,
+    exit 1, with the progress line and one error line (no numpy warnings), and the checkpoint it resumed
+    from, which the run would have saved over, keeps its bytes."""
+    ckpt = tmp_path / "ckpt"
+    assert cli(2, 4, 16, "--world-size", 2, "--save-dir", ckpt).returncode == 0
+    before = {f.name: f.read_bytes() for f in ckpt.iterdir()}
+    out = cli(5, 4, 16, "--world-size", 2, "--lr", "1e30", "--resume", ckpt, "--save-dir", ckpt)
+    assert out.returncode == 1
+    finite, diverged = out.stdout.splitlines()[-2:]
+    assert finite.startswith("step     3/5 | loss 8.") and diverged.startswith("step     4/5 | loss nan |"), out.stdout
+    assert out.stderr.splitlines() == [
+        "train_ddp: error: rank 0 failed: step 4: training diverged (loss nan, gradient norm nan): the parameters "
+        "are no longer finite, so the run stops here and saves nothing; lower --lr"]
+    assert {f.name: f.read_bytes() for f in ckpt.iterdir()} == before

@@ -12,6 +12,7 @@ from .comm.timed import TimedCommunicator
 from .config import TrainConfig, model_config
 from .data import BatchSampler, Corpus
 from .ddp import make_grad_sync
+from .errors import XtrainError
 from .evaluate import Evaluator, is_eval_step
 from .model import GPT2
 from .optim import lr_at, make_optimizer
@@ -62,6 +63,9 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
     return list(zip(np.array_split(ids, k), np.array_split(targets, k), strict=True))
 
 
+# numpy would warn of each overflow in a step that diverges; the finite check in the loop ends such a run
+# with one line instead
+@np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
                log=print, resume=None) -> RankResult:
     """One rank's whole run. `resume`: what to restore from (a checkpoint.SharedRestore that the process's
@@ -113,6 +117,14 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         record = {"step": done, "loss": float(loss_host), "lr": lr, "grad_norm": float(np.sqrt(norm_sq_host)),
                   "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
                   "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
+        if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
+            # both are all-reduced, so every rank stops at this step together, before a save could put
+            # parameters that are no longer numbers over a good checkpoint
+            if rank == 0:
+                log(metrics.progress_line(record, cfg.steps))
+            raise XtrainError(f"step {done}: training diverged (loss {record['loss']}, gradient norm "
+                              f"{record['grad_norm']}): the parameters are no longer finite, so the run "
+                              "stops here and saves nothing; lower --lr")
         if evaluator and is_eval_step(done, cfg):
             record["val_loss"] = evaluator.loss(model, comm)
         result.add(record)
