@@ -17,6 +17,7 @@ SRUN = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "6", "
 
 def test_no_launcher_is_one_process():
     assert detect_launch({"PATH": "/bin"}) == Launch("single")
+    assert detect_launch({"RANK": "0", "WORLD_SIZE": "1"}) == Launch("single")  # a world of one needs no address
 
 
 def test_torchrun():
@@ -61,6 +62,8 @@ def test_torchrun_wins_over_the_slurm_step_it_runs_in():
     ({**TORCHRUN, "RANK": "x"}, "environment variable RANK='x' is not an integer"),
     ({**TORCHRUN, "RANK": "4"}, "torchrun says this is process 4 of 4"),
     ({**TORCHRUN, "MASTER_PORT": "70000"}, "environment variable MASTER_PORT=70000 is not a TCP port (1-65535)"),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "RANK=1 and WORLD_SIZE=2 are set but MASTER_ADDR is not: set MASTER_ADDR (and "
+     "MASTER_PORT) to where process 0 can be reached, or unset RANK and WORLD_SIZE to run as one process"),
     ({k: v for k, v in SRUN.items() if "NODELIST" not in k},
      "srun set SLURM_PROCID but no SLURM_STEP_NODELIST/SLURM_JOB_NODELIST: cannot tell which host is rank 0's"),
 ])

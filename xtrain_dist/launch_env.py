@@ -147,6 +147,11 @@ def detect_launch(env=None) -> Launch:
             "mpirun", process_rank=_int(env, "PMI_RANK"), num_processes=_int(env, "PMI_SIZE"),
             local_rank=_int_or(env, "MPI_LOCALRANKID", 0), local_processes=_int_or(env, "MPI_LOCALNRANKS", 1))
     else:
+        if "RANK" in env and "WORLD_SIZE" in env and env["WORLD_SIZE"].strip() != "1":
+            # half a torchrun-style launch: running alone would train a whole job's batch in every process
+            raise XtrainError(f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are set but MASTER_ADDR is not: "
+                              "set MASTER_ADDR (and MASTER_PORT) to where process 0 can be reached, or unset RANK and "
+                              "WORLD_SIZE to run as one process")
         return Launch("single")
     if not 0 <= launch.process_rank < launch.num_processes:
         raise XtrainError(f"{launch.kind} says this is process {launch.process_rank} of {launch.num_processes}")
