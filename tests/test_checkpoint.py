@@ -403,6 +403,19 @@ def test_save_dir_never_replaces_the_checkpoint_of_another_run(corpus, saved, tm
     assert checkpoint.open_checkpoint(folder).state["step"] == 5
 
 
+def test_a_save_dir_that_is_a_symbolic_link_saves_into_the_folder_it_points_to(corpus, saved, tmp_path):
+    """A save replaces the folder at the path; through a link it must replace the link's target and leave
+    the link in place, run after run (it used to swap the link out for a folder, then fail deleting it)."""
+    target = copy_of(saved, tmp_path)
+    link = tmp_path / "latest"
+    link.symlink_to(target.name)
+    run(corpus, 5, world=2, save_dir=link, resume=link)
+    run(corpus, 6, world=2, save_dir=link, resume=target)
+    assert link.is_symlink() and os.readlink(link) == target.name
+    assert checkpoint.open_checkpoint(target).state["step"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "latest"]  # no .new or .old left beside either
+
+
 # ------------------------------------------------------------------------------- bad checkpoints
 def resume_error(corpus, folder, steps=6, **kw) -> str:
     with pytest.raises(XtrainError) as info:

@@ -92,6 +92,13 @@ def layout_size(config: GPTConfig) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- files
+def _followed(folder) -> Path:
+    """The folder itself where --save-dir is a symbolic link to it: a save renames and deletes what is at
+    the path, and the link must keep pointing at the checkpoint, not be swapped out for a folder."""
+    folder = Path(folder)
+    return Path(os.path.realpath(folder)) if folder.is_symlink() else folder
+
+
 def _siblings(folder: Path) -> tuple[Path, Path]:
     """(.DIR.new, .DIR.old) beside DIR."""
     folder = Path(os.path.abspath(folder))  # "ck/", "." and "a/../ck" have a name too
@@ -135,7 +142,7 @@ def recover(folder) -> str | None:
     """Finish or roll back a save that was cut short; delete its leftovers. Returns what it did, or None.
 
     Only a writer may call this (save does): it renames and deletes."""
-    folder = Path(folder)
+    folder = _followed(folder)
     new, old = _siblings(folder)
     note = None
     if not folder.exists():
@@ -155,7 +162,7 @@ def prepare_save_dir(folder) -> str | None:
     """Before a run, and before each save: finish an interrupted save (returns a line saying so), and
     fail before training, not after it, if DIR cannot take a checkpoint. Never replace a folder that
     is not one."""
-    folder = Path(folder)
+    folder = _followed(folder)
     note = recover(folder)
     if folder.exists() and not folder.is_dir():
         raise XtrainError(f"--save-dir '{folder}' is a file, not a folder")
@@ -180,7 +187,7 @@ def prepare_save_dir(folder) -> str | None:
 def refuse_another_runs_checkpoint(folder, resume) -> None:
     """A run's first save replaces what --save-dir holds. If that is a checkpoint the run did not start
     from, a forgotten --resume would lose it: refuse before training instead."""
-    folder = Path(folder)
+    folder = _followed(folder)
     if not _is_complete(folder) or (resume and Path(resume).exists() and os.path.samefile(resume, folder)):
         return
     try:
@@ -264,7 +271,7 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
 
     Every rank calls it: rank 0 writes the model and the run's state, the optimizer state is written
     by rank 0 or, when it is sharded, by every rank for its shard; all ranks wait until it is in place."""
-    folder = Path(folder)
+    folder = _followed(folder)
     new, _ = _siblings(folder)
     if rank == 0:
         prepare_save_dir(folder)
