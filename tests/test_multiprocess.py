@@ -236,7 +236,7 @@ def test_a_killed_process_ends_its_tcp_peer(victim):
         _, err = survivor.communicate()
         assert survivor.returncode == 1
         assert err.strip().splitlines()[-1].startswith(
-            f"train_ddp: error: rank {1 - victim} failed: CommAborted: all_reduce aborted: the connection to rank "
+            f"train_ddp: error: rank {1 - victim} stopped: all_reduce aborted: the connection to rank "
             f"{victim} broke in all_reduce")
     finally:
         for p in procs:

@@ -25,6 +25,7 @@ from .cli import (
     positive_int,
     run_command,
 )
+from .comm import CommAborted
 from .comm.world import choose_engine, config_fingerprint, open_world, report_failure_before_world
 from .config import PRESETS, TrainConfig, model_config
 from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -372,8 +373,11 @@ def _main(argv: list[str]) -> int:
     try:
         report = train(cfg)
     except RankFailed as e:
-        detail = str(e.error) if isinstance(e.error, XtrainError) else f"{type(e.error).__name__}: {e.error}"
-        print(f"{PROG}: error: rank {e.rank} failed: {detail}", file=sys.stderr)
+        if isinstance(e.error, CommAborted):  # every rank here only saw the abort: the line says whose failure it was
+            print(f"{PROG}: error: rank {e.rank} stopped: {e.error}", file=sys.stderr)
+        else:
+            detail = str(e.error) if isinstance(e.error, XtrainError) else f"{type(e.error).__name__}: {e.error}"
+            print(f"{PROG}: error: rank {e.rank} failed: {detail}", file=sys.stderr)
         if os.environ.get("XTRAIN_TRACEBACK"):
             import traceback
             traceback.print_exception(e.error)
