@@ -518,6 +518,12 @@ def _python_says(action) -> str:
                                   "or config of a run"),
     (lambda s: s["sampler"].update(pcg64="x"),
      f"is corrupt: sampler state is malformed ({_python_says(lambda: 'x'.__getitem__('state'))})"),
+    (lambda s: s["optimizer"].update(files=["../ck/optimizer.safetensors"]),
+     "is corrupt: trainer_state.json names '../ck/optimizer.safetensors' as an optimizer file, which the "
+     "checkpoint does not hold"),
+    (lambda s: s["optimizer"].update(files=[["optimizer.safetensors"]]),
+     "is corrupt: trainer_state.json names ['optimizer.safetensors'] as an optimizer file, which the checkpoint "
+     "does not hold"),
 ])
 def test_a_rehashed_but_wrong_trainer_state_is_refused_before_training(corpus, saved, tmp_path, change, message):
     folder = copy_of(saved, tmp_path)

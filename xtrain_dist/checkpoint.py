@@ -423,6 +423,8 @@ class Checkpoint:
         info = self.state["optimizer"]
         covered = 0
         for name in info["files"]:
+            if not isinstance(name, str) or name not in self.contents:  # "../x", "config.json", 7
+                raise self._corrupt(f"{STATE} names {name!r} as an optimizer file, which the checkpoint does not hold")
             tensors, meta = self.tensors(name)
             try:
                 start, step_count = int(meta["start"]), int(meta["step_count"])
