@@ -255,6 +255,24 @@ def test_the_sample_command_line(trained, tmp_path):
                              f"bytes, its manifest says {size}")
 
 
+def test_a_prompt_that_is_not_utf8_is_one_line(trained):
+    """Bytes that are not UTF-8 reach Python as lone surrogates; the tokenizer raised a TypeError on them."""
+    out = subprocess.run([sys.executable, "-m", "xtrain_dist.sample", str(trained), "--prompt", b"ROMEO\xff"],
+                         capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == "sample: error: --prompt must be UTF-8 text, got 'ROMEO\\udcff'\n"
+
+
+def test_a_reader_that_goes_away_ends_the_sample_quietly(trained):
+    """`sample ... | head -c 1`: the write fails with EPIPE once the reader has closed the pipe; that ends
+    the command with a SIGPIPE-like status and nothing on stderr, not a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain_dist.sample", str(trained), "--tokens", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (141, b"")
+
+
 # ------------------------------------------------------------------------------- plots
 def test_plot_metrics_draws_several_runs_into_a_png(tmp_path):
     for name, scale in (("a", 1.0), ("b", 0.9)):

@@ -1,6 +1,7 @@
 """What the command lines share: a parser whose errors are one line, and the argument types they check."""
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -40,6 +41,8 @@ non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a number 
 positive_float = _checked(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
 # an empty path would read as "not given" and quietly switch the report, checkpoint or metrics off
 non_empty_path = _checked(str, bool, "a path")
+# bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer refuses with a TypeError
+utf8_text = _checked(lambda text: text.encode("utf-8") and text, lambda text: True, "UTF-8 text")
 
 
 def run_command(prog: str, main: Callable[[], int | None]) -> int:
@@ -54,3 +57,7 @@ def run_command(prog: str, main: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `| head` stopped reading: end quietly, as a SIGPIPE'd program does
+        # Python flushes stdout once more at exit: point it at /dev/null so that cannot fail as well
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

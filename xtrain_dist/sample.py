@@ -16,7 +16,7 @@ import numpy as np
 
 from .backend import BACKENDS, get_backend
 from .checkpoint import CONFIG, MODEL, TOKENIZER, open_checkpoint
-from .cli import OneLineParser, non_negative_float, positive_int, run_command
+from .cli import OneLineParser, non_negative_float, positive_int, run_command, utf8_text
 from .errors import XtrainError
 from .model import GPT2
 
@@ -77,7 +77,7 @@ def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: in
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}", description="Print text sampled from a checkpoint.")
     p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (train_ddp --save-dir)")
-    p.add_argument("--prompt", default="", help="text to continue (default: start from <|endoftext|>)")
+    p.add_argument("--prompt", default="", type=utf8_text, help="text to continue (default: start from <|endoftext|>)")
     p.add_argument("--tokens", type=positive_int, default=100, help="tokens to draw (default 100)")
     p.add_argument("--temperature", type=non_negative_float, default=1.0, help="0: always the likeliest token")
     p.add_argument("--top-k", type=positive_int, default=None, help="draw among the K likeliest tokens only")
