@@ -265,19 +265,29 @@ def test_mpi_processes_with_different_command_lines_are_refused():
     out = run([str(MPIRUN), "-n", "1", *command, ":", "-n", "1", *command, "--seed", "8"], timeout=120)
     assert out.returncode != 0
     assert ("train_ddp: error: MPI rank(s) 1 were started with a different configuration than rank 0 "
-            "(another command line?)") in out.stderr
+            "(another command line, or other corpus or tokenizer files?)") in out.stderr
 
 
-def test_tcp_processes_with_different_command_lines_are_refused_at_once():
-    """Both end within seconds, not at --rdzv-timeout (120 s here): rank 0 knows the job cannot start."""
+@pytest.mark.parametrize("differ", ["seed", "corpus"])
+def test_tcp_processes_with_different_command_lines_are_refused_at_once(tmp_path, differ):
+    """Both end within seconds, not at --rdzv-timeout (120 s here): rank 0 knows the job cannot start. A
+    corpus of another content counts, though paths may differ between nodes: here rank 1's is the shipped
+    one cut short, which would have trained on other data."""
     port = free_port()
     base = ["-m", "xtrain_dist.train_ddp", "5", "8", "32", "--rdzv-timeout", "120"]
+    if differ == "seed":
+        other = [*base, "--seed", "8"]
+    else:
+        short = tmp_path / "short.txt"
+        short.write_bytes(Path(DEFAULT_CORPUS).read_bytes()[:1_000_000])
+        other = [*base[:5], DEFAULT_TOKENIZER, str(short), *base[5:]]
     t0 = time.monotonic()
-    procs = [torchrun_style(0, 2, port, base), torchrun_style(1, 2, port, [*base, "--seed", "8"])]
+    procs = [torchrun_style(0, 2, port, base), torchrun_style(1, 2, port, other)]
     (_, err0), (_, err1) = (p.communicate(timeout=100) for p in procs)
     assert time.monotonic() - t0 < 60
     assert [p.returncode for p in procs] == [2, 2]
-    why = "rank 1 was started with a different configuration than rank 0 (another command line?)"
+    why = ("rank 1 was started with a different configuration than rank 0 (another command line, or other "
+           "corpus or tokenizer files?)")
     assert err1.strip().splitlines()[-1] == \
         f"train_ddp: error: rendezvous: rank 0 at 127.0.0.1:{port} refused rank 1: {why}"
     last = err0.strip().splitlines()[-1]

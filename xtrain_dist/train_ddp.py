@@ -301,7 +301,11 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
         log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}, "
             f"{cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
-    fingerprint = config_fingerprint({k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS})
+    # the files' paths may differ from node to node; the token ids read from them may not, or ranks would
+    # train on different data with nothing to say so
+    same_everywhere = {k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS}
+    fingerprint = config_fingerprint({**same_everywhere, "train_tokens": checkpoint.sha256_of(corpus.train),
+                                      "val_tokens": checkpoint.sha256_of(corpus.val)})
     return engine, corpus, devices, cfg, fingerprint, resume_from
 
 

@@ -206,7 +206,7 @@ class RendezvousServer:
                     of_this_job = False  # a stray second connection; the rank itself is here
                 if reason is None and not hmac.compare_digest(msg.fingerprint, self.fingerprint):
                     reason = (f"rank {msg.rank} was started with a different configuration than rank 0 "
-                              "(another command line?)")
+                              "(another command line, or other corpus or tokenizer files?)")
                 if reason is None:
                     peers[msg.rank], nonces[msg.rank] = conn, msg.nonce
                     continue
