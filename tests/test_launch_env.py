@@ -40,6 +40,21 @@ def test_srun_uses_the_step_and_the_first_host_of_the_step():
     assert (explicit.master_addr, explicit.master_port) == ("10.0.0.2", 31000)
 
 
+@pytest.mark.parametrize("per_node, node, tasks", [
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x4)"}, "gpu08", 2),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}, "gpu08", 2),  # the step's nodes: gpu07, gpu08, gpu09, login2
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}, "login2", 1),
+    ({"SLURM_STEP_TASKS_PER_NODE": "1,3,2(x2)"}, "gpu08", 3),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}, "elsewhere", 1),  # this node is not in the list: no guess
+    ({"SLURM_TASKS_PER_NODE": "4(x2)"}, "gpu08", 4),  # the job's counts, where the step's are missing
+    ({"SLURM_NTASKS_PER_NODE": "3"}, "gpu08", 3),
+    ({}, "gpu08", 1),
+])
+def test_srun_counts_the_tasks_sharing_this_node(per_node, node, tasks):
+    """They share its cores: each rank thread gets cores / (threads x tasks on the node) BLAS threads."""
+    assert detect_launch({**SRUN, **per_node, "SLURMD_NODENAME": node}).local_processes == tasks
+
+
 def test_a_batch_script_is_not_an_srun_step():
     """sbatch's script sees SLURM_PROCID=0 and the job's task count, but it is one process."""
     env = {k: v for k, v in SRUN.items() if k not in ("SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS")}

@@ -59,6 +59,28 @@ def _port(env, name: str, default: int) -> int:
     return port
 
 
+def _srun_tasks_on_this_node(env, nodelist: str) -> int:
+    """The tasks of this srun step on this node (their rank threads share its cores). Slurm gives the step's
+    count per node in node-list order, "2(x3),1" for 2 on each of the first three nodes and 1 on the fourth,
+    in SLURM_STEP_TASKS_PER_NODE (SLURM_NTASKS_PER_NODE is set only under --ntasks-per-node); this node is
+    SLURMD_NODENAME in the step's node list. 1 where that cannot be read: a guess that leaves cores idle
+    is better than one that oversubscribes them."""
+    counts = []
+    spec = (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+            or env.get("SLURM_NTASKS_PER_NODE") or "")
+    for part in filter(None, spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if not match:
+            return 1
+        counts += [int(match[1])] * int(match[2] or 1)
+    if counts and len(set(counts)) == 1:
+        return counts[0]
+    try:
+        return counts[expand_nodelist(nodelist).index(env.get("SLURMD_NODENAME", ""))]
+    except (ValueError, IndexError, XtrainError):
+        return 1
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's compressed host list, expanded: "gpu[01-03,7],login1" -> gpu01 gpu02 gpu03 gpu7 login1.
 
@@ -132,8 +154,7 @@ def detect_launch(env=None) -> Launch:
         launch = Launch(
             "srun", process_rank=_int(env, "SLURM_PROCID"), num_processes=_int(env, ntasks),
             local_rank=_int_or(env, "SLURM_LOCALID", 0),
-            # "4" when every node runs as many tasks; "4(x2),3" otherwise, and then we do not guess
-            local_processes=int(per_node) if (per_node := env.get("SLURM_NTASKS_PER_NODE", "1")).isdigit() else 1,
+            local_processes=_srun_tasks_on_this_node(env, nodelist),
             master_addr=env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
             master_port=_port(env, "MASTER_PORT", 20000 + zlib.crc32(job.encode()) % 20000),
             job_id=f"{job}.{env.get('SLURM_STEP_ID', '0')}")
