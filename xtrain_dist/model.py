@@ -10,7 +10,7 @@ then wpe and wte (wte last because the tied classifier adds to its gradient at t
 backward and the embedding at the very end). So the finished gradients always form a prefix
 grads[:ready] that grows as backward runs, and every bucket of an overlapped all-reduce is one
 contiguous slice. Offsets are aligned to ALIGN elements (zero padding between parameters), which
-keeps every view 128-byte aligned for vectorised kernels and cuBLAS.
+keeps every float32 view 128-byte aligned (the bf16 copy's views 64-byte) for vectorised kernels and cuBLAS.
 
 Precision. `params` holds the float32 master weights, which the optimizer updates and checkpoints
 save. Forward and backward read `params_lowp`, the same layout in the backend's activation dtype:
