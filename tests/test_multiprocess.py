@@ -297,25 +297,30 @@ def test_tcp_processes_with_different_command_lines_are_refused_at_once(tmp_path
 
 
 @pytest.mark.parametrize("failing", [0, 1])
-def test_a_process_that_cannot_start_ends_its_tcp_peer_at_once(tmp_path, failing):
-    """A file missing on one node: that process says so and exits 2; the other, told at the rendezvous,
-    ends within seconds with a line naming the failed process, not after --rdzv-timeout (here 120 s)."""
+@pytest.mark.parametrize("cause", ["file", "argument"])
+def test_a_process_that_cannot_start_ends_its_tcp_peer_at_once(tmp_path, failing, cause):
+    """A file missing on one node, or a bad argument: that process says so and exits 2; the other, told at
+    the rendezvous, ends within seconds with a line naming the failed process, not after --rdzv-timeout
+    (here 120 s)."""
     port, missing = free_port(), tmp_path / "nope.txt"
     base = ["-m", "xtrain_dist.train_ddp", "5", "8", "32", "--rdzv-timeout", "120"]
-    bad = [*base[:5], DEFAULT_TOKENIZER, str(missing), *base[5:]]
+    if cause == "file":
+        bad, why = [*base[:5], DEFAULT_TOKENIZER, str(missing), *base[5:]], f"corpus '{missing}' not found"
+    else:
+        bad, why = [*base, "--lr", "abc"], "--lr must be a number >= 0, got 'abc'"
     t0 = time.monotonic()
     procs = [torchrun_style(r, 2, port, bad if r == failing else base) for r in range(2)]
     outs = [p.communicate(timeout=100) for p in procs]
     elapsed = time.monotonic() - t0
     other = 1 - failing
-    assert outs[failing][1].strip().splitlines()[-1] == f"train_ddp: error: corpus '{missing}' not found"
+    assert outs[failing][1].strip().splitlines()[-1] == f"train_ddp: error: {why}"
     assert procs[failing].returncode == 2 and procs[other].returncode == 2
     line = outs[other][1].strip().splitlines()[-1]
     if failing == 1:
-        assert line == f"train_ddp: error: process 1 failed before joining: corpus '{missing}' not found"
+        assert line == f"train_ddp: error: process 1 failed before joining: {why}"
     else:
-        assert line == (f"train_ddp: error: rendezvous: rank 0 at 127.0.0.1:{port} refused rank 1: process 0 failed: "
-                        f"corpus '{missing}' not found")
+        assert line == f"train_ddp: error: rendezvous: rank 0 at 127.0.0.1:{port} refused rank 1: process 0 " \
+                       f"failed: {why}"
     assert elapsed < 60, f"the healthy process waited {elapsed:.0f} s"
 
 

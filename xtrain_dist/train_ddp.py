@@ -5,6 +5,7 @@ step and writes the report. Any problem with the input ends in one line and exit
 that fails ends the run with one line naming the rank and exit status 1.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -373,7 +374,12 @@ def main(argv=None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    cfg = parse_config(argv)
+    try:
+        cfg = parse_config(argv)
+    except XtrainError as err:  # a bad argument on one node: the other processes learn it now, not at their timeout
+        with contextlib.suppress(XtrainError):
+            report_failure_before_world(detect_launch(), str(err))
+        raise
     try:
         report = train(cfg)
     except RankFailed as e:
