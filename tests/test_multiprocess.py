@@ -138,6 +138,9 @@ def test_mpirun_with_two_rank_threads_per_process(tmp_path, reference):
     # the report names every rank's ZeRO-1 shard, the other process's too: together they tile the buffer
     shards = data["zero_shards"]
     assert len(shards) == 4 and shards[0][0] == 0 and all(a[1] == b[0] for a, b in pairwise(shards))
+    # and every rank's byte counts: each holds AdamW's m and v for its own shard
+    assert data["optimizer_state_bytes"] == [2 * 4 * (hi - lo) for lo, hi in shards]
+    assert len(data["param_bytes"]) == len(data["grad_bytes"]) == 4 and len(set(data["grad_bytes"])) == 1
 
 
 def test_torchrun_style_processes_train_over_tcp(tmp_path, reference):

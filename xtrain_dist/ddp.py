@@ -206,7 +206,7 @@ def make_grad_sync(cfg, comm, model, shards=None):
 def report_fields(cfg, results) -> dict:
     """The report's communication and memory fields, from every rank's RankResult.
 
-    comm_s and exposed_comm_s are means over ranks and steps (the first step, which pays for
+    comm_s and exposed_comm_s are means over this process's ranks and steps (the first step, which pays for
     warm-up, left out when there are others)."""
 
     def mean(per_rank_lists) -> float:
@@ -222,8 +222,6 @@ def report_fields(cfg, results) -> dict:
         "comm_s": mean([r.comm_s for r in results]),
         "exposed_comm_s": mean([r.exposed_comm_s for r in results]),
         "comm_calls_per_step": results[0].comm_calls,
-        "param_bytes": [r.param_bytes for r in results],
-        "grad_bytes": [r.grad_bytes for r in results],
         # every rank's shard, also those of other processes: each process cuts the same shards
         "zero_shards": [list(shard) for shard in results[0].zero_shards] if cfg.zero else None,
     }

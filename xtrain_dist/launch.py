@@ -24,7 +24,7 @@ class RankFailed(Exception):
 def run_thread_ranks(world_size: int, rank_fn, timeout_s: float = 300.0, group: LocalGroup | None = None,
                      grace_s: float = 5.0):
     """Run rank_fn(rank, comm) on world_size threads with a LocalGroup communicator; return the results
-    in rank order, or raise RankFailed with the first rank that failed for a reason of its own.
+    in rank order, or raise RankFailed with the lowest rank that failed for a reason of its own.
 
     After a failure the other ranks get grace_s to notice the abort; a rank stuck outside any
     collective (a hung kernel, an endless loop) is then left behind: the threads are daemons, so
@@ -60,7 +60,9 @@ def run_thread_ranks(world_size: int, rank_fn, timeout_s: float = 300.0, group: 
             t.join(5.0)
         raise
     if failures:
-        # the first rank that failed on its own; the others only saw the abort
-        rank, error = next(((r, e) for r, e in failures if not isinstance(e, CommAborted)), failures[0])
+        # the lowest rank that failed on its own (the others only saw the abort): when every rank fails
+        # alike (a run that diverged), the line names the same rank on every run
+        own = sorted(((r, e) for r, e in failures if not isinstance(e, CommAborted)), key=lambda f: f[0])
+        rank, error = own[0] if own else failures[0]
         raise RankFailed(rank, error)
     return results

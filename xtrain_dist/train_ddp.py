@@ -190,7 +190,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
 
     def rank_fn(local, comm):
         result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log, resume=shared_resume)
-        return result, all_param_digests(comm, result.param_sha256, cfg.backend)
+        return result, every_ranks_facts(comm, result, cfg.backend)
 
     t0 = time.perf_counter()
     try:
@@ -227,9 +227,9 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "ms_per_step": ms,
         "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
         "wall_s": wall,
-        "param_sha256": outcomes[0][1],  # every rank of the job, in rank order
-        "optimizer_state_bytes": [r.optimizer_state_bytes for r in results],
         **ddp.report_fields(cfg, results),
+        # every rank of the job, in rank order, also those of other processes
+        **outcomes[0][1],
         # memory: what rank 0 holds at least, by part (memory.py), and what this process took at its peak
         "memory": {"rank0_bytes_at_least": asdict(memory.rank_memories(model_config(cfg.model, corpus.vocab_size),
                                                                           cfg, act_itemsize(cfg))[0]),
@@ -341,18 +341,24 @@ def warn_oversubscribed(cfg: TrainConfig, ranks_on_node: int, log) -> None:
             "the step down, often many times over (leave --cpu-threads out to share the cores)")
 
 
-def all_param_digests(comm, digest_hex: str, backend: str) -> list[str]:
-    """Every rank's parameter digest, gathered through the communicator (so across processes too).
-    Called on the rank's thread: with CUDA, on its device and stream."""
+def every_ranks_facts(comm, result, backend: str) -> dict[str, list]:
+    """Every rank's parameter digest and byte counts, gathered through the communicator, so across
+    processes too: the report lists every rank of the job, not only this process's. Called on the rank's
+    thread: with CUDA, on its device and stream."""
     if backend == "cuda":
         import cupy as xp
     else:
         xp = np
-    mine = xp.asarray(np.frombuffer(bytes.fromhex(digest_hex), np.uint8))
-    everyone = xp.empty(32 * comm.world_size, np.uint8)
-    comm.all_gather(mine, everyone)
+    counts = (result.optimizer_state_bytes, result.param_bytes, result.grad_bytes)
+    mine = bytes.fromhex(result.param_sha256) + np.array(counts, "<i8").tobytes()  # 32 + 3 x 8 bytes
+    everyone = xp.empty(len(mine) * comm.world_size, np.uint8)
+    comm.all_gather(xp.asarray(np.frombuffer(mine, np.uint8)), everyone)
     raw = (everyone.get() if hasattr(everyone, "get") else everyone).tobytes()
-    return [raw[i:i + 32].hex() for i in range(0, len(raw), 32)]
+    records = [raw[i:i + len(mine)] for i in range(0, len(raw), len(mine))]
+    counts = [np.frombuffer(r[32:], "<i8").tolist() for r in records]
+    return {"param_sha256": [r[:32].hex() for r in records],
+            "optimizer_state_bytes": [c[0] for c in counts], "param_bytes": [c[1] for c in counts],
+            "grad_bytes": [c[2] for c in counts]}
 
 
 def profile_table(profile: dict) -> str:
