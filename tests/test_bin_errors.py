@@ -137,6 +137,20 @@ def test_bench_gpu_bad_arguments_cost_no_device_time(args, message):
     assert error("bench_gpu", *args) == message
 
 
+@pytest.mark.parametrize("comm, message", [
+    ("mpi", "--comm mpi measures processes: start 2 of them with a launcher (mpirun -n 2 ..., "
+            "torchrun --nproc_per_node 2 ...)"),
+    ("tcp", "--comm tcp measures processes: start 2 of them with a launcher (mpirun -n 2 ..., "
+            "torchrun --nproc_per_node 2 ...)"),
+    ("nccl", "--backend cuda"),  # no CuPy, or no device: either way said before the header
+])
+def test_bench_collectives_names_a_missing_engine_before_its_header(tmp_path, comm, message):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    assert error("bench_collectives", "--comm", comm, "--worlds", "2", "--out", tmp_path / "r", env=env).startswith(
+        message)
+    assert not (tmp_path / "r").exists()
+
+
 def test_fit_overhead_model_names_a_missing_file(tmp_path):
     assert error("fit_overhead_model", "--bogus") == "unrecognized arguments: --bogus"
     assert "nope.json" in error("fit_overhead_model", "--collectives", tmp_path / "nope.json",
