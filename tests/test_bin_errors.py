@@ -1,6 +1,7 @@
 """The scripts in bin/ answer bad input with one line, `<script>: error: <message>`, and exit status 2:
 no traceback, and no work (or half-written file) before the problem is found."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -135,6 +136,37 @@ def test_bench_gpu_bad_arguments_cost_no_device_time(args, message):
     # checked before CuPy is imported or a GPU is looked for: on this machine, with neither, the message
     # is still about the argument
     assert error("bench_gpu", *args) == message
+
+
+# each would run (briefly) if its --out were good: an empty stdout (error() checks it) is a run not begun
+RUNNABLE = {
+    "bench_collectives": ["--worlds", "2", "--sizes", "4K", "--iters", "1", "--warmup", "0"],
+    "bench_ddp": ["--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--repeats", "1", "--buckets", "1"],
+    "bench_cpu": ["--presets", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0"],
+    "bench_gpu": ["--presets", "small", "--shapes", "1x64", "--torch-modes", ""],  # the GPU is never reached
+}
+
+
+@pytest.mark.parametrize("name", [
+    "bench_collectives", "bench_ddp", "bench_gpu",
+    pytest.param("bench_cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                                        reason="bench_cpu says PyTorch is missing first")),
+])
+def test_benchmarks_check_their_out_folder_before_running(tmp_path, name):
+    """Not after the benchmark, when the results are written: that lost them to a traceback."""
+    a_file = tmp_path / "outfile"
+    a_file.write_text("kept")
+    cases = [(a_file, f"--out '{a_file}' is a file, not a folder"),
+             (a_file / "sub", f"--out '{a_file / 'sub'}' cannot be written (a part of its path is a file)"),
+             ("/proc/x", "--out '/proc/x' cannot be written (No such file or directory)")]  # refused even to root
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cases.append((locked / "sub", f"--out '{locked / 'sub'}' cannot be written (Permission denied)"))
+    for out, message in cases:
+        assert error(name, *RUNNABLE[name], "--out", out) == message
+    assert a_file.read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["outfile"] + ["locked"] * (os.geteuid() != 0))
 
 
 @pytest.mark.parametrize("comm, message", [

@@ -93,3 +93,22 @@ def test_a_path_through_a_file_is_one_line_even_without_the_check(tmp_path):
     with pytest.raises(XtrainError) as info:
         files.write_atomic(out, "{}", "--report")
     assert str(info.value) == f"--report '{out}' cannot be written (a part of its folder is a file)"
+
+
+def test_an_unusable_results_folder_is_named_before_any_work(tmp_path):
+    """check_out_dir: the folder a benchmark writes its results into (--out)."""
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("")
+    cases = [(blocker, f"--out '{blocker}' is a file, not a folder"),
+             (blocker / "sub", f"--out '{blocker / 'sub'}' cannot be written (a part of its path is a file)")]
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cases.append((locked, f"--out '{locked}' cannot be written (Permission denied)"))
+    for path, message in cases:
+        with pytest.raises(XtrainError) as info:
+            files.check_out_dir(path, "--out")
+        assert str(info.value) == message
+    (tmp_path / "link").symlink_to(tmp_path / "new", target_is_directory=True)
+    files.check_out_dir(tmp_path / "link" / "results", "--out")  # made through the link, as the writes go
+    assert list((tmp_path / "new" / "results").iterdir()) == []  # the probe is gone
