@@ -183,6 +183,32 @@ def test_bench_collectives_names_a_missing_engine_before_its_header(tmp_path, co
     assert not (tmp_path / "r").exists()
 
 
+def test_fit_overhead_model_names_a_file_that_is_not_what_it_reads(tmp_path):
+    """The two results files swapped, or something else: the file and what it lacks, not a KeyError."""
+    coll, ddp = tmp_path / "collectives.json", tmp_path / "ddp.json"
+    coll.write_text(json.dumps({"comm": "local", "rows": [
+        {"op": "all_reduce", "world": 2, "bytes": 4096 * k, "median_s": 1e-5 * k} for k in (1, 16)]}))
+    ddp.write_text(json.dumps({"model": "tiny", "world": 2, "rows": [
+        {"grad_sync": "bucketed", "zero": 0, "bucket_mb": 1, "grad_bytes": 800, "step_ms": 9.0, "exposed_ms": 1.0,
+         "comm_ms": 2.0}]}))
+    empty, a_list = tmp_path / "empty.json", tmp_path / "list.json"
+    empty.write_text("{}")
+    a_list.write_text("[]")
+
+    def fit(c, d):
+        return error("fit_overhead_model", "--collectives", c, "--ddp", d)
+
+    assert fit(ddp, coll) == (f"--collectives '{ddp}' is not a bench_collectives results file "
+                              "(its rows have no 'op', 'world', 'bytes', 'median_s')")
+    assert fit(coll, coll) == f"--ddp '{coll}' is not a bench_ddp results file (no 'model', 'world')"
+    assert fit(empty, ddp) == f"--collectives '{empty}' is not a bench_collectives results file (no 'rows')"
+    assert fit(coll, a_list) == f"--ddp '{a_list}' is not a bench_ddp results file (not a JSON object)"
+    assert fit(coll, ddp) == f"'{ddp}' has no flat row without ZeRO"  # the right shape, but no S to fit
+    assert error("fit_overhead_model", "--collectives", coll, "--ddp", ddp, "--out", empty) == \
+        f"--out '{empty}' is a file, not a folder"  # before the fit, as the benchmarks check theirs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["collectives.json", "ddp.json", "empty.json", "list.json"]
+
+
 def test_fit_overhead_model_names_a_missing_file(tmp_path):
     assert error("fit_overhead_model", "--bogus") == "unrecognized arguments: --bogus"
     assert "nope.json" in error("fit_overhead_model", "--collectives", tmp_path / "nope.json",
