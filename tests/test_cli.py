@@ -89,6 +89,9 @@ def error_line(out):
     ((5, 8, 32, "--model", "huge"), "unknown model preset 'huge' (choose from tiny, mini, small, gpt2-124m, "
                                     "gpt2-350m, gpt2-774m)"),
     ((5, 8, 32, DEFAULT_TOKENIZER), "give both TOKENIZER and CORPUS, or neither (for the shipped data)"),
+    # an empty one is not "not given": it would have trained on the shipped data
+    ((5, 8, 32, "", DEFAULT_CORPUS), "TOKENIZER must be a path, got ''"),
+    ((5, 8, 32, DEFAULT_TOKENIZER, ""), "CORPUS must be a path, got ''"),
 ])
 def test_bad_arguments_get_one_line(args, message):
     assert error_line(cli(*args)) == f"train_ddp: error: {message}"
@@ -163,6 +166,33 @@ def test_a_report_that_cannot_be_written_fails_before_training(tmp_path):
     assert error_line(cli(5, 4, 16, "--report", inside_a_file)) == \
         f"train_ddp: error: --report '{inside_a_file}' cannot be written (a part of its folder is a file)"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # no probe or temporary left behind
+
+
+def test_outputs_on_the_runs_own_files_are_refused_before_anything_is_written(tmp_path):
+    """--report and --metrics are compared with the tokenizer, the corpus and each other as files, not
+    names (a symlink or a hard link is the same file), and refused inside --save-dir, which every save
+    replaces, as is the corpus. Every file keeps its bytes and none appears."""
+    tok, corpus, ckpt = tmp_path / "tok.json", tmp_path / "corpus.txt", tmp_path / "ckpt"
+    tok.write_bytes(Path(DEFAULT_TOKENIZER).read_bytes())
+    corpus.write_text(Path(DEFAULT_CORPUS).read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    (tmp_path / "hard.txt").hardlink_to(corpus)
+    (tmp_path / "link.json").symlink_to(tok)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    own = "the run would write into its own input"
+    for args, message in [
+        (("--report", corpus), f"--report '{corpus}' is the corpus '{corpus}': {own}"),
+        (("--metrics", tmp_path / "hard.txt"), f"--metrics '{tmp_path / 'hard.txt'}' is the corpus '{corpus}': {own}"),
+        (("--report", tmp_path / "link.json"), f"--report '{tmp_path / 'link.json'}' is the tokenizer '{tok}': {own}"),
+        (("--report", tmp_path / "x.json", "--metrics", tmp_path / "x.json"),
+         f"--report '{tmp_path / 'x.json'}' and --metrics '{tmp_path / 'x.json'}' are the same file: the report "
+         "would replace the metrics"),
+        (("--metrics", ckpt / "m.jsonl", "--save-dir", ckpt),
+         f"--metrics '{ckpt / 'm.jsonl'}' is inside --save-dir '{ckpt}': every checkpoint save replaces that folder"),
+        (("--save-dir", tmp_path),
+         f"corpus '{corpus}' is inside --save-dir '{tmp_path}': every checkpoint save replaces that folder"),
+    ]:
+        assert error_line(cli(2, 4, 16, tok, corpus, *args)) == f"train_ddp: error: {message}"
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_a_report_to_a_pipe(tmp_path):

@@ -13,6 +13,23 @@ def written_in_place(path: Path) -> bool:
     return path.exists() and not path.is_file() and not path.is_dir()
 
 
+def same_file(a, b) -> bool:
+    """Whether paths `a` and `b` name one file: two names of an existing file (a symlink, a hard link) by
+    its device and inode, paths not yet made by where their symlinks lead. A device or a pipe is written
+    in place, not replaced, so two outputs may share one (--report and --metrics both to /dev/stdout)."""
+    a, b = Path(a), Path(b)
+    if written_in_place(a) or written_in_place(b):
+        return False
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def inside(path, folder) -> bool:
+    """Whether `path` is `folder` or lies under it, symlinks followed."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+
+
 def write_atomic(path, data: bytes | str, name: str) -> None:
     """Write `data` (str: UTF-8) to `path` so that a reader finds the old file or the new one, never a part:
     a temporary file beside the file PATH names, flushed to disk, then renamed over it. A symlink is

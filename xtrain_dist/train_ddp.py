@@ -46,8 +46,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("steps", metavar="STEPS", type=positive_int, help="optimizer steps to run")
     p.add_argument("batch", metavar="BATCH", type=positive_int, help="sequences per step, all ranks together")
     p.add_argument("seq", metavar="SEQ", type=positive_int, help="tokens per sequence")
-    p.add_argument("tokenizer", metavar="TOKENIZER", nargs="?", help=f"tokenizer.json (default {DEFAULT_TOKENIZER})")
-    p.add_argument("corpus", metavar="CORPUS", nargs="?", help=f"UTF-8 text (default {DEFAULT_CORPUS})")
+    # non_empty_path: an empty one would read as "not given" and quietly train on the shipped data
+    p.add_argument("tokenizer", metavar="TOKENIZER", nargs="?", type=non_empty_path,
+                   help=f"tokenizer.json (default {DEFAULT_TOKENIZER})")
+    p.add_argument("corpus", metavar="CORPUS", nargs="?", type=non_empty_path,
+                   help=f"UTF-8 text (default {DEFAULT_CORPUS})")
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
@@ -149,6 +152,25 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     if cfg.attention == "flash" and cfg.backend == "cuda":
         from .backend.cuda_ops import check_flash_attention
         check_flash_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Refuse a run that would write over its own files: --report or --metrics on the tokenizer, the corpus
+    or each other, or an output (or the corpus) inside --save-dir, a folder that every save replaces whole.
+    Files are compared, not names, so a relative path, a symlink or a hard link is caught too."""
+    outputs = [(flag, path) for flag, path in (("--report", cfg.report), ("--metrics", cfg.metrics)) if path]
+    inputs = [(what, path) for what, path in (("the tokenizer", cfg.tokenizer), ("the corpus", cfg.corpus)) if path]
+    for flag, out in outputs:
+        for what, given in inputs:
+            if files.same_file(out, given):
+                raise XtrainError(f"{flag} '{out}' is {what} '{given}': the run would write into its own input")
+    if len(outputs) == 2 and files.same_file(cfg.report, cfg.metrics):
+        raise XtrainError(f"--report '{cfg.report}' and --metrics '{cfg.metrics}' are the same file: the report "
+                          "would replace the metrics")
+    for name, path in [*outputs, ("corpus", cfg.corpus)] if cfg.save_dir else []:
+        if path and files.inside(path, cfg.save_dir):
+            raise XtrainError(f"{name} '{path}' is inside --save-dir '{cfg.save_dir}': every checkpoint save "
+                              "replaces that folder")
 
 
 def available_cores() -> int:
@@ -258,6 +280,7 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     """Everything a process checks and loads before it meets the others: (engine, corpus, devices, cfg,
     config fingerprint, the verified checkpoint to resume from or None), or one XtrainError naming what
     is wrong."""
+    check_outputs(cfg)
     gpus = 0
     if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
         from .backend.cuda_ops import device_count
