@@ -259,6 +259,12 @@ def test_train_tokenizer_names_the_path_and_writes_nothing_on_failure(tmp_path):
         f"corpus '{tmp_path / 'latin1.txt'}' is not UTF-8 text (invalid byte at offset 3)"
     assert error("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", "10") == \
         "--vocab-size must be at least 258: 256 bytes, one merge and <|endoftext|>"
+    # the BPE trainer reserves memory for every id: this one aborted inside Rust asking for 4.5 TB
+    assert error("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", "99999999999") == \
+        "--vocab-size must be at most 1048576, got 99999999999"
+    assert error("train_tokenizer", corpus, corpus, "--vocab-size", "300") == \
+        f"output '{corpus}' is the corpus '{corpus}': it would be replaced by the tokenizer"
+    assert corpus.read_text() == "to be or not to be\n" * 20
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "empty.txt", "latin1.txt"]
     # and a good run writes the whole file, through a temporary one that it renames
     out = script("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", "300")
