@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# this checkout's xtrain_dist, not whichever one the Python running this has installed: -m below runs
+# with this file's folder on the path, not the working directory
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
 import fake_cupy
 import fake_nccl
 
