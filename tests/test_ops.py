@@ -219,17 +219,21 @@ def test_global_norm_and_clip_coefficient(rng):
     assert ops.clip_coefficient(sq, norm / 2)[0] == pytest.approx(0.5, rel=1e-5)
     assert ops.clip_coefficient(sq, norm * 2)[0] == 1.0
     assert ops.clip_coefficient(sq, 0.0)[0] == 1.0
+    # torch.nn.utils.clip_grad_norm_'s max_norm / (norm + 1e-6): it shows at tiny norms, and a zero norm is 1
+    assert ops.clip_coefficient(np.array([1e-12], np.float32), 1e-6)[0] == pytest.approx(0.5, rel=1e-5)
+    assert ops.clip_coefficient(np.zeros(1, np.float32), 1.0)[0] == 1.0
 
 
 def test_adamw_matches_torch_formula(rng):
-    """Three steps against the update written as torch.optim.AdamW documents it, in float64."""
+    """Three steps against the update written as torch.optim.AdamW documents it, in float64. The clipping
+    coefficient changes from step to step: Adam is blind to a gradient scale that never changes."""
     n = 50
     p = rng.standard_normal(n)
     mask = (np.arange(n) % 3 != 0).astype(np.uint8)
     m, v = np.zeros(n), np.zeros(n)
     p_ref, m_ref, v_ref = p.copy(), np.zeros(n), np.zeros(n)
-    lr, b1, b2, eps, wd, clip = 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.5
-    for step in range(1, 4):
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
+    for step, clip in zip(range(1, 4), (0.5, 1.0, 0.1), strict=True):
         g = rng.standard_normal(n)
         ops.adamw_update(p, g, m, v, mask, step, lr, b1, b2, eps, wd, np.array([clip]))
         gs = g * clip
@@ -336,3 +340,51 @@ def test_the_backend_reuses_the_pages_of_freed_arrays():
     heap_set, faults = run("backend")
     assert heap_set and faults < 20  # none here; fewer than one a round allows for the interpreter's own
     assert run("backend", MALLOC_TRIM_THRESHOLD_="131072", MALLOC_MMAP_THRESHOLD_="131072")[0] is False
+
+
+def test_causal_softmax_backward_matches_finite_differences(rng):
+    """The oracle of the GPU's causal_softmax_backward (tests/test_cuda_ops.py compares the kernel to it), so
+    it is checked on its own here: against causal_softmax by finite differences, zero above the diagonal."""
+    scores = rng.standard_normal((2, 2, 5, 5)) * 2
+    datt = rng.standard_normal(scores.shape)
+    got = ops.causal_softmax_backward(datt, ops.causal_softmax(scores))
+    assert_grad_close(got, numeric_grad(lambda: ops.causal_softmax(scores), scores, datt, n_probe=scores.size))
+    assert np.all(np.triu(got, k=1) == 0)
+
+
+def test_softmaxes_survive_scores_far_outside_exps_range(rng):
+    """float32 scores of several hundred (exp overflows past 88): the row maximum comes out before exp, so
+    causal_softmax, both attentions (forward and backward) and crossentropy_forward give the float64 loop
+    reference's finite values, not inf/inf = NaN or a log-sum-exp of inf."""
+    B, T, C, NH = 1, 4, 8, 2
+    qkv = (rng.standard_normal((B, T, 3 * C)) * 25).astype(np.float32)  # |q.k| / sqrt(hs) up to ~1000
+    want = reference_attention(qkv.astype(np.float64), NH)
+    out, att = ops.attention_forward(qkv, NH)
+    flash_out, lse = ops.flash_attention_forward(qkv, NH)
+    for got in (out, flash_out):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert np.isfinite(lse).all() and np.abs(lse).max() > 200  # the scores really are out of exp's range
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    dqkv = ops.attention_backward(dout, qkv, att, NH)
+    assert np.isfinite(dqkv).all()
+    np.testing.assert_allclose(ops.flash_attention_backward(dout, qkv, flash_out, lse, NH), dqkv,
+                               rtol=1e-3, atol=1e-3 * np.abs(dqkv).max())
+
+    scores = np.array([[[500.0, 0.0], [300.0, 301.0]]], np.float32)  # row 0 sees one key, row 1 two
+    np.testing.assert_allclose(ops.causal_softmax(scores)[0], [[1, 0], [1 / (1 + math.e), 1 / (1 + 1 / math.e)]],
+                               rtol=1e-6)
+    logits = np.array([[[1000.0, -1000.0, 0.0], [-500.0, -499.0, -600.0]]], np.float32)
+    np.testing.assert_allclose(ops.crossentropy_forward(logits, np.array([[1, 1]])),
+                               [[2000.0, math.log(1 + math.exp(-1) + math.exp(-101))]],
+                               rtol=1e-6, atol=1e-4)  # float32: the difference of two values near -500
+
+
+def test_global_norm_squared_is_the_rounded_exact_sum(rng):
+    """float32 squares summed in float64, as kernels/global_norm.cu does: the result is the float32 nearest
+    the exact sum (math.fsum). Gradients with a few large entries among many small ones: a float32 partial
+    sum of 1.0 drops each small square (~2^-24) added to it, so float32 summation is off here."""
+    n = 1 << 20
+    g = (rng.standard_normal(n) * 2.0 ** -12).astype(np.float32)
+    g[np.arange(n) % 128 < 8] = 1.0
+    exact = math.fsum(np.square(g).astype(np.float64))
+    assert ops.global_norm_squared(g)[0] == np.float32(exact)
