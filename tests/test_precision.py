@@ -19,7 +19,7 @@ from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW, ShardedAdamW
-from xtrain_dist.precision import BF16_EPS, bf16_bits, from_bf16_bits
+from xtrain_dist.precision import BF16_EPS, bf16_bits, bf16_ulp, from_bf16_bits
 from xtrain_dist.train_ddp import train
 
 CASES = cases(B=4, T=32, C=64, NH=4, V=1000)
@@ -90,6 +90,42 @@ def test_the_gpu_tolerance_rejects_a_wrong_rounding():
     host = case.inputs(np.random.default_rng(3))
     want, got = outputs(BF16, case, host), outputs(RoundedScores("bf16"), case, host)
     assert bf16_mismatch(got["att"], want["att"], "act") is not None
+
+
+def test_flash_attention_rounds_where_its_kernel_stores_bf16():
+    """Flash attention is not in CASES (its kernel needs 64-channel heads), so its bf16 emulation, the oracle
+    of kernels/flash_attention.cu, is checked here. Forward rounds only y (P stays in registers); backward
+    rounds the recomputed P, dv, dscores, dq and dk, each where the kernel feeds it to a product or writes
+    it. So dv = P^T dy is, up to a rare straddle, the standard path's (which rounds att in the same place)."""
+    class Recording(NumpyBackend):
+        def store(self, x):
+            stored.append(x.shape)
+            return super().store(x)
+
+    B, T, C, NH = 2, 16, 32, 2
+    rng = np.random.default_rng(6)
+    qkv, dout = (BF16.from_host_act(rng.standard_normal(shape)) for shape in ((B, T, 3 * C), (B, T, C)))
+    be, stored = Recording("bf16"), []
+    out, lse = be.flash_attention_forward(qkv, NH)
+    assert stored == [(B, NH, T, C // NH)] and is_bf16(out) and lse.dtype == np.float32
+    stored.clear()
+    dqkv = be.flash_attention_backward(dout, qkv, out, lse, NH)
+    assert stored == [(B, NH, T, T), (B, NH, T, C // NH), (B, NH, T, T), (B, NH, T, C // NH), (B, NH, T, C // NH)]
+    assert is_bf16(dqkv)
+    _, att = BF16.attention_forward(qkv, NH)
+    want = BF16.attention_backward(dout, qkv, att, NH)[..., 2 * C:]
+    assert np.linalg.norm(dqkv[..., 2 * C:] - want) / np.linalg.norm(want) < BF16_EPS / 64
+
+
+def test_bf16_ulp_is_the_spacing_of_bfloat16():
+    """bf16_ulp sets the GPU tests' tolerance (bf16_cases): it must be the distance from a bfloat16 value to the
+    next one away from zero, read from the bits, at every exponent, and the smallest normal's below that."""
+    bits = np.arange(0x0080, 0x7F7F, 37, dtype=np.uint16)  # positive normal bfloat16 values, all exponents
+    x = from_bf16_bits(bits)
+    spacing = from_bf16_bits(bits + 1).astype(np.float64) - x
+    np.testing.assert_array_equal(bf16_ulp(x), spacing)
+    np.testing.assert_array_equal(bf16_ulp(-x), spacing)
+    assert bf16_ulp(np.float32(1.0)) == 2.0 ** -7 and bf16_ulp(0.0) == bf16_ulp(1e-40) == 2.0 ** -133
 
 
 def test_bf16_bits_round_to_nearest_even_and_widen_exactly():
