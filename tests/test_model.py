@@ -86,6 +86,7 @@ def test_state_dict_round_trip_and_views_share_the_flat_buffer():
     model = GPT2(model_config("tiny", 300), numpy_ops, seed=3)
     sd = model.state_dict()
     sd["transformer.h.1.attn.c_proj.bias"][:] = 5.0
+    assert np.all(model.p.h[1].attn_c_proj_bias == 0)  # host copies: the model changes only when loaded
     model.load_state_dict(sd)
     assert np.all(model.p.h[1].attn_c_proj_bias == 5.0)
     assert np.shares_memory(model.p.h[1].attn_c_proj_bias, model.params)
