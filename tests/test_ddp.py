@@ -3,12 +3,14 @@ backward; bf16 compression does what it says; gradient accumulation equals the b
 
 import threading
 from itertools import pairwise
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from xtrain_dist import ddp
 from xtrain_dist.backend import numpy_ops
+from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.launch import RankFailed, run_thread_ranks
@@ -174,6 +176,61 @@ def test_a_failure_in_the_communication_thread_ends_the_run(corpus, monkeypatch)
     assert info.value.rank == 1 and str(info.value.error) == "injected bucket failure"
 
 
+def test_gradients_announced_out_of_layout_order_are_refused():
+    """A bucket is handed over once the announced prefix covers it; an announcement that overlaps or skips
+    part of that prefix would hand over a bucket whose gradients are not final."""
+    model = GPT2(model_config("tiny", 64), numpy_ops, seed=1)
+    cfg = TrainConfig(steps=1, batch=1, seq=16, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB)
+    grad_sync = ddp.make_grad_sync(cfg, LocalGroup(1).communicator(0), model)
+    grad_sync.on_grads_ready(0, 64)
+    for start, end in ((0, 128), (32, 128), (128, 192)):  # overlapping, overlapping, a gap
+        with pytest.raises(RuntimeError) as info:
+            grad_sync.on_grads_ready(start, end)
+        assert str(info.value) == f"gradients announced out of layout order: [{start}, {end}) after [0, 64)"
+    grad_sync.on_grads_ready(64, model.size)  # the next piece is taken
+    grad_sync.finish()
+    grad_sync.close()
+
+
+@pytest.mark.parametrize("announced", [(), ((0, 200),), ((0, 200), (200, 1000))])
+def test_finish_reduces_what_backward_did_not_announce(announced):
+    """finish() hands over every bucket not handed over yet, also when backward announced part or none of the
+    buffer: two steps, each the rank-order sum of every element."""
+    n, world = 1000, 2
+    cfg = TrainConfig(steps=1, batch=world, seq=1, world_size=world, grad_sync="bucketed",
+                      bucket_mb=96 * 4 / ddp.MIB)  # 11 buckets of 96 elements, the last one of 40
+
+    def grads(step, rank):
+        return np.random.default_rng([step, rank]).standard_normal(n).astype(np.float32)
+
+    def body(rank, comm):
+        model = SimpleNamespace(size=n, grads=np.empty(n, np.float32), ops=numpy_ops)
+        grad_sync = ddp.make_grad_sync(cfg, comm, model)
+        sums = []
+        for step in range(2):
+            model.grads[...] = grads(step, rank)
+            for start, end in announced:
+                grad_sync.on_grads_ready(start, end)
+            grad_sync.finish()
+            sums.append(model.grads.copy())
+        grad_sync.close()
+        return sums
+
+    for sums in run_thread_ranks(world, body):
+        for step, reduced in enumerate(sums):
+            assert reduced.tobytes() == (grads(step, 0) + grads(step, 1)).tobytes()
+
+
+def test_report_means_leave_out_the_warm_up_step():
+    cfg = TrainConfig(steps=3, batch=2, seq=4, world_size=2, grad_sync="flat")
+    results = [SimpleNamespace(comm_s=[8.0, 1.0, 2.0], exposed_comm_s=[8.0], comm_calls=2, zero_shards=None),
+               SimpleNamespace(comm_s=[8.0, 3.0, 2.0], exposed_comm_s=[4.0], comm_calls=2, zero_shards=None)]
+    fields = ddp.report_fields(cfg, results)
+    assert fields["comm_s"] == 2.0  # (1 + 2 + 3 + 2) / 4: the first step of each rank left out
+    assert fields["exposed_comm_s"] == 6.0  # one step only: then that step counts
+    assert fields["comm_calls_per_step"] == 2 and fields["zero_shards"] is None
+
+
 # ---------------------------------------------------------------- bf16 compression
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -219,6 +276,8 @@ def test_accumulation_equals_the_whole_batch(corpus, flat_runs, world):
     accumulated = run(corpus, world, grad_accum=2, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB)
     assert accumulated["grad_accum"] == 2
     assert max_rel_diff(accumulated["losses"], flat_runs[world]["losses"]) < 1e-5
+    # AdamW (and clipping) hide a gradient scaled by a constant, K or 1/world, from the losses: the norms do not
+    assert max_rel_diff(accumulated["grad_norms"], flat_runs[world]["grad_norms"]) < 1e-5
     assert len(set(accumulated["param_sha256"])) == 1
     assert accumulated["comm_calls_per_step"] == 29 + 1  # nothing more than without accumulation
 
@@ -228,6 +287,7 @@ def test_accumulation_with_uneven_micro_batches(corpus):
     one = run(corpus, 1, batch=7, grad_sync="flat")
     accumulated = run(corpus, 2, batch=7, grad_accum=3)
     assert max_rel_diff(accumulated["losses"], one["losses"]) < 1e-5
+    assert max_rel_diff(accumulated["grad_norms"], one["grad_norms"]) < 1e-5
     assert len(set(accumulated["param_sha256"])) == 1
 
 
@@ -235,6 +295,7 @@ def test_accumulation_with_uneven_micro_batches(corpus):
 
 @pytest.mark.parametrize("args, message", [
     (["--bucket-mb", "0"], "--bucket-mb must be a positive number, got 0"),
+    (["--bucket-mb", "inf"], "--bucket-mb must be a positive number, got inf"),  # no bucket size to round
     (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
     (["--world-size", "2", "--grad-accum", "3"],
      "BATCH (4) must be at least the world size times --grad-accum (2 x 3 = 6): every micro-batch needs a "
