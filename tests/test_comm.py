@@ -1,6 +1,7 @@
 """The in-process communicator and the thread launcher: correct sums, identical bits on every rank,
 and collective failure (a dying or stuck rank ends the run instead of hanging it)."""
 
+import socket
 import threading
 import time
 from itertools import pairwise
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 
 from xtrain_dist.comm import CommAborted, local, shard_offsets
+from xtrain_dist.comm.hybrid import HybridCommunicator
 from xtrain_dist.comm.local import LocalGroup, _chunk
+from xtrain_dist.comm.tcp import TcpCommunicator
 from xtrain_dist.launch import RankFailed, run_thread_ranks
 
 
@@ -124,6 +127,187 @@ def test_abort_makes_later_collectives_fail():
     group.abort("test")
     with pytest.raises(CommAborted, match="test"):
         group.communicator(0).barrier()
+
+
+@pytest.mark.parametrize("call", ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"])
+def test_after_an_abort_every_collective_fails_also_in_a_world_of_one(call):
+    """A world of one has nobody to wait for, but an abort (Ctrl-C) must still stop its rank at the next call."""
+    group = LocalGroup(1)
+    group.abort("interrupted")
+    group.abort("a later reason")  # the first reason is the one reported
+    comm = group.communicator(0)
+    buf = np.zeros(4, np.float32)
+    args = {"all_reduce": (buf,), "reduce_scatter": (buf, buf.copy()), "all_gather": (buf, buf.copy()),
+            "broadcast": (buf,), "barrier": ()}[call]
+    with pytest.raises(CommAborted) as info:
+        getattr(comm, call)(*args)
+    assert str(info.value).endswith("aborted: interrupted")
+
+
+def test_the_peers_of_a_failing_rank_are_released_and_told_which_rank_failed():
+    """Rank 1 dies; rank 0, already waiting, and rank 2, arriving after rank 0 has failed in turn, must
+    both be released by the abort (not by the launcher's grace period) and blame rank 1, not rank 0."""
+    seen = {}
+
+    def body(rank, comm):
+        if rank == 1:
+            raise ValueError("rank one broke")
+        if rank == 2:
+            time.sleep(0.3)
+        try:
+            comm.all_reduce(np.ones(4, np.float32))
+        except CommAborted as e:
+            seen[rank] = str(e)
+            raise
+
+    with pytest.raises(RankFailed) as info:
+        run_thread_ranks(3, body, timeout_s=60, grace_s=2.0)
+    assert info.value.rank == 1
+    assert seen == {0: "all_reduce aborted: rank 1 failed", 2: "all_reduce aborted: rank 1 failed"}
+
+
+def test_of_several_failing_ranks_the_lowest_is_reported_whichever_failed_first():
+    def body(rank, comm):
+        if rank == 1:
+            time.sleep(0.3)  # rank 2 has failed by now
+        if rank > 0:
+            raise ValueError(f"rank {rank} broke")
+        comm.barrier()
+
+    with pytest.raises(RankFailed) as info:
+        run_thread_ranks(3, body, timeout_s=60)
+    assert info.value.rank == 1 and str(info.value) == "rank 1: rank 1 broke"
+
+
+def tcp_pair(timeout_s=10.0, gate=None):
+    """Rank 0's and rank 1's TcpCommunicator of a world of 2, over a loopback connection. With a gate, rank 1
+    receives nothing until the gate is set: what rank 0 makes of rank 1's messages does not race rank 1."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        to_0 = socket.create_connection(server.getsockname())
+        to_1, _ = server.accept()
+    if gate is not None:
+        to_0 = GatedSocket(to_0, gate)
+    return TcpCommunicator(0, 2, [None, to_1], timeout_s), TcpCommunicator(1, 2, [to_0], timeout_s)
+
+
+class GatedSocket:
+    def __init__(self, sock, gate):
+        self.sock, self.gate = sock, gate
+
+    def recv_into(self, *args):
+        self.gate.wait(10)
+        return self.sock.recv_into(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def run_pair(comm_0, comm_1, body_0, body_1, gate=None):
+    """Run the two ranks on threads; return what each raised (None if it returned)."""
+    raised = [None, None]
+
+    def run(rank, comm, body):
+        try:
+            body(comm)
+        except CommAborted as e:
+            raised[rank] = str(e)
+        finally:
+            if rank == 0 and gate is not None:
+                gate.set()
+
+    threads = [threading.Thread(target=run, args=(r, c, b)) for r, (c, b) in enumerate(
+        [(comm_0, body_0), (comm_1, body_1)])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    comm_0.close()
+    comm_1.close()
+    return raised
+
+
+def test_tcp_refuses_a_peer_with_another_buffer_size():
+    comm_0, comm_1 = tcp_pair(timeout_s=5)
+    raised = run_pair(comm_0, comm_1, lambda c: c.all_reduce(np.ones(8, np.float32)),
+                      lambda c: c.all_reduce(np.ones(4, np.float32)))
+    assert raised[0] == ("all_reduce aborted: rank 1 sent 16 bytes in all_reduce where rank 0 expects 32: "
+                         "the processes disagree on the buffer size")
+    assert raised[1] is not None  # told by the closed connection
+
+
+def test_tcp_refuses_a_peer_one_collective_behind():
+    """Rank 1 skipped a broadcast: its all_reduce #1 meets rank 0's all_reduce #2, the same operation, and
+    must not be summed into it."""
+    gate = threading.Event()
+    comm_0, comm_1 = tcp_pair(gate=gate)
+
+    def rank_0(comm):
+        comm.broadcast(np.zeros(2, np.float32))
+        comm.all_reduce(np.ones(4, np.float32))
+
+    raised = run_pair(comm_0, comm_1, rank_0, lambda c: c.all_reduce(np.ones(4, np.float32)), gate)
+    assert raised[0] == ("all_reduce aborted: rank 1 is in all_reduce #1 while rank 0 is in all_reduce #2: "
+                         "the processes call collectives in different orders")
+    assert raised[1] is not None
+
+
+class HybridGroup:
+    """`processes` processes of `threads` rank threads each, all in this process: each process's threads a
+    LocalGroup, its leaders joined by another LocalGroup that stands in for MPI or TCP. Fits run_thread_ranks."""
+
+    def __init__(self, processes: int, threads: int):
+        self.threads = threads
+        self.locals = [LocalGroup(threads, timeout_s=30) for _ in range(processes)]
+        self.inter = LocalGroup(processes, timeout_s=30)
+
+    def communicator(self, rank: int) -> HybridCommunicator:
+        process, thread = divmod(rank, self.threads)
+        return HybridCommunicator(self.locals[process].communicator(thread), self.inter.communicator(process),
+                                  process, self.threads)
+
+    def abort(self, reason: str) -> None:
+        for group in (*self.locals, self.inter):
+            group.abort(reason)
+
+
+@pytest.mark.parametrize("processes, threads", [(3, 2), (2, 3)])
+def test_hybrid_collectives_over_threads_inside_processes(processes, threads):
+    """Global rank = process x threads + thread, for any shape of the world: the process count and the
+    threads per process differ here (2 x 2, the only shape the MPI test runs, cannot tell them apart)."""
+    world = processes * threads
+    counts = [(r % 3) * 2 + 1 for r in range(world)]
+    counts[1] = 0  # a rank owning nothing, as ZeRO-1's buckets do
+    offsets = shard_offsets(sum(counts), world, counts)
+    n = offsets[-1]
+
+    def body(rank, comm):
+        assert (comm.rank, comm.world_size) == (rank, world)
+        summed = rank_data(rank, 1000, seed=3)
+        comm.all_reduce(summed)
+        send = rank_data(rank, n, seed=4)
+        shard = np.full(counts[rank], np.nan, np.float32)
+        comm.reduce_scatter(send, shard, counts)
+        gathered = np.full(n, np.nan, np.float32)
+        comm.all_gather(np.full(counts[rank], rank, np.float32), gathered, counts)
+        roots = []
+        for root in range(world):
+            buf = np.full(2, rank, np.float32)
+            comm.broadcast(buf, root=root)
+            roots.append(buf.tolist())
+        comm.barrier()
+        return summed, shard, gathered, roots
+
+    def process_order_sum(n, seed):  # each process sums its threads, then the processes add up in order
+        return ordered_sum([ordered_sum([rank_data(p * threads + t, n, seed) for t in range(threads)])
+                            for p in range(processes)])
+
+    summed_expected, send_expected = process_order_sum(1000, 3), process_order_sum(n, 4)
+    for rank, (summed, shard, gathered, roots) in enumerate(run_thread_ranks(world, body, group=HybridGroup(
+            processes, threads))):
+        assert summed.tobytes() == summed_expected.tobytes()
+        assert shard.tobytes() == send_expected[offsets[rank]:offsets[rank + 1]].tobytes()
+        assert gathered.tolist() == [float(r) for r in range(world) for _ in range(counts[r])]
+        assert roots == [[float(root)] * 2 for root in range(world)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
