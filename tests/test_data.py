@@ -92,10 +92,22 @@ def test_state_resumes_the_exact_stream_even_at_another_world_size(batch, drawn,
     np.testing.assert_array_equal(rank_1.next()[0], expected[0][0][1::2])
 
 
-def test_state_from_another_stream_is_refused():
+@pytest.mark.parametrize("changed", [{"seq": 16}, {"batch": 5}, {"seed": 1}, {"tokens": np.arange(999)}])
+def test_state_from_another_stream_is_refused(changed):
+    """Any of these gives other batches from the same generator state: another corpus (or val_fraction) too."""
     state = BatchSampler(np.arange(1000), batch=4, seq=8, seed=0).state()
-    with pytest.raises(XtrainError, match="sampler state was saved for"):
-        BatchSampler(np.arange(1000), batch=4, seq=16, seed=0).load_state(state)
+    other = BatchSampler(**{"tokens": np.arange(1000), "batch": 4, "seq": 8, "seed": 0, **changed})
+    with pytest.raises(XtrainError) as caught:
+        other.load_state(state)
+    saved = {"seed": 0, "batch": 4, "seq": 8, "n_tokens": 1000}
+    assert str(caught.value) == f"sampler state was saved for {saved}, but this sampler draws {other._stream()}"
+
+
+@pytest.mark.parametrize("rank, world", [(3, 3), (-1, 2), (0, 0)])
+def test_sampler_refuses_a_rank_outside_the_world(rank, world):
+    with pytest.raises(XtrainError) as caught:
+        BatchSampler(np.arange(100), batch=4, seq=8, seed=0, rank=rank, world=world)
+    assert str(caught.value) == f"rank {rank} is not one of the {world} ranks of this world"
 
 
 def test_sampler_refuses_a_stream_shorter_than_seq_plus_one():
@@ -138,15 +150,29 @@ def test_a_word_level_tokenizer_works(small_corpus, tmp_path):
     assert corpus.decode(corpus.encode("the unicorn")) == "the [UNK]"
 
 
-def test_a_vocabulary_over_65536_ids_is_stored_as_uint32(tmp_path):
-    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 70_000)}}
+@pytest.mark.parametrize("vocab_size, dtype", [(65_536, np.uint16), (65_537, np.uint32)])
+def test_a_vocabulary_over_65536_ids_is_stored_as_uint32(tmp_path, vocab_size, dtype):
+    """At the boundary: id 65535 still fits uint16, id 65536 (the 65537th) would wrap to 0."""
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "big.json"))
-    (tmp_path / "big.txt").write_text("w1 w69999 w65536 w2\n")
+    top = vocab_size - 1
+    (tmp_path / "big.txt").write_text(f"w1 w{top} w65535 w2\n")
     corpus = Corpus.load(tmp_path / "big.json", tmp_path / "big.txt", val_fraction=0, cache_dir=tmp_path)
-    assert corpus.vocab_size == 70_000 and corpus.train.dtype == np.uint32
-    assert corpus.train.tolist() == [1, 69_999, 65_536, 2]
+    assert corpus.vocab_size == vocab_size and corpus.train.dtype == dtype
+    assert corpus.train.tolist() == [1, top, 65_535, 2]
+
+
+def test_a_tokenizer_saved_with_truncation_and_padding_still_gives_every_token(small_corpus, tmp_path):
+    tokenizer_path, corpus_path = small_corpus
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    tokenizer.enable_truncation(max_length=3)  # every line has 5 or 6 words
+    tokenizer.enable_padding(length=8, pad_id=0, pad_token="[UNK]")
+    tokenizer.save(str(tokenizer_path))
+    corpus = Corpus.load(tokenizer_path, corpus_path, val_fraction=0, cache_dir=tmp_path / "cache")
+    assert len(corpus.train) == 23 * 10  # one id per word, none cut, none added
+    assert corpus.decode(corpus.train) == " ".join(LINES * 10)
 
 
 def test_the_second_load_reads_the_cache_instead_of_encoding(small_corpus, tmp_path, monkeypatch):
@@ -207,6 +233,12 @@ def test_a_damaged_cache_file_is_rebuilt(small_corpus, tmp_path):
     np.testing.assert_array_equal(Corpus.load(*small_corpus, cache_dir=cache).train, expected)
     with np.load(cached) as rebuilt:
         assert np.array_equal(rebuilt["ids"], ids)
+    # the right ids with their digest, in another dtype than the vocabulary's (a cache of another version)
+    wide = ids.astype(np.int64)
+    np.savez(cached, ids=wide, sha256=data._ids_digest(wide))
+    reloaded = Corpus.load(*small_corpus, cache_dir=cache).train
+    assert reloaded.dtype == np.uint16
+    np.testing.assert_array_equal(reloaded, expected)
 
 
 # --- Corpus: bad input gives one line that names the file ---------------------------------------
@@ -273,6 +305,9 @@ def test_a_corpus_too_short_for_seq(small_corpus, tmp_path):
     corpus.write_text(" ".join(["cat"] * 55))  # 55 tokens: 50 train, 5 val
     assert load_error(tokenizer, corpus, tmp_path, seq=64) == (
         f"corpus '{corpus}' is too short for SEQ=64: its train split has 50 tokens, at least 65 are needed"
+    )
+    assert load_error(tokenizer, corpus, tmp_path, seq=50) == (  # a window of 50 needs its 51st token as target
+        f"corpus '{corpus}' is too short for SEQ=50: its train split has 50 tokens, at least 51 are needed"
     )
     Corpus.load(tokenizer, corpus, cache_dir=tmp_path / "cache").check_seq(49)
 
