@@ -93,6 +93,24 @@ def test_transformers_loads_the_folder_and_computes_our_loss(corpus, saved, tmp_
     assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == hf.config.eos_token_id == 4095
 
 
+def test_transformers_computes_our_logits_for_weights_far_from_their_init(corpus, tmp_path):
+    """A model a few steps from its initialisation attends almost uniformly, and its small weights hide
+    a wrong attention scale or a swapped square matrix (attn.c_proj, 64 x 64, loads transposed without a
+    shape error) below the loss comparison's tolerance: random weights of std 0.3 make every part count."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = config(20)
+    model, optimizer, sampler = objects(corpus, cfg)
+    used = checkpoint.layout_size(model.config)
+    model.params[:used] = np.random.default_rng(0).standard_normal(used).astype(np.float32) * 0.3
+    save_world1(tmp_path / "ck", corpus, cfg, model, optimizer, sampler)
+    ids = corpus.val[:64].astype(np.int32).reshape(2, 32)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ck").eval()
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(theirs, model.forward(ids), rtol=1e-4, atol=1e-4)
+
+
 def test_config_json_is_the_trained_gpt2(saved):
     transformers = pytest.importorskip("transformers")
     c = transformers.GPT2Config.from_pretrained(saved[0])
@@ -102,6 +120,10 @@ def test_config_json_is_the_trained_gpt2(saved):
     assert c.architectures == ["GPT2LMHeadModel"] and c.activation_function == "gelu_new"
     assert c.layer_norm_epsilon == 1e-5 and c.tie_word_embeddings
     assert c.resid_pdrop == c.embd_pdrop == c.attn_pdrop == 0.0  # trained without dropout
+    assert c.bos_token_id == c.eos_token_id == 4095  # <|endoftext|>, as in OpenAI's GPT-2
+    assert json.loads((saved[0] / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": tiny.n_ctx,
+        "clean_up_tokenization_spaces": False, "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
 
 
 def test_the_folder_holds_the_files_the_manifest_vouches_for(saved):
@@ -360,6 +382,23 @@ def test_a_crash_between_the_two_renames_leaves_a_complete_checkpoint_aside(corp
     assert checkpoint.open_checkpoint(tmp_path / "ck").state["step"] == 30
 
 
+def test_a_read_that_races_a_save_reads_the_checkpoint_the_save_put_in_place(corpus, tmp_path, two_states,
+                                                                           monkeypatch):
+    """A save that swaps the folder while a reader hashes its files is no corruption: the reader reads again."""
+    cfg, later = two_states
+    real_read, reads = checkpoint._read_verified, []
+
+    def racing(path, folder, manifest, read):
+        reads.append(manifest)
+        if len(reads) == 1:
+            save_world1(tmp_path / "ck", corpus, cfg, *later, step=30)
+        return real_read(path, folder, manifest, read)
+
+    monkeypatch.setattr(checkpoint, "_read_verified", racing)
+    assert checkpoint.open_checkpoint(tmp_path / "ck").state["step"] == 30
+    assert len(reads) == 2 and reads[0] != reads[1]
+
+
 def test_an_unfinished_new_folder_is_never_taken_for_a_checkpoint(corpus, tmp_path, two_states):
     cfg, later = two_states
     os.rename(tmp_path / "ck", tmp_path / ".ck.old")        # as if cut between the renames ...
@@ -382,6 +421,9 @@ def test_save_dir_never_replaces_a_folder_that_is_not_a_checkpoint(corpus, tmp_p
     assert (precious / "thesis.tex").read_text() == "years of work"
     with pytest.raises(XtrainError, match="is a file, not a folder"):
         run(corpus, 2, save_dir=precious / "thesis.tex")
+    (tmp_path / "fresh").mkdir()  # an empty folder is what the refusal asks for: it takes the checkpoint
+    run(corpus, 1, save_dir=tmp_path / "fresh", eval_batches=0)
+    assert checkpoint.open_checkpoint(tmp_path / "fresh").state["step"] == 1
 
 
 def test_save_dir_never_replaces_the_checkpoint_of_another_run(corpus, saved, tmp_path):
@@ -535,11 +577,28 @@ def _nudge_first_bias(tensors, meta):
     tensors["transformer.h.0.attn.c_attn.bias"][0] += 1e-3
 
 
+def _transpose_c_attn(tensors, meta):
+    """The classic GPT-2 export bug: nn.Linear's [out, in] where GPT-2's Conv1D keeps [in, out]."""
+    name = "transformer.h.0.attn.c_attn.weight"
+    tensors[name] = np.ascontiguousarray(tensors[name].T)
+
+
 @pytest.mark.parametrize("name, change, message", [
     ("model.safetensors", _nudge_first_bias, "is corrupt: its parameters do not hash to the saved param_sha256"),
     ("model.safetensors", lambda t, m: t.pop("transformer.wpe.weight"),
      "is corrupt: model.safetensors has no tensor 'transformer.wpe.weight'"),
+    ("model.safetensors", _transpose_c_attn,
+     "is corrupt: model.safetensors: 'transformer.h.0.attn.c_attn.weight' is float32 [192, 64], "
+     "expected float32 [64, 192]"),
+    ("model.safetensors", lambda t, m: t.update({"transformer.wpe.weight": t["transformer.wpe.weight"].astype("f2")}),
+     "is corrupt: model.safetensors: 'transformer.wpe.weight' is float16 [128, 64], expected float32 [128, 64]"),
+    ("model.safetensors", lambda t, m: t.update({"lm_head.weight": t["transformer.wte.weight"]}),
+     "is corrupt: model.safetensors has tensors this model does not: lm_head.weight"),
     ("optimizer.safetensors", lambda t, m: m.update(start="32"),
+     "is corrupt: optimizer.safetensors does not continue the optimizer state at element 0"),
+    ("optimizer.safetensors", lambda t, m: m.update(step_count="2"),  # trainer_state.json says 3
+     "is corrupt: optimizer.safetensors does not continue the optimizer state at element 0"),
+    ("optimizer.safetensors", lambda t, m: t.update(v=t["v"][:-1]),
      "is corrupt: optimizer.safetensors does not continue the optimizer state at element 0"),
     ("optimizer.safetensors", lambda t, m: t.update(m=t["m"][:-64], v=t["v"][:-64]),
      "is corrupt: the optimizer files cover flat[0:{short}], the model has {used} elements"),

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from xtrain_dist import metrics
+from xtrain_dist import evaluate, metrics
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -21,6 +21,7 @@ from xtrain_dist.errors import XtrainError
 from xtrain_dist.evaluate import Evaluator
 from xtrain_dist.launch import run_thread_ranks
 from xtrain_dist.model import GPT2
+from xtrain_dist.safetensors_io import read_safetensors, write_safetensors
 from xtrain_dist.sample import generate, load, sample_text
 from xtrain_dist.train_ddp import parse_config, train
 
@@ -78,7 +79,8 @@ def test_the_held_out_set_is_split_over_ranks_not_changed_by_them(corpus):
 
 def test_eval_every_reaches_the_report_the_progress_line_and_the_metrics(corpus, tmp_path):
     lines = []
-    report = run(corpus, 6, eval_every=2, eval_batches=2, metrics=tmp_path / "m.jsonl", log=lines.append)
+    # 2 ranks: the all-reduced loss on every rank, one metrics line per step (rank 0 writes it)
+    report = run(corpus, 6, world=2, eval_every=2, eval_batches=2, metrics=tmp_path / "m.jsonl", log=lines.append)
     assert [step for step, _ in report["val_losses"]] == [2, 4, 6]
     progress = [line for line in lines if line.startswith("step ")]
     assert [line.split("| val ")[1] for line in progress if "| val " in line] == \
@@ -126,6 +128,13 @@ def test_a_validation_split_too_short_for_seq(tmp_path):
     lines = []
     assert run(short, 2, eval_batches=20, log=lines.append)["val_losses"] == []
     assert f"no validation loss: {reason}" in lines
+    # exactly SEQ+1 tokens is enough: one window and its targets, the same for every batch
+    seq = len(short.val) - 1
+    cfg = TrainConfig(steps=2, batch=2, seq=seq, eval_every=1, eval_batches=2)
+    assert evaluate.check(cfg, short, log=lines.append) is cfg
+    evaluator = Evaluator(short.val, 2, seq, 2, 0, 1, numpy_ops)
+    for ids, targets in evaluator.batches:
+        assert ids.tolist() == [short.val[:-1].tolist()] * 2 and targets.tolist() == [short.val[1:].tolist()] * 2
 
 
 # ------------------------------------------------------------------------------- metrics file
@@ -166,9 +175,11 @@ class FixedLogits:
 
     def __init__(self, p, n_ctx=8):
         self.ops, self.config, self.logits = numpy_ops, SimpleNamespace(n_ctx=n_ctx), np.log(np.asarray(p))
+        self.contexts = []
 
     def forward(self, ids):
         assert ids.shape[1] <= self.config.n_ctx  # the context is cropped to the model's
+        self.contexts.append(ids[0].tolist())
         return np.broadcast_to(self.logits, (*ids.shape, self.logits.size)).astype(np.float32)
 
 
@@ -176,6 +187,7 @@ class FixedLogits:
     (1.0, None, [0.5, 0.3, 0.15, 0.05]),
     (1.0, 2, [0.625, 0.375, 0, 0]),                       # renormalised over the two likeliest
     (0.5, None, np.array([0.25, 0.09, 0.0225, 0.0025]) / 0.365),  # p ** (1 / T), renormalised
+    (1.0, 3, np.array([0.5, 0.3, 0.15, 0]) / 0.95),      # all but one: still a cut
 ])
 def test_draws_follow_the_tempered_top_k_distribution(temperature, top_k, expected):
     model = FixedLogits([0.5, 0.3, 0.15, 0.05])
@@ -183,7 +195,16 @@ def test_draws_follow_the_tempered_top_k_distribution(temperature, top_k, expect
     freq = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(freq, expected, atol=0.025)
     if top_k:
-        assert set(draws) == {0, 1}
+        assert set(draws) == set(range(top_k))
+
+
+def test_each_draw_sees_the_last_n_ctx_tokens():
+    model = FixedLogits([0.1, 0.6, 0.3], n_ctx=8)
+    prompt = list(range(100, 105))
+    new = generate(model, prompt, 10, 0, None, np.random.default_rng(0))
+    assert new == [1] * 10
+    text = prompt + new
+    assert model.contexts == [text[max(0, n - 8): n] for n in range(5, 15)]
 
 
 @pytest.mark.parametrize("temperature", [1e-3, 1e-300, 1e-320, 5e-324])
@@ -222,6 +243,37 @@ def test_same_seed_same_text_another_seed_another_text(trained):
     assert first == sample_text([*args, "--seed", "3"])
     assert first != sample_text([*args, "--seed", "4"])
     assert first.startswith("KING:") and len(first) > len("KING:")
+
+
+def test_without_a_prompt_the_draws_start_from_endoftext_which_is_not_printed(trained):
+    model, tokenizer, _ = load(trained, numpy_ops)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    new = generate(model, [eos], 12, 1.0, None, np.random.Generator(np.random.PCG64(5)))
+    assert sample_text([str(trained), "--tokens", "12", "--seed", "5"]) == \
+        tokenizer.decode(new, skip_special_tokens=False)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_refused(trained, tmp_path):
+    """A model.safetensors and config.json of 4000 ids beside the 4096-id tokenizer: a draw could be an id
+    the tokenizer has but the model has no embedding for."""
+    folder = tmp_path / "small_vocab"
+    folder.mkdir()
+    for p in trained.iterdir():
+        (folder / p.name).write_bytes(p.read_bytes())
+    tensors, meta = read_safetensors(folder / "model.safetensors")
+    tensors = {**tensors, "transformer.wte.weight": np.array(tensors["transformer.wte.weight"][:4000])}
+    config = {**json.loads((folder / "config.json").read_text()), "vocab_size": 4000}
+    manifest = json.loads((folder / "manifest.json").read_text())
+    with open(folder / "model.safetensors", "wb") as f:
+        write_safetensors(f, tensors, meta)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("model.safetensors", "config.json"):  # consistent, so that only the vocabulary is wrong
+        raw = (folder / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(XtrainError) as err:
+        load(folder, numpy_ops)
+    assert str(err.value) == f"checkpoint '{folder}': its tokenizer has more ids than the model's vocabulary (4000)"
 
 
 def sample_cli(*args):

@@ -72,6 +72,9 @@ def test_damaged_files_are_refused_by_name(tmp_path):
     assert damaged(tmp_path, good[:-4]) == "the header describes 108 bytes of data, the file holds 104 (truncated?)"
     assert damaged(tmp_path, good + b"\0") == "the header describes 108 bytes of data, the file holds 109 (truncated?)"
     assert damaged(tmp_path, struct.pack("<Q", 1 << 40) + good[8:]).startswith("its header length 1099511627776")
+    # a length past the end of the file by a few bytes, far below the reference reader's 100 MiB limit
+    assert damaged(tmp_path, struct.pack("<Q", len(good) - 5) + good[8:]) == \
+        f"its header length {len(good) - 5} exceeds the {len(good) - 8} bytes after it"
     assert damaged(tmp_path, struct.pack("<Q", 3) + b"{x}").startswith("its header is not JSON")
     entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
     assert damaged(tmp_path, with_header({"a": {**entry, "shape": [3]}}, bytes(8))) == \
@@ -82,3 +85,5 @@ def test_damaged_files_are_refused_by_name(tmp_path):
         "tensor 'a' has no valid dtype, shape and data_offsets")
     assert damaged(tmp_path, with_header({"a": {**entry, "shape": [-2]}}, bytes(8))).startswith(
         "tensor 'a' has a negative or non-integer shape or offset")
+    assert damaged(tmp_path, with_header({"__metadata__": {"format": 1}, "a": entry}, bytes(8))) == \
+        "__metadata__ is not a map of strings"

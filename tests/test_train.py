@@ -1,6 +1,9 @@
 """Exact data parallelism on thread ranks: every world size follows the world-1 loss curve, ranks hold
 bitwise-equal parameters, runs are reproducible to the bit, and training learns."""
 
+import json
+import re
+
 import numpy as np
 import pytest
 
@@ -109,6 +112,26 @@ def test_a_rank_that_raises_ends_the_run(corpus, monkeypatch):
     with pytest.raises(RankFailed) as info:
         run(corpus, 2, steps=5)
     assert str(info.value.error) == "injected failure"
+
+
+def test_a_gradient_norm_that_overflows_stops_the_run_though_the_loss_is_finite(corpus, monkeypatch, tmp_path):
+    """The loss of a step is computed before its update: a gradient of inf leaves it finite, and only the
+    norm says that the update about to be saved has made the parameters nan."""
+    real_backward = train_module.GPT2.backward
+    calls = {"n": 0}
+
+    def backward(self, on_grads_ready=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            self.grads[0] = np.inf
+        return real_backward(self, on_grads_ready)
+
+    monkeypatch.setattr(train_module.GPT2, "backward", backward)
+    with pytest.raises(RankFailed) as info:
+        run(corpus, 1, steps=3, save_dir=str(tmp_path / "ck"), save_every=1)
+    assert re.fullmatch(r"step 2: training diverged \(loss 8\.\d+, gradient norm inf\): the parameters are no "
+                        r"longer finite, so the run stops here and saves nothing; lower --lr", str(info.value.error))
+    assert json.loads((tmp_path / "ck" / "trainer_state.json").read_text())["step"] == 1
 
 
 @pytest.mark.parametrize("dtype, rtol", [("fp32", 1e-5), ("bf16", 5e-3)])
