@@ -310,6 +310,30 @@ def test_hybrid_collectives_over_threads_inside_processes(processes, threads):
         assert roots == [[float(root)] * 2 for root in range(world)]
 
 
+def test_a_collective_that_completed_is_not_undone_by_an_abort_right_after_it():
+    """Every rank of a run that diverges leaves the step's all-reduce and raises; the first to raise aborts
+    the group. A rank the all-reduce had released but that had not woken yet raised CommAborted in it
+    (threading.Barrier breaks late waiters too): rank 0 then lost its progress line, and the error named
+    whichever rank came first (tests/test_cli.py's divergence test failed one run in ten)."""
+    def rank(r, group, sums):
+        buf = np.ones(4, np.float32)
+        group.communicator(r).all_reduce(buf)
+        if r == 1:  # the first to leave the collective fails at once
+            group.abort("rank 1 failed")
+        sums[r] = buf.tolist()
+
+    for _ in range(20):
+        group, sums = LocalGroup(2, timeout_s=10), {}
+        threads = [threading.Thread(target=rank, args=(r, group, sums)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert sums == {0: [2.0] * 4, 1: [2.0] * 4}
+        with pytest.raises(CommAborted, match="rank 1 failed"):  # what comes after the abort fails
+            group.communicator(0).all_reduce(np.ones(4, np.float32))
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_variable_count_reduce_scatter_and_all_gather(world, in_place):

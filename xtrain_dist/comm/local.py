@@ -39,13 +39,47 @@ def _chunk(n: int, world: int, rank: int) -> tuple[int, int]:
     return lo, lo + base + (rank < extra)
 
 
+class _Barrier:
+    """threading.Barrier's wait and abort, except that an abort breaks only the waits it interrupts. With
+    threading.Barrier, a rank that the last arrival had released but that had not woken yet raised
+    BrokenBarrierError when a faster rank left and aborted at once: a collective that had completed
+    failed on some ranks (a diverged run lost rank 0's progress line, and named another rank)."""
+
+    def __init__(self, parties: int):
+        self._parties, self._waiting, self._generation, self._broken = parties, 0, 0, False
+        self._cond = threading.Condition()
+
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            if self._broken:
+                raise threading.BrokenBarrierError
+            generation = self._generation
+            self._waiting += 1
+            if self._waiting == self._parties:
+                self._waiting, self._generation = 0, generation + 1
+                self._cond.notify_all()
+                return
+            released = self._cond.wait_for(lambda: self._generation != generation or self._broken, timeout)
+            if self._generation != generation:  # released, whatever happened since
+                return
+            if not released:  # timed out: the barrier breaks for every rank, as threading.Barrier's does
+                self._broken = True
+                self._cond.notify_all()
+            raise threading.BrokenBarrierError
+
+    def abort(self) -> None:
+        with self._cond:
+            self._broken = True
+            self._cond.notify_all()
+
+
 class LocalGroup:
     """The state the thread ranks of one process share."""
 
     def __init__(self, world_size: int, timeout_s: float = 300.0):
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self._barrier = threading.Barrier(world_size)
+        self._barrier = _Barrier(world_size)
         self._posted = [None] * world_size
         self.abort_reason: str | None = None
 
