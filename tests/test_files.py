@@ -112,3 +112,12 @@ def test_an_unusable_results_folder_is_named_before_any_work(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "new", target_is_directory=True)
     files.check_out_dir(tmp_path / "link" / "results", "--out")  # made through the link, as the writes go
     assert list((tmp_path / "new" / "results").iterdir()) == []  # the probe is gone
+
+
+def test_paths_not_made_yet_are_one_file_where_their_symlinks_lead_there(tmp_path):
+    """--report d/x.json and --metrics link/x.json with link -> d are one file before either exists."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "link").symlink_to("d")
+    assert files.same_file(tmp_path / "d" / "x.json", tmp_path / "link" / "x.json")
+    assert files.same_file(tmp_path / "d" / "x.json", tmp_path / "d" / ".." / "d" / "x.json")
+    assert not files.same_file(tmp_path / "d" / "x.json", tmp_path / "link" / "y.json")
