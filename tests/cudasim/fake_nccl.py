@@ -27,6 +27,8 @@ import types
 import fake_cupy
 import numpy as np
 
+from xtrain_dist.comm.local import _Barrier
+
 FLOAT16, FLOAT32, FLOAT64, BFLOAT16 = 6, 7, 8, 9  # ncclDataType_t
 INT32, INT64, UINT8 = 2, 4, 1
 SUM = 0
@@ -45,7 +47,9 @@ class NcclError(RuntimeError):
 class _Clique:
     def __init__(self, nranks: int):
         self.nranks = nranks
-        self.barrier = threading.Barrier(nranks)
+        # an abort breaks only the waits it interrupts, as on a GPU, where a peer's ncclCommAbort does not
+        # undo a collective that has completed (threading.Barrier's abort would fail it on late wakers)
+        self.barrier = _Barrier(nranks)
         self.calls: list = [None] * nranks
         self.data: list = [None] * nranks
 
