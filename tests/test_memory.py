@@ -17,6 +17,7 @@ from xtrain_dist.backend.numpy_ops import NumpyBackend
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
 from xtrain_dist.errors import XtrainError
+from xtrain_dist.evaluate import Evaluator
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import make_optimizer
 from xtrain_dist.train import micro_batches
@@ -84,6 +85,34 @@ def test_every_ranks_figures_are_its_arrays(corpus, zero, dtype):
             model.backward()
         assert got.activations == max(saved), (rank, got.activations, saved)
     assert figures[0].activations > figures[1].activations == figures[2].activations
+
+
+def test_every_ranks_validation_figure_is_the_held_out_windows_it_keeps(corpus):
+    """World 3, BATCH 7, 4 evaluation batches: rank 0 keeps 3 windows a batch, ranks 1 and 2 keep 2, each
+    as ids and targets; the figure is the nbytes of the Evaluator's arrays, and counts as persistent."""
+    cfg = TrainConfig(steps=1, batch=7, seq=16, model="tiny", world_size=3, eval_batches=4)
+    figures = memory.rank_memories(model_config("tiny", corpus.vocab_size), cfg, act_itemsize=4)
+    for rank, got in enumerate(figures):
+        evaluator = Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, 3, NumpyBackend())
+        assert got.validation == sum(a.nbytes for pair in evaluator.batches for a in pair) > 0, rank
+        assert got.persistent == got.parameters + got.gradients + got.optimizer + got.validation
+    assert figures[0].validation == 3 * 4 * 16 * 2 * 4
+
+
+def test_a_held_out_set_too_large_for_the_machine_is_refused_before_it_starts(tmp_path):
+    """--eval-batches 10**9 of 16 x 64 is 4 TiB of windows a rank: refused in one line naming them, where the
+    run used to start and end in a MemoryError from numpy."""
+    run = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "16", "64", "--world-size", "2",
+                          "--eval-batches", str(10**9), "--report", str(tmp_path / "r.json")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stdout == ""
+    [line] = run.stderr.splitlines()
+    assert line.startswith("train_ddp: error: not enough memory for this run: its 2 ranks need at least "), line
+    assert "of AdamW state and 3814.70 GiB of validation windows, and one rank at a time" in line, line
+    assert line.endswith("lower BATCH, SEQ, --world-size or --eval-batches, or raise --grad-accum, or use "
+                         "--zero 1 or --attention flash"), line
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_bf16_on_a_gpu_halves_the_activations_and_the_copy_forward_reads(corpus):

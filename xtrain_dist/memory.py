@@ -1,7 +1,8 @@
 """How much memory a run needs at least, and the check that it fits before any rank starts.
 
-A rank holds its parameters, their gradients, AdamW's m and v (a shard of them under ZeRO-1) and, between
-forward and backward, the activations backward reads. Every thread rank of a process holds all of that
+A rank holds its parameters, their gradients, AdamW's m and v (a shard of them under ZeRO-1), its share of
+the held-out windows the validation loss reads and, between forward and backward, the activations backward
+reads. Every thread rank of a process holds all of that
 for itself, so `--world-size 8` on one machine needs eight times a rank's memory. Without a check, a run
 too large for the machine ends in the kernel's OOM killer ("Killed", no word of why) or, with CuPy, in an
 out-of-memory error after minutes of setup; this module turns that into one line before anything is
@@ -57,11 +58,12 @@ class RankMemory:
     gradients: int
     optimizer: int     # AdamW's m and v: the whole buffer, or this rank's ZeRO-1 shard
     activations: int   # what forward keeps for backward, for the rank's largest micro-batch
+    validation: int = 0  # its share of the --eval-batches held-out windows and their targets (int32)
 
     @property
     def persistent(self) -> int:
         """What the rank holds for the whole run."""
-        return self.parameters + self.gradients + self.optimizer
+        return self.parameters + self.gradients + self.optimizer + self.validation
 
 
 def least_bytes(needs: list[RankMemory]) -> int:
@@ -98,7 +100,9 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
         # rank r takes the sequences i % world == r, then cuts them into --grad-accum micro-batches
         rows = len(range(rank, cfg.batch, cfg.world_size))
         memories.append(RankMemory(parameters=parameters, gradients=4 * size, optimizer=2 * 4 * (hi - lo),
-                                   activations=saved_bytes(-(-rows // cfg.grad_accum))))
+                                   activations=saved_bytes(-(-rows // cfg.grad_accum)),
+                                   # evaluate.Evaluator keeps every batch's windows of this rank's rows
+                                   validation=cfg.eval_batches * rows * cfg.seq * 2 * ITEMSIZE["i32"]))
     return memories
 
 
@@ -138,12 +142,15 @@ def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) 
     least = least_bytes(needs)
     options = ["--zero 1"] if not cfg.zero else []
     options += ["--attention flash"] if cfg.attention == "standard" else []
-    remedy = "lower BATCH, SEQ or --world-size, or raise --grad-accum" + \
-        (f", or use {' or '.join(options)}" if options else "")
+    # the held-out windows are named where they matter, not as 0.6 MiB beside gigabytes of activations
+    held_out = max(n.validation for n in needs) * 100 >= least
+    lower = "BATCH, SEQ, --world-size or --eval-batches" if held_out else "BATCH, SEQ or --world-size"
+    remedy = f"lower {lower}, or raise --grad-accum" + (f", or use {' or '.join(options)}" if options else "")
     if least > available:
         top = max(needs, key=lambda n: n.persistent)
-        state = f"{gib(top.parameters)} of parameters, {gib(top.gradients)} of gradients and " \
-                f"{gib(top.optimizer)} of AdamW state"
+        state = f"{gib(top.parameters)} of parameters, {gib(top.gradients)} of gradients" + \
+            (f", {gib(top.optimizer)} of AdamW state and {gib(top.validation)} of validation windows"
+             if held_out else f" and {gib(top.optimizer)} of AdamW state")
         acts = f"{gib(max(n.activations for n in needs))} of activations kept for backward"
         if len(needs) == 1:
             detail = f"{state}, and {acts}"
