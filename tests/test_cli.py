@@ -229,3 +229,18 @@ def test_a_run_that_diverges_stops_with_one_line_and_keeps_the_checkpoint(tmp_pa
         "train_ddp: error: rank 0 failed: step 4: training diverged (loss nan, gradient norm nan): the parameters "
         "are no longer finite, so the run stops here and saves nothing; lower --lr"]
     assert {f.name: f.read_bytes() for f in ckpt.iterdir()} == before
+
+
+def test_a_run_refused_after_its_outputs_were_checked_leaves_no_folders(tmp_path):
+    """--report, --metrics and --save-dir in folders that do not exist yet are checked before anything else
+    can refuse the run (here --profile-step, checked after them): the checks probe without making the
+    folders, so the refused run leaves tmp_path as it was; a run that goes ahead makes them."""
+    outputs = ["--report", tmp_path / "a" / "b" / "r.json", "--metrics", tmp_path / "c" / "m.jsonl",
+               "--save-dir", tmp_path / "d" / "e" / "ck"]
+    assert error_line(cli(2, 2, 16, *outputs, "--profile-step", 9)) == \
+        "train_ddp: error: --profile-step 9 is not a step of this run (it runs steps 1 to 2)"
+    assert list(tmp_path.iterdir()) == []
+    assert cli(2, 2, 16, *outputs).returncode == 0
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
+        "a/b/r.json", "c/m.jsonl", *(f"d/e/ck/{name}" for name in sorted(
+            p.name for p in (tmp_path / "d" / "e" / "ck").iterdir()))]

@@ -67,8 +67,10 @@ def test_unwritable_places_are_named_before_any_work(tmp_path):
         with pytest.raises(XtrainError) as info:
             files.check_writable(path, "--out")
         assert str(info.value) == message
-    files.check_writable(tmp_path / "new" / "x.txt", "--out")
-    assert list((tmp_path / "new").iterdir()) == []  # the probe is gone
+    before = sorted(tmp_path.iterdir())
+    files.check_writable(tmp_path / "new" / "deeper" / "x.txt", "--out")
+    files.check_writable(tmp_path / "y.txt", "--out")
+    assert sorted(tmp_path.iterdir()) == before  # no probe, and no folder made for a run refused later
 
 
 def test_train_tokenizer_replaces_the_file_a_symlink_names(tmp_path):

@@ -45,6 +45,7 @@ from . import __version__
 from .config import GPTConfig, TrainConfig, model_config
 from .data import BatchSampler
 from .errors import XtrainError
+from .files import probe_in
 from .model import param_layout
 from .safetensors_io import parse_safetensors, write_safetensors
 
@@ -169,16 +170,11 @@ def prepare_save_dir(folder) -> str | None:
     if folder.is_dir() and any(folder.iterdir()) and not _is_complete(folder):
         raise XtrainError(f"--save-dir '{folder}' exists and is not an xtrain-dist checkpoint (no {MANIFEST}): "
                           "refusing to replace it; give a new or empty folder")
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise XtrainError(f"--save-dir '{folder}': cannot create '{folder.parent}' ({err.strerror})") from None
-    # the first thing a save does is make .DIR.new beside DIR: try exactly that (access() says yes to root
-    # on read-only and pseudo filesystems)
+    # the first thing a save does is make .DIR.new beside DIR, and DIR's missing parents: try that, with a
+    # probe that leaves no folder behind for a run refused later
     new, _ = _siblings(folder)
     try:
-        new.mkdir()
-        new.rmdir()
+        probe_in(new.parent, f".{new.name}.probe{os.getpid()}")
     except OSError as err:
         raise XtrainError(f"--save-dir '{folder}': cannot write into '{folder.parent}' ({err.strerror})") from None
     return note
@@ -276,6 +272,7 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
     if rank == 0:
         prepare_save_dir(folder)
         try:
+            new.parent.mkdir(parents=True, exist_ok=True)
             new.mkdir()
         except OSError as err:  # the disk filled up, or the folder's permissions changed, since the start
             raise XtrainError(f"cannot write checkpoint '{folder}' ({err.strerror or err})") from None

@@ -66,10 +66,23 @@ def _through_a_file(target: Path) -> bool:
     return any(parent.exists() and not parent.is_dir() for parent in target.parents)
 
 
+def probe_in(folder: Path, name: str) -> None:
+    """Make and remove the file `name` in `folder`, or where `folder` does not exist yet, in the nearest
+    folder on its way that does: what making the missing folders and then a file needs, tried without
+    leaving a folder behind for a run that is refused later. (access() says yes to root on read-only
+    filesystems, so the probe is a real file.) Raises OSError."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    probe = existing / name
+    probe.touch()
+    probe.unlink()
+
+
 def check_writable(path, name: str) -> None:
     """Fail before the work, not after it, where write_atomic(path, ..., name) could not write: a folder,
-    a folder path through a file, a folder without write permission. Leaves nothing behind but the
-    folders it had to make."""
+    a folder path through a file, a folder without write permission. Leaves nothing behind: missing
+    folders are made by the write, not by the check."""
     given = Path(path)
     if given.is_dir():
         raise XtrainError(f"{name} '{path}' is a folder, not a file")
@@ -80,11 +93,8 @@ def check_writable(path, name: str) -> None:
     target = Path(os.path.realpath(given))  # through symlinks: the file a link names is the one replaced
     if _through_a_file(target):
         raise XtrainError(f"{name} '{path}' cannot be written (a part of its folder is a file)")
-    probe = target.with_name(f".{target.name}.probe{os.getpid()}")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        probe.touch()
-        probe.unlink()
+        probe_in(target.parent, f".{target.name}.probe{os.getpid()}")
     except OSError as err:
         raise XtrainError(f"{name} '{path}' cannot be written ({err.strerror})") from None
 

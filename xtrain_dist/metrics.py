@@ -12,19 +12,20 @@ import json
 import os
 from pathlib import Path
 
+from . import files
 from .errors import XtrainError
 
 
 def check_path(path) -> None:
-    """Fail before training if PATH cannot be appended to."""
+    """Fail before training if PATH cannot be appended to. Leaves nothing behind (a run refused later
+    finds no empty file or new folder): an existing file is opened for appending, a new one probed."""
     path = Path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
-        with open(path, "a", encoding="utf-8"):
-            pass
-        if not existed:  # a probe: a run that then fails leaves no empty file behind
-            path.unlink()
+        if path.exists():
+            with open(path, "a", encoding="utf-8"):
+                pass
+        else:
+            files.probe_in(path.parent, f".{path.name}.probe{os.getpid()}")
     except IsADirectoryError:
         raise XtrainError(f"--metrics '{path}' is a folder, not a file") from None
     except OSError as err:
@@ -40,6 +41,7 @@ def progress_line(record: dict, steps: int) -> str:
 def append(path, record: dict) -> None:
     line = (json.dumps(record) + "\n").encode()
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # check_path made none
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             written = os.write(fd, line)
