@@ -13,6 +13,7 @@ from xtrain_dist.backend import numpy_ops
 from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.errors import XtrainError
 from xtrain_dist.launch import RankFailed, run_thread_ranks
 from xtrain_dist.model import ALIGN, GPT2
 from xtrain_dist.train_ddp import main, train
@@ -294,9 +295,11 @@ def test_accumulation_with_uneven_micro_batches(corpus):
 # ---------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("args, message", [
-    (["--bucket-mb", "0"], "--bucket-mb must be a positive number, got 0"),
-    (["--bucket-mb", "inf"], "--bucket-mb must be a positive number, got inf"),  # no bucket size to round
-    (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
+    (["--bucket-mb", "0"], "--bucket-mb must be a finite number > 0, got '0'"),
+    (["--bucket-mb", "inf"], "--bucket-mb must be a finite number > 0, got 'inf'"),  # no bucket size to round
+    (["--bucket-mb", "x"], "--bucket-mb must be a finite number > 0, got 'x'"),
+    (["--grad-accum", "0"], "--grad-accum must be a positive integer, got '0'"),
+    (["--grad-accum", "1.5"], "--grad-accum must be a positive integer, got '1.5'"),
     (["--world-size", "2", "--grad-accum", "3"],
      "BATCH (4) must be at least the world size times --grad-accum (2 x 3 = 6): every micro-batch needs a "
      "sequence on every rank"),
@@ -307,3 +310,19 @@ def test_bad_options_get_one_line(capsys, args, message):
     assert main(["2", "4", "16", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"train_ddp: error: {message}")  # argparse quotes by version
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(bucket_mb=0.0), "--bucket-mb must be a positive number, got 0"),
+    (dict(bucket_mb=float("nan")), "--bucket-mb must be a positive number, got nan"),
+    (dict(grad_accum=0), "--grad-accum must be at least 1, got 0"),
+    (dict(zero=2), "--zero must be 0 or 1, got 2"),
+    (dict(grad_sync="ring"), "unknown --grad-sync 'ring' (choose from "),
+])
+def test_a_config_built_in_code_is_checked_as_the_command_line_is(options, message):
+    """train() is called with a TrainConfig by tests and scripts, past argparse's types: the same checks
+    hold there."""
+    cfg = TrainConfig(steps=1, batch=4, seq=16, world_size=1, **options)
+    with pytest.raises(XtrainError) as raised:
+        ddp.check_config(cfg)
+    assert str(raised.value).startswith(message)

@@ -16,7 +16,7 @@ import numpy as np
 
 from .backend import BACKENDS, get_backend
 from .checkpoint import CONFIG, MODEL, TOKENIZER, open_checkpoint
-from .cli import OneLineParser, non_negative_float, positive_int, run_command, utf8_text
+from .cli import OneLineParser, non_negative_float, non_negative_int, positive_int, run_command, utf8_text
 from .errors import XtrainError
 from .model import GPT2
 
@@ -81,15 +81,13 @@ def build_parser() -> OneLineParser:
     p.add_argument("--tokens", type=positive_int, default=100, help="tokens to draw (default 100)")
     p.add_argument("--temperature", type=non_negative_float, default=1.0, help="0: always the likeliest token")
     p.add_argument("--top-k", type=positive_int, default=None, help="draw among the K likeliest tokens only")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=non_negative_int, default=1337)
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
     return p
 
 
 def sample_text(argv) -> str:
     args = build_parser().parse_args(argv)
-    if args.seed < 0:
-        raise XtrainError(f"--seed must be a non-negative integer, got {args.seed}")
     model, tokenizer, ckpt = load(args.checkpoint, get_backend(args.backend, 0))
     if ckpt.note:
         print(f"{PROG}: {ckpt.note}", file=sys.stderr)

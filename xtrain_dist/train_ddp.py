@@ -52,7 +52,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("corpus", metavar="CORPUS", nargs="?", type=non_empty_path,
                    help=f"UTF-8 text (default {DEFAULT_CORPUS})")
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
-    p.add_argument("--world-size", type=int, default=None,
+    p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--seed", type=non_negative_int, default=1337)
@@ -95,11 +95,11 @@ def build_parser() -> OneLineParser:
     sync = p.add_argument_group("gradient synchronisation, ZeRO-1 and accumulation (see docs/ddp.md)")
     sync.add_argument("--grad-sync", choices=list(ddp.STRATEGIES), default="bucketed",
                       help="when and in what pieces gradients are reduced (default bucketed)")
-    sync.add_argument("--bucket-mb", type=float, default=25.0, help="bucketed: MiB per bucket (default 25)")
+    sync.add_argument("--bucket-mb", type=positive_float, default=25.0, help="bucketed: MiB per bucket (default 25)")
     sync.add_argument("--grad-compress", choices=ddp.COMPRESSIONS, default="none",
                       help="bf16: round gradients to bfloat16 for the reduction")
     sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
-    sync.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    sync.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     prec = p.add_argument_group("precision (see README: Precision)")
     prec.add_argument("--attention", choices=ATTENTIONS, default="standard",
                       help="flash: keep one log-sum-exp per row instead of the T x T probabilities and recompute "
