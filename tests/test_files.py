@@ -112,8 +112,11 @@ def test_an_unusable_results_folder_is_named_before_any_work(tmp_path):
             files.check_out_dir(path, "--out")
         assert str(info.value) == message
     (tmp_path / "link").symlink_to(tmp_path / "new", target_is_directory=True)
-    files.check_out_dir(tmp_path / "link" / "results", "--out")  # made through the link, as the writes go
-    assert list((tmp_path / "new" / "results").iterdir()) == []  # the probe is gone
+    (tmp_path / "new").mkdir()
+    files.check_out_dir(tmp_path / "link" / "results" / "run1", "--out")  # probed through the link
+    assert list((tmp_path / "new").iterdir()) == []  # no folder made, and the probe is gone
+    files.write_atomic(tmp_path / "link" / "results" / "run1" / "a.json", "{}", "results file")
+    assert (tmp_path / "new" / "results" / "run1" / "a.json").read_text() == "{}"  # the write makes them
 
 
 def test_paths_not_made_yet_are_one_file_where_their_symlinks_lead_there(tmp_path):

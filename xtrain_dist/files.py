@@ -101,17 +101,15 @@ def check_writable(path, name: str) -> None:
 
 def check_out_dir(path, name: str) -> None:
     """check_writable for a folder that results files go into (a benchmark's --out): fail before the work,
-    not after it, where the folder is a file, goes through one, or cannot be made or written. Makes the
-    folder (the results go there next) and leaves nothing else behind."""
+    not after it, where the folder is a file, goes through one, or cannot be made or written. Leaves
+    nothing behind: a missing folder is made by the results' write (write_atomic), so a benchmark refused
+    after this check leaves no empty folder."""
     target = Path(os.path.realpath(path))  # through symlinks, as write_atomic follows them
     if target.exists() and not target.is_dir():
         raise XtrainError(f"{name} '{path}' is a file, not a folder")
     if _through_a_file(target):
         raise XtrainError(f"{name} '{path}' cannot be written (a part of its path is a file)")
-    probe = target / f".probe{os.getpid()}"
     try:
-        target.mkdir(parents=True, exist_ok=True)
-        probe.touch()
-        probe.unlink()
+        probe_in(target, f".probe{os.getpid()}")
     except OSError as err:
         raise XtrainError(f"{name} '{path}' cannot be written ({err.strerror})") from None
