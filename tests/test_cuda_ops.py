@@ -101,6 +101,29 @@ def test_encoder_backward_matches_and_is_deterministic(be, rng, b, t, c, v):
     assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
 
 
+def test_out_of_range_ids_give_nan_rows_and_no_gradient(be, rng):
+    """The kernels' documented answer to a bad batch (numpy raises IndexError instead): an id outside [0, V)
+    gives a NaN embedding row, so the loss shows it, and adds nothing to dwte. Both ends are tried, -1 and V:
+    a read or write at either would land outside wte or dwte (the simulator's guard bytes catch it)."""
+    b, t, c, v = 2, 4, 36, 50
+    bad = np.zeros((b, t), bool)
+    bad[0, 1] = bad[1, 3] = True
+    ids = token_ids(rng, (b, t), v)
+    ids[0, 1], ids[1, 3] = v, -1
+    wte, wpe, dout = randn(rng, v, c), randn(rng, t, c), randn(rng, b, t, c)
+    got = be.to_host(be.encoder_forward(be.from_host(ids), be.from_host(wte), be.from_host(wpe)))
+    assert np.all(np.isnan(got[bad])), "encoder_forward: an out-of-range id must give a NaN row"
+    check(got[~bad], ref.encoder_forward(np.where(bad, 0, ids), wte, wpe)[~bad], 0, "encoder_forward, valid rows")
+
+    dwte0, dwpe0 = randn(rng, v, c), randn(rng, t, c)
+    want_wte, want_wpe = dwte0.copy(), dwpe0 + dout.sum(axis=0)  # dwpe does not depend on the ids
+    np.add.at(want_wte, ids[~bad], dout[~bad])  # in (b, t) order, as the kernel adds
+    dwte, dwpe = be.from_host(dwte0), be.from_host(dwpe0)
+    be.encoder_backward(dwte, dwpe, be.from_host(dout), be.from_host(ids))
+    check(be.to_host(dwte), want_wte, 1e-6, "dwte")
+    check(be.to_host(dwpe), want_wpe, 1e-6, "dwpe")
+
+
 # ---------------------------------------------------------------------------- layernorm
 
 @pytest.mark.parametrize("shape", [(B, T, C), (3, 1, 30), (5, 7, 36)])
@@ -240,6 +263,31 @@ def test_classifier(be, rng, b, t, v):
     dlogits = be.from_host(logits)
     losses = be.fused_classifier(dlogits, be.from_host(targets), dloss)
     check(be.to_host(losses), want_losses, 1e-6, "fused losses")
+    check(be.to_host(dlogits), want_dlogits, 1e-5, "dlogits")
+
+
+def test_out_of_range_targets_give_nan_losses(be, rng):
+    """A target outside [0, V) gives a NaN loss (numpy raises IndexError instead) and its row of dlogits is
+    plain softmax * dloss, with no one-hot term; the other rows are unaffected. Both ends are tried, -1 and
+    V: reading the logit at either would be outside the row."""
+    b, t, v, dloss = 2, 4, 50, 0.25
+    bad = np.zeros((b, t), bool)
+    bad[0, 1] = bad[1, 3] = True
+    targets = token_ids(rng, (b, t), v)
+    targets[0, 1], targets[1, 3] = v, -1
+    safe = np.where(bad, 0, targets)  # what the oracle can index
+    logits = randn(rng, b, t, v, scale=4.0)
+    got = be.to_host(be.crossentropy_forward(be.from_host(logits), be.from_host(targets)))
+    assert np.all(np.isnan(got[bad])), "crossentropy_forward: an out-of-range target must give a NaN loss"
+    check(got[~bad], ref.crossentropy_forward(logits, safe)[~bad], 1e-6, "crossentropy_forward, valid rows")
+
+    want_dlogits = logits.copy()
+    want_losses = ref.fused_classifier(want_dlogits, safe, dloss)
+    want_dlogits[bad, 0] += np.float32(dloss)  # the oracle took dloss off at target 0: a bad row has no one-hot
+    dlogits = be.from_host(logits)
+    got = be.to_host(be.fused_classifier(dlogits, be.from_host(targets), dloss))
+    assert np.all(np.isnan(got[bad])), "fused_classifier: an out-of-range target must give a NaN loss"
+    check(got[~bad], want_losses[~bad], 1e-6, "fused losses, valid rows")
     check(be.to_host(dlogits), want_dlogits, 1e-5, "dlogits")
 
 
