@@ -308,6 +308,15 @@ def test_global_norm_and_clip_are_deterministic(be, rng, n):
         check(be.to_host(got), ref.clip_coefficient(want, max_norm), 1e-7, f"clip max_norm={max_norm}")
 
 
+def test_a_nan_norm_gives_a_nan_clip_coefficient(be):
+    """A NaN gradient must not pass as "no clipping needed": np.minimum propagates the NaN (fmin would give 1)
+    so the step, and the loss after it, show it; an infinite norm clips to 0."""
+    for norm_squared in (np.nan, np.inf):
+        host = np.array([norm_squared], np.float32)
+        got = be.to_host(be.clip_coefficient(be.from_host(host), 1.0))
+        np.testing.assert_array_equal(got, ref.clip_coefficient(host, 1.0))  # NaN equals NaN here
+
+
 def test_empty_tensors_launch_nothing(be, rng):
     """A batch of zero rows (CUDA refuses a grid of size 0): every op returns its empty result."""
     w, b = randn(rng, C), randn(rng, C)
