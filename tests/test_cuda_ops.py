@@ -444,8 +444,10 @@ def test_bf16_round_is_bitwise_the_oracle(be, rng):
     """Ties, carries into the exponent, the largest finite values, infinities and NaNs included."""
     special = np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 3.3895314e38, -3.3895314e38, np.inf, -np.inf,
                         np.nan, 1e-40, -1e-40], dtype=np.float32)
+    # NaNs with payload in the low 16 bits: the rounding carry alone would turn them into inf, -inf or 0
+    nans = np.array([0x7F800001, 0xFF800001, 0xFFFFFFFF, 0x7FBFFFFF], dtype=np.uint32).view(np.float32)
     ties = (np.arange(64, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # exactly half way
-    host = np.concatenate([special, ties, randn(rng, 10_007, scale=100.0)])
+    host = np.concatenate([special, nans, ties, randn(rng, 10_007, scale=100.0)])
     for buf in (be.from_host(host), unaligned(be, host)):
         want = host.copy()
         ref.bf16_round(want)
