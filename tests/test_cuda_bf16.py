@@ -80,6 +80,23 @@ def test_host_round_trip_is_exact(be, rng):
     assert be.from_host_act(x).dtype == np.uint16 and be.to_host(be.from_host_act(x)).dtype == np.float32
 
 
+def test_float32_buffer_ops_of_a_bf16_backend(be, rng):
+    """scale and bf16_round on a bf16 backend: gradients are float32 in every precision, so these launches
+    must be sized by 4 floats per 16 bytes, not by the backend's 8 bf16 activations (a grid sized for 8
+    elements a thread covers half the buffer). The fp32 tests cannot see that: there both are 4. n is odd,
+    so the scalar tail runs too."""
+    n = 10_001
+    buf = rng.standard_normal(n).astype(np.float32)
+    factor = np.float32(rng.uniform(0.1, 2.0))
+    got = be.from_host(buf)
+    be.scale(got, float(factor))
+    assert np.array_equal(be.to_host(got), buf * factor), "scale"
+    got, want = be.from_host(buf * 100), buf * 100
+    be.bf16_round(got)
+    REF.bf16_round(want)
+    assert np.array_equal(be.to_host(got).view(np.uint32), want.view(np.uint32)), "bf16_round"
+
+
 # ---------------------------------------------------------------------------- the bf16 weight copy
 
 @pytest.mark.parametrize("n, offset", [(100_003, 0), (7, 0), (4099, 1)])
