@@ -29,8 +29,10 @@ import numpy as np
 from xtrain_dist.precision import bf16_ulp
 
 # the GPU tests' shapes (B, T, C, NH, V): realistic; odd sizes that take the scalar paths (C, hs = C/NH and
-# V not multiples of 8 bf16); a single position
-SHAPES = {"B4-T64-C128": (4, 64, 128, 4, 4096), "B3-T7-C36-V1001": (3, 7, 36, 3, 1001), "B2-T1-C64": (2, 1, 64, 4, 50)}
+# V not multiples of 8 bf16); a single position; GPT-2's width, where a lane of the row kernels' vector
+# path (8 bf16) takes more than one chunk of a 768-channel row
+SHAPES = {"B4-T64-C128": (4, 64, 128, 4, 4096), "B3-T7-C36-V1001": (3, 7, 36, 3, 1001), "B2-T1-C64": (2, 1, 64, 4, 50),
+          "B1-T4-C768": (1, 4, 768, 12, 64)}
 
 NORM = 4e-4        # norm-wise relative error of a bf16 output
 FLOOR = 1e-5       # absolute slack, times the largest |want|, for results that cancel to near zero

@@ -29,7 +29,7 @@ from xtrain_dist.backend.numpy_ops import NumpyBackend  # noqa: E402
 from xtrain_dist.config import TrainConfig, model_config  # noqa: E402
 from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus  # noqa: E402
 from xtrain_dist.model import GPT2  # noqa: E402
-from xtrain_dist.precision import bf16_bits  # noqa: E402
+from xtrain_dist.precision import bf16_bits, bf16_ulp  # noqa: E402
 
 REF = NumpyBackend("bf16")
 CASES = [(shape, case) for shape, dims in SHAPES.items() for case in cases(*dims)]
@@ -64,13 +64,28 @@ def unaligned_act(be, host):
     return flat[1:].reshape(np.shape(host))
 
 
+def assert_rounded_within(got, want, f32_bound, what):
+    """got is bf16 and within one bf16 ulp of want (a float32 result on either side of a rounding
+    boundary) plus f32_bound (how far two correct float32 computations may differ before rounding)."""
+    assert not np.any(got.view(np.uint32) & 0xFFFF), f"{what}: values that are not bfloat16"
+    excess = np.abs(got.astype(np.float64) - want) - (bf16_ulp(want) + f32_bound)
+    i = int(np.argmax(excess))
+    assert excess[i] <= 0, f"{what}: element {i}: got {got[i]:.6g}, want {want[i]:.6g}"
+
+
 @pytest.mark.parametrize("n", [1, 1001, 4 * 4096])
 def test_elementwise_ops_on_unaligned_bf16_views(be, rng, n):
     x, d, y = (rng.standard_normal(n) * 2).astype(np.float32), rng.standard_normal(n), rng.standard_normal(n)
     x, d, y = (REF.from_host_act(a) for a in (x, d, y))
     put = lambda a: unaligned_act(be, a)  # noqa: E731
-    assert_bf16_close(be.to_host(be.gelu_forward(put(x))), REF.gelu_forward(x), "act", "gelu_forward")
-    assert_bf16_close(be.to_host(be.gelu_backward(put(d), put(x))), REF.gelu_backward(d, x), "act", "gelu_backward")
+    # gelu: elementwise bounds in x, as test_cuda_ops' float32 test has, plus the one rounding to bf16.
+    # 1 + tanh(u) cancels for x in about [-5.4, -4.2], where two correct tanhf's one ulp apart give -0 and
+    # -1.6e-7; bf16_mismatch's slack is relative to the largest |want|, which at n = 1 is that element
+    # itself, so its bounds failed there on correct kernels (0.27% of draws).
+    assert_rounded_within(be.to_host(be.gelu_forward(put(x))), REF.gelu_forward(x), 1e-6 * (1 + np.abs(x)),
+                          "gelu_forward")
+    assert_rounded_within(be.to_host(be.gelu_backward(put(d), put(x))), REF.gelu_backward(d, x),
+                          4e-6 * (1 + np.abs(x) ** 3) * np.maximum(1, np.abs(d)), "gelu_backward")
     assert_bf16_close(be.to_host(be.residual_forward(put(x), put(y))), REF.residual_forward(x, y), "act", "residual")
 
 
