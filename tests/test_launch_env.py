@@ -176,3 +176,71 @@ def test_rendezvous_addresses_bind_and_advertise_separately():
     assert rdzv_addresses(launch, None, "[::1]:4000") == (("::1", 4000), ("::1", 4000))
     with pytest.raises(XtrainError, match=r"--rdzv-advertise 'host' needs a port \(HOST:PORT\)"):
         rdzv_addresses(launch, None, "host")
+
+
+# ------------------------------------------------------------------ what mutation testing found untested
+@pytest.mark.parametrize("port, ok", [("0", False), ("65536", False), ("65535", True), ("1", True)])
+def test_master_port_must_be_a_tcp_port(port, ok):
+    env = {**TORCHRUN, "MASTER_PORT": port}
+    if ok:
+        assert detect_launch(env).master_port == int(port)
+    else:
+        with pytest.raises(XtrainError) as info:
+            detect_launch(env)
+        assert str(info.value) == f"environment variable MASTER_PORT={port} is not a TCP port (1-65535)"
+
+
+def test_a_negative_rank_is_refused():
+    with pytest.raises(XtrainError) as info:
+        detect_launch({**TORCHRUN, "RANK": "-1"})
+    assert str(info.value) == "torchrun says this is process -1 of 4"
+
+
+def test_each_launcher_s_local_rank_and_count_come_from_its_own_variables():
+    """Values that differ from every other variable of the launch, so that reading the wrong one shows."""
+    torchrun = detect_launch({**TORCHRUN, "RANK": "2", "LOCAL_RANK": "0"})  # GROUP_RANK (the node) stays 1
+    assert (torchrun.local_rank, torchrun.local_processes) == (0, 2)
+    hydra = detect_launch({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    assert (hydra.process_rank, hydra.num_processes, hydra.local_rank, hydra.local_processes) == (3, 4, 1, 2)
+    ompi = detect_launch({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "6",
+                          "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"})
+    assert (ompi.process_rank, ompi.num_processes, ompi.local_rank, ompi.local_processes) == (3, 6, 0, 3)
+
+
+def test_an_srun_job_id_names_the_step():
+    """The derived rendezvous token holds it: two steps of one job (two sruns in one batch script) on one
+    port must not take each other's processes."""
+    assert detect_launch(SRUN).job_id == "123456.0"
+    assert detect_launch({**SRUN, "SLURM_STEP_ID": "1"}).job_id == "123456.1"
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("n[8-10]", ["n8", "n9", "n10"]),  # the padding is the low end's: no n08
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+])
+def test_ranges_keep_the_padding_of_their_low_end(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist, message", [
+    ("node[3-1]", "cannot read the SLURM node list 'node[3-1]' (range '3-1' runs backwards)"),
+    ("node[a-b]", "cannot read the SLURM node list 'node[a-b]' (range 'a-b')"),
+    ("node[1-3", "cannot read the SLURM node list 'node[1-3' (unbalanced brackets)"),
+])
+def test_unreadable_nodelists_say_why(nodelist, message):
+    with pytest.raises(XtrainError) as info:
+        expand_nodelist(nodelist)
+    assert str(info.value) == message
+
+
+def test_tcp_with_cuda_is_refused_like_mpi():
+    with pytest.raises(XtrainError) as info:
+        choose_engine("tcp", "cuda", detect_launch(TORCHRUN))
+    assert str(info.value) == "--comm tcp reduces host (numpy) buffers: with --backend cuda use --comm nccl"
+
+
+@pytest.mark.parametrize("text", ["host:-1", "host:65536", "host:x", ":4000"])
+def test_rendezvous_addresses_outside_the_port_range_are_refused(text):
+    with pytest.raises(XtrainError) as info:
+        rdzv_addresses(detect_launch(TORCHRUN), None, text)
+    assert str(info.value) == f"--rdzv-advertise '{text}' is not HOST[:PORT]"
