@@ -347,3 +347,19 @@ def test_the_entry_point_does_nothing_alone_or_under_mpirun(launch, monkeypatch)
     t0 = time.monotonic()
     world_mod.report_failure_before_world(launch, "reason", timeout_s=30)
     assert time.monotonic() - t0 < 1
+
+
+def test_every_rank_hears_of_a_process_with_another_world_size_whatever_rank_it_claims():
+    """A process started for a world of 4 as its rank 3 meets a rank 0 of a world of 3: rank 3 is none of
+    this job's ranks, so it must not count as told, or rank 0 stops telling the others one rank early and
+    the last waits out its whole timeout (here: "no answer from rank 0" after 5 s)."""
+    _, addr, served = serving(3)
+    why = "rank 3 expects a world of 4 processes, rank 0 has 3"
+    with pytest.raises(XtrainError, match=f"refused rank 3: {why}$"):
+        join(addr, 3, 4, b"tok", b"cfg", timeout_s=20)
+    for rank in (1, 2):
+        with pytest.raises(XtrainError) as info:
+            join(addr, rank, 3, b"tok", b"cfg", timeout_s=5)
+        assert str(info.value) == f"rendezvous: rank 0 at 127.0.0.1:{addr[1]} refused rank {rank}: {why}"
+    with pytest.raises(XtrainError, match=f"{why}$"):
+        served.result()

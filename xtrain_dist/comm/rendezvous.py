@@ -237,7 +237,9 @@ class RendezvousServer:
     def _abort(self, news: str, lost: int, peers: list, deadline: float, error: str) -> None:
         """Rank `lost` will never join: tell the joined ranks `news`, then every joiner for a while (until
         all ranks know), so that they end now instead of at their timeout; then raise `error`."""
-        told = {0, lost, *_refuse_joined(peers, news)}
+        # `lost` counts only if it is one of this job's ranks: a process started for a larger world may claim
+        # a rank this job does not have, and counting it would stop the telling one real rank early
+        told = {0, *_refuse_joined(peers, news), *([lost] if 0 < lost < self.world else [])}
         self._tell_everyone(news, told, min(deadline - time.monotonic(), LINGER_S))
         raise XtrainError(error)
 
