@@ -13,12 +13,14 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from xtrain_dist.comm import rendezvous as rdzv
 from xtrain_dist.comm import world as world_mod
 from xtrain_dist.comm.rendezvous import RendezvousServer, join, report_failure
 from xtrain_dist.errors import XtrainError
+from xtrain_dist.launch import RankFailed, run_thread_ranks
 from xtrain_dist.launch_env import Launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,7 +247,8 @@ def serving(world, token=b"tok", timeout=60, log=None):
     return server, ("127.0.0.1", server.port), Background(server.serve, b"the id")
 
 
-def test_a_peer_that_fails_ends_rank0s_wait_at_once():
+def test_a_peer_that_fails_ends_rank0s_wait_at_once(monkeypatch):
+    monkeypatch.setattr(rdzv, "LINGER_S", 100)  # rank 0 lingers only for ranks not yet told: here none
     t0 = time.monotonic()
     _, addr, served = serving(2)
     report_failure(addr, 1, 2, b"tok", "corpus 'data/x.txt' not found\n(on node7)", timeout_s=20)
@@ -349,6 +352,29 @@ def test_the_entry_point_does_nothing_alone_or_under_mpirun(launch, monkeypatch)
     assert time.monotonic() - t0 < 1
 
 
+# ------------------------------------------------------------------ what mutation testing found untested
+def test_a_peer_with_another_world_size_ends_the_job_at_once():
+    _, addr, served = serving(2)
+    with pytest.raises(XtrainError) as info:
+        join(addr, 1, 3, b"tok", b"cfg", timeout_s=20)
+    why = "rank 1 expects a world of 3 processes, rank 0 has 2"
+    assert str(info.value) == f"rendezvous: rank 0 at 127.0.0.1:{addr[1]} refused rank 1: {why}"
+    with pytest.raises(XtrainError, match=rf"^rendezvous at 127\.0\.0\.1:{addr[1]}: refused 127\.0\.0\.1:\d+: {why}$"):
+        served.result()
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_peer_outside_the_ranks_is_refused(rank, monkeypatch):
+    monkeypatch.setattr(rdzv, "LINGER_S", 0.5)  # rank 1 never comes to be told
+    _, addr, served = serving(2)
+    with pytest.raises(XtrainError) as info:
+        join(addr, rank, 2, b"tok", b"cfg", timeout_s=20)
+    assert str(info.value) == f"rendezvous: rank 0 at 127.0.0.1:{addr[1]} refused rank {rank}: rank {rank} is " \
+                              "outside 1..1"
+    with pytest.raises(XtrainError, match=rf"refused 127\.0\.0\.1:\d+: rank {rank} is outside 1\.\.1$"):
+        served.result()
+
+
 def test_every_rank_hears_of_a_process_with_another_world_size_whatever_rank_it_claims():
     """A process started for a world of 4 as its rank 3 meets a rank 0 of a world of 3: rank 3 is none of
     this job's ranks, so it must not count as told, or rank 0 stops telling the others one rank early and
@@ -363,3 +389,155 @@ def test_every_rank_hears_of_a_process_with_another_world_size_whatever_rank_it_
         assert str(info.value) == f"rendezvous: rank 0 at 127.0.0.1:{addr[1]} refused rank {rank}: {why}"
     with pytest.raises(XtrainError, match=f"{why}$"):
         served.result()
+
+
+def test_a_second_connection_for_a_rank_that_joined_is_refused_and_the_job_goes_on():
+    """Whichever of the two arrives second is refused; the first keeps its place and starts with rank 2."""
+    logs = []
+    _, addr, served = serving(3, log=logs.append)
+    twins = [Background(join, addr, 1, 3, b"tok", b"cfg", 60) for _ in range(2)]
+    end = time.monotonic() + 20
+    while all(t.thread.is_alive() for t in twins) and time.monotonic() < end:
+        time.sleep(0.01)
+    refused = [t for t in twins if not t.thread.is_alive()]
+    assert len(refused) == 1, "neither connection for rank 1 was refused"
+    with pytest.raises(XtrainError) as info:
+        refused[0].result()
+    assert str(info.value) == f"rendezvous: rank 0 at 127.0.0.1:{addr[1]} refused rank 1: rank 1 has already joined"
+    payload, conn = join(addr, 2, 3, b"tok", b"cfg", timeout_s=20)
+    conn.close()
+    (first,) = [t for t in twins if t is not refused[0]]
+    payload_1, conn_1 = first.result()
+    conn_1.close()
+    assert payload == payload_1 == b"the id"
+    for peer in served.result()[1:]:
+        peer.close()
+    assert len(logs) == 1 and logs[0].endswith("rank 1 has already joined")
+
+
+def test_a_silent_connection_does_not_hold_rank0_up(monkeypatch):
+    """A connection that never speaks (a port scanner, a half-open socket) is dropped after the handshake
+    timeout, and the real peer behind it joins."""
+    monkeypatch.setattr(rdzv, "HANDSHAKE_TIMEOUT_S", 0.5)
+    logs = []
+    _, addr, served = serving(2, log=logs.append)
+    with socket.create_connection(addr):  # queued first: rank 0 greets it first
+        payload, conn = join(addr, 1, 2, b"tok", b"cfg", timeout_s=20)
+        conn.close()
+        assert payload == b"the id"
+        served.result()[1].close()
+    assert any(line.endswith("no valid greeting (timed out)") for line in logs), logs
+
+
+def fake_rank0(greeting, answer=None):
+    """A listener that greets with `greeting`, reads the join and then answers `answer` (None: nothing,
+    ever, while the test runs). Returns (port, stop)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.sendall(greeting)
+            rdzv._recv_exact(conn, rdzv._JOIN.size)
+            if answer is not None:
+                conn.sendall(answer)
+            stop.wait(30)
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1], stop
+
+
+def test_a_peer_that_rank0_never_answers_times_out_naming_its_wait():
+    port, stop = fake_rank0(rdzv._GREETING.pack(rdzv.MAGIC, rdzv.VERSION, bytes(32)))
+    try:
+        joining = Background(join, ("127.0.0.1", port), 1, 2, b"tok", b"cfg", 1.5)
+        with pytest.raises(XtrainError) as info:
+            joining.result(timeout=15)
+    finally:
+        stop.set()
+    assert str(info.value) == (f"rendezvous: rank 1 reached rank 0 at 127.0.0.1:{port}, but not every process "
+                               "joined within 1.5 s (rank 0 names the missing ranks)")
+
+
+def test_a_rank0_of_another_protocol_version_is_named():
+    port, stop = fake_rank0(rdzv._GREETING.pack(rdzv.MAGIC, rdzv.VERSION - 1, bytes(32)))
+    try:
+        with pytest.raises(XtrainError) as info:
+            join(("127.0.0.1", port), 1, 2, b"tok", timeout_s=20)
+    finally:
+        stop.set()
+    assert str(info.value) == (f"rendezvous: rank 0 at 127.0.0.1:{port} speaks protocol version {rdzv.VERSION - 1}, "
+                               f"this process {rdzv.VERSION}")
+
+
+def test_an_address_that_does_not_resolve_is_one_line_at_once(monkeypatch):
+    def unknown(*args, **kw):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(rdzv.socket, "create_connection", unknown)
+    t0 = time.monotonic()
+    with pytest.raises(XtrainError) as info:
+        join(("node-that-is-not.invalid", 29500), 1, 2, b"tok", timeout_s=60)
+    assert str(info.value) == ("rendezvous: cannot resolve rank 0's address node-that-is-not.invalid:29500 "
+                               "(Name or service not known)")
+    assert time.monotonic() - t0 < 5  # not retried until the timeout: a typo does not heal
+
+
+def test_a_long_failure_reason_is_cut_to_fit_the_message_and_still_ends_the_job():
+    """A FAIL may carry at most 1 KiB of reason: longer (a long path, a long error) is cut, on a character
+    boundary, rather than refused as malformed, which would leave rank 0 waiting for its timeout."""
+    _, addr, served = serving(2)
+    report_failure(addr, 1, 2, b"tok", "\u00e9" * 700, timeout_s=20)  # 1400 bytes of UTF-8
+    with pytest.raises(XtrainError) as info:
+        served.result()
+    assert str(info.value) == "process 1 failed before joining: " + "\u00e9" * 512
+
+
+def test_open_world_over_tcp_two_processes_of_two_rank_threads_on_two_nodes():
+    """Two processes (here threads of this one, each with its own Launch) of two rank threads each, as on
+    two nodes (local rank 0 on both), rank 0 binding an address the others do not use: global ranks
+    follow the process rank, the world is 4, every rank gets the process-order sum, and an abort of one
+    process reaches the other at once."""
+    port = free_port()
+    sums = [rank_values(r) for r in range(4)]
+    expected = (sums[0] + sums[1]) + (sums[2] + sums[3])
+    go_on = threading.Event()
+
+    def process(p):
+        launch = Launch("torchrun", process_rank=p, num_processes=2, local_rank=0, master_addr="127.0.0.1",
+                        master_port=port, job_id="job42")
+        world = world_mod.open_world("tcp", launch=launch, local_world=2, timeout_s=60, rdzv_timeout_s=20,
+                                     rdzv_bind=f"127.0.0.1:{port}", rdzv_advertise=f"localhost:{port}",
+                                     log=lambda line: None)
+        assert world.world_size == 4
+
+        def body(local, comm):
+            assert comm.rank == world.global_rank(local) == 2 * p + local
+            buf = rank_values(comm.rank)
+            comm.all_reduce(buf)
+            return buf
+
+        first = run_thread_ranks(2, body, group=world)
+        if p == 0:
+            go_on.wait(20)
+            world.abort("process 0 stops")
+            world.close()
+            return first, None
+        go_on.set()
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed) as info:
+            run_thread_ranks(2, lambda local, comm: comm.barrier(), group=world)
+        world.close()
+        return first, (time.monotonic() - t0, str(info.value))
+
+    processes = [Background(process, p) for p in range(2)]
+    (first_0, _), (first_1, (waited, error)) = (p.result(timeout=60) for p in processes)
+    assert [b.tobytes() for b in first_0 + first_1] == [expected.tobytes()] * 4
+    assert "the connection to rank 0 broke in barrier" in error, error
+    assert waited < SOON
+
+
+def rank_values(rank):
+    return np.arange(5, dtype=np.float32) * np.float32(10.0 ** rank) + np.float32(rank / 3)
