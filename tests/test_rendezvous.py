@@ -503,14 +503,15 @@ def test_open_world_over_tcp_two_processes_of_two_rank_threads_on_two_nodes():
     port = free_port()
     sums = [rank_values(r) for r in range(4)]
     expected = (sums[0] + sums[1]) + (sums[2] + sums[3])
-    go_on = threading.Event()
+    go_on, done = threading.Event(), threading.Event()
 
     def process(p):
         launch = Launch("torchrun", process_rank=p, num_processes=2, local_rank=0, master_addr="127.0.0.1",
                         master_port=port, job_id="job42")
+        # --rdzv-bind is rank 0's option: the others only know the advertised address
         world = world_mod.open_world("tcp", launch=launch, local_world=2, timeout_s=60, rdzv_timeout_s=20,
-                                     rdzv_bind=f"127.0.0.1:{port}", rdzv_advertise=f"localhost:{port}",
-                                     log=lambda line: None)
+                                     rdzv_bind=f"127.0.0.1:{port}" if p == 0 else None,
+                                     rdzv_advertise=f"localhost:{port}", log=lambda line: None)
         assert world.world_size == 4
 
         def body(local, comm):
@@ -523,12 +524,14 @@ def test_open_world_over_tcp_two_processes_of_two_rank_threads_on_two_nodes():
         if p == 0:
             go_on.wait(20)
             world.abort("process 0 stops")
+            done.wait(30)  # the abort alone must reach process 1: its sockets stay open until then
             world.close()
             return first, None
         go_on.set()
         t0 = time.monotonic()
         with pytest.raises(RankFailed) as info:
             run_thread_ranks(2, lambda local, comm: comm.barrier(), group=world)
+        done.set()
         world.close()
         return first, (time.monotonic() - t0, str(info.value))
 
