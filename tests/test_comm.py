@@ -232,7 +232,8 @@ def test_tcp_refuses_a_peer_with_another_buffer_size():
                       lambda c: c.all_reduce(np.ones(4, np.float32)))
     assert raised[0] == ("all_reduce aborted: rank 1 sent 16 bytes in all_reduce where rank 0 expects 32: "
                          "the processes disagree on the buffer size")
-    assert raised[1] is not None  # told by the closed connection
+    # told by the connection rank 0 closed as it aborted, not by its own timeout
+    assert raised[1].startswith("all_reduce aborted: the connection to rank 0 broke in all_reduce"), raised[1]
 
 
 def test_tcp_refuses_a_peer_one_collective_behind():
@@ -287,6 +288,7 @@ def test_hybrid_collectives_over_threads_inside_processes(processes, threads):
         send = rank_data(rank, n, seed=4)
         shard = np.full(counts[rank], np.nan, np.float32)
         comm.reduce_scatter(send, shard, counts)
+        assert send.tobytes() == rank_data(rank, n, seed=4).tobytes(), "reduce_scatter changed its send buffer"
         gathered = np.full(n, np.nan, np.float32)
         comm.all_gather(np.full(counts[rank], rank, np.float32), gathered, counts)
         roots = []
@@ -417,3 +419,159 @@ def test_timed_communicator_counts_spans_on_its_clock_and_only_the_owners_as_exp
     comm_s, exposed_s, calls = timed.take()
     assert (comm_s, exposed_s, calls) == (2 * 2.0, 2.0 + 2.0, 2)  # 4 ticks: 2 "seconds"
     assert timed.take() == (0.0, 0.0, 0)
+
+
+# ------------------------------------------------------------------ what mutation testing found untested
+def test_tcp_names_a_peer_that_does_not_answer_in_time():
+    comm_0, comm_1 = tcp_pair(timeout_s=0.5)
+    t0 = time.monotonic()
+    raised = run_pair(comm_0, comm_1, lambda c: c.all_reduce(np.ones(4, np.float32)), lambda c: None)
+    assert raised[0] == ("all_reduce aborted: rank 0 waited more than 0.5 s for rank 1 in all_reduce: a peer process "
+                         "is stuck or dead")
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("call", ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"])
+def test_tcp_after_an_abort_every_collective_fails_also_in_a_world_of_one(call):
+    comm = TcpCommunicator(0, 1, [None])
+    comm.abort("interrupted")
+    buf = np.zeros(4, np.float32)
+    args = {"all_reduce": (buf,), "reduce_scatter": (buf, buf.copy()), "all_gather": (buf, buf.copy()),
+            "broadcast": (buf,), "barrier": ()}[call]
+    with pytest.raises(CommAborted) as info:
+        getattr(comm, call)(*args)
+    assert str(info.value).endswith("aborted: interrupted")
+
+
+def test_tcp_reduce_scatter_leaves_its_send_buffer_as_it_was():
+    comm_0, comm_1 = tcp_pair()
+    sends = [rank_data(r, 6) for r in range(2)]
+    shards = [np.empty(3, np.float32) for _ in range(2)]
+    raised = run_pair(comm_0, comm_1, lambda c: c.reduce_scatter(sends[0], shards[0]),
+                      lambda c: c.reduce_scatter(sends[1], shards[1]))
+    assert raised == [None, None]
+    assert [s.tobytes() for s in sends] == [rank_data(r, 6).tobytes() for r in range(2)]
+    total = sends[0] + sends[1]
+    assert [s.tobytes() for s in shards] == [total[:3].tobytes(), total[3:].tobytes()]
+
+
+def test_hybrid_barrier_holds_every_thread_until_every_rank_arrived():
+    """Not only the leaders: a thread that left before the last rank of another process arrived would run
+    ahead of it. (The sleep only makes a wrong barrier show; a right one passes whatever the timing.)"""
+    entered = [False] * 4
+
+    def body(rank, comm):
+        if rank == 3:
+            time.sleep(0.3)  # the last to arrive: a thread of the other process, not its leader
+        entered[rank] = True
+        comm.barrier()
+        return list(entered)
+
+    for seen in run_thread_ranks(4, body, group=HybridGroup(2, 2)):
+        assert seen == [True] * 4
+
+
+def test_hybrid_abort_reaches_the_other_processes():
+    group = HybridGroup(2, 2)
+    group.communicator(1).abort("rank 1 failed")  # process 0's second thread: not its leader
+    with pytest.raises(CommAborted, match="rank 1 failed"):
+        group.inter.communicator(1).barrier()  # process 1's leader, across processes
+
+
+def test_ctrl_c_aborts_the_ranks_waiting_in_a_collective(monkeypatch):
+    """Ctrl-C reaches the launcher's thread while it waits for the ranks: it must abort the group, so a rank
+    blocked in a collective ends at once instead of at the communicator's timeout (here 60 s). The
+    interrupt is raised by the launcher's first wait for a rank, so it comes while the ranks run."""
+    import threading as real_threading
+
+    from xtrain_dist import launch as launch_module
+
+    class InterruptedThread(real_threading.Thread):
+        interrupted = False
+
+        def join(self, timeout=None):
+            if timeout == 0.05 and not InterruptedThread.interrupted:
+                InterruptedThread.interrupted = True
+                raise KeyboardInterrupt
+            return super().join(timeout)
+
+    monkeypatch.setattr(launch_module, "threading", type("T", (), {"Thread": InterruptedThread,
+                                                                    "Lock": real_threading.Lock}))
+    seen = {}
+
+    def body(rank, comm):
+        if rank == 0:
+            try:
+                comm.barrier()  # rank 1 never comes
+            except CommAborted as e:
+                seen[rank] = str(e)
+                raise
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_thread_ranks(2, body, timeout_s=60)
+    assert seen == {0: "barrier aborted: interrupted"}
+    assert time.monotonic() - t0 < 4  # not the launcher's 5 s join of a rank that never ended
+
+
+# the MPI communicator's waiting, without MPI: a stand-in request that never completes
+def mpi_comm(timeout_s):
+    from xtrain_dist.comm.mpi import MpiCommunicator
+    comm = MpiCommunicator.__new__(MpiCommunicator)  # no MPI_Init: only the logic around the requests
+    comm.rank, comm.world_size, comm.timeout_s, comm.abort_reason, comm.comm = 1, 2, timeout_s, None, None
+    return comm
+
+
+class NeverDone:
+    def __init__(self, on_test=None):
+        self.tests, self.on_test = 0, on_test
+
+    def Test(self):  # noqa: N802 (mpi4py's name)
+        self.tests += 1
+        if self.on_test:
+            self.on_test(self.tests)
+        return False
+
+
+def bounded(fn, seconds=10):
+    """fn() on a daemon thread; what it raised (or None), or a failure if it is still running after `seconds`."""
+    outcome = []
+
+    def run():
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as e:  # handed back
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting after {seconds} s"
+    return outcome[0]
+
+
+def test_mpi_a_collective_that_never_completes_times_out():
+    comm = mpi_comm(0.3)
+    error = bounded(lambda: comm._wait(NeverDone(), "all_reduce"))
+    assert isinstance(error, CommAborted)
+    assert str(error) == "all_reduce aborted: rank 1 waited more than 0.3 s in all_reduce: a peer process is stuck or dead"
+
+
+def test_mpi_an_abort_ends_a_pending_collective():
+    comm = mpi_comm(60)
+    request = NeverDone(lambda n: n == 3 and comm.abort("rank 0 failed"))  # another thread aborts meanwhile
+    error = bounded(lambda: comm._wait(request, "broadcast"))
+    assert isinstance(error, CommAborted) and str(error) == "broadcast aborted: rank 0 failed"
+
+
+@pytest.mark.parametrize("call", ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"])
+def test_mpi_after_an_abort_no_collective_starts(call):
+    comm = mpi_comm(60)
+    comm.abort("rank 0 failed")
+    buf = np.zeros(4, np.float32)
+    args = {"all_reduce": (buf,), "reduce_scatter": (buf, np.zeros(2, np.float32)),
+            "all_gather": (np.zeros(2, np.float32), buf), "broadcast": (buf,), "barrier": ()}[call]
+    with pytest.raises(CommAborted) as info:
+        getattr(comm, call)(*args)
+    assert str(info.value) == f"{call} aborted: rank 0 failed"
