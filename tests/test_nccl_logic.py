@@ -135,9 +135,11 @@ def test_threads_of_a_process_init_in_one_group_on_their_own_devices(fake):
     assert all(comm.nranks == 4 for comm in fake.comms)
     comms = [world.communicator(local) for local in range(2)]
     assert [(c.rank, c.world_size, c.device) for c in comms] == [(2, 4, 2), (3, 4, 3)]
+    fake.log.clear()
     world.close()
-    assert [e for e in fake.log if e[0] in ("finalize", "destroy")] == [("finalize", 2), ("finalize", 3),
-                                                                     ("destroy", 2), ("destroy", 3)]
+    # the ranks share this thread: their finalizes in one group, as their inits
+    assert fake.log == [("group_start",), ("finalize", 2), ("finalize", 3), ("group_end",), ("destroy", 2),
+                        ("destroy", 3)]
 
 
 def test_collectives_hand_nccl_pointers_counts_types_and_the_stream(fake):
@@ -251,6 +253,72 @@ def test_two_ranks_on_one_gpu_in_one_process_is_refused(fake):
     from xtrain_dist.errors import XtrainError
     with pytest.raises(XtrainError, match=r"NCCL refuses two ranks on one GPU in one process \(devices \[0, 0\]\)"):
         nccl_module.open_nccl_world(Launch("single"), 2, [0, 0])
+
+
+def test_an_operation_still_in_progress_is_not_an_error(fake):
+    """ncclInProgress (a non-blocking init or abort still running) is not a failure: no abort."""
+    world = world_of(fake)
+    comm, polls = fake.comms[0], []
+    comm.async_error = 7
+    comm.get_async_error = lambda: polls.append(1) or 7
+    assert wait_for(lambda: len(polls) >= 3)
+    assert world.abort_reason is None and not any(c.aborted for c in fake.comms)
+    world.close()
+
+
+def test_finished_collectives_are_retired_and_never_time_out(fake):
+    world = world_of(fake, timeout_s=0.2)
+    world.communicator(0).all_reduce(Buf(4))  # the stand-in GPU finishes at once
+    assert wait_for(lambda: not world.pending[0], seconds=5), "a finished collective stayed pending"
+    assert world.abort_reason is None
+    world.close()
+
+
+def test_a_failed_init_aborts_the_ranks_already_made_and_says_so(fake):
+    from xtrain_dist.errors import XtrainError
+    init = fake.nccl.Communicator.init
+
+    def failing_init(nranks, rank, uid):
+        if rank == 3:
+            raise RuntimeError("ncclSystemError: system error")
+        return init(nranks, rank, uid)
+
+    fake.nccl.Communicator = SimpleNamespace(init=failing_init)
+    with pytest.raises(XtrainError) as info:
+        world_of(fake)
+    assert str(info.value) == "NCCL could not form the world of 4 ranks: ncclSystemError: system error"
+    assert [(c.rank, c.aborted) for c in fake.comms] == [(2, True)]
+
+
+class Conn:
+    def __init__(self):
+        self.closed = False
+
+    def shutdown(self, how):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_process_of_several_takes_its_slice_of_the_gpus_and_rank0s_id(fake, monkeypatch):
+    """Process 1 of 2 (local rank 1) with 2 threads on a node of 4 GPUs: GPUs 2 and 3; it makes no id of
+    its own but takes rank 0's from the rendezvous, whose connections it then closes (NCCL makes its own)."""
+    from xtrain_dist.comm import world as world_mod
+    conns, sent = [Conn()], []
+
+    def rendezvous(launch, payload, **kw):
+        sent.append((launch.process_rank, payload))
+        return b"RZ" * 64, conns
+
+    monkeypatch.setattr(world_mod, "rendezvous", rendezvous)
+    launch = Launch("torchrun", process_rank=1, num_processes=2, local_rank=1)
+    world = nccl_module.open_nccl_world(launch, 2, None)
+    assert world.devices == [2, 3]
+    assert sent == [(1, bytes(128))]
+    assert [e[1:3] + e[4:] for e in fake.log if e[0] == "init"] == [(2, 2, ("uid", b"RZRZ")), (3, 3, ("uid", b"RZRZ"))]
+    assert all(c.closed for c in conns)
+    world.close()
 
 
 # ------------------------------------------------------------------ the stand-in against the real nccl4py
