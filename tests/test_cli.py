@@ -245,3 +245,96 @@ def test_a_run_refused_after_its_outputs_were_checked_leaves_no_folders(tmp_path
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
         "a/b/r.json", "c/m.jsonl", *(f"d/e/ck/{name}" for name in sorted(
             p.name for p in (tmp_path / "d" / "e" / "ck").iterdir()))]
+
+
+# ------------------------------------------------------------------ what mutation testing found untested
+def test_ctrl_c_is_one_line_and_status_130(capsys):
+    from xtrain_dist.cli import run_command
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_command("prog", interrupted) == 130
+    assert capsys.readouterr().err == "prog: interrupted\n"
+
+
+@pytest.fixture(scope="module")
+def shipped_corpus():
+    from xtrain_dist.data import Corpus
+    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+
+def prepare(loaded, launch=None, **fields):
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.launch_env import Launch
+    from xtrain_dist.train_ddp import _prepare
+    cfg = TrainConfig(**{"steps": 2, "batch": 2, "seq": 16, "eval_batches": 0, **fields}).resolved()
+    return _prepare(cfg, loaded, launch or Launch("single"), 1, lambda line: None)
+
+
+def test_the_configuration_fingerprint_ignores_what_may_differ_between_nodes(shipped_corpus, tmp_path):
+    """The same tokens from files at other paths, and other outputs, are the same run; another seed is not."""
+    fingerprint = prepare(shipped_corpus)[4]
+    elsewhere = prepare(shipped_corpus, tokenizer="/node7/tok.json", corpus="/node7/corpus.txt",
+                        report=str(tmp_path / "r.json"), metrics=str(tmp_path / "m.jsonl"), log_every=5)[4]
+    assert elsewhere == fingerprint
+    assert prepare(shipped_corpus, seed=8)[4] != fingerprint
+
+
+def test_only_process_0_needs_a_writable_report(shipped_corpus, tmp_path):
+    """Process 0 writes the report; another node need not have its folder."""
+    from xtrain_dist.errors import XtrainError
+    from xtrain_dist.launch_env import Launch
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("")
+    report = str(blocker / "r.json")  # a part of its folder is a file: nobody can write it
+    rank1 = Launch("torchrun", process_rank=1, num_processes=2, master_addr="127.0.0.1", master_port=29500)
+    assert prepare(shipped_corpus, rank1, report=report, world_size=2)[0] == "tcp"
+    with pytest.raises(XtrainError, match="cannot be written"):
+        prepare(shipped_corpus, Launch("single"), report=report)
+
+
+def test_blas_threads_are_shared_with_the_other_processes_on_the_node(shipped_corpus, monkeypatch):
+    """2 rank threads in each of 2 processes on a node of 8 cores: 2 BLAS threads per rank, not 4."""
+    from xtrain_dist import train_ddp
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.launch_env import Launch
+
+    class Stop(Exception):
+        pass
+
+    asked = []
+
+    def limits(n, user_api):
+        asked.append((n, user_api))
+        raise Stop  # the number is all this test needs: no training
+
+    monkeypatch.setattr(train_ddp, "available_cores", lambda: 8)
+    monkeypatch.setattr(train_ddp, "threadpool_limits", limits)
+    cfg = TrainConfig(steps=1, batch=2, seq=16, world_size=2, eval_batches=0).resolved()
+    with pytest.raises(Stop):
+        train_ddp.train(cfg, shipped_corpus, log=lambda line: None, launch=Launch("single", local_processes=2))
+    assert asked == [(2, "blas")]
+
+
+def test_a_process_that_cannot_start_tells_the_others_within_its_rdzv_timeout(tmp_path):
+    """Rank 0 of 2 misses its corpus: it answers the others for --rdzv-timeout (here 1 s), not 30 s."""
+    import socket
+    import time
+
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.errors import XtrainError
+    from xtrain_dist.launch_env import Launch
+    from xtrain_dist.train_ddp import train
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = Launch("torchrun", process_rank=0, num_processes=2, master_addr="127.0.0.1", master_port=port)
+    missing = tmp_path / "nope.txt"
+    cfg = TrainConfig(steps=1, batch=2, seq=16, world_size=2, tokenizer=DEFAULT_TOKENIZER, corpus=str(missing),
+                      rdzv_timeout_s=1).resolved()
+    t0 = time.monotonic()
+    with pytest.raises(XtrainError) as info:
+        train(cfg, launch=launch, log=lambda line: None)
+    assert str(info.value) == f"corpus '{missing}' not found"
+    assert time.monotonic() - t0 < 10

@@ -350,3 +350,12 @@ def test_the_nccl_world_needs_nccl4py_and_a_gpu():
     from xtrain_dist.errors import XtrainError
     with pytest.raises(XtrainError, match=r"^--comm nccl needs (CuPy|nccl4py|a CUDA GPU)"):
         open_world("nccl", local_world=1)
+
+
+@needs_mpi
+def test_a_lone_mpi_process_that_fails_ends_with_its_own_line_and_status():
+    """mpirun -n 1: nobody to take down with MPI_Abort, whose own lines and status would bury the error."""
+    out = run([str(MPIRUN), "-n", "1", sys.executable, "-m", "xtrain_dist.train_ddp", "2", "2", "16", "--comm", "mpi",
+               "--profile-step", "9"], timeout=120)
+    assert (out.returncode, out.stderr) == (2, "train_ddp: error: --profile-step 9 is not a step of this run (it runs "
+                                               "steps 1 to 2)\n")
