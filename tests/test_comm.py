@@ -526,7 +526,7 @@ class NeverDone:
     def __init__(self, on_test=None):
         self.tests, self.on_test = 0, on_test
 
-    def Test(self):  # noqa: N802 (mpi4py's name)
+    def Test(self):  # mpi4py's name
         self.tests += 1
         if self.on_test:
             self.on_test(self.tests)
@@ -555,7 +555,8 @@ def test_mpi_a_collective_that_never_completes_times_out():
     comm = mpi_comm(0.3)
     error = bounded(lambda: comm._wait(NeverDone(), "all_reduce"))
     assert isinstance(error, CommAborted)
-    assert str(error) == "all_reduce aborted: rank 1 waited more than 0.3 s in all_reduce: a peer process is stuck or dead"
+    assert str(error) == ("all_reduce aborted: rank 1 waited more than 0.3 s in all_reduce: a peer process is stuck "
+                          "or dead")
 
 
 def test_mpi_an_abort_ends_a_pending_collective():
