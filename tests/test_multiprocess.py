@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 
 from xtrain_dist.config import TrainConfig
 from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.errors import XtrainError
 from xtrain_dist.train_ddp import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -327,13 +329,37 @@ def test_a_process_that_cannot_start_ends_its_tcp_peer_at_once(tmp_path, failing
     assert elapsed < 60, f"the healthy process waited {elapsed:.0f} s"
 
 
+WORLD_SIZE_3_OF_2 = ("--world-size 3 does not match the launch: torchrun started 2 processes, and every process "
+                     "hosts the same number of rank threads, so the world size must be a multiple of 2 (or omit it)")
+
+
 def test_world_size_that_does_not_fit_the_launch_is_one_line():
-    out = run([sys.executable, "-m", "xtrain_dist.train_ddp", "5", "8", "32", "--world-size", "3"],
-              RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    # rank 0 with no peer: it tells joiners why for --rdzv-timeout (at most 30 s), read from the command line
+    # that failed to parse
+    t0 = time.monotonic()
+    out = run([sys.executable, "-m", "xtrain_dist.train_ddp", "5", "8", "32", "--world-size", "3",
+               "--rdzv-timeout", "1"], RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     assert out.returncode == 2
-    assert out.stderr.strip() == ("train_ddp: error: --world-size 3 does not match the launch: torchrun started 2 "
-                                  "processes, and every process hosts the same number of rank threads, so the world "
-                                  "size must be a multiple of 2 (or omit it)")
+    assert out.stderr.strip() == f"train_ddp: error: {WORLD_SIZE_3_OF_2}"
+    assert time.monotonic() - t0 < 20, "rank 0 lingered past --rdzv-timeout 1"
+
+
+def test_a_command_line_that_does_not_parse_is_reported_where_rdzv_advertise_says():
+    """Behind NAT, MASTER_ADDR may not reach rank 0: a process whose arguments fail tells rank 0 at
+    --rdzv-advertise, as a process failing later does, so rank 0 ends now and not at its timeout."""
+    from xtrain_dist.comm.rendezvous import RendezvousServer
+
+    server = RendezvousServer(("127.0.0.1", 0), 2, b"tok", timeout_s=60)
+    waiting = ThreadPoolExecutor(1).submit(server.serve, b"the id")
+    t0 = time.monotonic()
+    out = run([sys.executable, "-m", "xtrain_dist.train_ddp", "5", "8", "32", "--world-size", "3",
+               "--rdzv-advertise", f"127.0.0.1:{server.port}"],
+              RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), XTRAIN_RDZV_TOKEN="tok")
+    assert out.returncode == 2 and out.stderr.strip() == f"train_ddp: error: {WORLD_SIZE_3_OF_2}"
+    with pytest.raises(XtrainError) as info:
+        waiting.result(timeout=60)
+    assert str(info.value) == f"process 1 failed before joining: {WORLD_SIZE_3_OF_2}"
+    assert time.monotonic() - t0 < 30
 
 
 # ---------------------------------------------------------------------------------------------- no silent fallback
@@ -347,7 +373,6 @@ def test_the_nccl_world_needs_nccl4py_and_a_gpu():
     if Path("/dev/nvidia0").exists():
         pytest.skip("this machine has a GPU")
     from xtrain_dist.comm.world import open_world
-    from xtrain_dist.errors import XtrainError
     with pytest.raises(XtrainError, match=r"^--comm nccl needs (CuPy|nccl4py|a CUDA GPU)"):
         open_world("nccl", local_world=1)
 

@@ -402,12 +402,27 @@ def main(argv=None) -> int:
     return code
 
 
+def _rendezvous_options(argv: list[str]) -> dict:
+    """--rdzv-bind, --rdzv-advertise and --rdzv-timeout from a command line that did not parse: where to tell
+    the other processes about it (behind NAT the default address may not reach rank 0) and for how long.
+    Their defaults where they are missing, or are what is wrong."""
+    p = OneLineParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--rdzv-bind", dest="bind")
+    p.add_argument("--rdzv-advertise", dest="advertise")
+    p.add_argument("--rdzv-timeout", dest="timeout_s", type=positive_float, default=300.0)
+    try:
+        options = vars(p.parse_known_args(argv)[0])
+    except XtrainError:
+        options = {"bind": None, "advertise": None, "timeout_s": 300.0}
+    return {**options, "timeout_s": min(options["timeout_s"], 30.0)}
+
+
 def _main(argv: list[str]) -> int:
     try:
         cfg = parse_config(argv)
     except XtrainError as err:  # a bad argument on one node: the other processes learn it now, not at their timeout
         with contextlib.suppress(XtrainError):
-            report_failure_before_world(detect_launch(), str(err))
+            report_failure_before_world(detect_launch(), str(err), **_rendezvous_options(argv))
         raise
     try:
         report = train(cfg)
