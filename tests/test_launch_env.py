@@ -239,8 +239,17 @@ def test_tcp_with_cuda_is_refused_like_mpi():
     assert str(info.value) == "--comm tcp reduces host (numpy) buffers: with --backend cuda use --comm nccl"
 
 
-@pytest.mark.parametrize("text", ["host:-1", "host:65536", "host:x", ":4000"])
+@pytest.mark.parametrize("text", ["host:-1", "host:65536", "host:x", ":4000", "host:", "[::1]junk", "[::1", "[::1]:",
+                                  "[::1]x4000", "[]:4000"])
 def test_rendezvous_addresses_outside_the_port_range_are_refused(text):
     with pytest.raises(XtrainError) as info:
         rdzv_addresses(detect_launch(TORCHRUN), None, text)
     assert str(info.value) == f"--rdzv-advertise '{text}' is not HOST[:PORT]"
+
+
+@pytest.mark.parametrize("text, address", [("[::1]:4000", ("::1", 4000)), ("[fe80::1%eth0]", ("fe80::1%eth0", 29512)),
+                                           ("10.0.0.7:4000", ("10.0.0.7", 4000)), ("0.0.0.0", ("0.0.0.0", 29512))])
+def test_rendezvous_bind_addresses_in_every_accepted_form(text, address):
+    """A bind address without a port takes the advertised one (MASTER_PORT + 1 under torchrun)."""
+    bind, advertise = rdzv_addresses(detect_launch(TORCHRUN), text, None)
+    assert bind == address and advertise == ("node7", 29512)

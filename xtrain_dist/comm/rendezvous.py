@@ -62,8 +62,10 @@ def parse_hostport(text: str, default_port: int | None, what: str) -> tuple[str,
     """'host', 'host:port', '[v6addr]:port' -> (host, port)."""
     host, port = text, None
     if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else None
+        host, closed, rest = text[1:].partition("]")
+        if not closed or rest[:1] not in ("", ":"):  # '[::1' and '[::1]junk' are typos, not ::1 on the default port
+            raise XtrainError(f"{what} '{text}' is not HOST[:PORT]")
+        port = rest[1:] if rest else None
     elif text.count(":") == 1:
         host, port = text.split(":")
     if port is None and default_port is None:
