@@ -59,6 +59,13 @@ def test_same_command_twice_gives_the_same_bits(corpus, world1):
     assert twice[0] == twice[1]
 
 
+def test_a_config_made_in_code_trains_on_the_shipped_data_by_default(world1):
+    """TrainConfig without tokenizer or corpus, and no Corpus given: the shipped files, as the command line
+    does (they were '' and read as the current folder: "tokenizer '.' is a directory")."""
+    cfg = TrainConfig(steps=20, batch=8, seq=32, model="tiny", seed=7).resolved()
+    assert train(cfg, log=lambda line: None)["param_sha256"] == world1["param_sha256"]
+
+
 def test_batch_not_divisible_by_world_is_still_exact(corpus):
     """5 sequences on 2 ranks (3 + 2) is the same optimisation problem as 5 on 1 rank."""
     one = run(corpus, 1, batch=5, steps=10)

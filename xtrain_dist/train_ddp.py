@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -280,6 +280,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     """Everything a process checks and loads before it meets the others: (engine, corpus, devices, cfg,
     config fingerprint, the verified checkpoint to resume from or None), or one XtrainError naming what
     is wrong."""
+    if corpus is None:  # a TrainConfig made in code trains on the shipped data where it names none, as the CLI does
+        cfg = replace(cfg, tokenizer=cfg.tokenizer or str(DEFAULT_TOKENIZER), corpus=cfg.corpus or str(DEFAULT_CORPUS))
     check_outputs(cfg)
     gpus = 0
     if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
