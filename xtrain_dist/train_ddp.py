@@ -415,7 +415,7 @@ def _rendezvous_options(argv: list[str]) -> dict:
     try:
         options = vars(p.parse_known_args(argv)[0])
     except XtrainError:
-        options = {"bind": None, "advertise": None, "timeout_s": 300.0}
+        options = vars(p.parse_args([]))
     return {**options, "timeout_s": min(options["timeout_s"], 30.0)}
 
 
