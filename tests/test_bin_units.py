@@ -327,3 +327,47 @@ def test_prepare_corpus_tidies_whitespace_and_refuses_boilerplate():
         "the pretext of a licence\n\n\n\nB\n"
     with pytest.raises(XtrainError, match=r"^b_gut.txt:2 looks like licence boilerplate: 'an eBook'$"):
         prepare.build_corpus({"a_gut.txt": "A", "b_gut.txt": "B\nan eBook"})
+
+
+# ------------------------------------------------------------------------------- bench_ddp
+def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
+    """Step time: the median over every timed step of every repeat (and its minimum); comm and exposed:
+    the median of the repeats; ranks equal only if they were in every repeat; vs flat: this row's step
+    time over the flat row's; buckets: how many the gradient is cut into."""
+    pytest.importorskip("matplotlib")
+    bench_ddp = load("bench_ddp")
+    from xtrain_dist.ddp import bucket_bounds
+
+    grad_bytes = 3 * (1 << 20) + 400
+    calls = {}
+
+    def run_one(c, args, corpus):
+        name = bench_ddp.name(c)
+        k = calls[name] = calls.get(name, -1) + 1  # the repeat
+        flat = c["grad_sync"] == "flat" and not c.get("zero")
+        return {"step_ms_all": [10.0 + k, 40.0 * k] if flat else [5.0, 6.0 + 100 * k],
+                "comm_ms": [1.0, 2.0, 9.0][k], "exposed_ms": [0.5, 0.2, 0.8][k], "calls": 3,
+                "losses": [4.0, 3.0 + (0.3 if c.get("zero") else 0.0)], "param_sha256": "z" if c.get("zero") else "a",
+                "ranks_equal": not (name == "per-param" and k == 1), "param_bytes": 800, "grad_bytes": grad_bytes,
+                "optimizer_state_bytes": 800 if c.get("zero") else 1600, "num_params": 200}
+
+    monkeypatch.setattr(bench_ddp, "run_one", run_one)
+    monkeypatch.setattr(bench_ddp, "check_config", lambda cfg, corpus: None)
+    monkeypatch.setattr(bench_ddp, "Corpus", types.SimpleNamespace(load=lambda *a: None))
+    monkeypatch.setattr("sys.argv", ["bench_ddp", "--model", "tiny", "--repeats", "3", "--buckets", "0.5,2",
+                                     "--out", str(tmp_path)])
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    assert bench_ddp.main() == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "ddp.json").read_text())["rows"]}
+    flat, per_param, b05 = rows["flat"], rows["per-param"], rows["bucketed 0.5 MiB"]
+    assert flat["step_ms"] == statistics.median([10.0, 0.0, 11.0, 40.0, 12.0, 80.0]) == 11.5
+    assert flat["step_ms_min"] == 0.0 and flat["step_ms_runs"] == [[10.0, 0.0], [11.0, 40.0], [12.0, 80.0]]
+    assert b05["step_ms"] == 5.5 and b05["vs_flat"] == 5.5 / 11.5 and flat["vs_flat"] == 1.0
+    assert (flat["comm_ms"], flat["exposed_ms"], flat["repeats"]) == (2.0, 0.5, 3)
+    assert not per_param["ranks_equal"] and flat["ranks_equal"]
+    assert b05["buckets"] == len(bucket_bounds(grad_bytes // 4, 0.5)) == 7 and rows["bucketed 2 MiB"]["buckets"] == 2
+    assert flat["buckets"] is None and b05["same_bits_as_flat"] and not rows["flat + ZeRO-1"]["same_bits_as_flat"]
+    assert rows["flat + ZeRO-1"]["max_loss_rel_diff_vs_flat"] == pytest.approx(0.1)
+    md = (tmp_path / "ddp.md").read_text()
+    assert "| flat | 3 | 11.5 | 0.0 | 1.00 | 2.0 | 0.5 | 75% | 0.0 | 3.0 | 0.0 | = flat |" in md
+    assert "| per-param | 3 | 5.5 | 5.0 | 0.48 | 2.0 | 0.5 | 75% | 0.0 | 3.0 | 0.0 | ranks differ! |" in md

@@ -185,3 +185,51 @@ def test_forward_matches_hugging_face_gpt2():
     grads = {s.name: model.grads[s.offset: s.offset + s.size].reshape(s.shape) for s in model.layout}
     for name, g in grads.items():
         np.testing.assert_allclose(g, hf_grads[name], rtol=1e-7, atol=1e-10, err_msg=name)
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_the_torch_peer_is_our_model(sdpa):
+    """xtrain_dist.torch_gpt2 (the peer bin/bench_cpu and bin/bench_gpu race, and whose losses they
+    report next to ours) computes our loss and every gradient for the same weights. Random weights of
+    std 0.3: at the init's 0.02 a GELU approximation, a layernorm eps, the attention scale or a leaky
+    mask moved the benchmarks' loss comparison by less than its tolerance."""
+    torch = pytest.importorskip("torch")
+    from xtrain_dist import torch_gpt2
+
+    cfg = SMALL
+    model = GPT2(cfg, numpy_ops, seed=5, dtype=np.float64)
+    rng = np.random.default_rng(4)
+    model.params[:] = (rng.standard_normal(model.size) * 0.3).astype(np.float32)  # the peer's are float32
+    peer = torch_gpt2.build(cfg, model.state_dict(), sdpa=sdpa).double()
+    assert sorted(peer.state_dict()) == sorted(model.state_dict())  # tied: no separate classifier weight
+    ids = rng.integers(0, cfg.vocab_size, (2, cfg.n_ctx)).astype(np.int32)
+    targets = rng.integers(0, cfg.vocab_size, (2, cfg.n_ctx)).astype(np.int32)
+    model.zero_grad()
+    losses = model.forward(ids, targets, 1.0 / ids.size)
+    model.backward()
+    loss = peer(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(targets.astype(np.int64)))
+    loss.backward()
+    assert loss.item() == pytest.approx(losses.mean(), rel=1e-12)
+    peer_grads = {k: p.grad.numpy() for k, p in peer.named_parameters()}
+    for s in model.layout:
+        np.testing.assert_allclose(peer_grads[s.name], model.grads[s.offset: s.offset + s.size].reshape(s.shape),
+                                   rtol=1e-9, atol=1e-12, err_msg=s.name)
+
+
+def test_presets_are_openai_gpt2_sizes_and_shapes_are_checked():
+    """The gpt2-* presets have the parameter counts of OpenAI's GPT-2 (Hugging Face's gpt2, gpt2-medium,
+    gpt2-large, tied classifier) at its vocabulary of 50257; a bad shape is one clear error."""
+    from xtrain_dist.checkpoint import layout_size
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.errors import XtrainError
+
+    for preset, count in (("gpt2-124m", 124_439_808), ("gpt2-350m", 354_823_168), ("gpt2-774m", 774_030_080)):
+        cfg = model_config(preset, 50257)
+        assert (layout_size(cfg), cfg.n_ctx) == (count, 1024), preset
+    with pytest.raises(XtrainError, match=r"^n_embd \(10\) must be divisible by n_head \(4\)$"):
+        GPTConfig(vocab_size=8, n_head=4, n_embd=10)
+    for name, bad in (("n_layer", 0), ("vocab_size", True), ("n_ctx", 2.0)):
+        with pytest.raises(XtrainError, match=rf"^{name} must be a positive integer, got {bad!r}$"):
+            GPTConfig(**{"vocab_size": 8, "n_head": 2, "n_embd": 8, name: bad})
+    cfg = TrainConfig(steps=200, batch=1, seq=1, lr=3e-3).resolved()
+    assert (cfg.min_lr, cfg.warmup_steps, cfg.lr_decay_steps) == (pytest.approx(3e-4), 10, 200)
