@@ -44,6 +44,7 @@ def test_a_profiled_step_is_the_same_step_and_every_op_is_counted(rng):
     assert flops["matmul_forward"] == 2 * B * T * (L * block_weights + C * 512)
     assert flops["matmul_backward"] == 2 * flops["matmul_forward"]
     assert flops["attention_forward"] == 4 * B * T * T * C * L
+    assert flops["attention_backward"] == 8 * B * T * T * C * L  # dq, dk from the scores; datt, dv from y
     assert 0 < report["ops_s"] <= report["span_s"] and report["gaps_s"] == report["span_s"] - report["ops_s"]
 
 
@@ -123,3 +124,37 @@ def test_bench_gpu_writes_the_profile_of_our_step(rng):
     assert "| matmul_backward | 9 |" in text and "| adamw_update | 1 |" in text
     # the memory column compares what each allocator holds from the driver, and says so
     assert "| loss (1st) | peak GiB held |" in text and "torch.cuda.max_memory_reserved for PyTorch" in text
+
+
+def test_rows_rate_and_order_and_what_is_not_recorded():
+    """TFLOP/s is flops / seconds / 1e12; ops come slowest first; calls from another thread (the bucketed
+    sync's communication thread) and calls while switched off are not recorded."""
+    import threading
+
+    class Backend(TickBackend):
+        def slow(self):
+            self.now += 2.0
+
+        def fast(self):
+            self.now += 1.0
+
+    backend = Backend()
+    profiler = OpProfiler(backend)
+    profiler.fast()
+    profiler.slow()
+    report = profiler.report()
+    assert [t.name for t in report["ops"]] == ["slow", "fast"]
+    report["ops"][0].flops = 5e12  # 5e12 flops in 2 s
+    rows = OpProfiler.rows(report)
+    assert rows[0]["tflops"] == 2.5 and rows[1]["tflops"] is None
+    assert "| slow | 1 | 2000.00 | 66.7% | 2.5 |" in OpProfiler.markdown(report)
+    profiler.reset()
+    other = threading.Thread(target=profiler.fast)
+    other.start()
+    other.join()
+    profiler.active = False
+    profiler.slow()
+    assert profiler.report()["ops"] == [] and backend.now == 6.0  # the calls ran, untimed
+    profiler.active = True
+    profiler.fast()
+    assert [(t.name, t.calls) for t in profiler.report()["ops"]] == [("fast", 1)]
