@@ -288,3 +288,13 @@ def test_train_tokenizer_names_the_path_and_writes_nothing_on_failure(tmp_path):
     assert [(t["id"], t["content"], t["special"]) for t in saved["added_tokens"]] == [(299, "<|endoftext|>", True)]
     assert all(chr(c) in vocab for c in range(ord("!"), ord("~") + 1)) and "Ġ" in vocab  # bytes never in the corpus
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "empty.txt", "latin1.txt", "tt.json"]
+
+
+def test_kernel_errors_checks_its_output_files_before_measuring(tmp_path):
+    """Not after a GPU session's minute of measuring, when it writes them (nor after CuPy is looked for)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    assert error("kernel_errors", "--json", "/proc/x/e.json", env=env) == \
+        "--json '/proc/x/e.json' cannot be written (No such file or directory)"
+    assert error("kernel_errors", "--json", tmp_path / "e.json", "--markdown", tmp_path, env=env) == \
+        f"--markdown '{tmp_path}' is a folder, not a file"
+    assert list(tmp_path.iterdir()) == []
