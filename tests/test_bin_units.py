@@ -371,3 +371,34 @@ def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
     md = (tmp_path / "ddp.md").read_text()
     assert "| flat | 3 | 11.5 | 0.0 | 1.00 | 2.0 | 0.5 | 75% | 0.0 | 3.0 | 0.0 | = flat |" in md
     assert "| per-param | 3 | 5.5 | 5.0 | 0.48 | 2.0 | 0.5 | 75% | 0.0 | 3.0 | 0.0 | ranks differ! |" in md
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="the simulator compiles kernels with g++")
+def test_bench_gpu_rows_on_the_cuda_simulator(tmp_path):
+    """bin/bench_gpu's CUDA path end to end on tests/cudasim: tokens/s, MFU against the peak given, the
+    ratio of our row to itself, and a first loss that is our model's on the script's batch."""
+    import subprocess
+    import sys
+
+    from xtrain_dist.backend import numpy_ops
+    from xtrain_dist.config import model_config
+    from xtrain_dist.model import GPT2
+
+    out = subprocess.run([sys.executable, str(BIN.parent / "tests" / "cudasim" / "run.py"), str(BIN / "bench_gpu"),
+                          "--presets", "tiny", "--shapes", "2x32", "--torch-modes", "", "--precisions", "fp32",
+                          "--steps", "1", "--warmup", "0", "--peak-tflops", "2", "--no-profile", "--vocab", "512",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (path,) = tmp_path.glob("bench_gpu-*.json")
+    data = json.loads(path.read_text())
+    assert data["header"]["peak_tflops"] == {"fp32": 2.0, "tf32": 2.0, "bf16": 2.0}
+    (row,) = data["rows"]
+    mcfg = model_config("tiny", 512)
+    model = GPT2(mcfg, numpy_ops, seed=1)
+    flops = load("bench_gpu").flops_per_token(mcfg, model.num_params, 32) * 64
+    assert row["tokens_per_s"] == pytest.approx(64 / row["ms"] * 1e3)
+    assert row["mfu"] == pytest.approx(flops / (row["ms"] * 1e-3) / 2e12)
+    assert row["ours_over_this"] == 1.0
+    ids = np.random.default_rng(1).integers(0, 512, (2, 32)).astype(np.int32)
+    assert row["first_loss"] == pytest.approx(float(model.forward(ids, np.roll(ids, -1, axis=1)).mean()), rel=1e-5)
+    assert f"| tiny | 2 x 32 | fp32 | ours | {row['ms']:.1f} |" in path.with_suffix(".md").read_text()
