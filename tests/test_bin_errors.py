@@ -85,7 +85,8 @@ def test_plot_metrics_names_what_it_cannot_use(tmp_path):
     (["--worlds", "2,0"], "--worlds must be positive integers separated by commas, got '2,0'"),
     (["--sizes", "4K,big"], "--sizes must be sizes such as 4K, 10M or 1G, got 'big'"),
     (["--sizes", "4", "--worlds", "2"], "--sizes 4 B is below one float32 per rank at world 2 (8 bytes)"),
-    (["--sizes", "4", "--worlds", "2,1"], "--sizes 4 B is below one float32 per rank at world 2 (8 bytes)"),
+    (["--sizes", "4", "--worlds", "2,1", "--out", "/proc/x"],  # the largest world, not the first or smallest
+     "--sizes 4 B is below one float32 per rank at world 2 (8 bytes)"),
     (["--iters", "0"], "--iters must be a positive integer, got '0'"),
     (["--warmup", "-1"], "--warmup must be an integer >= 0, got '-1'"),
     (["--budget-mb", "nan"], "--budget-mb must be a finite number > 0, got 'nan'"),
@@ -170,6 +171,14 @@ def test_benchmarks_check_their_out_folder_before_running(tmp_path, name):
         assert error(name, *RUNNABLE[name], "--out", out) == message
     assert a_file.read_text() == "kept"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["outfile"] + ["locked"] * (os.geteuid() != 0))
+
+
+def test_bench_cpu_without_pytorch_is_one_line(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None  # as if not installed\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    assert error("bench_cpu", *RUNNABLE["bench_cpu"], "--out", tmp_path / "r", env=env) == \
+        "PyTorch is not installed (pip install 'xtrain-dist[bench]')"
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("comm, message", [

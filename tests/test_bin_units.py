@@ -257,7 +257,8 @@ def test_gpu_session_summary_reports_each_step(tmp_path):
     import subprocess
     import sys
     (tmp_path / "environment.txt").write_text("GPU: H100\n")
-    (tmp_path / "pytest_cuda.txt").write_text("....\nSKIPPED [1] tests/x.py: why\n1 failed, 40 passed in 9s\nnoise\n")
+    (tmp_path / "pytest_cuda.txt").write_text("....\nSKIPPED [1] tests/x.py: why\n1 failed, 40 passed in 9s\nnoise\n"
+                                              "=== 2 failed in 3s ===\n")
     (tmp_path / "skipped.txt").write_text("# racecheck: not on this image\n")
     (tmp_path / "sanitizer_memcheck.txt").write_text("========= ERROR SUMMARY: 1 error\n"
                                                      "========= ERROR SUMMARY: 0 errors\n")
@@ -275,7 +276,8 @@ def test_gpu_session_summary_reports_each_step(tmp_path):
     text = (tmp_path / "cuda_results.md").read_text()
     assert out.stdout == text
     assert "77 s in all." in text and "- tests: exit 1\n" in text and "- kernel_errors: exit 3\n" in text
-    assert "  - SKIPPED [1] tests/x.py: why\n  - 1 failed, 40 passed in 9s\n- curves: exit 0" in text
+    assert "  - SKIPPED [1] tests/x.py: why\n  - 1 failed, 40 passed in 9s\n  - === 2 failed in 3s ===\n" \
+           "- curves: exit 0" in text
     assert "  - memcheck: ERROR SUMMARY: 0 errors\n  - racecheck: did not run\n- racecheck: not on this image" in text
     for name in ("kernel_errors.md", "kernel_errors_bf16.md", "kernel_errors_tf32.md"):
         assert f"table of {name}" in text
@@ -402,3 +404,31 @@ def test_bench_gpu_rows_on_the_cuda_simulator(tmp_path):
     ids = np.random.default_rng(1).integers(0, 512, (2, 32)).astype(np.int32)
     assert row["first_loss"] == pytest.approx(float(model.forward(ids, np.roll(ids, -1, axis=1)).mean()), rel=1e-5)
     assert f"| tiny | 2 x 32 | fp32 | ours | {row['ms']:.1f} |" in path.with_suffix(".md").read_text()
+
+
+def test_bench_cpu_peer_trains_like_our_trainer():
+    """bench_cpu's PyTorch side runs our optimizer: AdamW with weight decay on the matrices only, the
+    trainer's lr schedule and gradient clipping. With a decay and an lr large enough to move the loss in
+    four steps, its losses are the trainer's to float32 rounding (without the decay they differ by 0.08)."""
+    pytest.importorskip("torch")
+    bench_cpu = load("bench_cpu")
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+
+    corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    cfg = TrainConfig(steps=4, batch=2, seq=16, model="tiny", seed=1, lr=1e-2, weight_decay=30.0,
+                      grad_clip=0.5).resolved()
+    ours = bench_cpu.train(cfg, corpus, log=lambda line: None)["losses"]
+    theirs = bench_cpu.torch_steps(cfg, corpus, 4, sdpa=False)[1]
+    assert np.max(np.abs(np.array(ours) - theirs)) < 1e-4
+
+
+def test_fit_overhead_model_reads_the_newest_results_by_default(tmp_path, monkeypatch):
+    fit = load("fit_overhead_model")
+    monkeypatch.setattr(fit.bench, "REPO", tmp_path)
+    with pytest.raises(XtrainError, match=r"^no bench/cpu/\*/ddp.json: run bin/bench_ddp first, or pass the file$"):
+        fit.newest("ddp.json", "bench_ddp")
+    for day in ("2026-03-01", "2026-11-20", "2026-01-02"):
+        (tmp_path / "bench" / "cpu" / day).mkdir(parents=True)
+        (tmp_path / "bench" / "cpu" / day / "ddp.json").write_text("{}")
+    assert fit.newest("ddp.json", "bench_ddp") == tmp_path / "bench" / "cpu" / "2026-11-20" / "ddp.json"
