@@ -42,6 +42,28 @@ def test_bench_gpu_flops_per_token_is_nanogpts_count():
     assert bench_gpu.flops_per_token(mcfg, n, 1024) == 855_166_464
 
 
+def test_bench_gpu_flags_a_row_whose_first_loss_is_not_ours():
+    """Both sides start from the same weights and batch: a first loss off ours by more than rounding means
+    the row ran another model (its speed then compares nothing), and the table says so."""
+    bench_gpu = load("bench_gpu")
+    group = [{"impl": "ours", "first_loss": 10.0}, {"impl": "ours flash", "first_loss": 10.0 * (1 + 5e-3)},
+             {"impl": "torch eager", "first_loss": 10.0 * (1 - 2e-2)}, {"impl": "torch compile", "error": "OOM"},
+             {"impl": "torch eager-math", "first_loss": float("nan")}]
+    bench_gpu.flag_loss_mismatches(group, "bf16")  # 1e-2: the flash row's 5e-3 is bf16 rounding
+    assert [r["impl"] for r in group if "loss_mismatch" in r] == ["torch eager", "torch eager-math"]
+    assert group[2]["loss_mismatch"] == "first loss 9.80000 vs ours 10.00000"
+    fp32 = [{"impl": "ours", "first_loss": 10.0}, {"impl": "torch eager", "first_loss": 10.0 * (1 + 5e-3)}]
+    bench_gpu.flag_loss_mismatches(fp32, "fp32")  # 1e-4 in float32
+    assert "loss_mismatch" in fp32[1]
+    header = {k: "x" for k in ("date", "command", "git_commit", "gpu", "sm_count", "memory_gib", "driver",
+                               "cuda_driver_api", "cuda_runtime", "cupy", "torch", "python", "peak_tflops",
+                               "steps", "warmup")}
+    rows = [{**r, "preset": "small", "batch": 2, "seq": 8, "precision": "fp32", "ms": 1.0, "ms_events": 1.0,
+             "tokens_per_s": 16e3, "mfu": None, "peak_mem_gib": 0.1} for r in fp32]
+    table = [line for line in bench_gpu.markdown(header, rows).splitlines() if line.startswith("| small")]
+    assert "(MISMATCH)" not in table[0] and "10.05000 (MISMATCH)" in table[1]
+
+
 def test_bench_gpu_peak_for_names_the_parts_nvidia_smi_reports():
     bench_gpu = load("bench_gpu")
     sxm = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4}
