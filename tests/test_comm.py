@@ -135,13 +135,17 @@ def test_after_an_abort_every_collective_fails_also_in_a_world_of_one(call):
     group = LocalGroup(1)
     group.abort("interrupted")
     group.abort("a later reason")  # the first reason is the one reported
-    comm = group.communicator(0)
+    with pytest.raises(CommAborted) as info:
+        call_alone(group.communicator(0), call)
+    assert str(info.value).endswith("aborted: interrupted")
+
+
+def call_alone(comm, call: str):
+    """The collective `call` on the one rank of a world of one, on small buffers."""
     buf = np.zeros(4, np.float32)
     args = {"all_reduce": (buf,), "reduce_scatter": (buf, buf.copy()), "all_gather": (buf, buf.copy()),
             "broadcast": (buf,), "barrier": ()}[call]
-    with pytest.raises(CommAborted) as info:
-        getattr(comm, call)(*args)
-    assert str(info.value).endswith("aborted: interrupted")
+    return getattr(comm, call)(*args)
 
 
 def test_the_peers_of_a_failing_rank_are_released_and_told_which_rank_failed():
@@ -435,11 +439,8 @@ def test_tcp_names_a_peer_that_does_not_answer_in_time():
 def test_tcp_after_an_abort_every_collective_fails_also_in_a_world_of_one(call):
     comm = TcpCommunicator(0, 1, [None])
     comm.abort("interrupted")
-    buf = np.zeros(4, np.float32)
-    args = {"all_reduce": (buf,), "reduce_scatter": (buf, buf.copy()), "all_gather": (buf, buf.copy()),
-            "broadcast": (buf,), "barrier": ()}[call]
     with pytest.raises(CommAborted) as info:
-        getattr(comm, call)(*args)
+        call_alone(comm, call)
     assert str(info.value).endswith("aborted: interrupted")
 
 
