@@ -198,20 +198,31 @@ def test_bench_cpu_row_is_the_median_of_the_timed_steps(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
     bench_cpu = load_script("bench_cpu")
+    import torch
+
     from xtrain_dist.config import TrainConfig
 
     rounds = iter(range(2))
-    monkeypatch.setattr(bench_cpu, "train", lambda cfg, corpus, log: {
-        "step_ms": [1000.0, 10.0, 20.0 + 10 * next(rounds)], "losses": [5.0, 4.0, 3.0]})
+
+    def train(cfg, corpus, log):
+        assert cfg.cpu_threads == 1 == torch.get_num_threads()  # --threads reaches both sides
+        return {"step_ms": [1000.0, 10.0, 20.0 + 10 * next(rounds)], "losses": [5.0, 4.0, 3.0]}
 
     def torch_steps(cfg, corpus, steps, sdpa):
         assert steps == 3
         return ([500.0, 4.0, 6.0] if sdpa else [900.0, 30.0, 50.0]), [5.0, 4.0, 3.5]
 
+    monkeypatch.setattr(bench_cpu, "train", train)
     monkeypatch.setattr(bench_cpu, "torch_steps", torch_steps)
-    args = types.SimpleNamespace(batch=2, seq=8, steps=2, warmup=1, repeats=2, out=tmp_path)
-    bench_cpu.run(args, None, [TrainConfig(steps=3, batch=2, seq=8, model="tiny").resolved()])
-    (row,) = json.loads((tmp_path / "cpu_step.json").read_text())["rows"]
+    args = types.SimpleNamespace(batch=2, seq=8, steps=2, warmup=1, repeats=2, threads=1, out=tmp_path)
+    threads_before = torch.get_num_threads()
+    try:
+        bench_cpu.run(args, None, [TrainConfig(steps=3, batch=2, seq=8, model="tiny").resolved()])
+    finally:
+        torch.set_num_threads(threads_before)
+    data = json.loads((tmp_path / "cpu_step.json").read_text())
+    assert data["threads"] == 1 and "; 1 thread for BLAS and PyTorch)" in (tmp_path / "cpu_step.md").read_text()
+    (row,) = data["rows"]
     assert row["numpy_ms"] == statistics.median([10.0, 20.0, 10.0, 30.0]) == 15.0
     assert (row["torch_ms"], row["torch_sdpa_ms"]) == (40.0, 5.0)
     assert (row["numpy_ms_min"], row["torch_ms_min"], row["torch_sdpa_ms_min"]) == (10.0, 30.0, 4.0)
