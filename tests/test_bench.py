@@ -84,8 +84,12 @@ def test_ddp_rows_and_exactness(results):
     data = json.loads((out / "ddp.json").read_text())
     names = [r["name"] for r in data["rows"]]
     assert names == ["per-param", "flat", "bucketed 0.1 MiB", "bucketed 1 MiB", "flat + ZeRO-1",
-                     "bucketed 25 MiB + ZeRO-1"]
-    plain = [r for r in data["rows"] if not r["zero"]]
+                     "bucketed 25 MiB + ZeRO-1", "PyTorch DDP (gloo)"]
+    *ours, peer = data["rows"]
+    # PyTorch's DDP, run by the script's own processes: the same run as our flat row to float32 rounding
+    assert peer["ranks_equal"] and peer["max_loss_rel_diff_vs_flat"] < 1e-5
+    assert peer["param_bytes"] == ours[0]["param_bytes"] and peer["comm_ms"] is None
+    plain = [r for r in ours if not r["zero"]]
     assert all(r["same_bits_as_flat"] and r["ranks_equal"] for r in plain)
     zero = [r for r in data["rows"] if r["zero"]]
     full = plain[0]["optimizer_state_bytes"]

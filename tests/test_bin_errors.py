@@ -102,9 +102,20 @@ def test_bench_collectives_bad_arguments(args, message):
     (["--repeats", "0"], "--repeats must be a positive integer, got '0'"),
     (["--world", "0"], "--world must be a positive integer, got '0'"),
     (["--batch", "1", "--world", "2"], "--batch (1) must be at least --world (2): every rank needs a sequence"),
+    (["--batch", "3", "--world", "2"], "the PyTorch DDP row needs --world (2) to divide --batch (3), so that its "
+                                       "ranks' mean losses average to the batch's: change one or pass --peer none"),
 ])
 def test_bench_ddp_bad_arguments(args, message):
     assert error("bench_ddp", *args) == message
+
+
+def test_bench_ddp_without_pytorch_is_one_line(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None  # as if not installed\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    assert error("bench_ddp", "--out", tmp_path / "r", env=env) == ("PyTorch is not installed (pip install "
+                                                                  "'xtrain-dist[bench]'), and the last row is PyTorch "
+                                                                  "DDP: install it or pass --peer none")
+    assert not (tmp_path / "r").exists()
 
 
 def test_bench_ddp_checks_every_row_before_running_any():
@@ -145,7 +156,8 @@ def test_bench_gpu_bad_arguments_cost_no_device_time(args, message):
 # each would run (briefly) if its --out were good: an empty stdout (error() checks it) is a run not begun
 RUNNABLE = {
     "bench_collectives": ["--worlds", "2", "--sizes", "4K", "--iters", "1", "--warmup", "0"],
-    "bench_ddp": ["--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--repeats", "1", "--buckets", "1"],
+    "bench_ddp": ["--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--repeats", "1", "--buckets", "1",
+                  "--peer", "none"],
     "bench_cpu": ["--presets", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0"],
     "bench_gpu": ["--presets", "small", "--shapes", "1x64", "--torch-modes", ""],  # the GPU is never reached
 }

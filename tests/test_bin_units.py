@@ -369,7 +369,14 @@ def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
                 "ranks_equal": not (name == "per-param" and k == 1), "param_bytes": 800, "grad_bytes": grad_bytes,
                 "optimizer_state_bytes": 800 if c.get("zero") else 1600, "num_params": 200}
 
+    def run_peer(args):
+        k = calls["peer"] = calls.get("peer", -1) + 1
+        return {"step_ms_all": [20.0 + k], "comm_ms": None, "exposed_ms": None, "calls": None,
+                "losses": [4.0, 3.0 * 1.01], "param_sha256": None, "ranks_equal": True, "param_bytes": 800,
+                "grad_bytes": 800, "optimizer_state_bytes": 1600, "num_params": 200}
+
     monkeypatch.setattr(bench_ddp, "run_one", run_one)
+    monkeypatch.setattr(bench_ddp, "run_peer", run_peer)
     monkeypatch.setattr(bench_ddp, "check_config", lambda cfg, corpus: None)
     monkeypatch.setattr(bench_ddp, "Corpus", types.SimpleNamespace(load=lambda *a: None))
     monkeypatch.setattr("sys.argv", ["bench_ddp", "--model", "tiny", "--repeats", "3", "--buckets", "0.5,2",
@@ -389,6 +396,13 @@ def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
     md = (tmp_path / "ddp.md").read_text()
     assert "| flat | 3 | 11.5 | 0.0 | 1.00 | 2.0 | 0.5 | 75% | 0.0 | 3.0 | 0.0 | = flat |" in md
     assert "| per-param | 3 | 5.5 | 5.0 | 0.48 | 2.0 | 0.5 | 75% | 0.0 | 3.0 | 0.0 | ranks differ! |" in md
+    # the PyTorch DDP row: run in every repeat, interleaved; what PyTorch does not tell is "-"
+    peer = rows["PyTorch DDP (gloo)"]
+    assert calls["peer"] == 2 and peer["step_ms"] == 21.0 and peer["vs_flat"] == 21.0 / 11.5
+    assert peer["comm_ms"] is None and peer["buckets"] is None
+    assert peer["max_loss_rel_diff_vs_flat"] == pytest.approx(0.01)
+    assert "| PyTorch DDP (gloo) | - | 21.0 | 20.0 | 1.83 | - | - | - | 0.0 | 0.0 | 0.0 | ranks equal; loss Δ 1e-02 |" \
+        in md
 
 
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="the simulator compiles kernels with g++")

@@ -1,13 +1,19 @@
 """The same GPT-2 in PyTorch: the peer that the benchmarks race and a second implementation to check against.
 
 Same parameter names, shapes (Conv1D (in, out) weights), tied embedding and initial values as
-model.GPT2 (load its state_dict). torch is imported here only: it is a benchmark and test extra,
-never a dependency of the trainer.
+model.GPT2 (load its state_dict), the same optimizer step (`adamw`, `train_step`), and the same
+data-parallel run in PyTorch's own DDP (`ddp_run`: gloo, one process per rank). torch is imported here
+only: it is a benchmark and test extra, never a dependency of the trainer.
 """
 
 import math
+import tempfile
+import time
+from pathlib import Path
 
-from .config import GPTConfig
+import numpy as np
+
+from .config import GPTConfig, TrainConfig, model_config
 
 
 def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu", sdpa: bool = True):
@@ -69,3 +75,102 @@ def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu"
         # ParameterDict entries are named "...c_attn.weight" like Hugging Face's, so names match as they are
         module.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()}, strict=True)
     return module.to(device)
+
+
+def adamw(module, cfg: TrainConfig):
+    """torch.optim.AdamW set up as our optim.AdamW: weight decay on the matrices (and embeddings) only."""
+    import torch
+
+    decay = [p for p in module.parameters() if p.dim() == 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def train_step(model, opt, ids, targets, step: int, cfg: TrainConfig):
+    """One optimizer step as our trainer takes it: forward, backward, global-norm clipping, the lr of
+    `step` (from 0) on our schedule, AdamW. Returns the loss and the gradient norm before clipping, as
+    tensors (reading them is the caller's sync)."""
+    import torch
+
+    from .optim import lr_at
+
+    opt.zero_grad(set_to_none=False)
+    loss = model(ids, targets)
+    loss.backward()  # under DDP: the ranks' gradients are averaged bucket by bucket as backward runs
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    opt.step()
+    return loss, norm
+
+
+def ddp_run(cfg: TrainConfig, world: int, threads: int = 1, sdpa: bool = True) -> dict:
+    """Train `cfg` (resolved; the shipped data where it names none) in PyTorch DDP: `world` processes on this
+    machine, gloo over loopback, `threads` torch threads each, the same initial weights and the same
+    global batches, rank r taking the sequences i % world == r as ours do.
+
+    DDP averages the ranks' gradients of their local mean losses; with equal shards (world divides
+    BATCH) that is the gradient of the global-batch mean loss, which our ranks get by summing gradients
+    of losses scaled by 1/(BATCH*SEQ). So the two runs compute the same thing by different code and
+    should agree to float32 rounding. Returns {"step_ms": per step (rank 0), "losses": global-batch
+    mean losses, "grad_norms": before clipping, "params": rank 0's final parameters by name,
+    "ranks_equal": every rank's parameters bitwise equal to rank 0's}."""
+    import torch.multiprocessing as mp
+
+    if cfg.batch % world:
+        raise ValueError(f"PyTorch DDP needs equal shards: world {world} does not divide BATCH {cfg.batch}")
+    with tempfile.TemporaryDirectory(prefix="xtrain-torch-ddp-") as tmp:
+        # the rendezvous is a file, not a port: no race for a free port with other tests or runs
+        mp.spawn(_ddp_rank, args=(world, Path(tmp), cfg, threads, sdpa), nprocs=world, join=True)
+        with np.load(Path(tmp) / "rank0.npz") as saved:
+            result = {"step_ms": saved["step_ms"].tolist(), "losses": saved["losses"].tolist(),
+                      "grad_norms": saved["grad_norms"].tolist(),
+                      "params": {k[len("param/"):]: saved[k] for k in saved.files if k.startswith("param/")}}
+        digests = [(Path(tmp) / f"rank{r}.sha256").read_text() for r in range(world)]
+        result["ranks_equal"] = len(set(digests)) == 1
+    return result
+
+
+def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, sdpa: bool) -> None:
+    """One process of ddp_run (started by torch.multiprocessing.spawn, which passes `rank` first)."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from . import model as our_model
+    from .backend import numpy_ops
+    from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank, world_size=world)
+    try:
+        corpus = Corpus.load(cfg.tokenizer or DEFAULT_TOKENIZER, cfg.corpus or DEFAULT_CORPUS)
+        mcfg = model_config(cfg.model, corpus.vocab_size)
+        module = build(mcfg, our_model.GPT2(mcfg, numpy_ops, seed=cfg.seed).state_dict(), sdpa=sdpa)
+        model = DistributedDataParallel(module)  # PyTorch's defaults: 25 MiB buckets, overlapped with backward
+        opt = adamw(module, cfg)
+        sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=world)
+        step_ms, losses, norms = [], [], []
+        for step in range(cfg.steps):
+            ids, targets = (torch.from_numpy(a.astype(np.int64)) for a in sampler.next())
+            t0 = time.perf_counter()
+            loss, norm = train_step(model, opt, ids, targets, step, cfg)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            loss = loss.detach()
+            dist.all_reduce(loss)  # the shards' mean losses summed: world x the global-batch mean
+            losses.append(loss.item() / world)
+            norms.append(norm.item())  # of the averaged gradients: the same on every rank
+        params = {name: p.detach().numpy() for name, p in module.state_dict().items()}
+        digest = hashlib.sha256()
+        for name in sorted(params):
+            digest.update(params[name].tobytes())
+        (tmp / f"rank{rank}.sha256").write_text(digest.hexdigest())
+        if rank == 0:
+            np.savez(tmp / "rank0.npz", step_ms=np.array(step_ms), losses=np.array(losses), grad_norms=np.array(norms),
+                     **{f"param/{name}": value for name, value in params.items()})
+    finally:
+        dist.destroy_process_group()
