@@ -33,6 +33,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 from dataclasses import asdict, dataclass, field
@@ -394,7 +395,9 @@ class Checkpoint:
 
     def model_state(self, config: GPTConfig) -> dict[str, np.ndarray]:
         """model.safetensors as name -> array, checked against the layout of `config`."""
-        tensors, _ = self.tensors(MODEL)
+        return self._checked_model(self.tensors(MODEL)[0], config)
+
+    def _checked_model(self, tensors: dict[str, np.ndarray], config: GPTConfig) -> dict[str, np.ndarray]:
         specs, _ = param_layout(config)
         expected = {s.name: s.shape for s in specs}
         for name, shape in expected.items():
@@ -407,6 +410,26 @@ class Checkpoint:
         if extra:
             raise self._corrupt(f"{MODEL} has tensors this model does not: {', '.join(extra[:3])}")
         return tensors
+
+    def pretrained_state(self, config: GPTConfig) -> dict[str, np.ndarray]:
+        """model.safetensors of any GPT-2 folder as model_state's name -> float32 array.
+
+        Beside our names (GPT2LMHeadModel's, which save_pretrained writes) it reads the Hub's own GPT-2
+        files: GPT2Model's names without "transformer.", with each block's causal-mask buffers
+        (h.N.attn.bias, h.N.attn.masked_bias), which are not parameters and are dropped. A lm_head.weight
+        must be wte's (GPT-2 ties them, and so does this trainer); float16 widens to float32 exactly."""
+        tensors = {}
+        for name, array in self.tensors(MODEL)[0].items():
+            if name != "lm_head.weight" and not name.startswith("transformer."):
+                name = f"transformer.{name}"
+            if re.fullmatch(r"transformer\.h\.\d+\.attn\.(masked_)?bias", name):
+                continue
+            tensors[name] = array.astype(np.float32) if array.dtype == np.float16 else array
+        head = tensors.pop("lm_head.weight", None)
+        if head is not None and not np.array_equal(head, tensors.get("transformer.wte.weight")):
+            raise XtrainError(f"'{self.path}': its lm_head.weight is not its transformer.wte.weight; this trainer's "
+                              "GPT-2 ties the output projection to the token embedding")
+        return self._checked_model(tensors, config)
 
     def tokenizer(self) -> tokenizers.Tokenizer:
         try:
@@ -454,6 +477,52 @@ class Checkpoint:
             raise self._corrupt("its parameters do not hash to the saved param_sha256")
         for _ in self._optimizer_pieces(layout_size(config)):
             pass
+
+
+def open_pretrained(path) -> Checkpoint:
+    """The model and config.json of a GPT-2 folder to start training from (--init-from): one of our
+    checkpoints (verified against its manifest), or any folder with a Hugging Face GPT-2's config.json
+    and model.safetensors, such as save_pretrained writes and the Hub's "gpt2" holds."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return open_checkpoint(path, read=(MODEL, CONFIG))
+    if not path.is_dir():
+        raise XtrainError(f"--init-from '{path}' " + ("not found" if not path.exists() else "is not a folder"))
+    contents = {}
+    for name in (CONFIG, MODEL):
+        try:
+            contents[name] = (path / name).read_bytes()
+        except FileNotFoundError:
+            raise XtrainError(f"--init-from '{path}' has no {name}: give a folder with a Hugging Face GPT-2's "
+                              f"{CONFIG} and {MODEL}") from None
+        except OSError as err:
+            raise XtrainError(f"--init-from '{path}': cannot read {name} ({err.strerror})") from None
+    return Checkpoint(path, path, {}, contents)
+
+
+class SharedWeights:
+    """Pretrained parameters (Checkpoint.pretrained_state) that every rank thread of the process loads
+    into its own model; the last rank to load them lets the host copy go."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], ranks: int):
+        self._tensors, self._ranks_left = tensors, ranks
+        self._lock = threading.Lock()
+
+    def load_into(self, model) -> None:
+        with self._lock:
+            tensors = self._tensors
+        model.load_state_dict(tensors)
+        with self._lock:
+            self._ranks_left -= 1
+            if self._ranks_left <= 0:
+                self._tensors = None
+
+
+def load_pretrained(source, model) -> None:
+    """Start `model` from pretrained weights: a SharedWeights, or a folder (open_pretrained)."""
+    if not isinstance(source, SharedWeights):
+        source = SharedWeights(open_pretrained(source).pretrained_state(model.config), 1)
+    source.load_into(model)
 
 
 def open_checkpoint(path, read=(MODEL, CONFIG, TOKENIZER, STATE)) -> Checkpoint:

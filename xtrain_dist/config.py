@@ -92,6 +92,7 @@ class TrainConfig:
     save_dir: str | None = None     # the latest checkpoint lives here, replaced atomically at each save
     save_every: int = 0             # also save every N steps; 0: only at the end
     resume: str | None = None       # a checkpoint folder to continue from
+    init_from: str | None = None    # a GPT-2 folder whose weights the run starts from (fine-tuning)
     eval_every: int = 0             # also evaluate every N steps; 0: only at the end
     eval_batches: int = 0           # held-out batches of BATCH x SEQ per evaluation; 0: none (the CLI's default: 20)
     metrics: str | None = None      # append one JSON line per step here

@@ -67,9 +67,10 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 # with one line instead
 @np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
-               log=print, resume=None) -> RankResult:
+               log=print, resume=None, init=None) -> RankResult:
     """One rank's whole run. `resume`: what to restore from (a checkpoint.SharedRestore that the process's
-    ranks share), by default cfg.resume."""
+    ranks share), by default cfg.resume; `init`: the pretrained weights to start from (a
+    checkpoint.SharedWeights), by default cfg.init_from's."""
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
@@ -81,6 +82,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size)
     start = checkpoint.restore(resume or cfg.resume, model, optimizer, sampler) if cfg.resume else 0
+    if cfg.init_from:
+        checkpoint.load_pretrained(init or cfg.init_from, model)
     evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
                  if cfg.eval_batches else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the

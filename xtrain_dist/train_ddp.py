@@ -84,6 +84,9 @@ def build_parser() -> OneLineParser:
     g.add_argument("--save-dir", metavar="DIR", type=non_empty_path, default=None,
                    help="keep the latest checkpoint in DIR, replaced atomically at each save (and at the end)")
     g.add_argument("--save-every", metavar="N", type=non_negative_int, default=0, help="also save every N steps")
+    g.add_argument("--init-from", metavar="DIR", type=non_empty_path, default=None,
+                   help="start from the weights of a GPT-2 folder (a Hugging Face one such as the Hub's gpt2, or one "
+                        "of our checkpoints) with a fresh optimizer and data order: fine-tuning")
     g.add_argument("--resume", metavar="DIR", type=non_empty_path, default=None,
                    help="continue the run whose checkpoint is DIR")
     g.add_argument("--eval-every", metavar="N", type=non_negative_int, default=0,
@@ -131,8 +134,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=args.rdzv_timeout,
-        save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, eval_every=args.eval_every,
-        eval_batches=args.eval_batches, metrics=args.metrics,
+        save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, init_from=args.init_from,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, metrics=args.metrics,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
         grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention,
     ).resolved()
@@ -185,8 +188,8 @@ def cpu_threads_per_rank(ranks_on_node: int) -> int:
 
 
 # what every process of a run must agree on; paths and addresses may differ from node to node
-_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "report", "metrics", "log_every", "rdzv_bind", "rdzv_advertise",
-                       "cpu_threads", "profile_step", "extra"}
+_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "init_from", "report", "metrics", "log_every", "rdzv_bind",
+                       "rdzv_advertise", "cpu_threads", "profile_step", "extra"}
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None) -> dict:
@@ -195,7 +198,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     launch = launch or detect_launch()
     local_world = local_world_for(launch, cfg.world_size)
     try:
-        engine, corpus, devices, cfg, fingerprint, resume_from = _prepare(cfg, corpus, launch, local_world, log)
+        engine, corpus, devices, cfg, fingerprint, resume_from, init_weights = _prepare(cfg, corpus, launch,
+                                                                                      local_world, log)
     except Exception as err:
         # this process cannot start: tell the others now, or they wait for it until --rdzv-timeout
         reason = str(err) if isinstance(err, XtrainError) else f"{type(err).__name__}: {err}"
@@ -209,9 +213,12 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
 
     # the checkpoint _prepare verified, bytes and all: the ranks restore from it without reading it again
     shared_resume = checkpoint.SharedRestore(cfg.resume, local_world, opened=resume_from) if cfg.resume else None
+    shared_init = checkpoint.SharedWeights(init_weights, local_world) if cfg.init_from else None
+    del init_weights  # the ranks' last load lets the host copy go
 
     def rank_fn(local, comm):
-        result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log, resume=shared_resume)
+        result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log, resume=shared_resume,
+                            init=shared_init)
         return result, every_ranks_facts(comm, result, cfg.backend)
 
     t0 = time.perf_counter()
@@ -278,8 +285,8 @@ def profile_of(lead, step: int) -> dict:
 
 def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log):
     """Everything a process checks and loads before it meets the others: (engine, corpus, devices, cfg,
-    config fingerprint, the verified checkpoint to resume from or None), or one XtrainError naming what
-    is wrong."""
+    config fingerprint, the verified checkpoint to resume from or None, the --init-from parameters or
+    None), or one XtrainError naming what is wrong."""
     if corpus is None:  # a TrainConfig made in code trains on the shipped data where it names none, as the CLI does
         cfg = replace(cfg, tokenizer=cfg.tokenizer or str(DEFAULT_TOKENIZER), corpus=cfg.corpus or str(DEFAULT_CORPUS))
     check_outputs(cfg)
@@ -307,6 +314,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if cfg.report and launch.process_rank == 0:
         files.check_writable(cfg.report, "--report")
     cfg = evaluate.check(cfg, corpus, log)
+    if cfg.resume and cfg.init_from:
+        raise XtrainError("--init-from and --resume both say where the weights start: give one")
     first, resume_from = 1, None
     if cfg.resume:
         step, notes, resume_from = checkpoint.check_resume(cfg, corpus)
@@ -314,6 +323,9 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         if launch.process_rank == 0:
             for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
                 log(line)
+    init_weights = check_init_from(cfg, corpus) if cfg.init_from else None
+    if init_weights is not None and launch.process_rank == 0:
+        log(f"starting from the weights in '{cfg.init_from}'")
     if cfg.profile_step and not first <= cfg.profile_step <= cfg.steps:
         raise XtrainError(f"--profile-step {cfg.profile_step} is not a step of this run (it runs steps {first} "
                           f"to {cfg.steps})")
@@ -330,9 +342,32 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     # the files' paths may differ from node to node; the token ids read from them may not, or ranks would
     # train on different data with nothing to say so
     same_everywhere = {k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS}
+    if init_weights is not None:  # so are the weights every rank starts from
+        same_everywhere["init_params"] = checkpoint.params_sha256(init_weights,
+                                                                  model_config(cfg.model, corpus.vocab_size))
     fingerprint = config_fingerprint({**same_everywhere, "train_tokens": checkpoint.sha256_of(corpus.train),
                                       "val_tokens": checkpoint.sha256_of(corpus.val)})
-    return engine, corpus, devices, cfg, fingerprint, resume_from
+    return engine, corpus, devices, cfg, fingerprint, resume_from, init_weights
+
+
+def _shape(c) -> str:
+    return f"{c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, context {c.n_ctx}, vocabulary {c.vocab_size}"
+
+
+def check_init_from(cfg: TrainConfig, corpus: Corpus) -> dict:
+    """--init-from: the pretrained parameters, checked to be the model this run trains with this tokenizer."""
+    pretrained = checkpoint.open_pretrained(cfg.init_from)
+    theirs, ours = pretrained.gpt_config(), model_config(cfg.model, corpus.vocab_size)
+    if theirs != ours:
+        if theirs.vocab_size != corpus.vocab_size:
+            hint = f"train with the tokenizer it was trained with (its vocabulary of {theirs.vocab_size})"
+        elif preset := next((p for p in PRESETS if model_config(p, theirs.vocab_size) == theirs), None):
+            hint = f"pass --model {preset}"
+        else:
+            hint = "no --model preset has its shape"
+        raise XtrainError(f"--init-from '{cfg.init_from}' holds a GPT-2 of {_shape(theirs)}; --model {cfg.model} "
+                          f"with this tokenizer is {_shape(ours)}: {hint}")
+    return pretrained.pretrained_state(ours)
 
 
 def act_itemsize(cfg: TrainConfig) -> int:

@@ -1,0 +1,208 @@
+"""--init-from: a run starts from the weights of a GPT-2 folder (save_pretrained's layout, the Hub's own
+files, or one of our checkpoints) with a fresh optimizer and data order, as llm.c and nanoGPT fine-tune
+OpenAI's GPT-2."""
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from xtrain_dist import checkpoint
+from xtrain_dist.backend import numpy_ops
+from xtrain_dist.config import TrainConfig, model_config
+from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.errors import XtrainError
+from xtrain_dist.model import GPT2
+from xtrain_dist.safetensors_io import write_safetensors
+from xtrain_dist.train_ddp import main, train
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2(tmp_path_factory, corpus):
+    """A transformers GPT2LMHeadModel of the tiny preset's shape with random weights everywhere (layernorms
+    and biases too), saved by save_pretrained: (folder, model)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    mcfg = model_config("tiny", corpus.vocab_size)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=mcfg.vocab_size, n_positions=mcfg.n_ctx, n_embd=mcfg.n_embd, n_layer=mcfg.n_layer,
+        n_head=mcfg.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    folder = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    hf.save_pretrained(folder, safe_serialization=True)
+    return folder, hf
+
+
+def run(corpus, tmp_path=None, **fields):
+    cfg = TrainConfig(**{"steps": 2, "batch": 4, "seq": 16, "model": "tiny", "seed": 3, "eval_batches": 0,
+                         **fields}).resolved()
+    return train(cfg, corpus, log=lambda line: None)
+
+
+def first_batch_loss(forward_logits, corpus, seed=3):
+    """The mean cross-entropy of a model (ids -> logits, numpy) on the first global batch of `seed`."""
+    ids, targets = BatchSampler(corpus.train, 4, 16, seed=seed).next()
+    logits = forward_logits(ids).astype(np.float64)
+    top = logits.max(axis=-1, keepdims=True)
+    logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[..., 0]
+    return float(np.mean(logz - np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]))
+
+
+def test_training_starts_from_hugging_face_weights(corpus, hf_gpt2):
+    """The first loss is transformers' own loss of the saved model on the run's first batch (two ranks,
+    bitwise equal); without --init-from the run starts from our init, about 1 nat away."""
+    import torch
+
+    folder, hf = hf_gpt2
+    report = run(corpus, init_from=str(folder), world_size=2)
+    with torch.no_grad():
+        expected = first_batch_loss(lambda ids: hf(torch.from_numpy(ids.astype(np.int64))).logits.numpy(), corpus)
+    assert report["losses"][0] == pytest.approx(expected, rel=1e-5)
+    assert len(set(report["param_sha256"])) == 1
+    assert abs(run(corpus, world_size=2)["losses"][0] - expected) > 0.1
+
+
+def test_the_hubs_own_layout_gives_the_same_bits(corpus, hf_gpt2, tmp_path):
+    """The Hub's gpt2 files name tensors as GPT2Model does (no "transformer."), keep each block's causal
+    mask buffers and may hold the tied lm_head; float16 widens exactly. All of it trains to the same bits
+    as save_pretrained's layout of the same (float16-representable) weights."""
+    import torch
+
+    folder, hf = hf_gpt2
+    state = {k: v.numpy().astype(np.float16).astype(np.float32) for k, v in hf.state_dict().items()
+             if not k.endswith(".attn.bias")}
+    n_ctx = hf.config.n_positions
+    hub = {re.sub(r"^transformer\.", "", k): v.astype(np.float16) for k, v in state.items()}
+    for layer in range(hf.config.n_layer):
+        hub[f"h.{layer}.attn.bias"] = np.tril(np.ones((n_ctx, n_ctx), np.float32))[None, None]
+        hub[f"h.{layer}.attn.masked_bias"] = np.array(-1e4, np.float32)
+    (tmp_path / "hub").mkdir()
+    shutil.copy(folder / "config.json", tmp_path / "hub" / "config.json")
+    with open(tmp_path / "hub" / "model.safetensors", "wb") as f:
+        write_safetensors(f, hub, {"format": "pt"})
+    state.pop("lm_head.weight", None)  # save_pretrained leaves the tied head out
+    (tmp_path / "ours").mkdir()
+    shutil.copy(folder / "config.json", tmp_path / "ours" / "config.json")
+    with open(tmp_path / "ours" / "model.safetensors", "wb") as f:
+        write_safetensors(f, state, {"format": "pt"})
+    assert "lm_head.weight" in hub and hub["wte.weight"].dtype == np.float16
+    from_hub = run(corpus, init_from=str(tmp_path / "hub"))
+    assert from_hub["param_sha256"] == run(corpus, init_from=str(tmp_path / "ours"))["param_sha256"]
+    with torch.no_grad():
+        hf.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+        expected = first_batch_loss(lambda ids: hf(torch.from_numpy(ids.astype(np.int64))).logits.numpy(), corpus)
+    assert from_hub["losses"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_fine_tuning_from_our_own_checkpoint(corpus, tmp_path):
+    """A checkpoint of ours starts a new run (another seed, so another data order) from its weights, with
+    a fresh optimizer; its files are verified against the manifest first."""
+    run(corpus, steps=3, save_dir=str(tmp_path / "base"))
+    ckpt = checkpoint.open_checkpoint(tmp_path / "base")
+    mcfg = model_config("tiny", corpus.vocab_size)
+    model = GPT2(mcfg, numpy_ops, seed=0)
+    model.load_state_dict(ckpt.model_state(mcfg))
+    tuned = run(corpus, steps=1, seed=5, init_from=str(tmp_path / "base"))
+    assert tuned["losses"][0] == pytest.approx(first_batch_loss(model.forward, corpus, seed=5), rel=1e-5)
+
+    raw = bytearray((tmp_path / "base" / "model.safetensors").read_bytes())
+    raw[-1] ^= 1
+    (tmp_path / "base" / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(XtrainError, match=r"is corrupt: model.safetensors does not match its sha256 in manifest"):
+        run(corpus, init_from=str(tmp_path / "base"))
+
+
+def error_line(capsys, *args) -> str:
+    assert main(["2", "4", "16", "--eval-batches", "0", *map(str, args)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0].removeprefix("train_ddp: error: ")
+
+
+def test_a_model_of_another_shape_is_one_line_naming_the_preset(capsys, hf_gpt2):
+    folder, _ = hf_gpt2
+    assert error_line(capsys, "--init-from", folder, "--model", "mini") == (
+        f"--init-from '{folder}' holds a GPT-2 of 2 layers, 4 heads, width 64, context 128, vocabulary 4096; "
+        "--model mini with this tokenizer is 4 layers, 4 heads, width 128, context 256, vocabulary 4096: "
+        "pass --model tiny")
+
+
+def write_model(folder, config: dict, tensors: dict):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    with open(folder / "model.safetensors", "wb") as f:
+        write_safetensors(f, tensors, {"format": "pt"})
+
+
+def test_bad_pretrained_folders_are_one_line(capsys, hf_gpt2, tmp_path, corpus):
+    folder, _ = hf_gpt2
+    config = json.loads((folder / "config.json").read_text())
+    state = GPT2(model_config("tiny", corpus.vocab_size), numpy_ops, seed=1).state_dict()
+    assert error_line(capsys, "--init-from", tmp_path / "nothing") == f"--init-from '{tmp_path / 'nothing'}' not found"
+    (tmp_path / "empty").mkdir()
+    assert error_line(capsys, "--init-from", tmp_path / "empty") == (
+        f"--init-from '{tmp_path / 'empty'}' has no config.json: give a folder with a Hugging Face GPT-2's "
+        "config.json and model.safetensors")
+    assert error_line(capsys, "--init-from", folder, "--resume", folder) == (
+        "--init-from and --resume both say where the weights start: give one")
+
+    write_model(tmp_path / "gpt2-vocab", {**config, "vocab_size": 50257},
+                {**state, "transformer.wte.weight": np.zeros((50257, 64), np.float32)})
+    assert error_line(capsys, "--init-from", tmp_path / "gpt2-vocab") == (
+        f"--init-from '{tmp_path / 'gpt2-vocab'}' holds a GPT-2 of 2 layers, 4 heads, width 64, context 128, "
+        "vocabulary 50257; --model tiny with this tokenizer is 2 layers, 4 heads, width 64, context 128, "
+        "vocabulary 4096: train with the tokenizer it was trained with (its vocabulary of 50257)")
+
+    write_model(tmp_path / "odd", {**config, "n_layer": 3}, state)
+    assert error_line(capsys, "--init-from", tmp_path / "odd").endswith(": no --model preset has its shape")
+
+    untied = {**state, "lm_head.weight": state["transformer.wte.weight"] + 1}
+    write_model(tmp_path / "untied", config, untied)
+    assert error_line(capsys, "--init-from", tmp_path / "untied") == (
+        f"'{tmp_path / 'untied'}': its lm_head.weight is not its transformer.wte.weight; this trainer's GPT-2 ties "
+        "the output projection to the token embedding")
+
+    write_model(tmp_path / "relu", {**config, "activation_function": "relu"}, state)
+    assert error_line(capsys, "--init-from", tmp_path / "relu") == (
+        f"checkpoint '{tmp_path / 'relu'}': config.json has activation_function='relu'; this trainer implements "
+        "GPT-2 with activation_function='gelu_new'")
+
+    short = {k: v for k, v in state.items() if k != "transformer.ln_f.bias"}
+    write_model(tmp_path / "short", config, short)
+    assert error_line(capsys, "--init-from", tmp_path / "short") == (
+        f"checkpoint '{tmp_path / 'short'}' is corrupt: model.safetensors has no tensor 'transformer.ln_f.bias'")
+
+    wide = {**state, "transformer.ln_f.bias": state["transformer.ln_f.bias"].astype(np.float64)}
+    write_model(tmp_path / "f64", config, wide)
+    assert error_line(capsys, "--init-from", tmp_path / "f64") == (
+        f"checkpoint '{tmp_path / 'f64'}' is corrupt: model.safetensors: 'transformer.ln_f.bias' is float64 [64], "
+        "expected float32 [64]")
+
+
+def test_processes_must_start_from_the_same_weights(corpus, hf_gpt2, tmp_path):
+    """The weights join the fingerprint that processes compare at the rendezvous (their path does not: it
+    may differ from node to node), so processes started from different files are refused by name."""
+    from xtrain_dist.launch_env import Launch
+    from xtrain_dist.train_ddp import _prepare
+
+    def fingerprint(init_from):
+        cfg = TrainConfig(steps=2, batch=2, seq=16, eval_batches=0, init_from=str(init_from)).resolved()
+        return _prepare(cfg, corpus, Launch("single"), 1, lambda line: None)[4]
+
+    folder, _ = hf_gpt2
+    shutil.copytree(folder, tmp_path / "copy")
+    assert fingerprint(tmp_path / "copy") == fingerprint(folder)
+    state = GPT2(model_config("tiny", corpus.vocab_size), numpy_ops, seed=1).state_dict()
+    write_model(tmp_path / "other", json.loads((folder / "config.json").read_text()), state)
+    assert fingerprint(tmp_path / "other") != fingerprint(folder)
