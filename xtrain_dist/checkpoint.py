@@ -479,24 +479,26 @@ class Checkpoint:
             pass
 
 
-def open_pretrained(path) -> Checkpoint:
-    """The model and config.json of a GPT-2 folder to start training from (--init-from): one of our
-    checkpoints (verified against its manifest), or any folder with a Hugging Face GPT-2's config.json
-    and model.safetensors, such as save_pretrained writes and the Hub's "gpt2" holds."""
+def open_pretrained(path, read=(MODEL, CONFIG), what: str = "--init-from") -> Checkpoint:
+    """The files `read` of a GPT-2 folder that a run starts from (--init-from) or `sample` draws from:
+    one of our checkpoints (verified against its manifest), or any folder with a Hugging Face GPT-2's
+    config.json and model.safetensors (and tokenizer.json where it is read), such as save_pretrained
+    writes and the Hub's "gpt2" holds. `what` names the folder in errors."""
     path = Path(path)
     if (path / MANIFEST).exists():
-        return open_checkpoint(path, read=(MODEL, CONFIG))
+        return open_checkpoint(path, read=read)
     if not path.is_dir():
-        raise XtrainError(f"--init-from '{path}' " + ("not found" if not path.exists() else "is not a folder"))
+        raise XtrainError(f"{what} '{path}' " + ("not found" if not path.exists() else "is not a folder"))
     contents = {}
-    for name in (CONFIG, MODEL):
+    for name in read:
         try:
             contents[name] = (path / name).read_bytes()
         except FileNotFoundError:
-            raise XtrainError(f"--init-from '{path}' has no {name}: give a folder with a Hugging Face GPT-2's "
-                              f"{CONFIG} and {MODEL}") from None
+            needed = f"{', '.join(read[:-1])} and {read[-1]}"
+            raise XtrainError(f"{what} '{path}' has no {name}: give a folder with a Hugging Face GPT-2's "
+                              f"{needed} (or one of our checkpoints)") from None
         except OSError as err:
-            raise XtrainError(f"--init-from '{path}': cannot read {name} ({err.strerror})") from None
+            raise XtrainError(f"{what} '{path}': cannot read {name} ({err.strerror})") from None
     return Checkpoint(path, path, {}, contents)
 
 

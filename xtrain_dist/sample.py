@@ -1,7 +1,8 @@
 """python -m xtrain_dist.sample DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]
 
 Prints the prompt followed by N tokens drawn from the model in checkpoint DIR, encoded and decoded
-with the checkpoint's own tokenizer.json: DIR is all it needs. The same checkpoint, arguments and
+with the checkpoint's own tokenizer.json: DIR is all it needs. DIR may also be a Hugging Face GPT-2
+folder with those three files, such as the Hub's gpt2. The same checkpoint, arguments and
 backend give the same text (the draws come from PCG64(seed)).
 
 Each new token re-runs the forward pass over the last n_ctx tokens, with no key/value cache: the
@@ -15,7 +16,7 @@ import sys
 import numpy as np
 
 from .backend import BACKENDS, get_backend
-from .checkpoint import CONFIG, MODEL, TOKENIZER, open_checkpoint
+from .checkpoint import CONFIG, MODEL, TOKENIZER, open_pretrained
 from .cli import OneLineParser, non_negative_float, non_negative_int, positive_int, run_command, utf8_text
 from .errors import XtrainError
 from .model import GPT2
@@ -25,8 +26,9 @@ EOS = "<|endoftext|>"
 
 
 def load(path, backend):
-    """(model, tokenizer, checkpoint) of the checkpoint folder at `path`."""
-    ckpt = open_checkpoint(path, read=(MODEL, CONFIG, TOKENIZER))
+    """(model, tokenizer, checkpoint) of the checkpoint folder at `path`: one of ours, or a Hugging Face
+    GPT-2 folder with config.json, model.safetensors and tokenizer.json (the Hub's gpt2 has them)."""
+    ckpt = open_pretrained(path, read=(MODEL, CONFIG, TOKENIZER), what="checkpoint")
     try:
         config = ckpt.gpt_config()
     except XtrainError as err:
@@ -35,7 +37,7 @@ def load(path, backend):
             raise
         raise XtrainError(f"checkpoint '{ckpt.path}': {CONFIG}: {err}") from None
     model = GPT2(config, backend)
-    model.load_state_dict(ckpt.model_state(config))
+    model.load_state_dict(ckpt.pretrained_state(config))
     tokenizer = ckpt.tokenizer()
     if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
         raise XtrainError(f"checkpoint '{path}': its tokenizer has more ids than the model's vocabulary "
