@@ -67,6 +67,17 @@ def test_two_ranks_train_as_pytorch_ddp_does(corpus, tmp_path):
     assert max(np.max(np.abs(params[k] - theirs["params"][k])) for k in params) < 5e-4
 
 
+def test_a_pytorch_ddp_peer_that_fails_is_one_line(tmp_path):
+    pytest.importorskip("torch")
+    from xtrain_dist import torch_gpt2
+
+    cfg = TrainConfig(steps=1, batch=2, seq=16, tokenizer=str(DEFAULT_TOKENIZER),
+                      corpus=str(tmp_path / "gone.txt")).resolved()
+    with pytest.raises(XtrainError, match=r"^the PyTorch DDP peer failed in rank [01]: xtrain_dist.errors.XtrainError: "
+                                          r"corpus '.*gone.txt' not found$"):
+        torch_gpt2.ddp_run(cfg, world=2)
+
+
 # ---------------------------------------------------------------- buckets
 
 def test_buckets_tile_the_buffer_in_aligned_slices():

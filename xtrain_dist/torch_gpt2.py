@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import GPTConfig, TrainConfig, model_config
+from .errors import XtrainError
 
 
 def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu", sdpa: bool = True):
@@ -123,7 +124,11 @@ def ddp_run(cfg: TrainConfig, world: int, threads: int = 1, sdpa: bool = True) -
         raise ValueError(f"PyTorch DDP needs equal shards: world {world} does not divide BATCH {cfg.batch}")
     with tempfile.TemporaryDirectory(prefix="xtrain-torch-ddp-") as tmp:
         # the rendezvous is a file, not a port: no race for a free port with other tests or runs
-        mp.spawn(_ddp_rank, args=(world, Path(tmp), cfg, threads, sdpa), nprocs=world, join=True)
+        try:
+            mp.spawn(_ddp_rank, args=(world, Path(tmp), cfg, threads, sdpa), nprocs=world, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:  # the message ends with its traceback
+            last = str(err).strip().splitlines()[-1]
+            raise XtrainError(f"the PyTorch DDP peer failed in rank {err.error_index}: {last}") from None
         with np.load(Path(tmp) / "rank0.npz") as saved:
             result = {"step_ms": saved["step_ms"].tolist(), "losses": saved["losses"].tolist(),
                       "grad_norms": saved["grad_norms"].tolist(),
