@@ -127,6 +127,19 @@ def test_fine_tuning_from_our_own_checkpoint(corpus, tmp_path):
         run(corpus, init_from=str(tmp_path / "base"))
 
 
+def test_a_checkpoint_cut_short_by_a_save_is_still_read(corpus, tmp_path, capsys):
+    """Where a save was interrupted between its renames, DIR is missing and its complete .DIR.new holds the
+    checkpoint: --init-from and sample read it there (with sample's note), as --resume does."""
+    from xtrain_dist.sample import main as sample_main
+
+    run(corpus, steps=2, save_dir=str(tmp_path / "ck"))
+    whole = run(corpus, steps=1, seed=5, init_from=str(tmp_path / "ck"))
+    (tmp_path / "ck").rename(tmp_path / ".ck.new")
+    assert run(corpus, steps=1, seed=5, init_from=str(tmp_path / "ck"))["losses"] == whole["losses"]
+    assert sample_main([str(tmp_path / "ck"), "--tokens", "3"]) == 0
+    assert "is missing after an interrupted save: reading" in capsys.readouterr().err
+
+
 def error_line(capsys, *args) -> str:
     assert main(["2", "4", "16", "--eval-batches", "0", *map(str, args)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -485,7 +485,8 @@ def open_pretrained(path, read=(MODEL, CONFIG), what: str = "--init-from") -> Ch
     config.json and model.safetensors (and tokenizer.json where it is read), such as save_pretrained
     writes and the Hub's "gpt2" holds. `what` names the folder in errors."""
     path = Path(path)
-    if (path / MANIFEST).exists():
+    # ours, or ours cut short by a save (DIR moved aside as a complete .DIR.new): open_checkpoint reads both
+    if (path / MANIFEST).exists() or (not path.exists() and any(_is_complete(s) for s in _siblings(path))):
         return open_checkpoint(path, read=read)
     if not path.is_dir():
         raise XtrainError(f"{what} '{path}' " + ("not found" if not path.exists() else "is not a folder"))
