@@ -89,15 +89,10 @@ def test_the_hubs_own_layout_gives_the_same_bits(corpus, hf_gpt2, tmp_path):
     for layer in range(hf.config.n_layer):
         hub[f"h.{layer}.attn.bias"] = np.tril(np.ones((n_ctx, n_ctx), np.float32))[None, None]
         hub[f"h.{layer}.attn.masked_bias"] = np.array(-1e4, np.float32)
-    (tmp_path / "hub").mkdir()
-    shutil.copy(folder / "config.json", tmp_path / "hub" / "config.json")
-    with open(tmp_path / "hub" / "model.safetensors", "wb") as f:
-        write_safetensors(f, hub, {"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    write_model(tmp_path / "hub", config, hub)
     state.pop("lm_head.weight", None)  # save_pretrained leaves the tied head out
-    (tmp_path / "ours").mkdir()
-    shutil.copy(folder / "config.json", tmp_path / "ours" / "config.json")
-    with open(tmp_path / "ours" / "model.safetensors", "wb") as f:
-        write_safetensors(f, state, {"format": "pt"})
+    write_model(tmp_path / "ours", config, state)
     assert "lm_head.weight" in hub and hub["wte.weight"].dtype == np.float16
     from_hub = run(corpus, init_from=str(tmp_path / "hub"))
     assert from_hub["param_sha256"] == run(corpus, init_from=str(tmp_path / "ours"))["param_sha256"]
