@@ -252,7 +252,8 @@ def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler
         "schedule": {name: getattr(cfg, name) for name in ("lr", "min_lr", "warmup_steps", "lr_decay_steps")},
         "sampler": sampler.state(),
         "data": {"tokenizer": str(corpus.tokenizer_path), "corpus": str(corpus.corpus_path),
-                 "train_tokens": len(corpus.train), "train_tokens_sha256": sha256_of(corpus.train)},
+                 "val_corpus": str(corpus.val_path or ""),
+                 "train_tokens": len(corpus.train), "train_tokens_sha256": corpus.train_sha256},
         "config": cfg.to_dict(),
     }
 
@@ -617,7 +618,7 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     model = {"preset": cfg.model, **asdict(model_config(cfg.model, corpus.vocab_size))}
     if state["model"] != model:
         raise XtrainError(f"{where} holds model {_describe(state['model'])}, this run trains {_describe(model)}")
-    if state["data"]["train_tokens_sha256"] != sha256_of(corpus.train):
+    if state["data"]["train_tokens_sha256"] != corpus.train_sha256:
         raise XtrainError(f"{where} was trained on other token ids (corpus '{state['data']['corpus']}' with "
                           f"tokenizer '{state['data']['tokenizer']}'): resume with the same files")
     saved = state["config"]

@@ -95,6 +95,7 @@ class TrainConfig:
     init_from: str | None = None    # a GPT-2 folder whose weights the run starts from (fine-tuning)
     eval_every: int = 0             # also evaluate every N steps; 0: only at the end
     eval_batches: int = 0           # held-out batches of BATCH x SEQ per evaluation; 0: none (the CLI's default: 20)
+    val_corpus: str = ""            # validation text or token files; "": the corpus's last 10% (data.Corpus.load)
     metrics: str | None = None      # append one JSON line per step here
     extra: dict = field(default_factory=dict)
 

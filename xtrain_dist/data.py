@@ -1,7 +1,8 @@
 """Text to token ids, and token ids to the batches each data-parallel rank trains on.
 
 `Corpus` encodes a UTF-8 text file with any `tokenizers` JSON file, caches the ids on disk and keeps
-the last part of the stream for validation. `BatchSampler` cuts random windows from a stream: every
+the last part of the stream for validation; or it reads ids already made, from llm.c's token files
+(`TokenFiles`), without loading them into memory. `BatchSampler` cuts random windows from a stream: every
 rank draws the whole global batch from the same seeded RNG and keeps its own share, so the ranks
 agree on the batch without talking to each other.
 """
@@ -9,13 +10,14 @@ agree on the batch without talking to each other.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import io
 import itertools
 import os
 import re
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +74,11 @@ def _parse_tokenizer(path: Path, raw: bytes) -> tokenizers.Tokenizer:
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
+
+
+def read_tokenizer(path) -> tokenizers.Tokenizer:
+    """The tokenizers JSON file at `path`, or one XtrainError naming what is wrong with it."""
+    return _parse_tokenizer(Path(path), _read_file("tokenizer", Path(path)))
 
 
 def _encode_text(tokenizer: tokenizers.Tokenizer, text: str) -> np.ndarray:
@@ -131,20 +138,241 @@ def _save_cached(path: Path, ids: np.ndarray) -> None:
         files.write_atomic(path, encoded.getvalue(), "token cache")
 
 
+def _encode_file(what: str, path: Path, tokenizer: tokenizers.Tokenizer, tokenizer_path: Path,
+                 tokenizer_bytes: bytes, cache_dir: Path | None) -> np.ndarray:
+    """The ids of the UTF-8 text file `path` (read-only), from the cache or encoded and cached."""
+    corpus_bytes = _read_file(what, path)
+    try:
+        text = corpus_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        raise XtrainError(f"{what} '{path}' is not UTF-8 text") from None
+    if not text.strip():
+        raise XtrainError(f"{what} '{path}' is empty")
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = _token_dtype(vocab_size)
+    key = hashlib.sha256(
+        _CACHE_FORMAT + hashlib.sha256(tokenizer_bytes).digest() + hashlib.sha256(corpus_bytes).digest()
+    ).hexdigest()
+    cache_path = cache_dir / f"tokens-{key}.npz" if cache_dir is not None else None
+
+    ids = _load_cached(cache_path, dtype) if cache_path is not None else None
+    if ids is None:
+        try:
+            wide_ids = _encode_text(tokenizer, text)
+        except Exception as err:  # e.g. a WordLevel model without an unknown token meets a new word
+            why = _first_line(err)
+            raise XtrainError(f"tokenizer '{tokenizer_path}' cannot encode {what} '{path}' ({why})") from None
+        if wide_ids.size and wide_ids.max() >= vocab_size:
+            raise XtrainError(f"tokenizer '{tokenizer_path}' produced id {wide_ids.max()}, outside its vocabulary of "
+                              f"{vocab_size}")
+        ids = wide_ids.astype(dtype)
+        if cache_path is not None:
+            _save_cached(cache_path, ids)
+    ids.setflags(write=False)  # slices inherit this: no one can scribble on the shared stream
+    return ids
+
+
+# ------------------------------------------------------------------ token files (llm.c's format)
+
+# llm.c (dev/data/data_common.py) keeps a tokenized dataset as files of a header of 256 little-endian
+# int32 (magic, version, number of ids, zeros) followed by the ids; FineWeb, TinyStories and its
+# tinyshakespeare come as such files, the large ones in shards of 100M ids. A run reads them as they are,
+# so it trains on the very tokens llm.c trains on, and on a dataset larger than memory: a batch reads only
+# the windows it draws, and the one pass over everything at the start (the vocabulary check and the
+# digest) reads block by block.
+TOKEN_FILE_HEADER_BYTES = 256 * 4
+TOKEN_FILE_FORMATS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}  # magic: (version, ids)
+MAX_TOKEN_FILE_IDS = 2**31 - 1  # the header holds the count as an int32
+_READ_BLOCK_IDS = 1 << 22
+
+
+@dataclass(frozen=True)
+class _Span:
+    """`count` ids of one token file, from its id `first` on."""
+
+    path: Path
+    dtype: np.dtype
+    first: int
+    count: int
+
+    def read(self, lo: int, n: int) -> np.ndarray:
+        """Ids lo .. lo + n - 1 of the span (a positioned read: no memory map grows with the run)."""
+        with open(self.path, "rb") as f:
+            f.seek(TOKEN_FILE_HEADER_BYTES + (self.first + lo) * self.dtype.itemsize)
+            ids = np.fromfile(f, dtype=self.dtype, count=n)
+        if len(ids) != n:
+            raise XtrainError(f"token file '{self.path}' was cut short while this run read it")
+        return ids
+
+    def blocks(self):
+        for lo in range(0, self.count, _READ_BLOCK_IDS):
+            yield self.read(lo, min(_READ_BLOCK_IDS, self.count - lo))
+
+
+class TokenFiles:
+    """One token stream stored in token files, one after another: the length, the windows a batch takes,
+    and a split into train and validation, none of which reads the stream into memory."""
+
+    def __init__(self, spans: list[_Span]):
+        self.spans = [s for s in spans if s.count]
+        self._ends = np.cumsum([s.count for s in self.spans], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if self.spans else 0
+
+    def split(self, n: int) -> tuple[TokenFiles, TokenFiles]:
+        """The first n ids and the rest."""
+        head, tail, start = [], [], 0
+        for s in self.spans:
+            cut = min(max(n - start, 0), s.count)
+            head.append(replace(s, count=cut))
+            tail.append(replace(s, first=s.first + cut, count=s.count - cut))
+            start += s.count
+        return TokenFiles(head), TokenFiles(tail)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """int32 (len(starts), length): ids s .. s + length - 1 for each s, across file ends where a window
+        straddles one."""
+        out = np.empty((len(starts), length), dtype=np.int32)
+        for row, start in enumerate(np.asarray(starts).tolist()):
+            k = int(np.searchsorted(self._ends, start, side="right"))
+            col = 0
+            while col < length:
+                span = self.spans[k]
+                lo = start + col - (int(self._ends[k]) - span.count)
+                n = min(length - col, span.count - lo)
+                out[row, col:col + n] = span.read(lo, n)
+                col, k = col + n, k + 1
+        return out
+
+
+def take_windows(tokens: np.ndarray | TokenFiles, starts: np.ndarray, length: int) -> np.ndarray:
+    """int32 (len(starts), length): the windows tokens[s : s + length] of a stream, in memory or in files."""
+    if isinstance(tokens, TokenFiles):
+        return tokens.windows(starts, length)
+    return tokens[np.asarray(starts)[:, None] + np.arange(length)].astype(np.int32)
+
+
+def token_file_chunks(ids: np.ndarray, vocab_size: int) -> list:
+    """The bytes of an llm.c token file holding `ids`, as [header, ids] for files.write_atomic: version 1
+    (uint16 ids, GPT-2's format) for a vocabulary of up to 65536 ids, else version 7 (uint32)."""
+    if len(ids) > MAX_TOKEN_FILE_IDS:
+        raise XtrainError(f"{len(ids)} ids are more than one llm.c token file counts ({MAX_TOKEN_FILE_IDS}): "
+                          "split the text")
+    magic = 20240520 if vocab_size <= 65536 else 20240801
+    version, dtype = TOKEN_FILE_FORMATS[magic]
+    header = np.zeros(TOKEN_FILE_HEADER_BYTES // 4, dtype="<i4")
+    header[:3] = magic, version, len(ids)
+    return [header.tobytes(), np.ascontiguousarray(ids, dtype=dtype)]
+
+
+def encode_text_file(tokenizer: tokenizers.Tokenizer, f, block_chars: int = 1 << 24):
+    """The ids of the text read from `f` (opened with newline="", as Corpus.load reads bytes), block by
+    block: each block is cut at its last paragraph break, where _encode_text cuts the whole text anyway,
+    so the ids are those of one _encode_text of all of it, without holding all of it."""
+    rest = ""
+    while chunk := f.read(block_chars):
+        text = rest + chunk
+        # a break needs the character after it, so one found here is a break of the whole text too
+        cut = max((m.start() for m in _PARAGRAPH_BREAK.finditer(text)), default=0)
+        if cut:
+            yield _encode_text(tokenizer, text[:cut])
+        rest = text[cut:]
+    if rest:
+        yield _encode_text(tokenizer, rest)
+
+
+def _is_token_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:  # unreadable: reading it as text says why
+        return False
+    return len(magic) == 4 and int.from_bytes(magic, "little", signed=True) in TOKEN_FILE_FORMATS
+
+
+def _open_token_file(what: str, path: Path) -> _Span:
+    try:
+        with open(path, "rb") as f:
+            header, size = f.read(TOKEN_FILE_HEADER_BYTES), os.fstat(f.fileno()).st_size
+    except OSError as err:
+        raise XtrainError(f"{what} '{path}' cannot be read ({err.strerror or _first_line(err)})") from None
+    if len(header) < TOKEN_FILE_HEADER_BYTES:
+        raise XtrainError(f"{what} '{path}' is not an llm.c token file (shorter than its "
+                          f"{TOKEN_FILE_HEADER_BYTES}-byte header)")
+    magic, version, count = (int(v) for v in np.frombuffer(header, dtype="<i4", count=3))
+    if magic not in TOKEN_FILE_FORMATS:
+        known = " or ".join(str(m) for m in TOKEN_FILE_FORMATS)
+        raise XtrainError(f"{what} '{path}' is not an llm.c token file (magic {magic}, not {known})")
+    want, dtype = TOKEN_FILE_FORMATS[magic]
+    if version != want:
+        raise XtrainError(f"{what} '{path}' is an llm.c token file of version {version}; with magic {magic} this "
+                          f"trainer reads version {want}")
+    expected = TOKEN_FILE_HEADER_BYTES + count * dtype.itemsize
+    if count < 0 or size != expected:
+        raise XtrainError(f"{what} '{path}' is not a whole llm.c token file: its header counts {count} ids "
+                          f"({expected} bytes with the header), the file has {size} bytes")
+    return _Span(path, dtype, 0, count)
+
+
+def _token_files(what: str, given: Path) -> TokenFiles | None:
+    """The token files `given` names (one file, or a glob pattern of several, taken in name order), or
+    None where it names something else (a text file, or nothing: reading it as text says which)."""
+    if given.is_file():  # a file's own name is never a pattern, even with a * in it
+        return TokenFiles([_open_token_file(what, given)]) if _is_token_file(given) else None
+    if not glob.has_magic(str(given)):
+        return None
+    matches = sorted(Path(p) for p in glob.glob(str(given)))
+    if not matches:
+        raise XtrainError(f"{what} '{given}' matches no file")
+    for path in matches:
+        if not _is_token_file(path):
+            raise XtrainError(f"{what} '{given}' matches '{path}', which is not an llm.c token file (a pattern "
+                              "names token files only)")
+    return TokenFiles([_open_token_file(what, path) for path in matches])
+
+
+def _stream_sha256(tokens: np.ndarray | TokenFiles, dtype, vocab_size: int, tokenizer_path: Path) -> str:
+    """sha256 of the ids as `dtype`, the type a text corpus's ids are kept in, so the same ids have the same
+    digest whichever kind of file they came from (a checkpoint of a run on a text resumes on the token
+    file of its ids). Token files' ids are checked against the vocabulary on the way: an id past it would
+    read outside the embedding table."""
+    if isinstance(tokens, np.ndarray):
+        return hashlib.sha256(np.ascontiguousarray(tokens)).hexdigest()
+    digest = hashlib.sha256()
+    for span in tokens.spans:
+        for block in span.blocks():
+            if block.max() >= vocab_size:
+                raise XtrainError(f"token file '{span.path}' holds id {block.max()}, outside the {vocab_size} ids of "
+                                  f"tokenizer '{tokenizer_path}': were its tokens made with another tokenizer?")
+            digest.update(block.astype(dtype, copy=False))
+    return digest.hexdigest()
+
+
 @dataclass(eq=False)
 class Corpus:
-    """A tokenizer and the token ids of one text file, split into train and validation streams."""
+    """A tokenizer and a stream of token ids, split into train and validation streams.
+
+    The ids come from a text file (encoded here and cached) or from llm.c token files (read where they
+    lie); validation is the stream's last part, or a file of its own (`val_path`)."""
 
     tokenizer: tokenizers.Tokenizer = field(repr=False)
     vocab_size: int
-    train: np.ndarray = field(repr=False)
-    val: np.ndarray = field(repr=False)
+    train: np.ndarray | TokenFiles = field(repr=False)
+    val: np.ndarray | TokenFiles = field(repr=False)
     tokenizer_path: Path
     corpus_path: Path
+    val_path: Path | None = None
+    # the ids' sha256 (_stream_sha256): what checkpoints and the processes of a job compare
+    train_sha256: str = ""
+    val_sha256: str = ""
 
     @classmethod
-    def load(cls, tokenizer_path, corpus_path, val_fraction: float = 0.1, cache_dir=None) -> Corpus:
-        """Encode `corpus_path` with `tokenizer_path`, or read the ids cached from an earlier load.
+    def load(cls, tokenizer_path, corpus_path, val_fraction: float = 0.1, cache_dir=None, val_path=None) -> Corpus:
+        """The ids of `corpus_path`: a text file encoded with `tokenizer_path` (or its ids cached from an
+        earlier load), an llm.c token file, or a glob pattern of token files taken in name order. The last
+        `val_fraction` of them is held out for validation, or with `val_path`, that file (text or tokens)
+        is, and the whole corpus trains.
 
         The cache file is named by the sha256 of both files' bytes, so editing either one, or
         swapping them, never reuses stale ids. It lives in `cache_dir`, else $XTRAIN_CACHE, else
@@ -155,42 +383,35 @@ class Corpus:
         tokenizer_path, corpus_path = Path(tokenizer_path), Path(corpus_path)
         tokenizer_bytes = _read_file("tokenizer", tokenizer_path)
         tokenizer = _parse_tokenizer(tokenizer_path, tokenizer_bytes)
-        corpus_bytes = _read_file("corpus", corpus_path)
-        try:
-            text = corpus_bytes.decode("utf-8")
-        except UnicodeDecodeError:
-            raise XtrainError(f"corpus '{corpus_path}' is not UTF-8 text") from None
-        if not text.strip():
-            raise XtrainError(f"corpus '{corpus_path}' is empty")
-
         vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        dtype = _token_dtype(vocab_size)
-        key = hashlib.sha256(
-            _CACHE_FORMAT + hashlib.sha256(tokenizer_bytes).digest() + hashlib.sha256(corpus_bytes).digest()
-        ).hexdigest()
         cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-        cache_path = cache_dir / f"tokens-{key}.npz" if cache_dir is not None else None
 
-        ids = _load_cached(cache_path, dtype) if cache_path is not None else None
-        if ids is None:
-            try:
-                wide_ids = _encode_text(tokenizer, text)
-            except Exception as err:  # e.g. a WordLevel model without an unknown token meets a new word
-                raise XtrainError(
-                    f"tokenizer '{tokenizer_path}' cannot encode corpus '{corpus_path}' ({_first_line(err)})"
-                ) from None
-            if wide_ids.size and wide_ids.max() >= vocab_size:
-                raise XtrainError(
-                    f"tokenizer '{tokenizer_path}' produced id {wide_ids.max()}, "
-                    f"outside its vocabulary of {vocab_size}"
-                )
-            ids = wide_ids.astype(dtype)
-            if cache_path is not None:
-                _save_cached(cache_path, ids)
+        def ids_of(what: str, path: Path) -> np.ndarray | TokenFiles:
+            ids = _token_files(what, path)
+            if ids is None:
+                ids = _encode_file(what, path, tokenizer, tokenizer_path, tokenizer_bytes, cache_dir)
+            if len(ids) == 0:
+                raise XtrainError(f"{what} '{path}' is empty")
+            return ids
 
-        ids.setflags(write=False)  # slices below inherit this: no one can scribble on the shared stream
-        n_train = len(ids) - int(len(ids) * val_fraction)
-        return cls(tokenizer, vocab_size, ids[:n_train], ids[n_train:], tokenizer_path, corpus_path)
+        ids = ids_of("corpus", corpus_path)
+        if val_path is None:
+            n_train = len(ids) - int(len(ids) * val_fraction)
+            train, val = ids.split(n_train) if isinstance(ids, TokenFiles) else (ids[:n_train], ids[n_train:])
+        else:
+            val_path = Path(val_path)
+            train, val = ids, ids_of("validation corpus", val_path)
+        dtype = _token_dtype(vocab_size)
+        return cls(tokenizer, vocab_size, train, val, tokenizer_path, corpus_path, val_path,
+                   _stream_sha256(train, dtype, vocab_size, tokenizer_path),
+                   _stream_sha256(val, dtype, vocab_size, tokenizer_path))
+
+    @property
+    def val_source(self) -> str:
+        """Where the validation ids come from, as an error message names it."""
+        if self.val_path is None:
+            return f"the validation split of corpus '{self.corpus_path}'"
+        return f"validation corpus '{self.val_path}'"
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text` as int32, cut and encoded exactly as the corpus was."""
@@ -226,10 +447,12 @@ class BatchSampler:
     a state saved at one world size resumes the same stream of global batches at another.
     """
 
-    def __init__(self, tokens: np.ndarray, batch: int, seq: int, seed: int, rank: int = 0, world: int = 1):
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"tokens must be a 1-D array of integer ids, not {tokens.dtype} {tokens.shape}")
+    def __init__(self, tokens: np.ndarray | TokenFiles, batch: int, seq: int, seed: int, rank: int = 0,
+                 world: int = 1):
+        if not isinstance(tokens, TokenFiles):
+            tokens = np.asarray(tokens)
+            if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+                raise TypeError(f"tokens must be a 1-D array of integer ids, not {tokens.dtype} {tokens.shape}")
         if batch < 1 or seq < 1:
             raise XtrainError(f"BATCH and SEQ must be at least 1, got BATCH={batch}, SEQ={seq}")
         if seed < 0:
@@ -247,13 +470,12 @@ class BatchSampler:
         # must not be a replay of the initial weights' random stream.
         self._rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 1])))
         self._batches_drawn = 0
-        self._window = np.arange(seq + 1)
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
         """This rank's (inputs, targets) of the next global batch: int32 arrays of shape (n_local, seq)."""
         offsets = self._rng.integers(0, len(self.tokens) - self.seq, size=self.batch)
         self._batches_drawn += 1
-        windows = self.tokens[offsets[self.rank :: self.world, None] + self._window].astype(np.int32)
+        windows = take_windows(self.tokens, offsets[self.rank :: self.world], self.seq + 1)
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
 
     def _stream(self) -> dict:

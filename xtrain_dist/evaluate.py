@@ -13,11 +13,13 @@ from dataclasses import replace
 
 import numpy as np
 
+from .data import TokenFiles, take_windows
 from .errors import XtrainError
 
 
 class Evaluator:
-    def __init__(self, tokens: np.ndarray, batch: int, seq: int, n_batches: int, rank: int, world: int, backend):
+    def __init__(self, tokens: np.ndarray | TokenFiles, batch: int, seq: int, n_batches: int, rank: int, world: int,
+                 backend):
         if len(tokens) < seq + 1:
             raise XtrainError(f"the validation split has {len(tokens)} tokens, too few for one window of "
                               f"SEQ={seq} and its targets")
@@ -25,11 +27,9 @@ class Evaluator:
         n = batch * n_batches
         last = len(tokens) - seq - 1  # the last start whose window and targets fit
         starts = np.arange(n, dtype=np.int64) * last // max(1, n - 1)
-        window = np.arange(seq + 1)
         self.batches = []
         for b in range(n_batches):
-            mine = starts[b * batch: (b + 1) * batch][rank::world]
-            windows = tokens[mine[:, None] + window].astype(np.int32)
+            windows = take_windows(tokens, starts[b * batch: (b + 1) * batch][rank::world], seq + 1)
             self.batches.append((backend.from_host(np.ascontiguousarray(windows[:, :-1])),
                                  backend.from_host(np.ascontiguousarray(windows[:, 1:]))))
         self.n_tokens = n * seq
@@ -56,8 +56,7 @@ def check(cfg, corpus, log):
         raise XtrainError("--eval-every needs --eval-batches of at least 1")
     if cfg.eval_batches == 0 or len(corpus.val) >= cfg.seq + 1:
         return cfg
-    reason = (f"the validation split of corpus '{corpus.corpus_path}' has {len(corpus.val)} tokens, "
-              f"at least SEQ+1 = {cfg.seq + 1} are needed")
+    reason = f"{corpus.val_source} has {len(corpus.val)} tokens, at least SEQ+1 = {cfg.seq + 1} are needed"
     if cfg.eval_every:
         raise XtrainError(f"--eval-every: {reason}")
     log(f"no validation loss: {reason}")

@@ -30,13 +30,14 @@ def inside(path, folder) -> bool:
     return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
 
 
-def write_atomic(path, data: bytes | str, name: str) -> None:
-    """Write `data` (str: UTF-8) to `path` so that a reader finds the old file or the new one, never a part:
+def write_atomic(path, data: bytes | str | list, name: str) -> None:
+    """Write `data` (str: UTF-8; a list: its buffers one after another, which a large file need not join
+    first) to `path` so that a reader finds the old file or the new one, never a part:
     a temporary file beside the file PATH names, flushed to disk, then renamed over it. A symlink is
     followed (the link stays, and the file it names is replaced); a device or a pipe is written directly;
     missing folders are made. Any failure is one XtrainError, "{name} '{path}' cannot be written (why)",
     and leaves no temporary file behind."""
-    raw = data.encode("utf-8") if isinstance(data, str) else data
+    chunks = data if isinstance(data, list) else [data.encode("utf-8") if isinstance(data, str) else data]
     given = Path(path)
     direct = written_in_place(given)
     target = given if direct else Path(os.path.realpath(given))
@@ -44,11 +45,11 @@ def write_atomic(path, data: bytes | str, name: str) -> None:
     try:
         if direct:
             with open(target, "wb") as f:
-                f.write(raw)
+                f.writelines(chunks)
             return
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            f.write(raw)
+            f.writelines(chunks)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)

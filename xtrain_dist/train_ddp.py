@@ -50,7 +50,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("tokenizer", metavar="TOKENIZER", nargs="?", type=non_empty_path,
                    help=f"tokenizer.json (default {DEFAULT_TOKENIZER})")
     p.add_argument("corpus", metavar="CORPUS", nargs="?", type=non_empty_path,
-                   help=f"UTF-8 text (default {DEFAULT_CORPUS})")
+                   help=f"UTF-8 text, or llm.c token files: one, or a quoted glob pattern (default {DEFAULT_CORPUS})")
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
@@ -93,6 +93,9 @@ def build_parser() -> OneLineParser:
                    help="validation loss every N steps and at the end (default 0: at the end only)")
     g.add_argument("--eval-batches", metavar="N", type=non_negative_int, default=20,
                    help="held-out batches of BATCH x SEQ per evaluation; 0: none (default 20)")
+    g.add_argument("--val-corpus", metavar="PATH", type=non_empty_path, default=None,
+                   help="validate on this text or these token files, and train on all of CORPUS (default: hold "
+                        "out CORPUS's last 10%%)")
     g.add_argument("--metrics", metavar="PATH", type=non_empty_path, default=None,
                    help="append one JSON line per step to PATH")
     sync = p.add_argument_group("gradient synchronisation, ZeRO-1 and accumulation (see docs/ddp.md)")
@@ -135,7 +138,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=args.rdzv_timeout,
         save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, init_from=args.init_from,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, metrics=args.metrics,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
+        metrics=args.metrics,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
         grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention,
     ).resolved()
@@ -162,7 +166,8 @@ def check_outputs(cfg: TrainConfig) -> None:
     or each other, or an output (or the corpus) inside --save-dir, a folder that every save replaces whole.
     Files are compared, not names, so a relative path, a symlink or a hard link is caught too."""
     outputs = [(flag, path) for flag, path in (("--report", cfg.report), ("--metrics", cfg.metrics)) if path]
-    inputs = [(what, path) for what, path in (("the tokenizer", cfg.tokenizer), ("the corpus", cfg.corpus)) if path]
+    inputs = [(what, path) for what, path in (("the tokenizer", cfg.tokenizer), ("the corpus", cfg.corpus),
+                                              ("the validation corpus", cfg.val_corpus)) if path]
     for flag, out in outputs:
         for what, given in inputs:
             if files.same_file(out, given):
@@ -170,7 +175,7 @@ def check_outputs(cfg: TrainConfig) -> None:
     if len(outputs) == 2 and files.same_file(cfg.report, cfg.metrics):
         raise XtrainError(f"--report '{cfg.report}' and --metrics '{cfg.metrics}' are the same file: the report "
                           "would replace the metrics")
-    for name, path in [*outputs, ("corpus", cfg.corpus)] if cfg.save_dir else []:
+    for name, path in [*outputs, ("corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus)] if cfg.save_dir else []:
         if path and files.inside(path, cfg.save_dir):
             raise XtrainError(f"{name} '{path}' is inside --save-dir '{cfg.save_dir}': every checkpoint save "
                               "replaces that folder")
@@ -188,7 +193,7 @@ def cpu_threads_per_rank(ranks_on_node: int) -> int:
 
 
 # what every process of a run must agree on; paths and addresses may differ from node to node
-_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "init_from", "report", "metrics", "log_every", "rdzv_bind",
+_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "init_from", "report", "metrics", "log_every", "rdzv_bind",
                        "rdzv_advertise", "cpu_threads", "profile_step", "extra"}
 
 
@@ -295,7 +300,7 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         from .backend.cuda_ops import device_count
         gpus = device_count()
     engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
-    corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus)
+    corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus, val_path=cfg.val_corpus or None)
     check_config(cfg, corpus)
     # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
     # take a GPU each (the process's slice of its node's GPUs); thread ranks of one process take the
@@ -345,8 +350,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if init_weights is not None:  # so are the weights every rank starts from
         same_everywhere["init_params"] = checkpoint.params_sha256(init_weights,
                                                                   model_config(cfg.model, corpus.vocab_size))
-    fingerprint = config_fingerprint({**same_everywhere, "train_tokens": checkpoint.sha256_of(corpus.train),
-                                      "val_tokens": checkpoint.sha256_of(corpus.val)})
+    fingerprint = config_fingerprint({**same_everywhere, "train_tokens": corpus.train_sha256,
+                                      "val_tokens": corpus.val_sha256})
     return engine, corpus, devices, cfg, fingerprint, resume_from, init_weights
 
 
