@@ -30,7 +30,7 @@ BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
 rm -f "$OUT/skipped.txt"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=python3
+PY=${PY:-python3}  # the python that runs every step (the tests set their own)
 START=$SECONDS
 
 # step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX_SECONDS, what is left of the budget)

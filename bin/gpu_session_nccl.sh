@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_session_nccl}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=python3
+PY=${PY:-python3}  # the python that runs every step (the tests set their own)
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -577,8 +577,9 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     start on the simulator (tests/cudasim/site): each step runs or is skipped by the time budget, and
     each script ends in its summary. A small budget keeps it short: what it checks is the scripts' own
     flow, which otherwise would first run in a GPU session's 30 minutes."""
+    # PY: this test's python, not whichever python3 PATH finds (a venv's python run without activating it)
     env = dict(os.environ, XTRAIN_CUDASIM="1", PYTHONPATH=str(ROOT / "tests" / "cudasim" / "site"), BUDGET="60",
-               XTRAIN_CUDASIM_NCCL_TIMEOUT="5", PYTHONDONTWRITEBYTECODE="1")
+               XTRAIN_CUDASIM_NCCL_TIMEOUT="5", PYTHONDONTWRITEBYTECODE="1", PY=sys.executable)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cuda = subprocess.run(["bash", "bin/gpu_session_cuda.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "cuda")),
                           capture_output=True, text=True, timeout=300)
