@@ -50,9 +50,11 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def _read_file(what: str, path: Path) -> bytes:
+@contextlib.contextmanager
+def reading(what: str, path: Path):
+    """Turn an OSError raised while reading `path` into one XtrainError that names it as `what`."""
     try:
-        return path.read_bytes()
+        yield
     except FileNotFoundError:
         raise XtrainError(f"{what} '{path}' not found") from None
     except IsADirectoryError:
@@ -61,6 +63,11 @@ def _read_file(what: str, path: Path) -> bytes:
         raise XtrainError(f"{what} '{path}' cannot be read (permission denied)") from None
     except OSError as err:
         raise XtrainError(f"{what} '{path}' cannot be read ({err.strerror or _first_line(err)})") from None
+
+
+def _read_file(what: str, path: Path) -> bytes:
+    with reading(what, path):
+        return path.read_bytes()
 
 
 def _parse_tokenizer(path: Path, raw: bytes) -> tokenizers.Tokenizer:
@@ -292,11 +299,8 @@ def _is_token_file(path: Path) -> bool:
 
 
 def _open_token_file(what: str, path: Path) -> _Span:
-    try:
-        with open(path, "rb") as f:
-            header, size = f.read(TOKEN_FILE_HEADER_BYTES), os.fstat(f.fileno()).st_size
-    except OSError as err:
-        raise XtrainError(f"{what} '{path}' cannot be read ({err.strerror or _first_line(err)})") from None
+    with reading(what, path), open(path, "rb") as f:
+        header, size = f.read(TOKEN_FILE_HEADER_BYTES), os.fstat(f.fileno()).st_size
     if len(header) < TOKEN_FILE_HEADER_BYTES:
         raise XtrainError(f"{what} '{path}' is not an llm.c token file (shorter than its "
                           f"{TOKEN_FILE_HEADER_BYTES}-byte header)")
