@@ -78,15 +78,16 @@ def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu"
     return module.to(device)
 
 
-def adamw(module, cfg: TrainConfig):
-    """torch.optim.AdamW set up as our optim.AdamW: weight decay on the matrices (and embeddings) only."""
+def adamw(module, cfg: TrainConfig, **options):
+    """torch.optim.AdamW set up as our optim.AdamW: weight decay on the matrices (and embeddings) only.
+    `options` go to torch.optim.AdamW as they are (fused=True on a GPU)."""
     import torch
 
     decay = [p for p in module.parameters() if p.dim() == 2]
     no_decay = [p for p in module.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **options)
 
 
 def train_step(model, opt, ids, targets, step: int, cfg: TrainConfig):
@@ -153,7 +154,8 @@ def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank, world_size=world)
     try:
-        corpus = Corpus.load(cfg.tokenizer or DEFAULT_TOKENIZER, cfg.corpus or DEFAULT_CORPUS)
+        corpus = Corpus.load(cfg.tokenizer or DEFAULT_TOKENIZER, cfg.corpus or DEFAULT_CORPUS,
+                             val_path=cfg.val_corpus or None)  # which decides what the train split is
         mcfg = model_config(cfg.model, corpus.vocab_size)
         module = build(mcfg, our_model.GPT2(mcfg, numpy_ops, seed=cfg.seed).state_dict(), sdpa=sdpa)
         model = DistributedDataParallel(module)  # PyTorch's defaults: 25 MiB buckets, overlapped with backward
