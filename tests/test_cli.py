@@ -274,11 +274,32 @@ def prepare(loaded, launch=None, **fields):
 
 def test_the_configuration_fingerprint_ignores_what_may_differ_between_nodes(shipped_corpus, tmp_path):
     """The same tokens from files at other paths, and other outputs, are the same run; another seed is not."""
-    fingerprint = prepare(shipped_corpus)[4]
+    fingerprint = prepare(shipped_corpus).fingerprint
     elsewhere = prepare(shipped_corpus, tokenizer="/node7/tok.json", corpus="/node7/corpus.txt",
-                        report=str(tmp_path / "r.json"), metrics=str(tmp_path / "m.jsonl"), log_every=5)[4]
+                        report=str(tmp_path / "r.json"), metrics=str(tmp_path / "m.jsonl"), log_every=5).fingerprint
     assert elsewhere == fingerprint
-    assert prepare(shipped_corpus, seed=8)[4] != fingerprint
+    assert prepare(shipped_corpus, seed=8).fingerprint != fingerprint
+
+
+def test_the_fingerprint_holds_the_hellaswag_examples_not_their_path(shipped_corpus, tmp_path):
+    """Processes that score different examples would all-reduce counts of different things."""
+    import shutil
+
+    import numpy as np
+
+    from xtrain_dist.files import write_atomic
+    from xtrain_dist.hellaswag import Example, eval_file_chunks
+
+    def eval_file(name, label):
+        ids = np.arange(1, 4, dtype=np.int32)
+        write_atomic(tmp_path / name, eval_file_chunks([Example(0, label, ids, (ids, ids))]), "test")
+        return str(tmp_path / name)
+
+    here = prepare(shipped_corpus, hellaswag=eval_file("a.bin", 0)).fingerprint
+    shutil.copy(tmp_path / "a.bin", tmp_path / "copy.bin")
+    assert prepare(shipped_corpus, hellaswag=str(tmp_path / "copy.bin")).fingerprint == here
+    assert prepare(shipped_corpus, hellaswag=eval_file("b.bin", 1)).fingerprint != here
+    assert prepare(shipped_corpus).fingerprint != here
 
 
 def test_only_process_0_needs_a_writable_report(shipped_corpus, tmp_path):
@@ -289,7 +310,7 @@ def test_only_process_0_needs_a_writable_report(shipped_corpus, tmp_path):
     blocker.write_text("")
     report = str(blocker / "r.json")  # a part of its folder is a file: nobody can write it
     rank1 = Launch("torchrun", process_rank=1, num_processes=2, master_addr="127.0.0.1", master_port=29500)
-    assert prepare(shipped_corpus, rank1, report=report, world_size=2)[0] == "tcp"
+    assert prepare(shipped_corpus, rank1, report=report, world_size=2).engine == "tcp"
     with pytest.raises(XtrainError, match="cannot be written"):
         prepare(shipped_corpus, Launch("single"), report=report)
 

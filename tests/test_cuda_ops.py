@@ -472,6 +472,32 @@ def test_a_device_that_does_not_exist_is_one_line():
             CudaBackend(device)
 
 
+def test_hellaswag_scores_follow_numpy(be, rng):
+    """Each completion's mean loss and the count of right answers (hellaswag.py) on the GPU, against the
+    numpy backend on the same weights; examples of random ids, passes of 3 examples."""
+    from xtrain_dist.hellaswag import Example, HellaSwag
+
+    def ids(most):
+        return rng.integers(0, 4096, size=int(rng.integers(1, most + 1))).astype(np.int32)
+
+    examples = [Example(i, int(rng.integers(0, 4)), ids(20), tuple(ids(9) for _ in range(4))) for i in range(10)]
+    config = model_config("tiny", 4096)
+    # weights far from the initialisation, so that the completions' scores lie apart (see test_hellaswag.py)
+    weights = randn(rng, GPT2(config, ref).size, scale=0.3)
+    scores, counts = [], []
+    for backend in (ref, be):
+        model = GPT2(config, backend)
+        model.params[...] = backend.from_host(weights)
+        model.refresh_lowp()
+        evaluator = HellaSwag(examples, 3, 0, 1, backend)
+        scores.append(backend.to_host(evaluator.completion_losses(model)))
+        counts.append(evaluator.correct(model))
+    check(scores[1], scores[0], rel=1e-5, what="completion losses")
+    ordered = np.sort(scores[0], axis=1)
+    if np.all(ordered[:, 1] - ordered[:, 0] > 1e-4):  # no near-tie that rounding may decide either way
+        assert counts[1] == counts[0]
+
+
 # ---------------------------------------------------------------------------- training on the GPU
 
 def _train(**kw):

@@ -210,7 +210,7 @@ def test_processes_must_start_from_the_same_weights(corpus, hf_gpt2, tmp_path):
 
     def fingerprint(init_from):
         cfg = TrainConfig(steps=2, batch=2, seq=16, eval_batches=0, init_from=str(init_from)).resolved()
-        return _prepare(cfg, corpus, Launch("single"), 1, lambda line: None)[4]
+        return _prepare(cfg, corpus, Launch("single"), 1, lambda line: None).fingerprint
 
     folder, _ = hf_gpt2
     shutil.copytree(folder, tmp_path / "copy")

@@ -96,6 +96,7 @@ class TrainConfig:
     eval_every: int = 0             # also evaluate every N steps; 0: only at the end
     eval_batches: int = 0           # held-out batches of BATCH x SEQ per evaluation; 0: none (the CLI's default: 20)
     val_corpus: str = ""            # validation text or token files; "": the corpus's last 10% (data.Corpus.load)
+    hellaswag: str = ""             # an llm.c eval file: multiple-choice accuracy at each evaluation (hellaswag.py)
     metrics: str | None = None      # append one JSON line per step here
     extra: dict = field(default_factory=dict)
 

@@ -45,19 +45,21 @@ class Evaluator:
 
 
 def is_eval_step(done: int, cfg) -> bool:
-    """After `done` steps: every eval_every steps, and at the end of the run."""
-    return cfg.eval_batches > 0 and (done == cfg.steps or (cfg.eval_every > 0 and done % cfg.eval_every == 0))
+    """After `done` steps: every eval_every steps, and at the end of the run (where there is something to
+    evaluate: a validation loss or --hellaswag)."""
+    evaluates = cfg.eval_batches > 0 or bool(cfg.hellaswag)
+    return evaluates and (done == cfg.steps or (cfg.eval_every > 0 and done % cfg.eval_every == 0))
 
 
 def check(cfg, corpus, log):
     """Before the run: a validation split too short for SEQ is an error where --eval-every asked for
     evaluation, and skips only the default end-of-run evaluation (with a line saying so)."""
-    if cfg.eval_every and not cfg.eval_batches:
-        raise XtrainError("--eval-every needs --eval-batches of at least 1")
+    if cfg.eval_every and not cfg.eval_batches and not cfg.hellaswag:
+        raise XtrainError("--eval-every needs --eval-batches of at least 1 (or --hellaswag)")
     if cfg.eval_batches == 0 or len(corpus.val) >= cfg.seq + 1:
         return cfg
     reason = f"{corpus.val_source} has {len(corpus.val)} tokens, at least SEQ+1 = {cfg.seq + 1} are needed"
-    if cfg.eval_every:
+    if cfg.eval_every and not cfg.hellaswag:
         raise XtrainError(f"--eval-every: {reason}")
     log(f"no validation loss: {reason}")
     return replace(cfg, eval_batches=0)

@@ -1,7 +1,7 @@
 """--metrics PATH: one JSON line per step, appended, so that a resumed run continues its file.
 
 A line: {"step": 12, "loss": ..., "lr": ..., "grad_norm": ..., "ms": ..., "tokens_per_s": ...}, plus
-"val_loss" on evaluation steps. Gradient-sync timing (comm_ms and the like) goes in the same line:
+"val_loss" (and "hellaswag") on evaluation steps. Gradient-sync timing (comm_ms and the like) goes in the same line:
 the loop passes whatever fields its strategy reports. Each line is written with one append and the
 file closed at once, so a crash loses at most the line being written, and a reader (bin/plot_metrics)
 takes the last line for each step: steps that a run redoes after resuming an older checkpoint
@@ -35,7 +35,8 @@ def check_path(path) -> None:
 def progress_line(record: dict, steps: int) -> str:
     line = (f"step {record['step']:5d}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"norm {record['grad_norm']:7.4f} | {record['ms']:7.1f} ms | {record['tokens_per_s']:9.0f} tok/s")
-    return line + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else "")
+    line += f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+    return line + (f" | hellaswag {record['hellaswag']:.4f}" if "hellaswag" in record else "")
 
 
 def append(path, record: dict) -> None:

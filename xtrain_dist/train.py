@@ -14,6 +14,8 @@ from .data import BatchSampler, Corpus
 from .ddp import make_grad_sync
 from .errors import XtrainError
 from .evaluate import Evaluator, is_eval_step
+from .hellaswag import HellaSwag, examples_per_pass
+from .hellaswag import load as load_hellaswag
 from .model import GPT2
 from .optim import lr_at, make_optimizer
 from .profile import OpProfiler
@@ -27,6 +29,7 @@ class RankResult:
     lrs: list[float] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     val_losses: list[list] = field(default_factory=list)     # [step, validation loss] of every evaluation
+    hellaswag: list[list] = field(default_factory=list)      # [step, --hellaswag accuracy] of every evaluation
     start_step: int = 0                                     # steps done before this run (resumed from a checkpoint)
     param_sha256: str = ""                                  # of the flat parameter buffer after the last step
     num_params: int = 0
@@ -50,6 +53,8 @@ class RankResult:
         self.exposed_comm_s.append(record["exposed_comm_ms"] / 1e3)
         if "val_loss" in record:
             self.val_losses.append([record["step"], record["val_loss"]])
+        if "hellaswag" in record:
+            self.hellaswag.append([record["step"], record["hellaswag"]])
 
 
 def param_sha256(model) -> str:
@@ -67,10 +72,11 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 # with one line instead
 @np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
-               log=print, resume=None, init=None) -> RankResult:
+               log=print, resume=None, init=None, hellaswag=None) -> RankResult:
     """One rank's whole run. `resume`: what to restore from (a checkpoint.SharedRestore that the process's
     ranks share), by default cfg.resume; `init`: the pretrained weights to start from (a
-    checkpoint.SharedWeights), by default cfg.init_from's."""
+    checkpoint.SharedWeights), by default cfg.init_from's; `hellaswag`: the examples of cfg.hellaswag,
+    by default read from it."""
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
@@ -86,6 +92,11 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         checkpoint.load_pretrained(init or cfg.init_from, model)
     evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
                  if cfg.eval_batches else None)
+    if cfg.hellaswag:
+        examples = hellaswag or load_hellaswag(cfg, corpus)
+        # about the positions of the rank's training micro-batch, whose activations fit
+        tokens = max(1, cfg.batch // comm.world_size // cfg.grad_accum) * cfg.seq
+        hellaswag = HellaSwag(examples, examples_per_pass(tokens, examples), rank, comm.world_size, backend)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
@@ -128,10 +139,13 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             raise XtrainError(f"step {done}: training diverged (loss {record['loss']}, gradient norm "
                               f"{record['grad_norm']}): the parameters are no longer finite, so the run "
                               "stops here and saves nothing; lower --lr")
-        if evaluator and is_eval_step(done, cfg):
-            record["val_loss"] = evaluator.loss(model, comm)
+        if is_eval_step(done, cfg):
+            if evaluator:
+                record["val_loss"] = evaluator.loss(model, comm)
+            if hellaswag:
+                record["hellaswag"] = hellaswag.accuracy(model, comm)
         result.add(record)
-        if rank == 0 and (step % cfg.log_every == 0 or done == cfg.steps or "val_loss" in record):
+        if rank == 0 and (step % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)):
             log(metrics.progress_line(record, cfg.steps))
         if rank == 0 and cfg.metrics:
             metrics.append(cfg.metrics, record)

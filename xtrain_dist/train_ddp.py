@@ -10,12 +10,12 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from . import checkpoint, ddp, evaluate, files, memory, metrics, precision
+from . import checkpoint, ddp, evaluate, files, hellaswag, memory, metrics, precision
 from .backend import BACKENDS, rank_device
 from .cli import (
     OneLineParser,
@@ -96,6 +96,9 @@ def build_parser() -> OneLineParser:
     g.add_argument("--val-corpus", metavar="PATH", type=non_empty_path, default=None,
                    help="validate on this text or these token files, and train on all of CORPUS (default: hold "
                         "out CORPUS's last 10%%)")
+    g.add_argument("--hellaswag", metavar="PATH", type=non_empty_path, default=None,
+                   help="also score an llm.c eval file (HellaSwag, made with TOKENIZER) at each evaluation: the "
+                        "share of examples whose lowest-loss completion is the right one")
     g.add_argument("--metrics", metavar="PATH", type=non_empty_path, default=None,
                    help="append one JSON line per step to PATH")
     sync = p.add_argument_group("gradient synchronisation, ZeRO-1 and accumulation (see docs/ddp.md)")
@@ -139,7 +142,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         rdzv_timeout_s=args.rdzv_timeout,
         save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, init_from=args.init_from,
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
-        metrics=args.metrics,
+        hellaswag=args.hellaswag or "", metrics=args.metrics,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
         grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention,
     ).resolved()
@@ -167,7 +170,8 @@ def check_outputs(cfg: TrainConfig) -> None:
     Files are compared, not names, so a relative path, a symlink or a hard link is caught too."""
     outputs = [(flag, path) for flag, path in (("--report", cfg.report), ("--metrics", cfg.metrics)) if path]
     inputs = [(what, path) for what, path in (("the tokenizer", cfg.tokenizer), ("the corpus", cfg.corpus),
-                                              ("the validation corpus", cfg.val_corpus)) if path]
+                                              ("the validation corpus", cfg.val_corpus),
+                                              ("the --hellaswag file", cfg.hellaswag)) if path]
     for flag, out in outputs:
         for what, given in inputs:
             if files.same_file(out, given):
@@ -175,7 +179,8 @@ def check_outputs(cfg: TrainConfig) -> None:
     if len(outputs) == 2 and files.same_file(cfg.report, cfg.metrics):
         raise XtrainError(f"--report '{cfg.report}' and --metrics '{cfg.metrics}' are the same file: the report "
                           "would replace the metrics")
-    for name, path in [*outputs, ("corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus)] if cfg.save_dir else []:
+    inputs_in_run = [("corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus), ("--hellaswag", cfg.hellaswag)]
+    for name, path in [*outputs, *inputs_in_run] if cfg.save_dir else []:
         if path and files.inside(path, cfg.save_dir):
             raise XtrainError(f"{name} '{path}' is inside --save-dir '{cfg.save_dir}': every checkpoint save "
                               "replaces that folder")
@@ -193,8 +198,8 @@ def cpu_threads_per_rank(ranks_on_node: int) -> int:
 
 
 # what every process of a run must agree on; paths and addresses may differ from node to node
-_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "init_from", "report", "metrics", "log_every", "rdzv_bind",
-                       "rdzv_advertise", "cpu_threads", "profile_step", "extra"}
+_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_from", "report", "metrics", "log_every",
+                       "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "extra"}
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None) -> dict:
@@ -203,27 +208,27 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     launch = launch or detect_launch()
     local_world = local_world_for(launch, cfg.world_size)
     try:
-        engine, corpus, devices, cfg, fingerprint, resume_from, init_weights = _prepare(cfg, corpus, launch,
-                                                                                      local_world, log)
+        ready = _prepare(cfg, corpus, launch, local_world, log)
     except Exception as err:
         # this process cannot start: tell the others now, or they wait for it until --rdzv-timeout
         reason = str(err) if isinstance(err, XtrainError) else f"{type(err).__name__}: {err}"
         report_failure_before_world(launch, reason, bind=cfg.rdzv_bind, advertise=cfg.rdzv_advertise,
                                     timeout_s=min(cfg.rdzv_timeout_s, 30.0))
         raise
-    world = open_world(engine, launch=launch, local_world=local_world, timeout_s=cfg.comm_timeout_s,
+    cfg, corpus, devices = ready.cfg, ready.corpus, ready.devices
+    world = open_world(ready.engine, launch=launch, local_world=local_world, timeout_s=cfg.comm_timeout_s,
                        rdzv_bind=cfg.rdzv_bind, rdzv_advertise=cfg.rdzv_advertise, rdzv_timeout_s=cfg.rdzv_timeout_s,
-                       fingerprint=fingerprint, devices=None if cfg.backend != "cuda" else devices,
+                       fingerprint=ready.fingerprint, devices=None if cfg.backend != "cuda" else devices,
                        log=lambda line: print(f"{PROG}: {line}", file=sys.stderr))
 
     # the checkpoint _prepare verified, bytes and all: the ranks restore from it without reading it again
-    shared_resume = checkpoint.SharedRestore(cfg.resume, local_world, opened=resume_from) if cfg.resume else None
-    shared_init = checkpoint.SharedWeights(init_weights, local_world) if cfg.init_from else None
-    del init_weights  # the ranks' last load lets the host copy go
+    shared_resume = checkpoint.SharedRestore(cfg.resume, local_world, opened=ready.resume_from) if cfg.resume else None
+    shared_init = checkpoint.SharedWeights(ready.init_weights, local_world) if cfg.init_from else None
+    ready.init_weights = None  # the ranks' last load lets the host copy go
 
     def rank_fn(local, comm):
         result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log, resume=shared_resume,
-                            init=shared_init)
+                            init=shared_init, hellaswag=ready.hellaswag)
         return result, every_ranks_facts(comm, result, cfg.backend)
 
     t0 = time.perf_counter()
@@ -250,11 +255,12 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "model": {"preset": cfg.model, **vars(model_config(cfg.model, corpus.vocab_size)),
                   "num_params": lead.num_params},
         "launch": {"kind": launch.kind, "processes": launch.num_processes, "threads_per_process": local_world,
-                   "comm": engine},
+                   "comm": ready.engine},
         "process_rank": launch.process_rank,
         "start_step": lead.start_step,  # losses[i] is the loss of step start_step + i + 1
         "losses": lead.losses,
         "val_losses": lead.val_losses,
+        "hellaswag": lead.hellaswag,
         "grad_norms": lead.grad_norms,
         "lrs": lead.lrs,
         "step_ms": lead.step_ms,
@@ -288,10 +294,22 @@ def profile_of(lead, step: int) -> dict:
             "exposed_comm_ms": lead.exposed_comm_s[i] * 1e3, "ops": lead.profile}
 
 
-def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log):
-    """Everything a process checks and loads before it meets the others: (engine, corpus, devices, cfg,
-    config fingerprint, the verified checkpoint to resume from or None, the --init-from parameters or
-    None), or one XtrainError naming what is wrong."""
+@dataclass
+class Prepared:
+    """What a process checked and loaded before it meets the others."""
+    engine: str                 # the communicator it joins the world with
+    corpus: Corpus
+    devices: list               # each local rank's device
+    cfg: TrainConfig            # with what the checks settled (evaluation switched off for a short split)
+    fingerprint: str            # of what every process must agree on
+    resume_from: object         # the verified checkpoint to resume from, or None
+    init_weights: dict | None   # the --init-from parameters
+    hellaswag: list | None      # the --hellaswag examples
+
+
+def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log) -> Prepared:
+    """Everything a process checks and loads before it meets the others, or one XtrainError naming what
+    is wrong."""
     if corpus is None:  # a TrainConfig made in code trains on the shipped data where it names none, as the CLI does
         cfg = replace(cfg, tokenizer=cfg.tokenizer or str(DEFAULT_TOKENIZER), corpus=cfg.corpus or str(DEFAULT_CORPUS))
     check_outputs(cfg)
@@ -319,6 +337,7 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if cfg.report and launch.process_rank == 0:
         files.check_writable(cfg.report, "--report")
     cfg = evaluate.check(cfg, corpus, log)
+    examples = hellaswag.load(cfg, corpus) if cfg.hellaswag else None
     if cfg.resume and cfg.init_from:
         raise XtrainError("--init-from and --resume both say where the weights start: give one")
     first, resume_from = 1, None
@@ -350,9 +369,11 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if init_weights is not None:  # so are the weights every rank starts from
         same_everywhere["init_params"] = checkpoint.params_sha256(init_weights,
                                                                   model_config(cfg.model, corpus.vocab_size))
+    if examples is not None:
+        same_everywhere["hellaswag_examples"] = hellaswag.sha256(examples)
     fingerprint = config_fingerprint({**same_everywhere, "train_tokens": corpus.train_sha256,
                                       "val_tokens": corpus.val_sha256})
-    return engine, corpus, devices, cfg, fingerprint, resume_from, init_weights
+    return Prepared(engine, corpus, devices, cfg, fingerprint, resume_from, init_weights, examples)
 
 
 def _shape(c) -> str:
@@ -485,6 +506,7 @@ def _main(argv: list[str]) -> int:
     if cfg.profile_step:
         print(profile_table(report["profile"]))
     val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
+    val += f", hellaswag {report['hellaswag'][-1][1]:.4f}" if report["hellaswag"] else ""
     pools = list(report["memory"].get("gpu_pool_bytes", {}).values())
     gpu = f", GPU memory held {'up to ' if len(pools) > 1 else ''}{memory.gib(max(pools))}" if pools else ""
     print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
