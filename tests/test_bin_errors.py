@@ -52,7 +52,7 @@ def test_plot_metrics_draws_records_that_lack_some_fields(tmp_path):
 def test_plot_metrics_refuses_a_file_with_nothing_to_plot(tmp_path):
     useless = write_metrics(tmp_path / "lr.jsonl", [{"step": 1, "lr": 1e-3}, {"step": 2, "loss": None}])
     assert error("plot_metrics", useless, "-o", tmp_path / "plot.png") == (
-        f"metrics file '{useless}' has nothing to plot: no record has loss, val_loss or tokens_per_s")
+        f"metrics file '{useless}' has nothing to plot: no record has loss, val_loss, tokens_per_s or hellaswag")
     assert not (tmp_path / "plot.png").exists()
     assert error("plot_metrics", useless, "-o", tmp_path / "p.png", "--smooth", "0") == \
         "--smooth must be a positive integer, got '0'"

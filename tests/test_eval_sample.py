@@ -342,6 +342,13 @@ def test_plot_metrics_draws_several_runs_into_a_png(tmp_path):
     png = (tmp_path / "plot.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", png[16:24]) == (990, 360)  # 11 x 4 inches at 90 dpi
+    # a run that scored HellaSwag adds a panel for it
+    with open(tmp_path / "b.jsonl", "a") as f:
+        f.write(json.dumps({"step": 60, "loss": 1.0, "hellaswag": 0.3}) + "\n")
+    out = subprocess.run([*plot, tmp_path / "a.jsonl", tmp_path / "b.jsonl", "-o", tmp_path / "plot.png"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert struct.unpack(">II", (tmp_path / "plot.png").read_bytes()[16:24]) == (1350, 360)
     missing = subprocess.run([*plot, tmp_path / "x.jsonl", "-o", tmp_path / "x.png"], capture_output=True, text=True,
                              timeout=120)
     assert missing.returncode == 2
