@@ -221,6 +221,42 @@ def test_the_command_line_resumes_bitwise(tmp_path):
     assert resumed["losses"] == full["losses"][3:] and resumed["param_sha256"] == full["param_sha256"]
 
 
+def test_the_ranks_of_a_process_share_one_read_and_the_last_lets_it_go():
+    """Three rank threads restore from one read of a checkpoint (checkpoint.Shared): read once, on first
+    use, the same object for all, and dropped once the last rank is done, also where one of them failed."""
+    import threading
+
+    reads, seen = [], []
+
+    def read():
+        reads.append(1)
+        return {"bytes": bytearray(8)}
+
+    shared = checkpoint.Shared(3, read=read, path="ck")
+    barrier = threading.Barrier(3)
+
+    def rank(r):
+        try:
+            with shared.use() as value:
+                seen.append(value)
+                barrier.wait(10)  # every rank holds it at once
+                if r == 1:
+                    raise ValueError("rank 1 fails while it loads")
+        except ValueError:
+            pass
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(reads) == 1 and len(seen) == 3 and all(v is seen[0] for v in seen)
+    assert shared._value is None  # the process no longer holds the bytes
+    given = checkpoint.Shared(1, value={"w": 1}, read=lambda: pytest.fail("a given value is never read again"))
+    with given.use() as value:
+        assert value == {"w": 1}
+
+
 # ------------------------------------------------------------------------------- the state, any sharding
 def objects(corpus, cfg, pad=1, rank=0, world=1, optimizer_class=AdamW):
     model = GPT2(model_config(cfg.model, corpus.vocab_size), numpy_ops, seed=cfg.seed, pad_to_multiple=pad)

@@ -504,29 +504,38 @@ def open_pretrained(path, read=(MODEL, CONFIG), what: str = "--init-from") -> Ch
     return Checkpoint(path, path, {}, contents)
 
 
-class SharedWeights:
-    """Pretrained parameters (Checkpoint.pretrained_state) that every rank thread of the process loads
-    into its own model; the last rank to load them lets the host copy go."""
+class Shared:
+    """One read of a checkpoint (its verified bytes, or pretrained weights) for all the rank threads of a
+    process: read once, by `read` on first use unless `value` is given, held once, not once per rank
+    (8 ranks of gpt2-774m would otherwise hold 8 x 9 GB), and let go when the last rank is done with it.
+    `path` names it in errors."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], ranks: int):
-        self._tensors, self._ranks_left = tensors, ranks
+    def __init__(self, ranks: int, value=None, read=None, path=None):
+        self.path, self._value, self._read, self._ranks_left = path, value, read, ranks
         self._lock = threading.Lock()
 
-    def load_into(self, model) -> None:
-        with self._lock:
-            tensors = self._tensors
-        model.load_state_dict(tensors)
-        with self._lock:
-            self._ranks_left -= 1
-            if self._ranks_left <= 0:
-                self._tensors = None
+    @contextlib.contextmanager
+    def use(self):
+        """The value, for one rank; leaving the block (also by an exception) counts the rank as done."""
+        try:
+            with self._lock:
+                if self._value is None:
+                    self._value = self._read()
+                value = self._value
+            yield value
+        finally:
+            with self._lock:
+                self._ranks_left -= 1
+                if self._ranks_left <= 0:
+                    self._value = None
 
 
 def load_pretrained(source, model) -> None:
-    """Start `model` from pretrained weights: a SharedWeights, or a folder (open_pretrained)."""
-    if not isinstance(source, SharedWeights):
-        source = SharedWeights(open_pretrained(source).pretrained_state(model.config), 1)
-    source.load_into(model)
+    """Start `model` from pretrained weights: a Shared of them, or a folder (open_pretrained)."""
+    if not isinstance(source, Shared):
+        source = Shared(1, open_pretrained(source).pretrained_state(model.config), path=source)
+    with source.use() as tensors:
+        model.load_state_dict(tensors)
 
 
 def open_checkpoint(path, read=(MODEL, CONFIG, TOKENIZER, STATE)) -> Checkpoint:
@@ -610,7 +619,7 @@ def _describe(model: dict) -> str:
 
 def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     """Can this run continue the checkpoint cfg.resume? Returns (its step, notes for the log, the verified
-    checkpoint with the bytes restore() loads: a SharedRestore of it reads nothing again), or raises
+    checkpoint with the bytes restore() loads: a shared_restore of it reads nothing again), or raises
     XtrainError naming what does not fit."""
     ckpt = open_checkpoint(cfg.resume, read=(MODEL, STATE, "optimizer*"))
     state, where = ckpt.state, f"checkpoint '{cfg.resume}'"
@@ -652,39 +661,18 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     return step, notes, ckpt
 
 
-class SharedRestore:
-    """One verified read of a checkpoint for all the rank threads of a process.
-
-    Every rank restores from it, so the process reads and hashes the files once and holds one copy of
-    their bytes, not one per rank (8 ranks of gpt2-774m would otherwise hold 8 x 9 GB); the last rank
-    to finish lets the bytes go."""
-
-    def __init__(self, path, ranks: int, opened: Checkpoint | None = None):
-        self.path, self._ranks_left = path, ranks
-        self._lock = threading.Lock()
-        self._ckpt: Checkpoint | None = opened  # check_resume's read, when the caller has it
-
-    def checkpoint(self) -> Checkpoint:
-        with self._lock:
-            if self._ckpt is None:
-                self._ckpt = open_checkpoint(self.path, read=(MODEL, STATE, "optimizer*"))
-            return self._ckpt
-
-    def done(self) -> None:
-        with self._lock:
-            self._ranks_left -= 1
-            if self._ranks_left <= 0:
-                self._ckpt = None
+def shared_restore(path, ranks: int, opened: Checkpoint | None = None) -> Shared:
+    """The checkpoint at `path` for `ranks` rank threads to restore from: check_resume's verified read
+    where the caller has it (`opened`), else one read on first use."""
+    return Shared(ranks, opened, read=lambda: open_checkpoint(path, read=(MODEL, STATE, "optimizer*")), path=path)
 
 
 def restore(source, model, optimizer, sampler) -> int:
-    """Load the parameters, optimizer and sampler state of the checkpoint (a path, or a SharedRestore of
+    """Load the parameters, optimizer and sampler state of the checkpoint (a path, or a shared_restore of
     it; checked by check_resume) into this rank's objects; returns the step to continue from."""
-    shared = source if isinstance(source, SharedRestore) else SharedRestore(source, 1)
-    try:
-        return _restore(shared.checkpoint(), shared.path, model, optimizer, sampler)
-    finally:
-        shared.done()
+    shared = source if isinstance(source, Shared) else shared_restore(source, 1)
+    with shared.use() as ckpt:
+        return _restore(ckpt, shared.path, model, optimizer, sampler)
 
 
 def _restore(ckpt: Checkpoint, path, model, optimizer, sampler) -> int:

@@ -73,9 +73,9 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 @np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
                log=print, resume=None, init=None, hellaswag=None) -> RankResult:
-    """One rank's whole run. `resume`: what to restore from (a checkpoint.SharedRestore that the process's
+    """One rank's whole run. `resume`: what to restore from (a checkpoint.shared_restore that the process's
     ranks share), by default cfg.resume; `init`: the pretrained weights to start from (a
-    checkpoint.SharedWeights), by default cfg.init_from's; `hellaswag`: the examples of cfg.hellaswag,
+    checkpoint.Shared of them), by default cfg.init_from's; `hellaswag`: the examples of cfg.hellaswag,
     by default read from it."""
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each

@@ -222,8 +222,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
                        log=lambda line: print(f"{PROG}: {line}", file=sys.stderr))
 
     # the checkpoint _prepare verified, bytes and all: the ranks restore from it without reading it again
-    shared_resume = checkpoint.SharedRestore(cfg.resume, local_world, opened=ready.resume_from) if cfg.resume else None
-    shared_init = checkpoint.SharedWeights(ready.init_weights, local_world) if cfg.init_from else None
+    shared_resume = checkpoint.shared_restore(cfg.resume, local_world, ready.resume_from) if cfg.resume else None
+    shared_init = checkpoint.Shared(local_world, ready.init_weights, path=cfg.init_from) if cfg.init_from else None
     ready.init_weights = None  # the ranks' last load lets the host copy go
 
     def rank_fn(local, comm):
@@ -472,7 +472,8 @@ def _rendezvous_options(argv: list[str]) -> dict:
     p = OneLineParser(add_help=False, allow_abbrev=False)
     p.add_argument("--rdzv-bind", dest="bind")
     p.add_argument("--rdzv-advertise", dest="advertise")
-    p.add_argument("--rdzv-timeout", dest="timeout_s", type=positive_float, default=300.0)
+    p.add_argument("--rdzv-timeout", dest="timeout_s", type=positive_float,
+                   default=build_parser().get_default("rdzv_timeout"))
     try:
         options = vars(p.parse_known_args(argv)[0])
     except XtrainError:
