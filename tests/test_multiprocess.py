@@ -22,6 +22,8 @@ import pytest
 from xtrain_dist.config import TrainConfig
 from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
+from xtrain_dist.files import write_atomic
+from xtrain_dist.hellaswag import Example, eval_file_chunks
 from xtrain_dist.train_ddp import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,12 +67,27 @@ def torchrun_style(rank, world, port, args, **kw):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def hellaswag_file(tmp_path_factory):
+    """13 examples of random ids, for --hellaswag: 4 ranks score 4, 3, 3 and 3 of them."""
+    rng = np.random.default_rng(0)
+
+    def ids(n):
+        return rng.integers(0, 4096, size=n).astype(np.int32)
+
+    examples = [Example(i, i % 4, ids(6 + i % 5), tuple(ids(2 + k) for k in range(4))) for i in range(13)]
+    path = tmp_path_factory.mktemp("hellaswag") / "hs.bin"
+    write_atomic(path, eval_file_chunks(examples), "test")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(hellaswag_file):
     """World 1 and world 2 in one process, thread ranks: what every multi-process run is compared with."""
     corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
 
     def job(world):
-        cfg = TrainConfig(steps=STEPS, batch=BATCH, seq=SEQ, seed=SEED, world_size=world).resolved()
+        cfg = TrainConfig(steps=STEPS, batch=BATCH, seq=SEQ, seed=SEED, world_size=world,
+                          hellaswag=str(hellaswag_file)).resolved()
         return train(cfg, corpus, log=lambda line: None)
 
     return {1: job(1), 2: job(2)}
@@ -129,14 +146,16 @@ def test_mpirun_trains_like_world1_with_bitwise_equal_ranks(tmp_path, reference)
 
 
 @needs_mpi
-def test_mpirun_with_two_rank_threads_per_process(tmp_path, reference):
+def test_mpirun_with_two_rank_threads_per_process(tmp_path, reference, hellaswag_file):
     report = tmp_path / "hybrid.json"
     out = run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", *TRAIN_ARGS,
-               "--world-size", "4", "--zero", "1", "--report", str(report)])
+               "--world-size", "4", "--zero", "1", "--hellaswag", str(hellaswag_file), "--report", str(report)])
     assert out.returncode == 0, out.stderr
     data = json.loads(report.read_text())
     assert data["launch"]["threads_per_process"] == 2
     assert_matches(data, reference, 4)
+    # HellaSwag's counts, added up over both processes' rank threads, are world 1's
+    assert data["hellaswag"] == reference[1]["hellaswag"] and len(data["hellaswag"]) == 1
     # the report names every rank's ZeRO-1 shard, the other process's too: together they tile the buffer
     shards = data["zero_shards"]
     assert len(shards) == 4 and shards[0][0] == 0 and all(a[1] == b[0] for a, b in pairwise(shards))
