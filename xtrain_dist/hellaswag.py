@@ -1,6 +1,6 @@
 """HellaSwag (and any multiple-choice eval in llm.c's eval-file format): the accuracy llm.c reports.
 
-python -m xtrain_dist.hellaswag DIR EVALFILE [--backend numpy|cuda] [--rows N]
+python -m xtrain_dist.hellaswag DIR EVALFILE [--backend numpy|cuda] [--tokens N]
 
 An example is a context and its candidate completions, one of them right (the label). Each completion
 is scored by the model's mean cross-entropy over the completion's tokens, predicted from the context
