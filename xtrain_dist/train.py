@@ -92,11 +92,12 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         checkpoint.load_pretrained(init or cfg.init_from, model)
     evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
                  if cfg.eval_batches else None)
+    multiple_choice = None
     if cfg.hellaswag:
         examples = hellaswag or load_hellaswag(cfg, corpus)
         # about the positions of the rank's training micro-batch, whose activations fit
         tokens = max(1, cfg.batch // comm.world_size // cfg.grad_accum) * cfg.seq
-        hellaswag = HellaSwag(examples, examples_per_pass(tokens, examples), rank, comm.world_size, backend)
+        multiple_choice = HellaSwag(examples, examples_per_pass(tokens, examples), rank, comm.world_size, backend)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
@@ -142,8 +143,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         if is_eval_step(done, cfg):
             if evaluator:
                 record["val_loss"] = evaluator.loss(model, comm)
-            if hellaswag:
-                record["hellaswag"] = hellaswag.accuracy(model, comm)
+            if multiple_choice:
+                record["hellaswag"] = multiple_choice.accuracy(model, comm)
         result.add(record)
         if rank == 0 and (step % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)):
             log(metrics.progress_line(record, cfg.steps))
