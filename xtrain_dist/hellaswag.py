@@ -28,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import BACKENDS, get_backend
+from .backend import BACKENDS
 from .cli import OneLineParser, non_empty_path, positive_int, run_command
 from .config import model_config
 from .data import reading
 from .errors import XtrainError
-from .sample import load as load_checkpoint
+from .sample import load_for_command
 
 EVAL_FILE_MAGIC = 20240522
 EVAL_FILE_VERSION = 1
@@ -239,9 +239,7 @@ def build_parser() -> OneLineParser:
 
 def evaluate(argv) -> str:
     args = build_parser().parse_args(argv)
-    model, tokenizer, ckpt = load_checkpoint(args.checkpoint, get_backend(args.backend, 0))
-    if ckpt.note:
-        print(f"{PROG}: {ckpt.note}", file=sys.stderr)
+    model, tokenizer = load_for_command(PROG, args.checkpoint, args.backend)
     examples = read_eval_file(args.eval_file, tokenizer.get_vocab_size(with_added_tokens=True), what="EVALFILE")
     check(examples, model.config.n_ctx, args.eval_file, what="EVALFILE")
     evaluator = HellaSwag(examples, examples_per_pass(args.tokens, examples), 0, 1, model.ops)

@@ -45,6 +45,15 @@ def load(path, backend):
     return model, tokenizer, ckpt
 
 
+def load_for_command(prog: str, path, backend: str):
+    """load() for a command line: (model, tokenizer) of the checkpoint at `path` on `backend` (its device 0),
+    with the checkpoint's note, if it has one, on stderr."""
+    model, tokenizer, ckpt = load(path, get_backend(backend, 0))
+    if ckpt.note:
+        print(f"{prog}: {ckpt.note}", file=sys.stderr)
+    return model, tokenizer
+
+
 def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: int | None,
              rng: np.random.Generator) -> list[int]:
     """`n_tokens` ids drawn one at a time after `ids`: greedy at temperature 0, else from
@@ -90,9 +99,7 @@ def build_parser() -> OneLineParser:
 
 def sample_text(argv) -> str:
     args = build_parser().parse_args(argv)
-    model, tokenizer, ckpt = load(args.checkpoint, get_backend(args.backend, 0))
-    if ckpt.note:
-        print(f"{PROG}: {ckpt.note}", file=sys.stderr)
+    model, tokenizer = load_for_command(PROG, args.checkpoint, args.backend)
     if args.prompt:
         ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
     elif tokenizer.token_to_id(EOS) is not None:
