@@ -63,6 +63,22 @@ def test_bench_cpu_writes_its_rows_and_both_sides_learn_the_same(tmp_path):
     assert "| tiny | 4 x 16 |" in (tmp_path / "cpu_step.md").read_text()
 
 
+def test_bench_sample_races_equal_draws(tmp_path):
+    """Ours with and without the cache and transformers' generate draw the same greedy tokens; a prompt
+    that would pass the model's positions is skipped, not timed on a path that no longer caches."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    run = script("bench_sample", "--presets", "tiny", "--prompts", "5,100,125", "--tokens", "8", "--repeats", "2",
+                 "--out", tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "tiny, prompt 125: skipped, 125 + 8 tokens pass its 128 positions (where no side caches)" in run.stdout
+    data = json.loads((tmp_path / "sample.json").read_text())
+    assert [(r["prompt"], r["same_tokens"]) for r in data["rows"]] == [(5, True), (100, True)]
+    for r in data["rows"]:
+        assert r["cached_speedup"] == pytest.approx(r["uncached_ms_per_token"] / r["cached_ms_per_token"])
+    assert "| tiny | 100 |" in (tmp_path / "sample.md").read_text()
+
+
 def test_collective_bandwidths_follow_nccl_tests(results):
     out, _ = results
     rows = json.loads((out / "collectives.json").read_text())["rows"]

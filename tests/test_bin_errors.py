@@ -160,6 +160,7 @@ RUNNABLE = {
                   "--peer", "none"],
     "bench_cpu": ["--presets", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0"],
     "bench_gpu": ["--presets", "small", "--shapes", "1x64", "--torch-modes", ""],  # the GPU is never reached
+    "bench_sample": ["--presets", "tiny", "--prompts", "4", "--tokens", "2", "--repeats", "1"],
 }
 
 
@@ -167,6 +168,8 @@ RUNNABLE = {
     "bench_collectives", "bench_ddp", "bench_gpu",
     pytest.param("bench_cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                                         reason="bench_cpu says PyTorch is missing first")),
+    pytest.param("bench_sample", marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                                           reason="bench_sample says transformers is missing first")),
 ])
 def test_benchmarks_check_their_out_folder_before_running(tmp_path, name):
     """Not after the benchmark, when the results are written: that lost them to a traceback."""
@@ -183,6 +186,16 @@ def test_benchmarks_check_their_out_folder_before_running(tmp_path, name):
         assert error(name, *RUNNABLE[name], "--out", out) == message
     assert a_file.read_text() == "kept"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["outfile"] + ["locked"] * (os.geteuid() != 0))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--presets", "tiny,huge"], "unknown preset 'huge' (choose from "),
+    (["--prompts", "10,x"], "--prompts must be comma-separated lengths of at least 1, got '10,x'"),
+    (["--prompts", "0"], "--prompts must be comma-separated lengths of at least 1, got '0'"),
+    (["--tokens", "0"], "--tokens must be a positive integer, got '0'"),
+])
+def test_bench_sample_bad_arguments(args, message):
+    assert error("bench_sample", *args).startswith(message)
 
 
 def test_bench_cpu_without_pytorch_is_one_line(tmp_path):

@@ -20,7 +20,7 @@ from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.evaluate import Evaluator
 from xtrain_dist.launch import run_thread_ranks
-from xtrain_dist.model import GPT2
+from xtrain_dist.model import GPT2, KVCache
 from xtrain_dist.safetensors_io import read_safetensors, write_safetensors
 from xtrain_dist.sample import generate, load, sample_text
 from xtrain_dist.train_ddp import parse_config, train
@@ -170,6 +170,30 @@ def test_greedy_sampling_is_what_transformers_generates(trained):
     assert generate(model, prompt, 24, temperature=1.5, top_k=1, rng=np.random.default_rng(1)) == ours
 
 
+def test_a_cached_forward_gives_the_logits_of_a_full_forward(trained):
+    """A context of 17 ids in one cached pass (the causal mask inside a pass), then 23 ids one at a time
+    (each over every cached key): the logits of one full forward of all 40, to float32 rounding."""
+    model, _, _ = load(trained, numpy_ops)
+    ids = np.random.default_rng(0).integers(0, 4096, size=(1, 40)).astype(np.int32)
+    full = model.forward(ids)
+    cache = KVCache(model, batch=1)
+    pieces = [model.forward(ids[:, :17], cache=cache)] + [model.forward(ids[:, t:t + 1], cache=cache)
+                                                         for t in range(17, 40)]
+    assert cache.length == 40
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=1e-4, atol=1e-4 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("prompt_ids, temperature, top_k", [(10, 0, None), (10, 0.9, 50), (200, 0.9, None)])
+def test_sampling_with_the_cache_draws_what_full_forwards_draw(trained, prompt_ids, temperature, top_k):
+    """150 draws from a 10-id prompt fill the model's 128 positions and go on past them (the window
+    slides, full forwards again); a prompt of 200 ids starts past them."""
+    model, _, _ = load(trained, numpy_ops)
+    prompt = np.random.default_rng(prompt_ids).integers(0, 4096, size=prompt_ids).tolist()
+    draws = [generate(model, prompt, 150, temperature, top_k, np.random.default_rng(3), cache=cache)
+             for cache in (True, False)]
+    assert draws[0] == draws[1]
+
+
 class FixedLogits:
     """A 'model' whose next-token logits are always log(p): lets us check the draw itself."""
 
@@ -191,7 +215,7 @@ class FixedLogits:
 ])
 def test_draws_follow_the_tempered_top_k_distribution(temperature, top_k, expected):
     model = FixedLogits([0.5, 0.3, 0.15, 0.05])
-    draws = generate(model, list(range(20)), 4000, temperature, top_k, np.random.default_rng(7))
+    draws = generate(model, list(range(20)), 4000, temperature, top_k, np.random.default_rng(7), cache=False)
     freq = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(freq, expected, atol=0.025)
     if top_k:
@@ -201,7 +225,7 @@ def test_draws_follow_the_tempered_top_k_distribution(temperature, top_k, expect
 def test_each_draw_sees_the_last_n_ctx_tokens():
     model = FixedLogits([0.1, 0.6, 0.3], n_ctx=8)
     prompt = list(range(100, 105))
-    new = generate(model, prompt, 10, 0, None, np.random.default_rng(0))
+    new = generate(model, prompt, 10, 0, None, np.random.default_rng(0), cache=False)
     assert new == [1] * 10
     text = prompt + new
     assert model.contexts == [text[max(0, n - 8): n] for n in range(5, 15)]
@@ -214,8 +238,8 @@ def test_a_tiny_temperature_is_greedy_without_warnings(temperature, top_k):
     model = FixedLogits([0.1, 0.25, 0.4, 0.15, 0.1])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        draws = generate(model, [0], 50, temperature, top_k, np.random.default_rng(3))
-    assert draws == generate(model, [0], 50, 0, None, np.random.default_rng(3)) == [2] * 50
+        draws = generate(model, [0], 50, temperature, top_k, np.random.default_rng(3), cache=False)
+    assert draws == generate(model, [0], 50, 0, None, np.random.default_rng(3), cache=False) == [2] * 50
 
 
 @pytest.mark.parametrize("n_head, message", [(5, "n_embd (64) must be divisible by n_head (5)"),

@@ -167,14 +167,10 @@ def transformers_scores(model: GPT2, examples) -> np.ndarray:
     """Each completion's mean loss, computed as llm.c's dev/data/hellaswag.py does: a transformers
     GPT2LMHeadModel with our weights, each example's rows padded to its own longest, the mask shifted."""
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    c = model.config
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=c.vocab_size, n_positions=c.n_ctx, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
-    state = {k: torch.from_numpy(v) for k, v in model.state_dict().items()}
-    state["lm_head.weight"] = state["transformer.wte.weight"]
-    hf.load_state_dict(state, strict=False)
+    pytest.importorskip("transformers")
+    from xtrain_dist.torch_gpt2 import hf_model
+
+    hf = hf_model(model.config, model.state_dict())
     scores = []
     with torch.no_grad():
         for ex in examples:

@@ -130,6 +130,47 @@ class _LayerActs:
     fch_gelu: object
 
 
+class KVCache:
+    """The keys and values of every position a generation has run, layer by layer, so that each new
+    token runs the blocks for itself alone, its query attending over the cached keys (sample.py).
+
+    Written with the backend's array module (numpy, or CuPy's cuBLAS products and elementwise kernels)
+    rather than kernels of its own: it serves sampling, not the training step. Scores and softmax are
+    float32, as attention_forward computes them, so a cached forward gives the logits of a full one
+    to float32 rounding. It holds up to n_ctx positions; past them a generation runs full forwards."""
+
+    def __init__(self, model: "GPT2", batch: int):
+        c, xp = model.config, model.ops.xp
+        shape = (c.n_layer, batch, c.n_head, c.n_ctx, c.n_embd // c.n_head)
+        self.keys = xp.zeros(shape, dtype=model.params_lowp.dtype)
+        self.values = xp.zeros(shape, dtype=model.params_lowp.dtype)
+        self.length = 0  # positions cached, in every layer
+        self.xp = xp
+
+    @property
+    def full(self) -> bool:
+        return self.length == self.keys.shape[3]
+
+    def attention(self, layer: int, qkv, n_head: int):
+        """Causal attention of n new positions (qkv (B, n, 3C), positions length .. length + n - 1) over
+        the cached ones and themselves, after caching their keys and values. -> (B, n, C)"""
+        xp = self.xp
+        B, n, C3 = qkv.shape
+        hs = C3 // 3 // n_head
+        q, k, v = qkv.reshape(B, n, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # each (B, NH, n, hs)
+        start, end = self.length, self.length + n
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
+        keys = self.keys[layer, :, :, :end].astype(xp.float32)
+        scores = (q.astype(xp.float32) @ keys.transpose(0, 1, 3, 2)) * xp.float32(1.0 / np.sqrt(hs))
+        # query i is position start + i: it sees keys 0 .. start + i
+        future = xp.arange(end)[None, :] > (start + xp.arange(n))[:, None]
+        scores = xp.where(future, -xp.inf, scores)
+        e = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+        y = (e / e.sum(axis=-1, keepdims=True)) @ self.values[layer, :, :, :end].astype(xp.float32)
+        return y.transpose(0, 2, 1, 3).reshape(B, n, C3 // 3).astype(qkv.dtype)
+
+
 class GPT2:
     """A GPT-2 whose parameters and gradients each live in one flat float32 buffer on the backend, with
     the parameters also in the activation dtype (`params_lowp`) when that is not float32."""
@@ -211,19 +252,22 @@ class GPT2:
         self.grads.fill(0)
 
     # ---------------------------------------------------------------- forward
-    def forward(self, ids, targets=None, dloss: float | None = None):
+    def forward(self, ids, targets=None, dloss: float | None = None, cache: KVCache | None = None):
         """ids, targets: (B, T) int32 on the backend.
 
         No targets: returns the logits (B, T, V). Targets but no dloss: returns per-token losses (B, T)
         (evaluation). Targets and dloss: returns the losses and keeps what backward() needs, with the
-        logits already turned into their gradient for dloss * sum(losses) by the fused classifier."""
+        logits already turned into their gradient for dloss * sum(losses) by the fused classifier.
+        A cache (generation): ids are the positions after those it holds, and attention reads it."""
         ops, p, n_head = self.ops, self.p, self.config.n_head
-        x = ops.encoder_forward(ids, p.wte, p.wpe)
+        x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
         acts = []
-        for w in p.h:
+        for layer, w in enumerate(p.h):
             ln1, ln1_mean, ln1_rstd = ops.layernorm_forward(x, w.ln_1_weight, w.ln_1_bias)
             qkv = ops.matmul_forward(ln1, w.attn_c_attn_weight, w.attn_c_attn_bias)
-            if self.attention == "flash":
+            if cache is not None:
+                atty, att = cache.attention(layer, qkv, n_head), None
+            elif self.attention == "flash":
                 atty, att = ops.flash_attention_forward(qkv, n_head)
             else:
                 atty, att = ops.attention_forward(qkv, n_head)
@@ -236,6 +280,8 @@ class GPT2:
             acts.append(_LayerActs(x, ln1, ln1_mean, ln1_rstd, qkv, atty, att, x_mid, ln2, ln2_mean, ln2_rstd,
                                    fch, fch_gelu))
             x = ops.residual_forward(x_mid, fcproj)
+        if cache is not None:
+            cache.length += ids.shape[1]
         lnf, lnf_mean, lnf_rstd = ops.layernorm_forward(x, p.ln_f_weight, p.ln_f_bias)
         logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection
         if targets is None:

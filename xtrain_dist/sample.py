@@ -5,10 +5,10 @@ with the checkpoint's own tokenizer.json: DIR is all it needs. DIR may also be a
 folder with those three files, such as the Hub's gpt2. The same checkpoint, arguments and
 backend give the same text (the draws come from PCG64(seed)).
 
-Each new token re-runs the forward pass over the last n_ctx tokens, with no key/value cache: the
-cost grows with the square of the length, which is fine for the small models a CPU trains here
-(the tiny model writes 200 tokens in about a second); a cache is what gpt2-124m-sized sampling
-would want first.
+The context runs through the model once; after that each new token runs alone, its attention reading
+the keys and values cached for the positions before it (model.KVCache), so a token costs about one
+position's forward pass rather than the whole context's. Past the model's n_ctx positions the window
+slides and every token re-runs the last n_ctx (`--no-cache` does that from the start).
 """
 
 import sys
@@ -19,7 +19,7 @@ from .backend import BACKENDS, get_backend
 from .checkpoint import CONFIG, MODEL, TOKENIZER, open_pretrained
 from .cli import OneLineParser, non_negative_float, non_negative_int, positive_int, run_command, utf8_text
 from .errors import XtrainError
-from .model import GPT2
+from .model import GPT2, KVCache
 
 PROG = "sample"
 EOS = "<|endoftext|>"
@@ -55,15 +55,26 @@ def load_for_command(prog: str, path, backend: str):
 
 
 def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: int | None,
-             rng: np.random.Generator) -> list[int]:
+             rng: np.random.Generator, cache: bool = True) -> list[int]:
     """`n_tokens` ids drawn one at a time after `ids`: greedy at temperature 0, else from
-    softmax(logits / temperature) restricted to the top_k most likely ids."""
+    softmax(logits / temperature) restricted to the top_k most likely ids.
+
+    With `cache`, the context runs once and then each new id runs alone, attending over a KVCache of
+    the positions before it, until the model's n_ctx positions are all cached; without it (and past
+    that point) each draw runs the forward pass over the last n_ctx ids. The logits are the same to
+    float32 rounding."""
     ops, n_ctx = model.ops, model.config.n_ctx
     ids = list(ids)
     new = []
+    kv = KVCache(model, batch=1) if cache else None
+    pending = ids[-n_ctx:]  # what the next forward pass adds to the cache: first the whole context
     for _ in range(n_tokens):
-        context = np.asarray(ids[-n_ctx:], dtype=np.int32)[None, :]
-        logits = ops.to_host(model.forward(ops.from_host(context))[0, -1]).astype(np.float64)
+        if kv is not None and kv.length + len(pending) <= n_ctx:
+            out = model.forward(ops.from_host(np.asarray(pending, dtype=np.int32)[None, :]), cache=kv)
+        else:  # n_ctx ids seen: the window slides, and the positions of every cached key would shift
+            kv = None
+            out = model.forward(ops.from_host(np.asarray(ids[-n_ctx:], dtype=np.int32)[None, :]))
+        logits = ops.to_host(out[0, -1]).astype(np.float64)
         if temperature == 0:
             token = int(np.argmax(logits))
         else:
@@ -82,6 +93,7 @@ def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: in
                             logits.size - 1))
         ids.append(token)
         new.append(token)
+        pending = [token]
     return new
 
 
@@ -94,6 +106,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--top-k", type=positive_int, default=None, help="draw among the K likeliest tokens only")
     p.add_argument("--seed", type=non_negative_int, default=1337)
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    p.add_argument("--no-cache", action="store_true",
+                   help="re-run the forward pass over the whole context for every token instead of caching keys "
+                        "and values (slower; the same logits to float32 rounding)")
     return p
 
 
@@ -107,7 +122,7 @@ def sample_text(argv) -> str:
     else:
         raise XtrainError(f"give a --prompt: the tokenizer has no {EOS} to start from")
     rng = np.random.Generator(np.random.PCG64(args.seed))
-    new = generate(model, ids, args.tokens, args.temperature, args.top_k, rng)
+    new = generate(model, ids, args.tokens, args.temperature, args.top_k, rng, cache=not args.no_cache)
     return tokenizer.decode((ids if args.prompt else []) + new, skip_special_tokens=False)
 
 

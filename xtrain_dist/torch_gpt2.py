@@ -78,6 +78,23 @@ def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu"
     return module.to(device)
 
 
+def hf_model(config: GPTConfig, state_dict: dict):
+    """Hugging Face transformers' own GPT2LMHeadModel holding these weights (our state_dict's names are
+    its names; lm_head is the tied wte), in eval mode: the reference for what a checkpoint computes."""
+    import torch
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.n_ctx, n_embd=config.n_embd, n_layer=config.n_layer,
+        n_head=config.n_head, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict.items()}
+    missing, unexpected = model.load_state_dict({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]},
+                                                strict=False)
+    if unexpected or any(not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias") for k in missing):
+        raise ValueError(f"weights do not fit GPT2LMHeadModel: missing {missing}, unexpected {unexpected}")
+    return model.eval()
+
+
 def adamw(module, cfg: TrainConfig, **options):
     """torch.optim.AdamW set up as our optim.AdamW: weight decay on the matrices (and embeddings) only.
     `options` go to torch.optim.AdamW as they are (fused=True on a GPU)."""
