@@ -600,6 +600,21 @@ def test_a_cuda_checkpoint_evaluates_and_samples_as_on_numpy(be, tmp_path):
         assert top2[1] - top2[0] < 1e-4, (i, got, want, top2)
 
 
+def test_a_cached_forward_gives_the_logits_of_a_full_forward(be, rng):
+    """model.KVCache on the GPU (CuPy's products and elementwise ops, the encoder kernel reading wpe from
+    the cache's offset): 17 ids in one pass, then 23 one at a time, against one full forward."""
+    from xtrain_dist.model import KVCache
+
+    model = GPT2(model_config("tiny", 4096), be, seed=int(rng.integers(0, 2**31)))
+    ids = token_ids(rng, (1, 40), 4096)
+    full = be.to_host(model.forward(be.from_host(ids)))
+    cache = KVCache(model, batch=1)
+    chunks = [ids[:, :17]] + [ids[:, t:t + 1] for t in range(17, 40)]
+    pieces = [be.to_host(model.forward(be.from_host(np.ascontiguousarray(c)), cache=cache)) for c in chunks]
+    assert cache.length == 40
+    check(np.concatenate(pieces, axis=1), full, rel=1e-5, what="cached logits")
+
+
 @pytest.mark.training
 def test_cuda_training_is_bitwise_reproducible():
     first, second = _train(backend="cuda", world_size=2, steps=5), _train(backend="cuda", world_size=2, steps=5)
