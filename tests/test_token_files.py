@@ -129,6 +129,44 @@ def refusal(tmp_path, corpus, **kwargs) -> str:
     return str(err.value)
 
 
+def test_tokenize_corpus_shards_are_the_one_file_cut_where_asked(text_and_tokens, tmp_path):
+    """--shard-ids 1000 --val-ids 700: the val shard and then the train shards hold the single file's ids
+    in order, 700 then 1000 a shard, and the pattern and --val-corpus read them back as that stream."""
+    text, tokens = text_and_tokens
+    ids = np.frombuffer(tokens.read_bytes()[1024:], dtype="<u2")
+    out = tokenize(DEFAULT_TOKENIZER, text, tmp_path / "t", "--shard-ids", 1000, "--val-ids", 700, "--block-chars", 997)
+    assert out.returncode == 0, out.stderr
+    n_train = -(-(len(ids) - 700) // 1000)
+    names = ["t_val_000000.bin"] + [f"t_train_{i:06d}.bin" for i in range(1, n_train + 1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    shards = [np.frombuffer((tmp_path / name).read_bytes()[1024:], dtype="<u2") for name in names]
+    assert [len(s) for s in shards[:-1]] == [700] + [1000] * (n_train - 1)
+    np.testing.assert_array_equal(np.concatenate(shards), ids)
+    corpus = Corpus.load(DEFAULT_TOKENIZER, tmp_path / "t_train_*.bin", val_path=tmp_path / "t_val_000000.bin")
+    assert len(corpus.train) == len(ids) - 700
+    np.testing.assert_array_equal(corpus.train.windows(np.array([0, 2000]), 500), [ids[700:1200], ids[2700:3200]])
+    np.testing.assert_array_equal(corpus.val.windows(np.array([0]), 700)[0], ids[:700])
+    # without --val-ids, train shards from 000000
+    out = tokenize(DEFAULT_TOKENIZER, text, tmp_path / "u", "--shard-ids", 4000)
+    assert out.returncode == 0 and (tmp_path / "u_train_000000.bin").exists(), out.stderr
+
+
+def test_tokenize_corpus_refuses_shards_it_cannot_write_whole(text_and_tokens, tmp_path):
+    text, tokens = text_and_tokens
+    n = (len(tokens.read_bytes()) - 1024) // 2
+    assert tokenize_error(DEFAULT_TOKENIZER, text, tmp_path / "t", "--val-ids", 5) == \
+        "--val-ids needs --shard-ids: the validation ids go into a shard of their own"
+    # a text no longer than --val-ids: nothing is written, not a val shard alone
+    assert tokenize_error(DEFAULT_TOKENIZER, text, tmp_path / "t", "--shard-ids", 100, "--val-ids", n) == \
+        f"the text has {n} ids: --val-ids {n} leaves none to train on"
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "t_train_000007.bin").write_bytes(b"old")
+    assert tokenize_error(DEFAULT_TOKENIZER, text, tmp_path / "t", "--shard-ids", 100) == (
+        f"output '{tmp_path / 't_train_000007.bin'}' is there from before (1 shard(s) under '{tmp_path / 't'}'): "
+        "remove them first, or a pattern over the shards would mix two texts")
+    assert [p.name for p in tmp_path.iterdir()] == ["t_train_000007.bin"]
+
+
 def test_token_files_that_are_not_whole_are_refused_by_name(tmp_path):
     short = llmc_file(tmp_path / "short.bin", [1, 2, 3], count=5)
     assert refusal(tmp_path, short) == (f"corpus '{short}' is not a whole llm.c token file: its header counts 5 ids "
