@@ -64,7 +64,8 @@ def test_a_token_file_made_of_a_text_is_that_text_to_the_trainer(text_and_tokens
 def test_encoding_block_by_block_gives_the_ids_of_one_encode(block_chars):
     tokenizer = data.read_tokenizer(DEFAULT_TOKENIZER)
     text = TEXT[-3000:]
-    streamed = np.concatenate(list(data.encode_text_file(tokenizer, io.StringIO(text, newline=""), block_chars)))
+    blocks = data.text_blocks(io.StringIO(text, newline=""), block_chars)
+    streamed = np.concatenate([data._encode_text(tokenizer, block) for block in blocks])
     np.testing.assert_array_equal(streamed, data._encode_text(tokenizer, text))
 
 
@@ -232,6 +233,19 @@ def test_tokenize_corpus_refuses_bad_input_in_one_line(tmp_path):
         f"output '{latin1}' is the text '{latin1}': it would be replaced by the token file")
     assert tokenize_error(latin1, latin1, out).startswith(f"tokenizer '{latin1}' is not a tokenizers JSON file")
     assert not out.exists()
+
+
+def test_tokenize_corpus_names_a_text_its_tokenizer_cannot_encode(tmp_path):
+    """A WordLevel tokenizer with no unknown-word token meets a new word: one line, as Corpus.load says it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"cat": 0}))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "t.json"))
+    (tmp_path / "c.txt").write_text("cat dog")
+    assert tokenize_error(tmp_path / "t.json", tmp_path / "c.txt", tmp_path / "out.bin").startswith(
+        f"tokenizer '{tmp_path / 't.json'}' cannot encode text '{tmp_path / 'c.txt'}' (")
+    assert not (tmp_path / "out.bin").exists()
 
 
 def test_train_ddp_names_a_bad_token_file_in_one_line(tmp_path):

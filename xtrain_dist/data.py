@@ -41,7 +41,8 @@ _PARAGRAPH_BREAK = re.compile(r"(?<=\n)(?=\n\S)")
 _ENCODE_GROUP = 1024
 
 
-def _token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """What a stream of ids of this vocabulary is kept in (and a token file stores)."""
     return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
@@ -109,6 +110,21 @@ def _encode_text(tokenizer: tokenizers.Tokenizer, text: str) -> np.ndarray:
     return np.concatenate(groups)
 
 
+def encode_checked(tokenizer: tokenizers.Tokenizer, text: str, tokenizer_path, source: str) -> np.ndarray:
+    """The ids of `text` (_encode_text) in token_dtype, or one XtrainError naming the tokenizer and `source`
+    (what the text is, as a message says it): the tokenizer failed on it, or made an id outside its
+    vocabulary, which would read outside the embedding table."""
+    try:
+        ids = _encode_text(tokenizer, text)
+    except Exception as err:  # e.g. a WordLevel model without an unknown token meets a new word
+        raise XtrainError(f"tokenizer '{tokenizer_path}' cannot encode {source} ({_first_line(err)})") from None
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if ids.size and ids.max() >= vocab_size:
+        raise XtrainError(f"tokenizer '{tokenizer_path}' produced id {ids.max()}, outside its vocabulary of "
+                          f"{vocab_size}")
+    return ids.astype(token_dtype(vocab_size))
+
+
 def _default_cache_dir() -> Path | None:
     if os.environ.get("XTRAIN_CACHE"):
         return Path(os.environ["XTRAIN_CACHE"])
@@ -156,7 +172,7 @@ def _encode_file(what: str, path: Path, tokenizer: tokenizers.Tokenizer, tokeniz
     if not text.strip():
         raise XtrainError(f"{what} '{path}' is empty")
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    dtype = _token_dtype(vocab_size)
+    dtype = token_dtype(vocab_size)
     key = hashlib.sha256(
         _CACHE_FORMAT + hashlib.sha256(tokenizer_bytes).digest() + hashlib.sha256(corpus_bytes).digest()
     ).hexdigest()
@@ -164,15 +180,7 @@ def _encode_file(what: str, path: Path, tokenizer: tokenizers.Tokenizer, tokeniz
 
     ids = _load_cached(cache_path, dtype) if cache_path is not None else None
     if ids is None:
-        try:
-            wide_ids = _encode_text(tokenizer, text)
-        except Exception as err:  # e.g. a WordLevel model without an unknown token meets a new word
-            why = _first_line(err)
-            raise XtrainError(f"tokenizer '{tokenizer_path}' cannot encode {what} '{path}' ({why})") from None
-        if wide_ids.size and wide_ids.max() >= vocab_size:
-            raise XtrainError(f"tokenizer '{tokenizer_path}' produced id {wide_ids.max()}, outside its vocabulary of "
-                              f"{vocab_size}")
-        ids = wide_ids.astype(dtype)
+        ids = encode_checked(tokenizer, text, tokenizer_path, f"{what} '{path}'")
         if cache_path is not None:
             _save_cached(cache_path, ids)
     ids.setflags(write=False)  # slices inherit this: no one can scribble on the shared stream
@@ -273,20 +281,20 @@ def token_file_chunks(ids: np.ndarray, vocab_size: int) -> list:
     return [header.tobytes(), np.ascontiguousarray(ids, dtype=dtype)]
 
 
-def encode_text_file(tokenizer: tokenizers.Tokenizer, f, block_chars: int = 1 << 24):
-    """The ids of the text read from `f` (opened with newline="", as Corpus.load reads bytes), block by
-    block: each block is cut at its last paragraph break, where _encode_text cuts the whole text anyway,
-    so the ids are those of one _encode_text of all of it, without holding all of it."""
+def text_blocks(f, block_chars: int = 1 << 24):
+    """The text read from `f` (opened with newline="", as Corpus.load reads bytes) in blocks of about
+    `block_chars`, each cut at its last paragraph break, where _encode_text cuts the whole text anyway:
+    encoding the blocks one by one gives the ids of one _encode_text of all of it, without holding all of it."""
     rest = ""
     while chunk := f.read(block_chars):
         text = rest + chunk
         # a break needs the character after it, so one found here is a break of the whole text too
         cut = max((m.start() for m in _PARAGRAPH_BREAK.finditer(text)), default=0)
         if cut:
-            yield _encode_text(tokenizer, text[:cut])
+            yield text[:cut]
         rest = text[cut:]
     if rest:
-        yield _encode_text(tokenizer, rest)
+        yield rest
 
 
 def _is_token_file(path: Path) -> bool:
@@ -405,7 +413,7 @@ class Corpus:
         else:
             val_path = Path(val_path)
             train, val = ids, ids_of("validation corpus", val_path)
-        dtype = _token_dtype(vocab_size)
+        dtype = token_dtype(vocab_size)
         return cls(tokenizer, vocab_size, train, val, tokenizer_path, corpus_path, val_path,
                    _stream_sha256(train, dtype, vocab_size, tokenizer_path),
                    _stream_sha256(val, dtype, vocab_size, tokenizer_path))
@@ -419,11 +427,7 @@ class Corpus:
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text` as int32, cut and encoded exactly as the corpus was."""
-        try:
-            return _encode_text(self.tokenizer, text).astype(np.int32)
-        except Exception as err:
-            message = f"tokenizer '{self.tokenizer_path}' cannot encode the text ({_first_line(err)})"
-            raise XtrainError(message) from None
+        return encode_checked(self.tokenizer, text, self.tokenizer_path, "the text").astype(np.int32)
 
     def decode(self, ids) -> str:
         """Text of `ids`, special tokens included, so that decode(encode(t)) == t for byte-level BPE."""

@@ -31,13 +31,13 @@ import numpy as np
 from .backend import BACKENDS
 from .cli import OneLineParser, non_empty_path, positive_int, run_command
 from .config import model_config
-from .data import reading
+from .data import TOKEN_FILE_HEADER_BYTES, reading
 from .errors import XtrainError
 from .sample import load_for_command
 
 EVAL_FILE_MAGIC = 20240522
 EVAL_FILE_VERSION = 1
-HEADER_INTS = 256
+HEADER_BYTES = TOKEN_FILE_HEADER_BYTES  # the header of llm.c's token files: 256 int32, magic and version first
 START_EXAMPLE = 2**16 - 1  # never a token id: the file's ids are uint16 below it
 PROG = "hellaswag"
 
@@ -53,6 +53,11 @@ class Example:
     def longest_row(self) -> int:
         """Positions a forward pass needs to score every completion: the last id is only a target."""
         return len(self.context) + max(len(c) for c in self.completions) - 1
+
+
+def row_width(examples: list[Example]) -> int:
+    """Positions a forward pass needs to score every completion of `examples`."""
+    return max(ex.longest_row for ex in examples)
 
 
 def eval_file_chunks(examples: list[Example]) -> list[bytes]:
@@ -72,7 +77,7 @@ def eval_file_chunks(examples: list[Example]) -> list[bytes]:
                               "cannot hold")
         stream.append(np.concatenate([[START_EXAMPLE, nbytes, i, ex.label, len(ex.completions)], body]))
         longest = max(longest, nbytes)
-    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header = np.zeros(HEADER_BYTES // 4, dtype="<i4")
     header[:4] = EVAL_FILE_MAGIC, EVAL_FILE_VERSION, len(examples), longest
     body = np.concatenate(stream).astype("<u2") if stream else np.zeros(0, "<u2")
     return [header.tobytes(), body.tobytes()]
@@ -85,17 +90,17 @@ def read_eval_file(path, vocab_size: int, what: str = "--hellaswag") -> list[Exa
     with reading(what, path):
         raw = path.read_bytes()
     where = f"{what} '{path}'"
-    if len(raw) < 4 * HEADER_INTS:
-        raise XtrainError(f"{where} is not an llm.c eval file (shorter than its {4 * HEADER_INTS}-byte header)")
+    if len(raw) < HEADER_BYTES:
+        raise XtrainError(f"{where} is not an llm.c eval file (shorter than its {HEADER_BYTES}-byte header)")
     magic, version, count, _longest = (int(v) for v in np.frombuffer(raw, "<i4", count=4))
     if magic != EVAL_FILE_MAGIC:
         raise XtrainError(f"{where} is not an llm.c eval file (magic {magic}, not {EVAL_FILE_MAGIC})")
     if version != EVAL_FILE_VERSION:
         raise XtrainError(f"{where} is an llm.c eval file of version {version}; this trainer reads version "
                           f"{EVAL_FILE_VERSION}")
-    if (len(raw) - 4 * HEADER_INTS) % 2:
+    if (len(raw) - HEADER_BYTES) % 2:
         raise XtrainError(f"{where} is cut short: its examples are not a whole number of uint16")
-    words = np.frombuffer(raw, "<u2", offset=4 * HEADER_INTS).astype(np.int64)
+    words = np.frombuffer(raw, "<u2", offset=HEADER_BYTES).astype(np.int64)
     examples, at = [], 0
     while at < len(words):
         i = len(examples)
@@ -185,7 +190,7 @@ class HellaSwag:
         self.n_examples = len(examples)
         self.n_completions = len(examples[0].completions)
         mine = examples[rank::world]
-        width = max(ex.longest_row for ex in examples)  # one width for all ranks, whatever their share
+        width = row_width(examples)  # one width for all ranks, whatever their share
         self.passes = []
         for lo in range(0, len(mine), examples_per_pass):
             chunk = mine[lo:lo + examples_per_pass]
@@ -221,8 +226,7 @@ class HellaSwag:
 
 def examples_per_pass(tokens: int, examples: list[Example]) -> int:
     """Examples a forward pass takes so that it holds about `tokens` positions (at least one example)."""
-    width = max(ex.longest_row for ex in examples)
-    return max(1, tokens // (width * len(examples[0].completions)))
+    return max(1, tokens // (row_width(examples) * len(examples[0].completions)))
 
 
 def build_parser() -> OneLineParser:
