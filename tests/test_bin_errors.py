@@ -189,7 +189,7 @@ def test_benchmarks_check_their_out_folder_before_running(tmp_path, name):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--presets", "tiny,huge"], "unknown preset 'huge' (choose from "),
+    (["--presets", "tiny,huge"], "unknown model preset 'huge' (choose from "),
     (["--prompts", "10,x"], "--prompts must be comma-separated lengths of at least 1, got '10,x'"),
     (["--prompts", "0"], "--prompts must be comma-separated lengths of at least 1, got '0'"),
     (["--tokens", "0"], "--tokens must be a positive integer, got '0'"),

@@ -196,13 +196,13 @@ def refuse_another_runs_checkpoint(folder, resume) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def hf_config(config: GPTConfig, tokenizer: tokenizers.Tokenizer) -> dict:
-    """config.json as transformers' GPT2Config reads it.
+def hf_config(config: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) -> dict:
+    """config.json as transformers' GPT2Config reads it (without a tokenizer, no bos/eos ids).
 
     Dropout is 0: this trainer uses none, and the config describes the model as trained, so
     GPT2LMHeadModel in train() mode computes the same function as ours (GPT-2's own 0.1 is one
     assignment away for whoever fine-tunes with dropout)."""
-    eos = tokenizer.token_to_id(EOS)
+    eos = tokenizer.token_to_id(EOS) if tokenizer is not None else None
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -35,6 +35,9 @@ PRESETS: dict[str, tuple[int, int, int, int]] = {
 }
 
 
+GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer: what the benchmarks size the classifier by
+
+
 def model_config(preset: str, vocab_size: int) -> GPTConfig:
     if preset not in PRESETS:
         raise XtrainError(f"unknown model preset '{preset}' (choose from {', '.join(PRESETS)})")

@@ -147,10 +147,6 @@ class KVCache:
         self.length = 0  # positions cached, in every layer
         self.xp = xp
 
-    @property
-    def full(self) -> bool:
-        return self.length == self.keys.shape[3]
-
     def attention(self, layer: int, qkv, n_head: int):
         """Causal attention of n new positions (qkv (B, n, 3C), positions length .. length + n - 1) over
         the cached ones and themselves, after caching their keys and values. -> (B, n, C)"""

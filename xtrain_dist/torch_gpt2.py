@@ -84,9 +84,9 @@ def hf_model(config: GPTConfig, state_dict: dict):
     import torch
     import transformers
 
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=config.vocab_size, n_positions=config.n_ctx, n_embd=config.n_embd, n_layer=config.n_layer,
-        n_head=config.n_head, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    from .checkpoint import hf_config
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(hf_config(config)))
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]},
                                                 strict=False)
