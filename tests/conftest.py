@@ -91,6 +91,18 @@ def rng():
 
 
 @pytest.fixture
+def unencodable_tokenizer(tmp_path) -> Path:
+    """tmp_path/t.json: a WordLevel tokenizer knowing only "cat", with no unknown-word token to fall back
+    on, so encoding any other word fails inside the tokenizers library."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"cat": 0}))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "t.json"))
+    return tmp_path / "t.json"
+
+
+@pytest.fixture
 def real_cupy():
     """CuPy itself, for the tests that hold our code or the simulator's stand-in to it: a skip where it is
     not installed, or where the simulator stands in for it in this process."""

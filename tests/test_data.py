@@ -312,12 +312,9 @@ def test_a_corpus_too_short_for_seq(small_corpus, tmp_path):
     Corpus.load(tokenizer, corpus, cache_dir=tmp_path / "cache").check_seq(49)
 
 
-def test_a_word_the_tokenizer_cannot_encode(tmp_path):
-    tokenizer = Tokenizer(models.WordLevel({"cat": 0}))  # no unknown-word token to fall back on
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(tmp_path / "t.json"))
+def test_a_word_the_tokenizer_cannot_encode(tmp_path, unencodable_tokenizer):
     (tmp_path / "c.txt").write_text("cat dog")
-    message = load_error(tmp_path / "t.json", tmp_path / "c.txt", tmp_path)
+    message = load_error(unencodable_tokenizer, tmp_path / "c.txt", tmp_path)
     assert message.startswith(f"tokenizer '{tmp_path}/t.json' cannot encode corpus '{tmp_path}/c.txt' (")
 
 

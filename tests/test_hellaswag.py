@@ -277,16 +277,11 @@ def test_prepare_hellaswag_encodes_as_llmc_does(tmp_path):
     assert limited.returncode == 0 and len(read_eval_file(tmp_path / "one.bin", VOCAB)) == 1
 
 
-def test_prepare_hellaswag_names_the_line_its_tokenizer_cannot_encode(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({"cat": 0}))  # no unknown-word token to fall back on
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(tmp_path / "t.json"))
+def test_prepare_hellaswag_names_the_line_its_tokenizer_cannot_encode(tmp_path, unencodable_tokenizer):
     jsonl = tmp_path / "val.jsonl"
     jsonl.write_text('{"ctx": "cat", "label": 0, "endings": ["cat", "cat"]}\n'
                      '{"ctx": "cat dog", "label": 0, "endings": ["cat", "cat"]}\n')
-    out = cli(REPO / "bin/prepare_hellaswag", tmp_path / "t.json", jsonl, tmp_path / "hs.bin")
+    out = cli(REPO / "bin/prepare_hellaswag", unencodable_tokenizer, jsonl, tmp_path / "hs.bin")
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
     assert out.stderr.startswith(f"prepare_hellaswag: error: tokenizer '{tmp_path / 't.json'}' cannot encode "
                                  f"JSONL '{jsonl}', line 2 (")

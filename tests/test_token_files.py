@@ -235,15 +235,10 @@ def test_tokenize_corpus_refuses_bad_input_in_one_line(tmp_path):
     assert not out.exists()
 
 
-def test_tokenize_corpus_names_a_text_its_tokenizer_cannot_encode(tmp_path):
-    """A WordLevel tokenizer with no unknown-word token meets a new word: one line, as Corpus.load says it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({"cat": 0}))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(tmp_path / "t.json"))
+def test_tokenize_corpus_names_a_text_its_tokenizer_cannot_encode(tmp_path, unencodable_tokenizer):
+    """A new word for a tokenizer with no unknown-word token: one line, as Corpus.load says it."""
     (tmp_path / "c.txt").write_text("cat dog")
-    assert tokenize_error(tmp_path / "t.json", tmp_path / "c.txt", tmp_path / "out.bin").startswith(
+    assert tokenize_error(unencodable_tokenizer, tmp_path / "c.txt", tmp_path / "out.bin").startswith(
         f"tokenizer '{tmp_path / 't.json'}' cannot encode text '{tmp_path / 'c.txt'}' (")
     assert not (tmp_path / "out.bin").exists()
 
