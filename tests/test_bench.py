@@ -79,6 +79,44 @@ def test_bench_sample_races_equal_draws(tmp_path):
     assert "| tiny | 100 |" in (tmp_path / "sample.md").read_text()
 
 
+def test_bench_recompute_times_every_level_and_checks_their_bits(tmp_path):
+    run = script("bench_recompute", "3", "4", "32", "--model", "tiny", "--repeats", "2", "--out", tmp_path)
+    assert run.returncode == 0, run.stderr
+    data = json.loads((tmp_path / "recompute.json").read_text())
+    rows = data["rows"]
+    assert [r["level"] for r in rows] == [0, 1, 2]
+    assert len({r["param_sha256"] for r in rows}) == 1
+    # level 1 keeps B*T*4C fewer float32s a layer (tiny: 2 layers, C 64), level 2 also 2 B*T*C
+    per_layer = 4 * 32 * 64 * 4
+    assert rows[0]["activations_bytes"] - rows[1]["activations_bytes"] == 2 * 4 * per_layer
+    assert rows[1]["activations_bytes"] - rows[2]["activations_bytes"] == 2 * 2 * per_layer
+    for r in rows:
+        assert len(r["rounds_ms"]) == 2 and r["ms_per_step"] == pytest.approx(sorted(r["rounds_ms"])[0] / 2 +
+                                                                               sorted(r["rounds_ms"])[1] / 2)
+        assert r["time_ratio"] == pytest.approx(r["ms_per_step"] / rows[0]["ms_per_step"])
+        assert r["held_ratio"] == pytest.approx(r["held_bytes"] / rows[0]["held_bytes"])
+    assert "same parameters at every level" in run.stdout
+    assert "| 2 |" in (tmp_path / "recompute.md").read_text()
+
+
+def test_bench_recompute_fails_when_a_level_changes_the_bits(tmp_path, monkeypatch, capsys):
+    from bin_scripts import load_script
+
+    bench_recompute = load_script("bench_recompute")
+
+    def fake_train(args, level, report):
+        digest = "b" if level == 2 else "a"
+        return {"step_ms": [9.0, 1.0, 1.0], "param_sha256": [digest],
+                "memory": {"rank0_bytes_at_least": {"activations": 10}, "peak_rss_bytes": 100}}
+
+    monkeypatch.setattr(bench_recompute, "train_once", fake_train)
+    monkeypatch.setattr(sys, "argv", ["bench_recompute", "2", "4", "16", "--out", str(tmp_path)])
+    assert bench_recompute.run_command("bench_recompute", bench_recompute.main) == 2
+    assert capsys.readouterr().err == ("bench_recompute: error: --recompute 2 ended with other parameters than "
+                                       "--recompute 0: recomputing must give the same bits\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_collective_bandwidths_follow_nccl_tests(results):
     out, _ = results
     rows = json.loads((out / "collectives.json").read_text())["rows"]

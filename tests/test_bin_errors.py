@@ -161,11 +161,12 @@ RUNNABLE = {
     "bench_cpu": ["--presets", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0"],
     "bench_gpu": ["--presets", "small", "--shapes", "1x64", "--torch-modes", ""],  # the GPU is never reached
     "bench_sample": ["--presets", "tiny", "--prompts", "4", "--tokens", "2", "--repeats", "1"],
+    "bench_recompute": ["2", "4", "16", "--model", "tiny", "--repeats", "1"],
 }
 
 
 @pytest.mark.parametrize("name", [
-    "bench_collectives", "bench_ddp", "bench_gpu",
+    "bench_collectives", "bench_ddp", "bench_gpu", "bench_recompute",
     pytest.param("bench_cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                                         reason="bench_cpu says PyTorch is missing first")),
     pytest.param("bench_sample", marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -196,6 +197,24 @@ def test_benchmarks_check_their_out_folder_before_running(tmp_path, name):
 ])
 def test_bench_sample_bad_arguments(args, message):
     assert error("bench_sample", *args).startswith(message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["2", "4", "16", "--levels", "0,3"], "--levels must be distinct levels from 0, 1, 2, comma-separated, got '0,3'"),
+    (["2", "4", "16", "--levels", "1,1"], "--levels must be distinct levels from 0, 1, 2, comma-separated, got '1,1'"),
+    (["1", "4", "16"], "STEPS must be at least 2 (step 1 is not timed), got 1"),
+    # train_ddp's own refusals come through as one line naming the level it ran
+    (["2", "4", "4096", "--model", "tiny"], "train_ddp --recompute 0 failed (exit 2): train_ddp: error: SEQ (4096) "
+                                            "exceeds the context length of model 'tiny' (128)"),
+])
+def test_bench_recompute_bad_arguments(args, message):
+    assert error("bench_recompute", *args) == message
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a GPU is here")
+def test_bench_recompute_on_cuda_without_a_gpu_is_an_error_not_a_cpu_run():
+    assert error("bench_recompute", "2", "4", "16", "--model", "tiny", "--backend", "cuda").startswith(
+        "train_ddp --recompute 0 failed (exit 2): train_ddp: error: --backend cuda: ")
 
 
 def test_bench_cpu_without_pytorch_is_one_line(tmp_path):

@@ -191,6 +191,23 @@ def test_resuming_at_another_world_size_restores_the_state_and_says_what_differs
     assert resumed["losses"] != same_lr["losses"]
 
 
+def test_a_resume_may_change_recompute_and_continues_bitwise(corpus, saved, tmp_path):
+    """--recompute changes memory, not bits: switching it on at a resume is said once and the run goes on
+    exactly. A checkpoint written before the option existed (no recompute in its config) was a run
+    without it: nothing to say when this run has none either."""
+    full = run(corpus, 6, world=2)
+    lines = []
+    resumed = run(corpus, 6, world=2, resume=saved[0], recompute=2, log=lines.append)
+    assert [line for line in lines if "this run changes" in line] == \
+        ["resume: from step 4 on, this run changes recompute 0 -> 2"]
+    assert resumed["param_sha256"] == full["param_sha256"]
+    older = copy_of(saved, tmp_path)
+    rewrite_state(older, lambda state: state["config"].pop("recompute"))
+    lines.clear()
+    run(corpus, 4, world=2, resume=older, log=lines.append)
+    assert not [line for line in lines if "this run changes" in line], lines
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_zero1_resume_continues_the_run_bitwise(corpus, tmp_path, world):
     zero1 = {"zero": 1}

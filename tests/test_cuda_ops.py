@@ -623,6 +623,16 @@ def test_cuda_training_is_bitwise_reproducible():
 
 
 @pytest.mark.training
+def test_recompute_gives_the_same_bits_on_the_gpu():
+    """--recompute 2 runs GELU and both layernorms again in backward, on the same inputs: the kernels are
+    deterministic, so the parameters are those of the run that kept the activations."""
+    kept = _train(backend="cuda", world_size=2, steps=3)
+    recomputed = _train(backend="cuda", world_size=2, steps=3, recompute=2)
+    assert recomputed["param_sha256"] == kept["param_sha256"]
+    assert recomputed["losses"] == kept["losses"]
+
+
+@pytest.mark.training
 @pytest.mark.real_gpu
 def test_the_command_line_trains_on_the_gpu():
     import subprocess
@@ -674,11 +684,12 @@ def test_every_ddp_option_on_two_virtual_ranks_follows_numpy(options):
     assert len(set(cuda["param_sha256"])) == 1
 
 
-def test_the_memory_checks_figures_are_the_arrays_the_model_keeps(be, rng):
+@pytest.mark.parametrize("recompute", [0, 2])
+def test_the_memory_checks_figures_are_the_arrays_the_model_keeps(be, rng, recompute):
     from test_memory import expected_arrays, saved_arrays
 
     config = model_config("tiny", 4096)
-    model = GPT2(config, be, seed=int(rng.integers(0, 2**31)))
+    model = GPT2(config, be, seed=int(rng.integers(0, 2**31)), recompute=recompute)
     ids = token_ids(rng, (B, T), 4096)
     model.forward(be.from_host(ids), be.from_host(token_ids(rng, (B, T), 4096)), dloss=1.0)
-    assert saved_arrays(model) == expected_arrays(config, B, T, "standard", np.float32)
+    assert saved_arrays(model) == expected_arrays(config, B, T, "standard", np.float32, recompute)

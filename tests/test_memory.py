@@ -31,15 +31,15 @@ def saved_arrays(model) -> list[tuple[str, tuple, np.dtype]]:
     order: read from the model itself, the oracle for that list (also used by the GPU tests)."""
     ids, acts, x, lnf, lnf_mean, lnf_rstd, dlogits = model._saved
     named = [("ids", ids)]
-    for layer, a in enumerate(acts):
-        named += [(f"h.{layer}.{f.name}", getattr(a, f.name)) for f in fields(a)]
+    for layer, a in enumerate(acts):  # None: what --recompute leaves to backward
+        named += [(f"h.{layer}.{f.name}", getattr(a, f.name)) for f in fields(a) if getattr(a, f.name) is not None]
     named += [("x", x), ("lnf", lnf), ("lnf_mean", lnf_mean), ("lnf_rstd", lnf_rstd), ("dlogits", dlogits)]
     return [(name, tuple(arr.shape), np.dtype(arr.dtype)) for name, arr in named]
 
 
-def expected_arrays(config, B, T, attention, act_dtype) -> list[tuple[str, tuple, np.dtype]]:
+def expected_arrays(config, B, T, attention, act_dtype, recompute=0) -> list[tuple[str, tuple, np.dtype]]:
     return [(name, shape, np.dtype(act_dtype if kind == "act" else KIND_DTYPE[kind]))
-            for name, shape, kind in memory.saved_activations(config, B, T, attention)]
+            for name, shape, kind in memory.saved_activations(config, B, T, attention, recompute)]
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +47,28 @@ def corpus():
     return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
 
 
+@pytest.mark.parametrize("recompute", [0, 1, 2])
 @pytest.mark.parametrize("attention", ["standard", "flash"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_the_saved_activations_are_what_forward_keeps(corpus, attention, dtype):
+def test_the_saved_activations_are_what_forward_keeps(corpus, attention, dtype, recompute):
     config = model_config("tiny", corpus.vocab_size)
     backend = NumpyBackend(dtype)
-    model = GPT2(config, backend, seed=3, attention=attention)
+    model = GPT2(config, backend, seed=3, attention=attention, recompute=recompute)
     B, T = 3, 24
     ids, targets = BatchSampler(corpus.train, B, T, seed=1).next()
     model.forward(ids, targets, dloss=1.0 / (B * T))
-    assert saved_arrays(model) == expected_arrays(config, B, T, attention, backend.act_dtype)
+    assert saved_arrays(model) == expected_arrays(config, B, T, attention, backend.act_dtype, recompute)
+
+
+def test_recompute_saves_what_it_leaves_out(corpus):
+    """Per layer at 4 x 32 on tiny (C 64): level 1 drops GELU's B*T*4C float32s, level 2 also the two
+    layernorm outputs (2 B*T*C)."""
+    config = model_config("tiny", corpus.vocab_size)
+    saved = [memory.rank_memories(config, TrainConfig(steps=1, batch=4, seq=32, recompute=level), 4)[0].activations
+             for level in (0, 1, 2)]
+    per_layer = 4 * 32 * 64 * 4  # B*T*C float32 bytes
+    assert saved[0] - saved[1] == config.n_layer * 4 * per_layer
+    assert saved[1] - saved[2] == config.n_layer * 2 * per_layer
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -111,7 +123,7 @@ def test_a_held_out_set_too_large_for_the_machine_is_refused_before_it_starts(tm
     assert line.startswith("train_ddp: error: not enough memory for this run: its 2 ranks need at least "), line
     assert "of AdamW state and 3814.70 GiB of validation windows, and one rank at a time" in line, line
     assert line.endswith("lower BATCH, SEQ, --world-size or --eval-batches, or raise --grad-accum, or use "
-                         "--zero 1 or --attention flash"), line
+                         "--zero 1, --attention flash or --recompute 2"), line
     assert not (tmp_path / "r.json").exists()
 
 
@@ -142,11 +154,11 @@ def test_ranks_sharing_memory_count_all_their_state_and_one_ranks_activations():
         "not enough memory for this run: its 3 ranks need at least 360 B and GPU 1 has 359 B available (a rank "
         "holds up to 100 B of parameters, 0 B of gradients and 0 B of AdamW state, and one rank at a time at "
         "least 70 B of activations kept for backward); lower BATCH, SEQ or --world-size, or raise --grad-accum, "
-        "or use --zero 1 or --attention flash")
+        "or use --zero 1, --attention flash or --recompute 2")
 
 
 def test_the_remedies_leave_out_what_the_run_already_does():
-    cfg = TrainConfig(steps=1, batch=4, seq=8, zero=1, attention="flash")
+    cfg = TrainConfig(steps=1, batch=4, seq=8, zero=1, attention="flash", recompute=2)
     with pytest.raises(XtrainError) as e:
         memory.check_fits([needs(3 << 30, 1 << 29)], 1 << 30, "this machine", cfg)
     assert str(e.value) == (
@@ -175,7 +187,8 @@ def test_a_run_too_large_for_the_machine_is_refused_before_it_starts(tmp_path):
     assert run.stdout == ""
     [line] = run.stderr.splitlines()
     assert line.startswith("train_ddp: error: not enough memory for this run: its 5000 ranks need at least "), line
-    assert "this machine has" in line and line.endswith("or raise --grad-accum, or use --attention flash"), line
+    assert "this machine has" in line, line
+    assert line.endswith("or raise --grad-accum, or use --attention flash or --recompute 2"), line
     assert not report.exists()
 
 
@@ -229,7 +242,7 @@ def test_ranks_that_fit_only_one_at_a_time_get_a_note_and_run(corpus, monkeypatc
     assert lines[0] == (f"note: the 2 ranks on this machine need at least {memory.gib(least)}, and "
                         f"{memory.gib(overlapping)} when their steps overlap, as they usually do; this machine has "
                         f"{memory.gib(least)} available, so the run may run out of memory: lower BATCH, SEQ or "
-                        "--world-size, or raise --grad-accum, or use --zero 1 or --attention flash")
+                        "--world-size, or raise --grad-accum, or use --zero 1, --attention flash or --recompute 2")
     monkeypatch.setattr(memory, "host_available_bytes", lambda: overlapping)
     lines.clear()
     train_ddp.train(cfg, corpus, log=lines.append)

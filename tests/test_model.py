@@ -93,9 +93,9 @@ def test_state_dict_round_trip_and_views_share_the_flat_buffer():
     assert np.shares_memory(model.g.wte, model.grads)
 
 
-def randomised_model(seed=0, attention="standard"):
+def randomised_model(seed=0, attention="standard", recompute=0):
     """A float64 model with every parameter random (biases, gains too), so no gradient term is hidden."""
-    model = GPT2(SMALL, numpy_ops, seed=seed, dtype=np.float64, attention=attention)
+    model = GPT2(SMALL, numpy_ops, seed=seed, dtype=np.float64, attention=attention, recompute=recompute)
     rng = np.random.default_rng(seed)
     used = np.zeros(model.size, dtype=bool)
     for s in model.layout:
@@ -104,9 +104,9 @@ def randomised_model(seed=0, attention="standard"):
     return model, used
 
 
-@pytest.mark.parametrize("attention", ["standard", "flash"])
-def test_whole_model_gradient_matches_finite_differences(attention):
-    model, used = randomised_model(attention=attention)
+@pytest.mark.parametrize("attention, recompute", [("standard", 0), ("flash", 0), ("standard", 2)])
+def test_whole_model_gradient_matches_finite_differences(attention, recompute):
+    model, used = randomised_model(attention=attention, recompute=recompute)
     rng = np.random.default_rng(1)
     B, T = 3, SMALL.n_ctx
     ids = rng.integers(0, SMALL.vocab_size, (B, T)).astype(np.int32)

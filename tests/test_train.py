@@ -151,6 +151,29 @@ def test_flash_attention_trains_like_the_standard_one(corpus, dtype, rtol):
     assert len(set(flash["param_sha256"])) == 1
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_recompute_changes_memory_not_bits(corpus, dtype):
+    """Backward recomputing GELU (1) and the layernorms (2) runs the same ops on the same inputs as forward
+    did: the same parameters to the bit, with flash attention and gradient accumulation too."""
+    kept = run(corpus, 2, steps=4, dtype=dtype, attention="flash", grad_accum=2)
+    for level in (1, 2):
+        recomputed = run(corpus, 2, steps=4, dtype=dtype, attention="flash", grad_accum=2, recompute=level)
+        assert recomputed["param_sha256"] == kept["param_sha256"], level
+        assert recomputed["losses"] == kept["losses"]
+
+
+def test_a_recompute_level_that_does_not_exist_is_one_line(corpus, capsys):
+    from xtrain_dist.errors import XtrainError
+    from xtrain_dist.train_ddp import main
+
+    assert main(["2", "4", "16", "--recompute", "3"]) == 2
+    assert capsys.readouterr().err.splitlines() == \
+        ["train_ddp: error: argument --recompute: invalid choice: 3 (choose from 0, 1, 2)"]
+    with pytest.raises(XtrainError) as info:  # a TrainConfig built in code, past argparse
+        run(corpus, 1, steps=1, recompute=3)
+    assert str(info.value) == "unknown --recompute 3 (choose from 0, 1, 2)"
+
+
 def test_flash_attention_on_cuda_needs_bf16_and_64_channel_heads():
     from xtrain_dist.backend.cuda_ops import check_flash_attention
     from xtrain_dist.errors import XtrainError

@@ -36,7 +36,7 @@ import os
 import re
 import shutil
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +63,7 @@ EOS = "<|endoftext|>"
 # settings a resumed run may change (they take effect from its first step); anything that would
 # change the model, the data or the batches it draws must match the checkpoint
 CHANGEABLE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps",
-              "grad_clip", "backend", "grad_sync", "attention")
+              "grad_clip", "backend", "grad_sync", "attention", "recompute")
 
 
 def optimizer_file(rank: int | None) -> str:
@@ -645,8 +645,10 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     step = state["step"]
     if cfg.steps <= step:
         raise XtrainError(f"{where} is already at step {step}: STEPS ({cfg.steps}) must be larger to train on")
-    changed = [f"{name} {saved.get(name)} -> {getattr(cfg, name)}" for name in CHANGEABLE
-               if saved.get(name) != getattr(cfg, name)]
+    # a checkpoint from before an option existed was trained with its default
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    changed = [f"{name} {saved.get(name, defaults[name])} -> {getattr(cfg, name)}" for name in CHANGEABLE
+               if saved.get(name, defaults[name]) != getattr(cfg, name)]
     if changed:
         notes.append(f"resume: from step {step + 1} on, this run changes {', '.join(changed)}")
     saved_dtype = saved.get("dtype", "fp32")  # checkpoints from before --dtype were fp32 runs

@@ -87,6 +87,7 @@ class TrainConfig:
     # ---- precision (precision.py) ----
     dtype: str = "fp32"             # fp32 | bf16: bf16 activations and matmuls, fp32 master weights and grads
     attention: str = "standard"     # standard | flash: keep the T x T probabilities, or recompute them (model.py)
+    recompute: int = 0              # 0 | 1 | 2: backward recomputes GELU (1), and the layernorms (2) (model.py)
     # output
     report: str | None = None
     log_every: int = 1

@@ -25,10 +25,12 @@ GIB = float(1 << 30)
 ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
 
 
-def saved_activations(config: GPTConfig, B: int, T: int, attention: str) -> list[tuple[str, tuple, str]]:
+def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
+                      recompute: int = 0) -> list[tuple[str, tuple, str]]:
     """What GPT2.forward keeps for backward, array by array: (name, shape, kind), kind "act" for the
     activation dtype, "f32" or "i32" for arrays of that type whatever the precision. Its order and names
-    follow GPT2.forward's `_saved` and `_LayerActs`, which tests/test_memory.py holds it to."""
+    follow GPT2.forward's `_saved` and `_LayerActs` (less what --recompute leaves to backward), which
+    tests/test_memory.py holds it to."""
     C, NH, V = config.n_embd, config.n_head, config.vocab_size
     arrays = [("ids", (B, T), "i32")]
     for layer in range(config.n_layer):
@@ -36,15 +38,17 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str) -> list
             return (f"h.{layer}.{field}", shape, kind)
         arrays += [
             named("x_in", (B, T, C), "act"),
-            named("ln1", (B, T, C), "act"), named("ln1_mean", (B, T), "f32"), named("ln1_rstd", (B, T), "f32"),
+            *([named("ln1", (B, T, C), "act")] if recompute < 2 else []),
+            named("ln1_mean", (B, T), "f32"), named("ln1_rstd", (B, T), "f32"),
             named("qkv", (B, T, 3 * C), "act"),
             named("atty", (B, T, C), "act"),
             # standard attention keeps the softmax probabilities; flash keeps one log-sum-exp per row
             named("att", (B, NH, T, T), "act") if attention == "standard" else named("att", (B, NH, T), "f32"),
             named("x_mid", (B, T, C), "act"),
-            named("ln2", (B, T, C), "act"), named("ln2_mean", (B, T), "f32"), named("ln2_rstd", (B, T), "f32"),
+            *([named("ln2", (B, T, C), "act")] if recompute < 2 else []),
+            named("ln2_mean", (B, T), "f32"), named("ln2_rstd", (B, T), "f32"),
             named("fch", (B, T, 4 * C), "act"),
-            named("fch_gelu", (B, T, 4 * C), "act"),
+            *([named("fch_gelu", (B, T, 4 * C), "act")] if recompute < 1 else []),
         ]
     arrays += [("x", (B, T, C), "act"), ("lnf", (B, T, C), "act"), ("lnf_mean", (B, T), "f32"),
                ("lnf_rstd", (B, T), "f32"), ("dlogits", (B, T, V), "act")]
@@ -91,8 +95,9 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
 
     def saved_bytes(rows: int) -> int:
         if rows not in activations:
+            saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute)
             activations[rows] = sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
-                                    for _, shape, kind in saved_activations(config, rows, cfg.seq, cfg.attention))
+                                    for _, shape, kind in saved)
         return activations[rows]
 
     memories = []
@@ -133,6 +138,11 @@ def host_available_bytes() -> int | None:
     return min(figures) if figures else None
 
 
+def either(options: list[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
+
+
 def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) -> str | None:
     """XtrainError when the ranks in `needs`, which share one memory (this machine's, or one GPU's),
     cannot fit in `available` bytes of it. When they fit only if their steps do not overlap, a note to
@@ -142,10 +152,11 @@ def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) 
     least = least_bytes(needs)
     options = ["--zero 1"] if not cfg.zero else []
     options += ["--attention flash"] if cfg.attention == "standard" else []
+    options += ["--recompute 2"] if cfg.recompute < 2 else []
     # the held-out windows are named where they matter, not as 0.6 MiB beside gigabytes of activations
     held_out = max(n.validation for n in needs) * 100 >= least
     lower = "BATCH, SEQ, --world-size or --eval-batches" if held_out else "BATCH, SEQ or --world-size"
-    remedy = f"lower {lower}, or raise --grad-accum" + (f", or use {' or '.join(options)}" if options else "")
+    remedy = f"lower {lower}, or raise --grad-accum" + (f", or use {either(options)}" if options else "")
     if least > available:
         top = max(needs, key=lambda n: n.persistent)
         state = f"{gib(top.parameters)} of parameters, {gib(top.gradients)} of gradients" + \

@@ -112,22 +112,35 @@ def check_attention(attention: str) -> str:
     return attention
 
 
+# What backward recomputes instead of forward keeping it (llm.c's -r): 0 nothing; 1 each block's GELU output,
+# the largest activation after attention's probabilities (B*T*4C); 2 also the two layernorm outputs
+# (2 B*T*C), from the layernorm's input, which is kept anyway. The same op on the same input gives the same
+# bits, so a run's parameters do not depend on the level: only its memory and its time do.
+RECOMPUTE_LEVELS = (0, 1, 2)
+
+
+def check_recompute(level: int) -> int:
+    if level not in RECOMPUTE_LEVELS:
+        raise XtrainError(f"unknown --recompute {level!r} (choose from {', '.join(map(str, RECOMPUTE_LEVELS))})")
+    return level
+
+
 @dataclass
 class _LayerActs:
-    """What one block's backward needs from its forward."""
+    """What one block's backward needs from its forward; None where --recompute has backward make it again."""
     x_in: object
-    ln1: object
+    ln1: object       # None under recompute 2
     ln1_mean: object
     ln1_rstd: object
     qkv: object
     atty: object
     att: object       # the softmax probabilities (standard attention) or each row's log-sum-exp (flash)
     x_mid: object
-    ln2: object
+    ln2: object       # None under recompute 2
     ln2_mean: object
     ln2_rstd: object
     fch: object
-    fch_gelu: object
+    fch_gelu: object  # None under recompute >= 1
 
 
 class KVCache:
@@ -172,13 +185,14 @@ class GPT2:
     the parameters also in the activation dtype (`params_lowp`) when that is not float32."""
 
     def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32,
-                 attention: str = "standard"):
+                 attention: str = "standard", recompute: int = 0):
         check_attention(attention)
         self.config = config
         self.ops = backend
         # standard: attention keeps its (B, NH, T, T) probabilities for backward; flash: only a log-sum-exp
         # per row, and backward recomputes them (the same function, less memory and traffic)
         self.attention = attention
+        self.recompute = check_recompute(recompute)  # see RECOMPUTE_LEVELS
         self.layout, used = param_layout(config)
         # a caller that shards the buffers (ZeRO) may ask for a total divisible by the world size
         self.size = -(-used // pad_to_multiple) * pad_to_multiple
@@ -273,8 +287,9 @@ class GPT2:
             fch = ops.matmul_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
             fch_gelu = ops.gelu_forward(fch)
             fcproj = ops.matmul_forward(fch_gelu, w.mlp_c_proj_weight, w.mlp_c_proj_bias)
-            acts.append(_LayerActs(x, ln1, ln1_mean, ln1_rstd, qkv, atty, att, x_mid, ln2, ln2_mean, ln2_rstd,
-                                   fch, fch_gelu))
+            keep_ln, keep_gelu = self.recompute < 2, self.recompute < 1
+            acts.append(_LayerActs(x, ln1 if keep_ln else None, ln1_mean, ln1_rstd, qkv, atty, att, x_mid,
+                                   ln2 if keep_ln else None, ln2_mean, ln2_rstd, fch, fch_gelu if keep_gelu else None))
             x = ops.residual_forward(x_mid, fcproj)
         if cache is not None:
             cache.length += ids.shape[1]
@@ -305,10 +320,14 @@ class GPT2:
         ops.layernorm_backward(dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean, lnf_rstd)
         for a, w, gw in zip(reversed(acts), reversed(p.h), reversed(g.h), strict=True):
             # MLP: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
-            dfch_gelu = ops.matmul_backward(gw.mlp_c_proj_weight, gw.mlp_c_proj_bias, dres, a.fch_gelu,
+            fch_gelu = ops.gelu_forward(a.fch) if a.fch_gelu is None else a.fch_gelu  # --recompute 1
+            dfch_gelu = ops.matmul_backward(gw.mlp_c_proj_weight, gw.mlp_c_proj_bias, dres, fch_gelu,
                                             w.mlp_c_proj_weight)
+            del fch_gelu  # a recomputed one goes now, not at the next block's
             dfch = ops.gelu_backward(dfch_gelu, a.fch)
-            dln2 = ops.matmul_backward(gw.mlp_c_fc_weight, gw.mlp_c_fc_bias, dfch, a.ln2, w.mlp_c_fc_weight)
+            ln2 = ops.layernorm_forward(a.x_mid, w.ln_2_weight, w.ln_2_bias)[0] if a.ln2 is None else a.ln2
+            dln2 = ops.matmul_backward(gw.mlp_c_fc_weight, gw.mlp_c_fc_bias, dfch, ln2, w.mlp_c_fc_weight)
+            del ln2
             ops.layernorm_backward(dres, gw.ln_2_weight, gw.ln_2_bias, dln2, a.x_mid, w.ln_2_weight,
                                    a.ln2_mean, a.ln2_rstd)  # dres is now d x_mid
             # attention: x_mid = x_in + c_proj(attention(c_attn(ln_1(x_in))))
@@ -318,8 +337,9 @@ class GPT2:
                 dqkv = ops.flash_attention_backward(datty, a.qkv, a.atty, a.att, n_head)
             else:
                 dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head)
-            dln1 = ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv, a.ln1,
-                                       w.attn_c_attn_weight)
+            ln1 = ops.layernorm_forward(a.x_in, w.ln_1_weight, w.ln_1_bias)[0] if a.ln1 is None else a.ln1
+            dln1 = ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv, ln1, w.attn_c_attn_weight)
+            del ln1
             ops.layernorm_backward(dres, gw.ln_1_weight, gw.ln_1_bias, dln1, a.x_in, w.ln_1_weight,
                                    a.ln1_mean, a.ln1_rstd)  # dres is now d x_in
             announce(*next(ranges))

@@ -81,7 +81,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
     ops = OpProfiler(backend, active=False) if cfg.profile_step else backend
-    model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention)
+    model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
+                 recompute=cfg.recompute)
     # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
     step_comm = TimedCommunicator(comm, clock=backend)
     optimizer = make_optimizer(model, cfg, step_comm)

@@ -33,7 +33,7 @@ from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from .errors import XtrainError
 from .launch import RankFailed, run_thread_ranks
 from .launch_env import Launch, detect_launch, gpu_for, local_world_for
-from .model import ATTENTIONS
+from .model import ATTENTIONS, RECOMPUTE_LEVELS, check_recompute
 from .profile import rows_markdown
 from .train import train_rank
 
@@ -109,10 +109,13 @@ def build_parser() -> OneLineParser:
                       help="bf16: round gradients to bfloat16 for the reduction")
     sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
     sync.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    prec = p.add_argument_group("precision (see README: Precision)")
+    prec = p.add_argument_group("precision and memory (see README: Precision)")
     prec.add_argument("--attention", choices=ATTENTIONS, default="standard",
                       help="flash: keep one log-sum-exp per row instead of the T x T probabilities and recompute "
                            "them in backward (cuda: a fused kernel, --dtype bf16, 64-channel heads)")
+    prec.add_argument("--recompute", type=int, choices=RECOMPUTE_LEVELS, default=0,
+                      help="what backward computes again instead of forward keeping it: 1 each block's GELU "
+                           "output, 2 also its layernorm outputs (same bits, less memory; default 0: nothing)")
     prec.add_argument("--dtype", choices=precision.DTYPES, default="fp32",
                       help="bf16: bfloat16 activations and matmuls, float32 master weights, gradients and "
                            "optimizer state (default fp32)")
@@ -144,7 +147,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
         hellaswag=args.hellaswag or "", metrics=args.metrics,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
-        grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention,
+        grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
     ).resolved()
 
 
@@ -159,6 +162,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
                           "the one to the other")
     ddp.check_config(cfg)
     precision.check_config(cfg)
+    check_recompute(cfg.recompute)
     if cfg.attention == "flash" and cfg.backend == "cuda":
         from .backend.cuda_ops import check_flash_attention
         check_flash_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
@@ -197,9 +201,10 @@ def cpu_threads_per_rank(ranks_on_node: int) -> int:
     return max(1, available_cores() // ranks_on_node)
 
 
-# what every process of a run must agree on; paths and addresses may differ from node to node
+# what every process of a run must agree on; paths and addresses may differ from node to node, and so may
+# --recompute (a node short of memory may recompute: the bits are the same)
 _PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_from", "report", "metrics", "log_every",
-                       "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "extra"}
+                       "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "recompute", "extra"}
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None) -> dict:
