@@ -29,6 +29,7 @@ def test_a_run_prints_progress_and_writes_the_report(tmp_path):
     assert len(data["losses"]) == 6 and len(data["param_sha256"]) == 2
     assert data["param_sha256"][0] == data["param_sha256"][1]
     assert data["config"]["world_size"] == 2 and data["config"]["seed"] == 3
+    assert data["config"]["sample_prompt"] == "" and data["samples"] == []  # a str default, not argparse's bytes
     assert not list(report.parent.glob(".*tmp*"))  # no temporary left behind
 
 
@@ -278,6 +279,8 @@ def test_the_configuration_fingerprint_ignores_what_may_differ_between_nodes(shi
     elsewhere = prepare(shipped_corpus, tokenizer="/node7/tok.json", corpus="/node7/corpus.txt",
                         report=str(tmp_path / "r.json"), metrics=str(tmp_path / "m.jsonl"), log_every=5).fingerprint
     assert elsewhere == fingerprint
+    # what changes no bits, or only what rank 0's process prints, may differ between processes too
+    assert prepare(shipped_corpus, recompute=2, sample_every=3, sample_prompt="KING:").fingerprint == fingerprint
     assert prepare(shipped_corpus, seed=8).fingerprint != fingerprint
 
 

@@ -616,10 +616,19 @@ def test_a_cached_forward_gives_the_logits_of_a_full_forward(be, rng):
 
 
 @pytest.mark.training
-def test_cuda_training_is_bitwise_reproducible():
-    first, second = _train(backend="cuda", world_size=2, steps=5), _train(backend="cuda", world_size=2, steps=5)
+def test_cuda_training_is_bitwise_reproducible_and_sampling_changes_nothing(tmp_path):
+    """The second run also draws text after steps 2, 4 and 5 (--sample-every, rank 0 on its GPU): the same
+    bits, and its last draw is the one the sample command makes on the GPU from the step-5 checkpoint."""
+    from xtrain_dist.sample import sample_text
+
+    first = _train(backend="cuda", world_size=2, steps=5)
+    second = _train(backend="cuda", world_size=2, steps=5, sample_every=2, sample_tokens=8,
+                    save_dir=str(tmp_path / "ck"))
     assert first["param_sha256"] == second["param_sha256"]
     assert first["losses"] == second["losses"]
+    assert [step for step, _ in second["samples"]] == [2, 4, 5]
+    assert second["samples"][-1][1] == sample_text([str(tmp_path / "ck"), "--tokens", "8", "--seed", "3",
+                                                    "--backend", "cuda"])
 
 
 @pytest.mark.training

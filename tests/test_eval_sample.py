@@ -378,3 +378,70 @@ def test_plot_metrics_draws_several_runs_into_a_png(tmp_path):
     assert missing.returncode == 2
     assert missing.stderr.strip() == \
         f"plot_metrics: error: metrics file '{tmp_path / 'x.jsonl'}' cannot be read (No such file or directory)"
+
+
+# ------------------------------------------------------------------------------- sampling while training
+def test_samples_while_training_are_what_the_checkpoint_of_that_step_draws(corpus, tmp_path):
+    """--sample-every 3 on 2 ranks: rank 0 draws after steps 3, 6 and the last (7), from a generator of its
+    own, so the run's parameters and losses are those of the run that draws nothing; the draw at step 7 is
+    the text the sample command draws from the step-7 checkpoint with the run's seed, prompt shown."""
+    plain = run(corpus, 7, world=2)
+    lines, metrics_file = [], tmp_path / "m.jsonl"
+    sampled = run(corpus, 7, world=2, sample_every=3, sample_tokens=10, sample_prompt="KING:", log=lines.append,
+                  save_dir=tmp_path / "ck", metrics=metrics_file)
+    assert sampled["param_sha256"] == plain["param_sha256"] and sampled["losses"] == plain["losses"]
+    assert [step for step, _ in sampled["samples"]] == [3, 6, 7]
+    last = sample_text([str(tmp_path / "ck"), "--prompt", "KING:", "--tokens", "10", "--seed", "5"])
+    assert sampled["samples"][-1][1] == last and last.startswith("KING:")
+    assert sampled["samples"][0][1] != last  # other weights, other text
+    i = lines.index("--- sample at step 7 ---\n" + last + "\n---")
+    assert lines[i - 1].startswith("step     7/7 | loss ")
+    records = metrics.read(metrics_file)
+    assert [r["step"] for r in records if "sample" in r] == [3, 6, 7]
+
+
+def test_without_a_prompt_a_training_draw_starts_from_endoftext(corpus, tmp_path):
+    report = run(corpus, 2, sample_every=2, sample_tokens=6, save_dir=tmp_path / "ck")
+    assert report["samples"] == [[2, sample_text([str(tmp_path / "ck"), "--tokens", "6", "--seed", "5"])]]
+
+
+def test_sampling_options_are_checked_before_training(corpus, tmp_path, unencodable_tokenizer):
+    with pytest.raises(XtrainError) as err:
+        parse_config(["4", "4", "16", "--sample-prompt", "KING:"])
+    assert str(err.value) == "--sample-prompt needs --sample-every"
+    with pytest.raises(XtrainError) as err:
+        parse_config(["4", "4", "16", "--sample-tokens", "8"])
+    assert str(err.value) == "--sample-tokens needs --sample-every"
+    # a tokenizer without <|endoftext|>, and one that cannot encode the prompt: refused before step 1
+    text = tmp_path / "cat.txt"
+    text.write_text("cat " * 400)
+    lines = []
+    for prompt, message in [("", "give a --sample-prompt: the tokenizer has no <|endoftext|> to start from"),
+                            ("dog", f"tokenizer '{unencodable_tokenizer}' cannot encode the --sample-prompt (")]:
+        cfg = TrainConfig(steps=2, batch=2, seq=8, tokenizer=str(unencodable_tokenizer), corpus=str(text),
+                          sample_every=1, sample_prompt=prompt, eval_batches=0).resolved()
+        with pytest.raises(XtrainError) as err:
+            train(cfg, log=lines.append)
+        assert str(err.value).startswith(message), str(err.value)
+    assert not any(line.startswith("step ") for line in lines)
+
+
+def test_the_sample_command_names_a_prompt_its_tokenizer_cannot_encode(trained, tmp_path, unencodable_tokenizer):
+    """A checkpoint whose tokenizer.json knows one word and has no unknown-word token: a prompt with another
+    word, and one of whitespace only (no ids at all), are one line each, where they were a traceback."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    for p in trained.iterdir():
+        (folder / p.name).write_bytes(p.read_bytes())
+    raw = unencodable_tokenizer.read_bytes()
+    (folder / "tokenizer.json").write_bytes(raw)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["tokenizer.json"] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert sample_text([str(folder), "--prompt", "cat", "--tokens", "3"]).startswith("cat")
+    with pytest.raises(XtrainError) as err:
+        sample_text([str(folder), "--prompt", "dog"])
+    assert str(err.value).startswith(f"tokenizer '{folder / 'tokenizer.json'}' cannot encode the --prompt ("), err
+    with pytest.raises(XtrainError) as err:
+        sample_text([str(folder), "--prompt", "  "])
+    assert str(err.value) == "the --prompt '  ' encodes to no ids: nothing to continue"

@@ -41,8 +41,16 @@ non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a number 
 positive_float = _checked(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
 # an empty path would read as "not given" and quietly switch the report, checkpoint or metrics off
 non_empty_path = _checked(str, bool, "a path")
-# bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer refuses with a TypeError
-utf8_text = _checked(lambda text: text.encode("utf-8") and text, lambda text: True, "UTF-8 text")
+
+
+def _utf8(text: str) -> str:
+    """The text itself, once it is known to encode: bytes that are not UTF-8 reach Python as lone
+    surrogates (UnicodeEncodeError is a ValueError), which the tokenizer would refuse with a TypeError."""
+    text.encode("utf-8")
+    return text
+
+
+utf8_text = _checked(_utf8, lambda text: True, "UTF-8 text")
 
 
 def run_command(prog: str, main: Callable[[], int | None]) -> int:

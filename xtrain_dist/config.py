@@ -102,6 +102,9 @@ class TrainConfig:
     val_corpus: str = ""            # validation text or token files; "": the corpus's last 10% (data.Corpus.load)
     hellaswag: str = ""             # an llm.c eval file: multiple-choice accuracy at each evaluation (hellaswag.py)
     metrics: str | None = None      # append one JSON line per step here
+    sample_every: int = 0           # rank 0 draws text from the model every N steps and at the end; 0: never
+    sample_tokens: int = 64         # tokens per draw
+    sample_prompt: str = ""         # what the draw continues; "": <|endoftext|> (sample.py)
     extra: dict = field(default_factory=dict)
 
     def resolved(self) -> "TrainConfig":

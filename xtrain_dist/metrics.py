@@ -1,8 +1,9 @@
 """--metrics PATH: one JSON line per step, appended, so that a resumed run continues its file.
 
 A line: {"step": 12, "loss": ..., "lr": ..., "grad_norm": ..., "ms": ..., "tokens_per_s": ...}, plus
-"val_loss" (and "hellaswag") on evaluation steps. Gradient-sync timing (comm_ms and the like) goes in the same line:
-the loop passes whatever fields its strategy reports. Each line is written with one append and the
+"val_loss" (and "hellaswag") on evaluation steps, "sample" (the text drawn) on --sample-every steps.
+Gradient-sync timing (comm_ms and the like) goes in the same line: the loop passes whatever fields its
+strategy reports. Each line is written with one append and the
 file closed at once, so a crash loses at most the line being written, and a reader (bin/plot_metrics)
 takes the last line for each step: steps that a run redoes after resuming an older checkpoint
 replace the ones it lost.

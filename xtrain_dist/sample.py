@@ -12,12 +12,14 @@ slides and every token re-runs the last n_ctx (`--no-cache` does that from the s
 """
 
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from .backend import BACKENDS, get_backend
 from .checkpoint import CONFIG, MODEL, TOKENIZER, open_pretrained
 from .cli import OneLineParser, non_negative_float, non_negative_int, positive_int, run_command, utf8_text
+from .data import encode_checked
 from .errors import XtrainError
 from .model import GPT2, KVCache
 
@@ -97,6 +99,27 @@ def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: in
     return new
 
 
+def prompt_ids(tokenizer, prompt: str, tokenizer_path, flag: str = "--prompt") -> list[int]:
+    """The ids a draw continues: the prompt's, or <|endoftext|> alone (where GPT-2's documents start) for
+    none. One XtrainError where the tokenizer cannot encode the prompt or has no <|endoftext|>."""
+    if prompt:
+        ids = encode_checked(tokenizer, prompt, tokenizer_path, f"the {flag}").tolist()
+        if not ids:
+            raise XtrainError(f"the {flag} {prompt!r} encodes to no ids: nothing to continue")
+        return ids
+    if tokenizer.token_to_id(EOS) is None:
+        raise XtrainError(f"give a {flag}: the tokenizer has no {EOS} to start from")
+    return [tokenizer.token_to_id(EOS)]
+
+
+def continuation(model, tokenizer, ids: list[int], n_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, seed: int = 1337, show_prompt: bool = True, cache: bool = True) -> str:
+    """The text of `n_tokens` drawn after `ids` (generate, from PCG64(seed)), after the prompt's own text
+    where show_prompt: the same model, ids and seed give the same text."""
+    new = generate(model, ids, n_tokens, temperature, top_k, np.random.Generator(np.random.PCG64(seed)), cache=cache)
+    return tokenizer.decode((ids if show_prompt else []) + new, skip_special_tokens=False)
+
+
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}", description="Print text sampled from a checkpoint.")
     p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (train_ddp --save-dir)")
@@ -115,15 +138,9 @@ def build_parser() -> OneLineParser:
 def sample_text(argv) -> str:
     args = build_parser().parse_args(argv)
     model, tokenizer = load_for_command(PROG, args.checkpoint, args.backend)
-    if args.prompt:
-        ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
-    elif tokenizer.token_to_id(EOS) is not None:
-        ids = [tokenizer.token_to_id(EOS)]
-    else:
-        raise XtrainError(f"give a --prompt: the tokenizer has no {EOS} to start from")
-    rng = np.random.Generator(np.random.PCG64(args.seed))
-    new = generate(model, ids, args.tokens, args.temperature, args.top_k, rng, cache=not args.no_cache)
-    return tokenizer.decode((ids if args.prompt else []) + new, skip_special_tokens=False)
+    ids = prompt_ids(tokenizer, args.prompt, Path(args.checkpoint) / TOKENIZER)
+    return continuation(model, tokenizer, ids, args.tokens, args.temperature, args.top_k, args.seed,
+                        show_prompt=bool(args.prompt), cache=not args.no_cache)
 
 
 def main(argv=None) -> int:

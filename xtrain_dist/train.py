@@ -19,6 +19,7 @@ from .hellaswag import load as load_hellaswag
 from .model import GPT2
 from .optim import lr_at, make_optimizer
 from .profile import OpProfiler
+from .sample import continuation, prompt_ids
 
 
 @dataclass
@@ -30,6 +31,7 @@ class RankResult:
     step_ms: list[float] = field(default_factory=list)
     val_losses: list[list] = field(default_factory=list)     # [step, validation loss] of every evaluation
     hellaswag: list[list] = field(default_factory=list)      # [step, --hellaswag accuracy] of every evaluation
+    samples: list[list] = field(default_factory=list)        # [step, text] of every --sample-every draw (rank 0)
     start_step: int = 0                                     # steps done before this run (resumed from a checkpoint)
     param_sha256: str = ""                                  # of the flat parameter buffer after the last step
     num_params: int = 0
@@ -55,6 +57,8 @@ class RankResult:
             self.val_losses.append([record["step"], record["val_loss"]])
         if "hellaswag" in record:
             self.hellaswag.append([record["step"], record["hellaswag"]])
+        if "sample" in record:
+            self.samples.append([record["step"], record["sample"]])
 
 
 def param_sha256(model) -> str:
@@ -99,6 +103,10 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         # about the positions of the rank's training micro-batch, whose activations fit
         tokens = max(1, cfg.batch // comm.world_size // cfg.grad_accum) * cfg.seq
         multiple_choice = HellaSwag(examples, examples_per_pass(tokens, examples), rank, comm.world_size, backend)
+    # --sample-every: rank 0 draws from a generator of its own (the batch sampler's is every rank's), so
+    # sampling never changes what the run trains on
+    prompt = (prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
+              if cfg.sample_every and rank == 0 else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
@@ -146,9 +154,15 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                 record["val_loss"] = evaluator.loss(model, comm)
             if multiple_choice:
                 record["hellaswag"] = multiple_choice.accuracy(model, comm)
+        if prompt is not None and (done % cfg.sample_every == 0 or done == cfg.steps):
+            record["sample"] = continuation(model, corpus.tokenizer, prompt, cfg.sample_tokens, seed=cfg.seed,
+                                            show_prompt=bool(cfg.sample_prompt))
         result.add(record)
-        if rank == 0 and (step % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)):
+        if rank == 0 and (step % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)
+                          or "sample" in record):
             log(metrics.progress_line(record, cfg.steps))
+        if "sample" in record:
+            log(f"--- sample at step {done} ---\n{record['sample']}\n---")
         if rank == 0 and cfg.metrics:
             metrics.append(cfg.metrics, record)
         if cfg.save_dir and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):

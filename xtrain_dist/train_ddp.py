@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from . import checkpoint, ddp, evaluate, files, hellaswag, memory, metrics, precision
+from . import checkpoint, ddp, evaluate, files, hellaswag, memory, metrics, precision, sample
 from .backend import BACKENDS, rank_device
 from .cli import (
     OneLineParser,
@@ -25,6 +25,7 @@ from .cli import (
     positive_float,
     positive_int,
     run_command,
+    utf8_text,
 )
 from .comm import CommAborted
 from .comm.world import choose_engine, config_fingerprint, open_world, report_failure_before_world
@@ -101,6 +102,12 @@ def build_parser() -> OneLineParser:
                         "share of examples whose lowest-loss completion is the right one")
     g.add_argument("--metrics", metavar="PATH", type=non_empty_path, default=None,
                    help="append one JSON line per step to PATH")
+    g.add_argument("--sample-every", metavar="N", type=non_negative_int, default=0,
+                   help="print text drawn from the model every N steps and at the end, as `python -m "
+                        "xtrain_dist.sample` would from a checkpoint of that step with --seed SEED (default 0: never)")
+    g.add_argument("--sample-tokens", metavar="N", type=positive_int, default=None, help="tokens per draw (default 64)")
+    g.add_argument("--sample-prompt", metavar="TEXT", type=utf8_text, default="",
+                   help="text the draws continue (default: start from <|endoftext|>)")
     sync = p.add_argument_group("gradient synchronisation, ZeRO-1 and accumulation (see docs/ddp.md)")
     sync.add_argument("--grad-sync", choices=list(ddp.STRATEGIES), default="bucketed",
                       help="when and in what pieces gradients are reduced (default bucketed)")
@@ -133,6 +140,9 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
                           "every rank needs a sequence")
     if args.save_every and not args.save_dir:
         raise XtrainError("--save-every needs --save-dir")
+    for flag, value in (("--sample-tokens", args.sample_tokens), ("--sample-prompt", args.sample_prompt)):
+        if value and not args.sample_every:
+            raise XtrainError(f"{flag} needs --sample-every")
     return TrainConfig(
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
@@ -145,7 +155,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         rdzv_timeout_s=args.rdzv_timeout,
         save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, init_from=args.init_from,
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
-        hellaswag=args.hellaswag or "", metrics=args.metrics,
+        hellaswag=args.hellaswag or "", metrics=args.metrics, sample_every=args.sample_every,
+        sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
         grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
     ).resolved()
@@ -202,9 +213,11 @@ def cpu_threads_per_rank(ranks_on_node: int) -> int:
 
 
 # what every process of a run must agree on; paths and addresses may differ from node to node, and so may
-# --recompute (a node short of memory may recompute: the bits are the same)
+# --recompute (a node short of memory may recompute: the bits are the same) and the sampling options (only
+# the process of rank 0 draws)
 _PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_from", "report", "metrics", "log_every",
-                       "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "recompute", "extra"}
+                       "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "recompute", "sample_every",
+                       "sample_tokens", "sample_prompt", "extra"}
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None) -> dict:
@@ -266,6 +279,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "losses": lead.losses,
         "val_losses": lead.val_losses,
         "hellaswag": lead.hellaswag,
+        "samples": lead.samples,
         "grad_norms": lead.grad_norms,
         "lrs": lead.lrs,
         "step_ms": lead.step_ms,
@@ -343,6 +357,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         files.check_writable(cfg.report, "--report")
     cfg = evaluate.check(cfg, corpus, log)
     examples = hellaswag.load(cfg, corpus) if cfg.hellaswag else None
+    if cfg.sample_every and launch.process_rank == 0:  # where rank 0 will draw: a prompt it cannot encode fails now
+        sample.prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
     if cfg.resume and cfg.init_from:
         raise XtrainError("--init-from and --resume both say where the weights start: give one")
     first, resume_from = 1, None
