@@ -489,7 +489,7 @@ def test_hellaswag_scores_follow_numpy(be, rng):
         model = GPT2(config, backend)
         model.params[...] = backend.from_host(weights)
         model.refresh_lowp()
-        evaluator = HellaSwag(examples, 3, 0, 1, backend)
+        evaluator = HellaSwag(examples, 200, 0, 1, backend)
         scores.append(backend.to_host(evaluator.completion_losses(model)))
         counts.append(evaluator.correct(model))
     check(scores[1], scores[0], rel=1e-5, what="completion losses")

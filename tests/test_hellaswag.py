@@ -6,6 +6,7 @@ the way llm.c's dev/data/hellaswag.py does, the same count for any world size, a
 import json
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus, read_tokenizer
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.hellaswag import Example, HellaSwag, eval_file_chunks, read_eval_file, render
+from xtrain_dist.hellaswag import Example, HellaSwag, eval_file_chunks, passes_by_length, read_eval_file, render
 from xtrain_dist.launch import run_thread_ranks
 from xtrain_dist.model import GPT2
 from xtrain_dist.train_ddp import train
@@ -194,8 +195,10 @@ def test_scores_and_accuracy_match_transformers_scoring_as_llmc_does():
     examples = random_examples(24, seed=2)
     model = tiny_model()
     theirs = transformers_scores(model, examples)
-    # 3 examples a pass: passes of different sizes than the oracle's one example each
-    evaluator = HellaSwag(examples, 3, rank=0, world=1, backend=numpy_ops)
+    # passes of 300 positions: a few examples each, shortest first, where the oracle runs one at a time in
+    # file order; the scores come back in file order
+    evaluator = HellaSwag(examples, 300, rank=0, world=1, backend=numpy_ops)
+    assert 1 < len(evaluator.passes) < len(examples)
     ours = evaluator.completion_losses(model)
     np.testing.assert_allclose(ours, theirs, rtol=2e-5)
     gaps = np.sort(theirs, axis=1)[:, 1] - theirs.min(axis=1)
@@ -207,16 +210,37 @@ def test_scores_and_accuracy_match_transformers_scoring_as_llmc_does():
     assert evaluator.accuracy(model) == (predictions == labels).mean()
 
 
+@pytest.mark.parametrize("tokens", [1, 120, 500, 10**6])
+def test_passes_take_the_shortest_examples_first_within_the_budget(tokens):
+    """Every example once; each pass within `tokens` positions (rows x its widest row) unless it is one
+    example alone; passes in order of width, so little of a pass is padding."""
+    examples = random_examples(40, seed=6)
+    passes = passes_by_length(examples, tokens)
+    assert sorted(i for chunk in passes for i in chunk) == list(range(40))
+    widths = [examples[i].longest_row for chunk in passes for i in chunk]
+    assert widths == sorted(widths)
+    for chunk in passes:
+        cost = len(chunk) * 4 * max(examples[i].longest_row for i in chunk)
+        assert cost <= tokens or len(chunk) == 1, (chunk, cost)
+    if tokens == 1:
+        assert len(passes) == 40
+    if tokens == 10**6:
+        assert len(passes) == 1
+    # greedy: a pass ends only where the next example would not fit
+    for chunk, following in pairwise(passes):
+        assert (len(chunk) + 1) * 4 * examples[following[0]].longest_row > tokens
+
+
 @pytest.mark.parametrize("world", [2, 3, 30])
 def test_every_world_size_counts_the_same_examples(world):
     """Example i on rank i % world, counts all-reduced; 30 ranks leave some with no example at all."""
     examples = random_examples(25, seed=3)
     model = tiny_model(1)
-    alone = HellaSwag(examples, 4, rank=0, world=1, backend=numpy_ops).correct(model)
+    alone = HellaSwag(examples, 400, rank=0, world=1, backend=numpy_ops).correct(model)
     group = LocalGroup(world)
 
     def rank_fn(rank, comm):
-        evaluator = HellaSwag(examples, 2, rank, world, numpy_ops)
+        evaluator = HellaSwag(examples, 150, rank, world, numpy_ops)
         return len(evaluator.completion_losses(model)), evaluator.correct(model, comm)
 
     outcomes = run_thread_ranks(world, lambda r, comm: rank_fn(r, comm), timeout_s=60, group=group)

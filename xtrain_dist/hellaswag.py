@@ -181,52 +181,65 @@ def render(examples: list[Example], width: int):
     return ids, targets, mask
 
 
-class HellaSwag:
-    """A rank's share of an eval file (examples i with i % world == rank), rendered once on its backend,
-    `examples_per_pass` examples to a forward pass."""
+def passes_by_length(examples: list[Example], tokens: int) -> list[list[int]]:
+    """Indices into `examples`, grouped into forward passes of about `tokens` positions each (at least one
+    example a pass). Shortest first, so that a pass's rows are of about one length: each pass is as wide as
+    its longest row, and HellaSwag's rows range from a few dozen positions to a few hundred, so passes in
+    file order would spend most of their positions on padding."""
+    order = sorted(range(len(examples)), key=lambda i: examples[i].longest_row)
+    passes, current = [], []
+    for i in order:
+        rows = (len(current) + 1) * len(examples[i].completions)
+        if current and rows * examples[i].longest_row > tokens:  # sorted: the newcomer is the widest
+            passes.append(current)
+            current = []
+        current.append(i)
+    return passes + ([current] if current else [])
 
-    def __init__(self, examples: list[Example], examples_per_pass: int, rank: int, world: int, backend):
+
+class HellaSwag:
+    """A rank's share of an eval file (examples i with i % world == rank), rendered once on its backend in
+    forward passes of about `tokens` positions (passes_by_length)."""
+
+    def __init__(self, examples: list[Example], tokens: int, rank: int, world: int, backend):
         self.ops = backend
         self.n_examples = len(examples)
         self.n_completions = len(examples[0].completions)
         mine = examples[rank::world]
-        width = row_width(examples)  # one width for all ranks, whatever their share
+        chunks = passes_by_length(mine, tokens)
         self.passes = []
-        for lo in range(0, len(mine), examples_per_pass):
-            chunk = mine[lo:lo + examples_per_pass]
-            ids, targets, mask = render(chunk, width)
-            self.passes.append((backend.from_host(ids), backend.from_host(targets), backend.from_host(mask),
-                                backend.from_host(np.array([ex.label for ex in chunk], dtype=np.int64))))
+        for chunk in chunks:
+            ids, targets, mask = render([mine[i] for i in chunk], row_width([mine[i] for i in chunk]))
+            self.passes.append((backend.from_host(ids), backend.from_host(targets), backend.from_host(mask)))
+        # the share's examples in the order the passes score them, to put the scores back in share order
+        self.ran = backend.from_host(np.array([i for chunk in chunks for i in chunk], dtype=np.int64))
+        self.labels = backend.from_host(np.array([ex.label for ex in mine], dtype=np.int64))
 
     def completion_losses(self, model):
-        """(examples of this rank, completions): each completion's mean loss over its tokens, in float64,
-        on the backend."""
+        """(examples of this rank, completions), in the order of its share: each completion's mean loss over
+        its tokens, in float64, on the backend."""
         xp = self.ops.xp
         scores = []
-        for ids, targets, mask, _ in self.passes:
+        for ids, targets, mask in self.passes:
             losses = model.forward(ids, targets).astype(xp.float64)
             scores.append((losses * mask).sum(axis=1) / mask.sum(axis=1))
         if not scores:  # a rank with no example (more ranks than examples)
             return xp.zeros((0, self.n_completions), dtype=xp.float64)
-        return xp.concatenate(scores).reshape(-1, self.n_completions)
+        in_share_order = xp.empty((len(self.ran), self.n_completions), dtype=xp.float64)
+        in_share_order[self.ran] = xp.concatenate(scores).reshape(-1, self.n_completions)
+        return in_share_order
 
     def correct(self, model, comm=None) -> int:
         """Examples whose lowest-loss completion is the label, over all ranks (a collective where comm is
         given: every rank calls it)."""
         xp = self.ops.xp
-        labels = (xp.concatenate([p[3] for p in self.passes]) if self.passes else xp.zeros(0, dtype=xp.int64))
-        count = (self.completion_losses(model).argmin(axis=1) == labels).sum().astype(xp.float64).reshape(1)
+        count = (self.completion_losses(model).argmin(axis=1) == self.labels).sum().astype(xp.float64).reshape(1)
         if comm is not None:
             comm.all_reduce(count)
         return int(self.ops.to_host(count)[0])
 
     def accuracy(self, model, comm=None) -> float:
         return self.correct(model, comm) / self.n_examples
-
-
-def examples_per_pass(tokens: int, examples: list[Example]) -> int:
-    """Examples a forward pass takes so that it holds about `tokens` positions (at least one example)."""
-    return max(1, tokens // (row_width(examples) * len(examples[0].completions)))
 
 
 def build_parser() -> OneLineParser:
@@ -246,7 +259,7 @@ def evaluate(argv) -> str:
     model, tokenizer = load_for_command(PROG, args.checkpoint, args.backend)
     examples = read_eval_file(args.eval_file, tokenizer.get_vocab_size(with_added_tokens=True), what="EVALFILE")
     check(examples, model.config.n_ctx, args.eval_file, what="EVALFILE")
-    evaluator = HellaSwag(examples, examples_per_pass(args.tokens, examples), 0, 1, model.ops)
+    evaluator = HellaSwag(examples, args.tokens, 0, 1, model.ops)
     right = evaluator.correct(model)
     return f"{PROG}: {right}/{len(examples)} = {right / len(examples):.4f}"
 

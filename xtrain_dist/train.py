@@ -14,7 +14,7 @@ from .data import BatchSampler, Corpus
 from .ddp import make_grad_sync
 from .errors import XtrainError
 from .evaluate import Evaluator, is_eval_step
-from .hellaswag import HellaSwag, examples_per_pass
+from .hellaswag import HellaSwag
 from .hellaswag import load as load_hellaswag
 from .model import GPT2
 from .optim import lr_at, make_optimizer
@@ -102,7 +102,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         examples = hellaswag or load_hellaswag(cfg, corpus)
         # about the positions of the rank's training micro-batch, whose activations fit
         tokens = max(1, cfg.batch // comm.world_size // cfg.grad_accum) * cfg.seq
-        multiple_choice = HellaSwag(examples, examples_per_pass(tokens, examples), rank, comm.world_size, backend)
+        multiple_choice = HellaSwag(examples, tokens, rank, comm.world_size, backend)
     # --sample-every: rank 0 draws from a generator of its own (the batch sampler's is every rank's), so
     # sampling never changes what the run trains on
     prompt = (prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
