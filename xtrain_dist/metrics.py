@@ -3,10 +3,9 @@
 A line: {"step": 12, "loss": ..., "lr": ..., "grad_norm": ..., "ms": ..., "tokens_per_s": ...}, plus
 "val_loss" (and "hellaswag") on evaluation steps, "sample" (the text drawn) on --sample-every steps.
 Gradient-sync timing (comm_ms and the like) goes in the same line: the loop passes whatever fields its
-strategy reports. Each line is written with one append and the
-file closed at once, so a crash loses at most the line being written, and a reader (bin/plot_metrics)
-takes the last line for each step: steps that a run redoes after resuming an older checkpoint
-replace the ones it lost.
+strategy reports. Each line is written with one append and the file closed at once, so a crash loses at
+most the line being written, and a reader (bin/plot_metrics) takes the last line for each step: steps
+that a run redoes after resuming an older checkpoint replace the ones it lost.
 """
 
 import json

@@ -17,14 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from .backend import BACKENDS, get_backend
-from .checkpoint import CONFIG, MODEL, TOKENIZER, open_pretrained
+from .checkpoint import CONFIG, EOS, MODEL, TOKENIZER, open_pretrained
 from .cli import OneLineParser, non_negative_float, non_negative_int, positive_int, run_command, utf8_text
 from .data import encode_checked
 from .errors import XtrainError
 from .model import GPT2, KVCache
 
 PROG = "sample"
-EOS = "<|endoftext|>"
 
 
 def load(path, backend):
