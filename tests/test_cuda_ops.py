@@ -616,10 +616,12 @@ def test_a_cached_forward_gives_the_logits_of_a_full_forward(be, rng):
 
 
 @pytest.mark.training
-def test_cuda_training_is_bitwise_reproducible_and_sampling_changes_nothing(tmp_path):
+def test_cuda_training_is_bitwise_reproducible_and_sampling_changes_nothing(be, tmp_path):
     """The second run also draws text after steps 2, 4 and 5 (--sample-every, rank 0 on its GPU): the same
-    bits, and its last draw is the one the sample command makes on the GPU from the step-5 checkpoint."""
-    from xtrain_dist.sample import sample_text
+    bits, and its last draw is the one the sample command makes on the GPU from the step-5 checkpoint
+    (its functions on this module's backend: a CudaBackend made here would take over this thread's
+    stream from `be`)."""
+    from xtrain_dist.sample import continuation, load
 
     first = _train(backend="cuda", world_size=2, steps=5)
     second = _train(backend="cuda", world_size=2, steps=5, sample_every=2, sample_tokens=8,
@@ -627,8 +629,9 @@ def test_cuda_training_is_bitwise_reproducible_and_sampling_changes_nothing(tmp_
     assert first["param_sha256"] == second["param_sha256"]
     assert first["losses"] == second["losses"]
     assert [step for step, _ in second["samples"]] == [2, 4, 5]
-    assert second["samples"][-1][1] == sample_text([str(tmp_path / "ck"), "--tokens", "8", "--seed", "3",
-                                                    "--backend", "cuda"])
+    model, tokenizer, _ = load(tmp_path / "ck", be)
+    start = [tokenizer.token_to_id("<|endoftext|>")]
+    assert second["samples"][-1][1] == continuation(model, tokenizer, start, 8, seed=3, show_prompt=False)
 
 
 @pytest.mark.training
