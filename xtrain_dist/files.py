@@ -25,6 +25,14 @@ def same_file(a, b) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def refuse_output_on_inputs(out, flag: str, inputs, consequence: str) -> None:
+    """One XtrainError where the output `out` (given as `flag`) is one of `inputs`, (what, path) pairs compared
+    as files (same_file; an empty path is skipped): "{flag} '{out}' is {what} '{path}': {consequence}"."""
+    for what, given in inputs:
+        if given and same_file(out, given):
+            raise XtrainError(f"{flag} '{out}' is {what} '{given}': {consequence}")
+
+
 def inside(path, folder) -> bool:
     """Whether `path` is `folder` or lies under it, symlinks followed."""
     return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))

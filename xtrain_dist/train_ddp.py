@@ -184,13 +184,10 @@ def check_outputs(cfg: TrainConfig) -> None:
     or each other, or an output (or the corpus) inside --save-dir, a folder that every save replaces whole.
     Files are compared, not names, so a relative path, a symlink or a hard link is caught too."""
     outputs = [(flag, path) for flag, path in (("--report", cfg.report), ("--metrics", cfg.metrics)) if path]
-    inputs = [(what, path) for what, path in (("the tokenizer", cfg.tokenizer), ("the corpus", cfg.corpus),
-                                              ("the validation corpus", cfg.val_corpus),
-                                              ("the --hellaswag file", cfg.hellaswag)) if path]
+    inputs = [("the tokenizer", cfg.tokenizer), ("the corpus", cfg.corpus), ("the validation corpus", cfg.val_corpus),
+              ("the --hellaswag file", cfg.hellaswag)]
     for flag, out in outputs:
-        for what, given in inputs:
-            if files.same_file(out, given):
-                raise XtrainError(f"{flag} '{out}' is {what} '{given}': the run would write into its own input")
+        files.refuse_output_on_inputs(out, flag, inputs, "the run would write into its own input")
     if len(outputs) == 2 and files.same_file(cfg.report, cfg.metrics):
         raise XtrainError(f"--report '{cfg.report}' and --metrics '{cfg.metrics}' are the same file: the report "
                           "would replace the metrics")
