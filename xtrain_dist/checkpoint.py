@@ -60,6 +60,8 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
 EOS = "<|endoftext|>"
+# each block's causal-mask buffers in Hugging Face's GPT-2 (older files save them): not parameters
+GPT2_MASK_BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias")
 # settings a resumed run may change (they take effect from its first step); anything that would
 # change the model, the data or the batches it draws must match the checkpoint
 CHANGEABLE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps",
@@ -423,7 +425,7 @@ class Checkpoint:
         for name, array in self.tensors(MODEL)[0].items():
             if name != "lm_head.weight" and not name.startswith("transformer."):
                 name = f"transformer.{name}"
-            if re.fullmatch(r"transformer\.h\.\d+\.attn\.(masked_)?bias", name):
+            if GPT2_MASK_BUFFER.fullmatch(name):
                 continue
             tensors[name] = array.astype(np.float32) if array.dtype == np.float16 else array
         head = tensors.pop("lm_head.weight", None)

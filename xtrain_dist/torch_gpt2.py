@@ -84,13 +84,13 @@ def hf_model(config: GPTConfig, state_dict: dict):
     import torch
     import transformers
 
-    from .checkpoint import hf_config
+    from .checkpoint import GPT2_MASK_BUFFER, hf_config
 
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(hf_config(config)))
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]},
                                                 strict=False)
-    if unexpected or any(not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias") for k in missing):
+    if unexpected or any(not GPT2_MASK_BUFFER.fullmatch(k) for k in missing):
         raise ValueError(f"weights do not fit GPT2LMHeadModel: missing {missing}, unexpected {unexpected}")
     return model.eval()
 
