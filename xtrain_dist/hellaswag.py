@@ -209,7 +209,8 @@ class HellaSwag:
         chunks = passes_by_length(mine, tokens)
         self.passes = []
         for chunk in chunks:
-            ids, targets, mask = render([mine[i] for i in chunk], row_width([mine[i] for i in chunk]))
+            chosen = [mine[i] for i in chunk]
+            ids, targets, mask = render(chosen, row_width(chosen))
             self.passes.append((backend.from_host(ids), backend.from_host(targets), backend.from_host(mask)))
         # the share's examples in the order the passes score them, to put the scores back in share order
         self.ran = backend.from_host(np.array([i for chunk in chunks for i in chunk], dtype=np.int64))

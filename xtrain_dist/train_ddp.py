@@ -317,7 +317,7 @@ class Prepared:
     corpus: Corpus
     devices: list               # each local rank's device
     cfg: TrainConfig            # with what the checks settled (evaluation switched off for a short split)
-    fingerprint: str            # of what every process must agree on
+    fingerprint: bytes          # of what every process must agree on (config_fingerprint)
     resume_from: object         # the verified checkpoint to resume from, or None
     init_weights: dict | None   # the --init-from parameters
     hellaswag: list | None      # the --hellaswag examples
