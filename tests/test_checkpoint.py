@@ -136,7 +136,8 @@ def test_the_folder_holds_the_files_the_manifest_vouches_for(saved):
     assert set(ckpt.manifest["files"]) == names - {"manifest.json"}
     state = ckpt.state
     assert state["step"] == 3 and state["world_size"] == 2 and state["optimizer"]["step_count"] == 3
-    assert state["schedule"] == {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1, "lr_decay_steps": 8}
+    assert state["schedule"] == {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1, "lr_decay_steps": 8,
+                                 "lr_schedule": "cosine", "cooldown_steps": None}
     assert state["sampler"]["batches_drawn"] == 3
 
 
@@ -206,6 +207,22 @@ def test_a_resume_may_change_recompute_and_continues_bitwise(corpus, saved, tmp_
     lines.clear()
     run(corpus, 4, world=2, resume=older, log=lines.append)
     assert not [line for line in lines if "this run changes" in line], lines
+
+
+def test_a_wsd_run_resumed_from_its_stable_phase_cools_down_as_if_planned_from_the_start(corpus, tmp_path):
+    """What warmup-stable-decay is for: the stable phase does not depend on where the decay will end, so a
+    run saved there and resumed with a nearer end and cooldown is, to the bit, the run that had them all
+    along (the sampler, optimizer and step count carry over; only the schedule's tail is new)."""
+    wsd = {"lr_schedule": "wsd", "warmup_steps": 1}
+    planned = run(corpus, 8, world=2, lr_decay_steps=8, cooldown_steps=3, **wsd)
+    run(corpus, 4, world=2, lr_decay_steps=1000, save_dir=tmp_path / "ck", **wsd)  # cooldown 200 steps away
+    lines = []
+    cooled = run(corpus, 8, world=2, lr_decay_steps=8, cooldown_steps=3, resume=tmp_path / "ck", log=lines.append,
+                 **wsd)
+    assert [line for line in lines if "this run changes" in line] == \
+        ["resume: from step 5 on, this run changes lr_decay_steps 1000 -> 8, cooldown_steps 200 -> 3"]
+    assert cooled["lrs"] == planned["lrs"][4:] and cooled["lrs"][-1] < cooled["lrs"][0] == planned["lrs"][1]
+    assert cooled["param_sha256"] == planned["param_sha256"]
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -84,6 +84,14 @@ def error_line(out):
     ((5, 8, 32, "--save-dir", ""), "--save-dir must be a path, got ''"),
     ((5, 8, 32, "--min-lr", "0.01"), "--min-lr (0.01) must not exceed --lr (0.001): the schedule decays from the one "
                                      "to the other"),
+    ((5, 8, 32, "--lr-schedule", "constant", "--min-lr", "0.0001"), "--min-lr has no effect with --lr-schedule "
+                                                                    "constant"),
+    ((5, 8, 32, "--lr-schedule", "constant", "--lr-decay-steps", 3), "--lr-decay-steps has no effect with "
+                                                                     "--lr-schedule constant"),
+    ((5, 8, 32, "--cooldown-steps", 2), "--cooldown-steps is for --lr-schedule wsd (this run's schedule is cosine)"),
+    ((5, 8, 32, "--lr-schedule", "wsd", "--warmup-steps", 3, "--cooldown-steps", 3),
+     "--warmup-steps (3) and --cooldown-steps (3) together exceed --lr-decay-steps (5): the cooldown would start in "
+     "the warmup"),
     ((5, 8, 32, "--tf32"), "--tf32 is a choice of the cuda backend's matmuls; the numpy backend computes in float32 "
                            "only"),
     ((5, 8, 32, "--cpu-threads", "two"), "--cpu-threads must be a positive integer, got 'two'"),

@@ -20,9 +20,9 @@ def corpus():
     return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
 
 
-def run(corpus, world, steps=20, batch=8, seq=32, seed=7, **kw):
+def run(corpus, world, steps=20, batch=8, seq=32, seed=7, log=lambda line: None, **kw):
     cfg = TrainConfig(steps=steps, batch=batch, seq=seq, model="tiny", seed=seed, world_size=world, **kw).resolved()
-    return train(cfg, corpus, log=lambda line: None)
+    return train(cfg, corpus, log=log)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,35 @@ def test_lr_schedule_warms_up_then_follows_the_cosine():
     assert [lr_at(s, short) for s in range(7)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 0.1, 0.1])
     # the default warmup: a twentieth of the schedule, at least one step
     assert [TrainConfig(steps=n, batch=1, seq=1).resolved().warmup_steps for n in (10, 100, 1000)] == [1, 5, 50]
+
+
+def test_the_other_lr_schedules():
+    def schedule(name, **kw):
+        cfg = TrainConfig(steps=100, batch=1, seq=1, lr=1.0, min_lr=0.1, warmup_steps=10, lr_decay_steps=60,
+                          lr_schedule=name, **kw).resolved()
+        return lambda step: lr_at(step, cfg)
+
+    linear = schedule("linear")  # the same warmup, then a straight line to min_lr at step 60
+    assert [linear(s) for s in (4, 9, 11, 35, 59, 60, 99)] == pytest.approx([0.5, 1.0, 0.982, 0.55, 0.118, 0.1, 0.1])
+    constant = schedule("constant")
+    assert [constant(s) for s in (4, 9, 10, 60, 99)] == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0])
+    # wsd: lr until the cooldown's 20 steps before step 60, then 1 - sqrt(progress) of the way to min_lr
+    wsd = schedule("wsd", cooldown_steps=20)
+    assert [wsd(s) for s in (4, 10, 39, 40, 45, 55, 60, 99)] == \
+        pytest.approx([0.5, 1.0, 1.0, 1.0, 0.55, 0.1 + 0.9 * (1 - 0.75 ** 0.5), 0.1, 0.1])
+    assert all(wsd(s) >= wsd(s + 1) for s in range(9, 70))
+    # the default cooldown: a fifth of the schedule, and only a wsd run has one
+    assert TrainConfig(steps=100, batch=1, seq=1, lr_schedule="wsd").resolved().cooldown_steps == 20
+    assert TrainConfig(steps=100, batch=1, seq=1).resolved().cooldown_steps is None
+
+
+def test_a_run_follows_its_lr_schedule(corpus):
+    lines = []
+    report = run(corpus, 1, steps=12, lr_schedule="wsd", warmup_steps=2, cooldown_steps=4, log=lines.append)
+    cooldown = [1e-3 - 9e-4 * 0.25 ** 0.5, 1e-3 - 9e-4 * 0.5 ** 0.5, 1e-3 - 9e-4 * 0.75 ** 0.5]  # steps 9 to 11
+    assert report["lrs"] == pytest.approx([5e-4] + [1e-3] * 8 + cooldown)
+    assert [float(line.split("| lr ")[1].split()[0]) for line in lines if line.startswith("step")] == \
+        pytest.approx(report["lrs"], rel=5e-3)  # the progress line prints the rate each step used
 
 
 def test_a_rank_that_raises_ends_the_run(corpus, monkeypatch):

@@ -62,10 +62,12 @@ OPTIMIZER = "optimizer.safetensors"
 EOS = "<|endoftext|>"
 # each block's causal-mask buffers in Hugging Face's GPT-2 (older files save them): not parameters
 GPT2_MASK_BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias")
+# the learning-rate schedule's settings (optim.lr_at), kept in trainer_state.json for the reader
+SCHEDULE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "lr_schedule", "cooldown_steps")
 # settings a resumed run may change (they take effect from its first step); anything that would
 # change the model, the data or the batches it draws must match the checkpoint
-CHANGEABLE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps",
-              "grad_clip", "backend", "grad_sync", "attention", "recompute")
+CHANGEABLE = (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "backend", "grad_sync", "attention",
+              "recompute")
 
 
 def optimizer_file(rank: int | None) -> str:
@@ -251,7 +253,7 @@ def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler
         "optimizer": {"sharded": bool(optimizer.sharded), "step_count": optimizer.step_count,
                       "files": [optimizer_file(r) for r in range(world_size)] if optimizer.sharded
                       else [optimizer_file(None)]},
-        "schedule": {name: getattr(cfg, name) for name in ("lr", "min_lr", "warmup_steps", "lr_decay_steps")},
+        "schedule": {name: getattr(cfg, name) for name in SCHEDULE},
         "sampler": sampler.state(),
         "data": {"tokenizer": str(corpus.tokenizer_path), "corpus": str(corpus.corpus_path),
                  "val_corpus": str(corpus.val_path or ""),

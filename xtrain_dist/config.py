@@ -62,7 +62,9 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float | None = None     # default lr / 10
     warmup_steps: int | None = None  # default lr_decay_steps // 20, at least 1
-    lr_decay_steps: int | None = None  # default steps: the cosine ends here
+    lr_decay_steps: int | None = None  # default steps: the decay ends here
+    lr_schedule: str = "cosine"     # after warmup: cosine | linear | constant | wsd (optim.lr_at)
+    cooldown_steps: int | None = None  # wsd: the decay's length, ending at lr_decay_steps (default a fifth)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -116,6 +118,8 @@ class TrainConfig:
             cfg.min_lr = cfg.lr / 10
         if cfg.warmup_steps is None:
             cfg.warmup_steps = max(1, cfg.lr_decay_steps // 20)
+        if cfg.cooldown_steps is None and cfg.lr_schedule == "wsd":
+            cfg.cooldown_steps = max(1, cfg.lr_decay_steps // 5)
         return cfg
 
     def to_dict(self) -> dict:

@@ -14,17 +14,49 @@ from .config import TrainConfig
 from .errors import XtrainError
 from .model import ALIGN
 
+# the shapes the rate may take after warmup (--lr-schedule); llm.c's schedulers.h offers the same four
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to min_lr at lr_decay_steps (nanoGPT).
-
-    step counts from 0; past lr_decay_steps the rate stays at min_lr."""
+    """The learning rate of step `step` (counted from 0): a linear warmup to cfg.lr over warmup_steps,
+    then, by cfg.lr_schedule,
+      cosine    half a cosine from lr down to min_lr at lr_decay_steps (nanoGPT, GPT-2/3)
+      linear    a straight line from lr down to min_lr at lr_decay_steps
+      constant  lr for good (min_lr plays no part)
+      wsd       warmup-stable-decay: lr until cooldown_steps before lr_decay_steps, then down to min_lr
+                along 1 - sqrt(progress) (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training
+                Beyond Fixed Training Durations"): a run can be resumed from its stable phase with a later
+                --lr-decay-steps, and the cooldown starts from there
+    Past lr_decay_steps the rate stays at min_lr (lr for constant)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
     if step >= cfg.lr_decay_steps:
         return cfg.min_lr
-    progress = (step - cfg.warmup_steps) / max(1, cfg.lr_decay_steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+    decay_start = cfg.lr_decay_steps - cfg.cooldown_steps if cfg.lr_schedule == "wsd" else cfg.warmup_steps
+    if step < decay_start:
+        return cfg.lr
+    progress = (step - decay_start) / max(1, cfg.lr_decay_steps - decay_start)
+    if cfg.lr_schedule == "cosine":
+        remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif cfg.lr_schedule == "linear":
+        remaining = 1.0 - progress
+    else:
+        remaining = 1.0 - math.sqrt(progress)
+    return cfg.min_lr + remaining * (cfg.lr - cfg.min_lr)
+
+
+def check_schedule(cfg: TrainConfig) -> None:
+    """Options that would be silently ignored, or a cooldown that overlaps the warmup, are one line each."""
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise XtrainError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, not {cfg.lr_schedule!r}")
+    if cfg.cooldown_steps is not None and cfg.lr_schedule != "wsd":
+        raise XtrainError(f"--cooldown-steps is for --lr-schedule wsd (this run's schedule is {cfg.lr_schedule})")
+    if cfg.lr_schedule == "wsd" and cfg.warmup_steps + cfg.cooldown_steps > cfg.lr_decay_steps:
+        raise XtrainError(f"--warmup-steps ({cfg.warmup_steps}) and --cooldown-steps ({cfg.cooldown_steps}) together "
+                          f"exceed --lr-decay-steps ({cfg.lr_decay_steps}): the cooldown would start in the warmup")
 
 
 class AdamW:

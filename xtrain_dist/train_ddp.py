@@ -35,6 +35,7 @@ from .errors import XtrainError
 from .launch import RankFailed, run_thread_ranks
 from .launch_env import Launch, detect_launch, gpu_for, local_world_for
 from .model import ATTENTIONS, RECOMPUTE_LEVELS, check_recompute
+from .optim import LR_SCHEDULES, check_schedule
 from .profile import rows_markdown
 from .train import train_rank
 
@@ -58,9 +59,14 @@ def build_parser() -> OneLineParser:
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--seed", type=non_negative_int, default=1337)
     p.add_argument("--lr", type=non_negative_float, default=1e-3, help="peak learning rate")
-    p.add_argument("--min-lr", type=non_negative_float, default=None, help="end of the cosine (default lr/10)")
+    p.add_argument("--min-lr", type=non_negative_float, default=None, help="end of the decay (default lr/10)")
     p.add_argument("--warmup-steps", type=non_negative_int, default=None, help="default lr-decay-steps/20")
     p.add_argument("--lr-decay-steps", type=positive_int, default=None, help="length of the schedule (default STEPS)")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
+                   help="after warmup: cosine or linear decay to min-lr, constant, or wsd (warmup-stable-decay: lr "
+                        "until the cooldown, then 1-sqrt down to min-lr) (default cosine)")
+    p.add_argument("--cooldown-steps", type=positive_int, default=None,
+                   help="wsd: steps of the final decay, ending at lr-decay-steps (default lr-decay-steps/5)")
     p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
     p.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global norm clip; 0 disables")
     p.add_argument("--comm-timeout", type=positive_float, default=300.0, help="seconds a rank may wait in a collective")
@@ -140,6 +146,9 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
                           "every rank needs a sequence")
     if args.save_every and not args.save_dir:
         raise XtrainError("--save-every needs --save-dir")
+    for flag, value in (("--min-lr", args.min_lr), ("--lr-decay-steps", args.lr_decay_steps)):
+        if value is not None and args.lr_schedule == "constant":
+            raise XtrainError(f"{flag} has no effect with --lr-schedule constant")
     for flag, value in (("--sample-tokens", args.sample_tokens), ("--sample-prompt", args.sample_prompt)):
         if value and not args.sample_every:
             raise XtrainError(f"{flag} needs --sample-every")
@@ -148,6 +157,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
         model=args.model, backend=args.backend, world_size=world_size, seed=args.seed,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
+        lr_schedule=args.lr_schedule, cooldown_steps=args.cooldown_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
         report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
@@ -171,6 +181,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     if cfg.min_lr is not None and cfg.min_lr > cfg.lr:
         raise XtrainError(f"--min-lr ({cfg.min_lr:g}) must not exceed --lr ({cfg.lr:g}): the schedule decays from "
                           "the one to the other")
+    check_schedule(cfg)
     ddp.check_config(cfg)
     precision.check_config(cfg)
     check_recompute(cfg.recompute)
