@@ -225,6 +225,21 @@ def test_a_wsd_run_resumed_from_its_stable_phase_cools_down_as_if_planned_from_t
     assert cooled["param_sha256"] == planned["param_sha256"]
 
 
+def test_an_overfit_run_resumes_on_its_one_batch_and_no_other_run_resumes_it(corpus, saved, tmp_path):
+    full = run(corpus, 6, overfit_batch=True)
+    run(corpus, 3, overfit_batch=True, save_dir=tmp_path / "ck")
+    resumed = run(corpus, 6, overfit_batch=True, resume=tmp_path / "ck")
+    assert resumed["losses"] == full["losses"][3:] and resumed["param_sha256"] == full["param_sha256"]
+    with pytest.raises(XtrainError) as err:
+        run(corpus, 6, resume=tmp_path / "ck")
+    assert str(err.value) == (f"checkpoint '{tmp_path / 'ck'}' was trained with --overfit-batch and this run is "
+                              "without it: its data order cannot continue")
+    with pytest.raises(XtrainError) as err:
+        run(corpus, 6, world=2, overfit_batch=True, resume=saved[0])
+    assert str(err.value) == (f"checkpoint '{saved[0]}' was trained without --overfit-batch and this run is "
+                              "with it: its data order cannot continue")
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_zero1_resume_continues_the_run_bitwise(corpus, tmp_path, world):
     zero1 = {"zero": 1}

@@ -61,6 +61,19 @@ def test_offsets_come_from_pcg64_seeded_with_seed_and_1():
         np.testing.assert_array_equal(x[:, 0], rng.integers(0, 500 - 10, size=6))
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_overfit_draws_the_first_global_batch_every_time_and_its_state_never_moves(world):
+    tokens = np.arange(1000, dtype=np.uint16)
+    first = BatchSampler(tokens, 5, seq=16, seed=7).next()
+    for rank in range(world):
+        sampler = BatchSampler(tokens, 5, seq=16, seed=7, rank=rank, world=world, overfit=True)
+        state = sampler.state()
+        for x, y in draw(sampler, 3):
+            np.testing.assert_array_equal(x, first[0][rank::world])
+            np.testing.assert_array_equal(y, first[1][rank::world])
+        assert {**sampler.state(), "batches_drawn": 0} == state  # only the count moves
+
+
 def test_same_seed_agrees_and_another_seed_differs():
     tokens = np.arange(10_000, dtype=np.uint16)
     first, again, other = (draw(BatchSampler(tokens, 4, 32, seed), 2) for seed in (1, 1, 2))

@@ -134,6 +134,18 @@ def test_a_run_follows_its_lr_schedule(corpus):
         pytest.approx(report["lrs"], rel=5e-3)  # the progress line prints the rate each step used
 
 
+def test_overfitting_one_batch_drives_its_loss_toward_zero(corpus):
+    """--overfit-batch, the sanity check llm.c's tests use: forward, backward, the all-reduce and AdamW
+    together can memorise 8 sequences, which the same run on fresh batches cannot; and the ranks stay equal."""
+    common = dict(steps=60, lr=1e-2, lr_schedule="constant", eval_batches=2)
+    overfit = run(corpus, 2, overfit_batch=True, **common)
+    fresh = run(corpus, 2, **common)
+    assert overfit["losses"][0] == fresh["losses"][0]  # the same first batch
+    assert overfit["losses"][-1] < 0.1 < 5.0 < fresh["losses"][-1]
+    assert overfit["val_losses"][-1][1] > fresh["val_losses"][-1][1]  # memorised, not learned
+    assert len(set(overfit["param_sha256"])) == 1
+
+
 def test_a_rank_that_raises_ends_the_run(corpus, monkeypatch):
     real_backward = train_module.GPT2.backward
     calls = {"n": 0}

@@ -641,6 +641,10 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
         if saved[name] != getattr(cfg, name):
             raise XtrainError(f"{where} was trained with {flag} {saved[name]}, this run has {getattr(cfg, name)}: "
                               "its data order cannot continue")
+    if saved.get("overfit_batch", False) != cfg.overfit_batch:
+        saved_with, run_with = ("without", "with") if cfg.overfit_batch else ("with", "without")
+        raise XtrainError(f"{where} was trained {saved_with} --overfit-batch and this run is {run_with} it: its "
+                          "data order cannot continue")
     try:  # what restore() will load on every rank: a bad sampler state is bad input, found before any rank starts
         BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed).load_state(state["sampler"])
     except XtrainError as err:

@@ -58,6 +58,7 @@ class TrainConfig:
     backend: str = "numpy"      # numpy | cuda
     world_size: int = 1
     seed: int = 1337
+    overfit_batch: bool = False     # every step trains on the first global batch (llm.c's -a): a sanity check
     # AdamW and the schedule (nanoGPT's defaults, lr for small models)
     lr: float = 1e-3
     min_lr: float | None = None     # default lr / 10

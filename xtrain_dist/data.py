@@ -453,10 +453,13 @@ class BatchSampler:
     all the offsets, so the RNGs stay in lockstep and the ranks' shares together are exactly the
     batch that world 1 would train on. For the same reason the state is the same on every rank, and
     a state saved at one world size resumes the same stream of global batches at another.
+
+    overfit (--overfit-batch, llm.c's -a): every `next()` is the first global batch again, drawn from a
+    fresh RNG of the same seed, so the saved state never moves and a resume draws that batch too.
     """
 
     def __init__(self, tokens: np.ndarray | TokenFiles, batch: int, seq: int, seed: int, rank: int = 0,
-                 world: int = 1):
+                 world: int = 1, overfit: bool = False):
         if not isinstance(tokens, TokenFiles):
             tokens = np.asarray(tokens)
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
@@ -472,16 +475,20 @@ class BatchSampler:
                 f"a stream of {len(tokens)} tokens is too short for SEQ={seq}: at least {seq + 1} are needed"
             )
         self.tokens, self.batch, self.seq, self.seed = tokens, batch, seq, seed
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.overfit = rank, world, overfit
         self.n_local = len(range(rank, batch, world))
+        self._rng = self._first_rng()
+        self._batches_drawn = 0
+
+    def _first_rng(self) -> np.random.Generator:
         # [seed, 1] rather than seed: the model's init draws from PCG64(seed), and the data order
         # must not be a replay of the initial weights' random stream.
-        self._rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 1])))
-        self._batches_drawn = 0
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 1])))
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
         """This rank's (inputs, targets) of the next global batch: int32 arrays of shape (n_local, seq)."""
-        offsets = self._rng.integers(0, len(self.tokens) - self.seq, size=self.batch)
+        rng = self._first_rng() if self.overfit else self._rng
+        offsets = rng.integers(0, len(self.tokens) - self.seq, size=self.batch)
         self._batches_drawn += 1
         windows = take_windows(self.tokens, offsets[self.rank :: self.world], self.seq + 1)
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])

@@ -91,7 +91,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     step_comm = TimedCommunicator(comm, clock=backend)
     optimizer = make_optimizer(model, cfg, step_comm)
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
-    sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size)
+    sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size,
+                           overfit=cfg.overfit_batch)
     start = checkpoint.restore(resume or cfg.resume, model, optimizer, sampler) if cfg.resume else 0
     if cfg.init_from:
         checkpoint.load_pretrained(init or cfg.init_from, model)

@@ -58,6 +58,9 @@ def build_parser() -> OneLineParser:
                    help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--seed", type=non_negative_int, default=1337)
+    p.add_argument("--overfit-batch", action="store_true",
+                   help="train every step on the first global batch (llm.c's -a 1): the loss should fall toward "
+                        "0, a check that forward, backward, the all-reduce and AdamW fit together")
     p.add_argument("--lr", type=non_negative_float, default=1e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=non_negative_float, default=None, help="end of the decay (default lr/10)")
     p.add_argument("--warmup-steps", type=non_negative_int, default=None, help="default lr-decay-steps/20")
@@ -155,7 +158,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     return TrainConfig(
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
-        model=args.model, backend=args.backend, world_size=world_size, seed=args.seed,
+        model=args.model, backend=args.backend, world_size=world_size, seed=args.seed, overfit_batch=args.overfit_batch,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         lr_schedule=args.lr_schedule, cooldown_steps=args.cooldown_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip,
