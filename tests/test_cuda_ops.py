@@ -541,6 +541,35 @@ def test_a_training_step_copies_the_batch_in_and_one_array_out():
 
 
 @pytest.mark.training
+def test_a_cuda_run_gives_each_steps_mfu_against_its_gpus_peak(tmp_path, monkeypatch):
+    """Two virtual ranks share one GPU: the job's peak is that GPU's, read from the name the driver gives
+    it, at the run's precision; every step's record and progress line and the report carry the MFU of the
+    job's model flops (profile.flops_per_token) in that step's time. The peak is made up, so the figures
+    mean nothing here but their arithmetic; bin/bench_gpu measures the real MFU."""
+    from xtrain_dist import train_ddp
+    from xtrain_dist.backend.cuda_ops import device_name
+    from xtrain_dist.config import TrainConfig, model_config
+    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.metrics import read
+    from xtrain_dist.profile import flops_per_token
+
+    asked = []
+    monkeypatch.setattr(train_ddp, "peak_for", lambda name: asked.append(name) or {"fp32": 1, "tf32": 2, "bf16": 1e-4})
+    corpus, lines = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS), []
+    cfg = TrainConfig(steps=3, batch=8, seq=64, seed=3, backend="cuda", world_size=2, dtype="bf16", eval_batches=0,
+                      metrics=str(tmp_path / "m.jsonl")).resolved()
+    report = train_ddp.train(cfg, corpus, log=lines.append)
+    assert asked == [device_name(0)]
+    step_flops = flops_per_token(model_config("tiny", corpus.vocab_size), report["model"]["num_params"], 64) * 8 * 64
+    records = read(tmp_path / "m.jsonl")
+    assert [r["mfu"] for r in records] == pytest.approx([step_flops / (r["ms"] * 1e-3) / 1e8 for r in records])
+    assert report["mfu"] == pytest.approx(step_flops / (report["ms_per_step"] * 1e-3) / 1e8)
+    progress = [line for line in lines if line.startswith("step")]
+    assert [line.endswith(f"| MFU {100 * r['mfu']:4.1f}%") for line, r in zip(progress, records, strict=True)] == \
+        [True] * 3
+
+
+@pytest.mark.training
 @pytest.mark.parametrize("world, options", [
     (1, {}), (1, {"dtype": "bf16"}), (2, {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05})])
 def test_a_cuda_run_resumes_bitwise(tmp_path, world, options):

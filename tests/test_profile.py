@@ -2,13 +2,14 @@
 and AdamW call is counted, the right number of times), and its flop counts are the model's."""
 
 import numpy as np
+import pytest
 from bin_scripts import BENCH_GPU_HEADER, load_script
 
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
-from xtrain_dist.profile import OpProfiler
+from xtrain_dist.profile import OpProfiler, flops_per_token, peak_for
 
 
 def one_step(backend, config, ids, targets, attention="standard"):
@@ -151,3 +152,55 @@ def test_rows_rate_and_order_and_what_is_not_recorded():
     profiler.active = True
     profiler.fast()
     assert [(t.name, t.calls) for t in profiler.report()["ops"]] == [("fast", 1)]
+
+
+# ------------------------------------------------------------------------------- MFU
+def test_flops_per_token_is_nanogpts_count():
+    """nanoGPT's estimate_mfu for GPT-2 124M at T = 1024: 6 N (N = 124,439,808 parameters less wpe's
+    1024 x 768) plus 12 L C T for attention; the model's own parameter count is the published one."""
+    from xtrain_dist.checkpoint import layout_size
+
+    mcfg = model_config("gpt2-124m", 50257)
+    n = layout_size(mcfg)
+    assert n == 124_439_808
+    assert flops_per_token(mcfg, n, 1024) == 6 * (124_439_808 - 786_432) + 12 * 12 * 768 * 1024
+    assert flops_per_token(mcfg, n, 1024) == 855_166_464
+
+
+def test_peak_for_names_the_parts_nvidia_smi_reports():
+    sxm = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4}
+    assert peak_for("NVIDIA H100 80GB HBM3") == sxm  # what an H100 SXM calls itself
+    assert peak_for("NVIDIA H100 SXM5 80GB") == sxm
+    assert peak_for("NVIDIA H200") == sxm
+    assert peak_for("NVIDIA H100 PCIe") == {"fp32": 51.2, "tf32": 378.0, "bf16": 756.0}
+    assert peak_for("NVIDIA A100-SXM4-80GB") == peak_for("NVIDIA A100 80GB PCIe") == \
+        {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0}
+    assert peak_for("NVIDIA GeForce RTX 4090") is None  # unknown: MFU n/a, not a wrong number
+
+
+def test_the_jobs_peak_counts_each_gpu_once_at_the_runs_precision(monkeypatch):
+    """MFU's denominator: virtual ranks sharing a GPU count it once; every process holds as many GPUs."""
+    from dataclasses import replace
+
+    from xtrain_dist.backend import cuda_ops
+    from xtrain_dist.launch_env import Launch
+    from xtrain_dist.train_ddp import job_peak_flops
+
+    monkeypatch.setattr(cuda_ops, "device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "Some GPU"].__getitem__)
+    cfg = TrainConfig(steps=1, batch=4, seq=8, backend="cuda")
+    single, two_processes = Launch("single"), Launch("torchrun", num_processes=2)
+    assert job_peak_flops(cfg, [0, 0, 0], single) == pytest.approx(66.9e12)  # three virtual ranks on one GPU, fp32
+    assert job_peak_flops(replace(cfg, tf32=True), [0], single) == pytest.approx(494.7e12)
+    assert job_peak_flops(replace(cfg, dtype="bf16"), [0, 1], two_processes) == pytest.approx((989.4 + 756.0) * 2e12)
+    assert job_peak_flops(cfg, [0, 2], single) is None  # one GPU of unknown peak: no MFU, not a wrong one
+    assert job_peak_flops(replace(cfg, backend="numpy"), [None], single) is None
+
+
+def test_a_cpu_run_gives_no_mfu():
+    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.train_ddp import train
+
+    lines = []
+    cfg = TrainConfig(steps=2, batch=4, seq=16, eval_batches=0).resolved()
+    report = train(cfg, Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS), log=lines.append)
+    assert report["mfu"] is None and not [line for line in lines if "MFU" in line]

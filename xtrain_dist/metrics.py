@@ -35,6 +35,7 @@ def check_path(path) -> None:
 def progress_line(record: dict, steps: int) -> str:
     line = (f"step {record['step']:5d}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"norm {record['grad_norm']:7.4f} | {record['ms']:7.1f} ms | {record['tokens_per_s']:9.0f} tok/s")
+    line += f" | MFU {100 * record['mfu']:4.1f}%" if "mfu" in record else ""
     line += f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
     return line + (f" | hellaswag {record['hellaswag']:.4f}" if "hellaswag" in record else "")
 

@@ -9,7 +9,8 @@ waiting for the host to launch the next op: the launch-bound part of a step.
 
 Matrix products and attention also get their arithmetic rate: matmul_forward does 2·rows·in·out flops,
 matmul_backward twice that (dinp and dweight); attention (standard or flash) counts the full T×T
-square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same counts bin/bench_gpu's MFU uses.
+square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same counts as flops_per_token below, which gives
+the MFU of training runs on GPUs and of bin/bench_gpu.
 
     profiler = OpProfiler(backend)
     model = GPT2(config, profiler, seed=1)      # every op the model or AdamW calls is timed
@@ -44,6 +45,39 @@ def op_flops(name: str, args: tuple) -> float:
         batch, seq, three_c = args[where_qkv].shape
         return squares * 2.0 * batch * seq * seq * (three_c // 3)  # a T x T x hs product over all heads
     return 0.0
+
+
+# Dense (no 2:4 sparsity) peaks in TFLOP/s at boost clock, from NVIDIA's datasheets: fp32 is the CUDA-core
+# rate, tf32 and bf16 the tensor-core rates. H200 has H100 SXM's compute; A100 SXM and PCIe share theirs.
+PEAK_TFLOPS = {
+    "H100 SXM": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4},
+    "H200": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4},
+    "H100 PCIe": {"fp32": 51.2, "tf32": 378.0, "bf16": 756.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
+}
+
+
+def peak_for(gpu_name: str) -> dict | None:
+    """The peaks of the GPU named as the driver names it; None for another: MFU is then not given, rather
+    than given against a wrong peak."""
+    name = gpu_name.upper()
+    if "H200" in name:
+        return PEAK_TFLOPS["H200"]
+    if "H100" in name and "PCIE" in name:
+        return PEAK_TFLOPS["H100 PCIe"]
+    if "H100" in name and ("SXM" in name or "HBM3" in name):  # "NVIDIA H100 80GB HBM3" is the SXM part
+        return PEAK_TFLOPS["H100 SXM"]
+    if "A100" in name:
+        return PEAK_TFLOPS["A100"]
+    return None
+
+
+def flops_per_token(mcfg, num_params: int, seq: int) -> float:
+    """Model flops of one token's forward and backward (nanoGPT's and llm.c's MFU count): 6 per parameter
+    that enters a matrix product (all but wpe, a lookup; wte once, through the tied classifier) plus
+    12 L C T for attention's two T x T products (forward 4 L C T, backward twice that)."""
+    matmul_params = num_params - mcfg.n_ctx * mcfg.n_embd
+    return 6.0 * matmul_params + 12.0 * mcfg.n_layer * mcfg.n_embd * seq
 
 
 @dataclass

@@ -18,7 +18,7 @@ from .hellaswag import HellaSwag
 from .hellaswag import load as load_hellaswag
 from .model import GPT2
 from .optim import lr_at, make_optimizer
-from .profile import OpProfiler
+from .profile import OpProfiler, flops_per_token
 from .sample import continuation, prompt_ids
 
 
@@ -76,11 +76,12 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 # with one line instead
 @np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
-               log=print, resume=None, init=None, hellaswag=None) -> RankResult:
+               log=print, resume=None, init=None, hellaswag=None, peak_flops=None) -> RankResult:
     """One rank's whole run. `resume`: what to restore from (a checkpoint.shared_restore that the process's
     ranks share), by default cfg.resume; `init`: the pretrained weights to start from (a
     checkpoint.Shared of them), by default cfg.init_from's; `hellaswag`: the examples of cfg.hellaswag,
-    by default read from it."""
+    by default read from it; `peak_flops`: the dense peak FLOP/s of all the job's GPUs together, where
+    known (train_ddp.job_peak_flops): each step's record then has its MFU."""
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
@@ -111,6 +112,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
+    step_flops = flops_per_token(model.config, model.num_params, cfg.seq) * cfg.batch * cfg.seq  # the job's
     result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
                         start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
                         zero_shards=optimizer.shards)
@@ -142,6 +144,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         record = {"step": done, "loss": float(loss_host), "lr": lr, "grad_norm": float(np.sqrt(norm_sq_host)),
                   "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
                   "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
+        if peak_flops:
+            record["mfu"] = step_flops / (ms * 1e-3) / peak_flops
         if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
             # both are all-reduced, so every rank stops at this step together, before a save could put
             # parameters that are no longer numbers over a good checkpoint

@@ -36,7 +36,7 @@ from .launch import RankFailed, run_thread_ranks
 from .launch_env import Launch, detect_launch, gpu_for, local_world_for
 from .model import ATTENTIONS, RECOMPUTE_LEVELS, check_recompute
 from .optim import LR_SCHEDULES, check_schedule
-from .profile import rows_markdown
+from .profile import flops_per_token, peak_for, rows_markdown
 from .train import train_rank
 
 PROG = "train_ddp"
@@ -255,9 +255,11 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     shared_init = checkpoint.Shared(local_world, ready.init_weights, path=cfg.init_from) if cfg.init_from else None
     ready.init_weights = None  # the ranks' last load lets the host copy go
 
+    peak_flops = job_peak_flops(cfg, devices, launch)
+
     def rank_fn(local, comm):
         result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log, resume=shared_resume,
-                            init=shared_init, hellaswag=ready.hellaswag)
+                            init=shared_init, hellaswag=ready.hellaswag, peak_flops=peak_flops)
         return result, every_ranks_facts(comm, result, cfg.backend)
 
     t0 = time.perf_counter()
@@ -278,6 +280,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     lead = results[0]
     timed = lead.step_ms[1:] or lead.step_ms  # the first step pays for warm-up
     ms = float(np.mean(timed))
+    mcfg = model_config(cfg.model, corpus.vocab_size)
+    step_flops = flops_per_token(mcfg, lead.num_params, cfg.seq) * cfg.batch * cfg.seq
     return {
         "config": cfg.to_dict(),
         "dtype": cfg.dtype,
@@ -296,6 +300,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "step_ms": lead.step_ms,
         "ms_per_step": ms,
         "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
+        "mfu": step_flops / (ms * 1e-3) / peak_flops if peak_flops else None,  # of the mean step, as tokens_per_s
         "wall_s": wall,
         **ddp.report_fields(cfg, results),
         # every rank of the job, in rank order, also those of other processes
@@ -306,6 +311,20 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
                    "peak_rss_bytes": memory.peak_rss_bytes(), **gpu_memory(cfg, devices)},
         **({"profile": profile_of(lead, cfg.profile_step)} if cfg.profile_step else {}),
     }
+
+
+def job_peak_flops(cfg: TrainConfig, devices: list, launch: Launch) -> float | None:
+    """MFU's denominator: the dense peak FLOP/s, at the run's precision, of all the GPUs of the job (this
+    process's distinct GPUs, virtual ranks sharing one counting once, times the processes, which all hold
+    as many). None on the CPU, whose peak we do not know, and on a GPU profile.PEAK_TFLOPS does not list."""
+    if cfg.backend != "cuda":
+        return None
+    from .backend.cuda_ops import device_name
+    peaks = [peak_for(device_name(device)) for device in sorted(set(devices))]
+    if not peaks or None in peaks:
+        return None
+    precision = "bf16" if cfg.dtype == "bf16" else "tf32" if cfg.tf32 else "fp32"
+    return sum(peak[precision] for peak in peaks) * 1e12 * launch.num_processes
 
 
 def gpu_memory(cfg: TrainConfig, devices: list) -> dict:
@@ -542,8 +561,9 @@ def _main(argv: list[str]) -> int:
     val += f", hellaswag {report['hellaswag'][-1][1]:.4f}" if report["hellaswag"] else ""
     pools = list(report["memory"].get("gpu_pool_bytes", {}).values())
     gpu = f", GPU memory held {'up to ' if len(pools) > 1 else ''}{memory.gib(max(pools))}" if pools else ""
+    mfu = f", MFU {100 * report['mfu']:.1f}%" if report["mfu"] is not None else ""
     print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
-          f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s, "
+          f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s{mfu}, "
           f"peak RSS {memory.gib(report['memory']['peak_rss_bytes'])}{gpu}"
           + (f", report {cfg.report}" if cfg.report else ""))
     return 0

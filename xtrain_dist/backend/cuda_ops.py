@@ -255,6 +255,12 @@ def device_free_bytes(device: int) -> int:
     return int(free)
 
 
+def device_name(device: int) -> str:
+    """The device's name as the driver gives it ("NVIDIA H100 80GB HBM3"): profile.peak_for reads it."""
+    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def pool_bytes(device: int) -> int:
     """Bytes CuPy's memory pool holds on `device` from the driver. The pool keeps every freed block for
     reuse, so after a run this is the most its arrays held at once, plus the pool's rounding and what its
