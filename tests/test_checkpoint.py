@@ -192,6 +192,39 @@ def test_resuming_at_another_world_size_restores_the_state_and_says_what_differs
     assert resumed["losses"] != same_lr["losses"]
 
 
+def test_keep_every_keeps_each_nth_step_in_its_own_folder_and_a_branch_from_it_is_exact(corpus, tmp_path):
+    """--keep-every 2: steps 2, 4 and 6 each get a folder beside DIR that later saves leave alone, and a run
+    branched from the kept step 2 (resumed with a new --save-dir) ends on the bits of the uninterrupted
+    run, as a resume from DIR would."""
+    full = run(corpus, 6, world=2)
+    lines = []
+    run(corpus, 6, world=2, save_dir=tmp_path / "ck", keep_every=2, log=lines.append)
+    kept = [tmp_path / f"ck.step00000{s}" for s in (2, 4, 6)]
+    assert [line for line in lines if line.startswith("saved")] == \
+        [f"saved checkpoint '{kept[0]}' at step 2", f"saved checkpoint '{kept[1]}' at step 4",
+         f"saved checkpoint '{tmp_path / 'ck'}' at step 6", f"saved checkpoint '{kept[2]}' at step 6"]
+    assert [checkpoint.open_checkpoint(k).state["step"] for k in kept] == [2, 4, 6]
+    assert digests(kept[2]) == digests(tmp_path / "ck")  # the same step, the same bytes
+    branched = run(corpus, 6, world=2, resume=kept[0], save_dir=tmp_path / "branch")
+    assert branched["losses"] == full["losses"][2:] and branched["param_sha256"] == full["param_sha256"]
+
+
+def test_keep_every_never_replaces_a_folder_it_would_keep_into(corpus, saved, tmp_path):
+    """Checked before training, from the step the run starts after: the kept steps a resumed run has passed
+    are not its to write."""
+    (tmp_path / "ck.step000004").mkdir()
+    with pytest.raises(XtrainError) as err:
+        run(corpus, 6, save_dir=tmp_path / "ck", keep_every=2)
+    assert str(err.value) == (f"--keep-every 2: '{tmp_path / 'ck.step000004'}' already exists, and this run would "
+                              "keep its step 4 there; move it away or give another --save-dir")
+    assert not (tmp_path / "ck").exists()
+    folder = copy_of(saved, tmp_path / "resumed")  # at step 3: it would keep steps 4 and 6 only
+    (tmp_path / "resumed" / "ck.step000002").mkdir()
+    run(corpus, 6, world=2, resume=folder, save_dir=folder, keep_every=2)
+    assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == \
+        ["ck", "ck.step000002", "ck.step000004", "ck.step000006"]
+
+
 def test_a_resume_may_change_recompute_and_continues_bitwise(corpus, saved, tmp_path):
     """--recompute changes memory, not bits: switching it on at a resume is said once and the run goes on
     exactly. A checkpoint written before the option existed (no recompute in its config) was a run

@@ -104,6 +104,8 @@ def test_by_default_the_command_line_evaluates_once_at_the_end(corpus):
     (["--eval-batches", "-2"], "--eval-batches must be an integer >= 0, got '-2'"),
     (["--save-every", "-1"], "--save-every must be an integer >= 0, got '-1'"),
     (["--save-every", "5"], "--save-every needs --save-dir"),
+    (["--keep-every", "5"], "--keep-every needs --save-dir"),
+    (["--keep-every", "-5"], "--keep-every must be an integer >= 0, got '-5'"),
 ])
 def test_bad_flags_are_one_line(args, message):
     with pytest.raises(XtrainError) as info:

@@ -98,6 +98,7 @@ class TrainConfig:
     # checkpoints, evaluation and metrics (checkpoint.py, evaluate.py, metrics.py)
     save_dir: str | None = None     # the latest checkpoint lives here, replaced atomically at each save
     save_every: int = 0             # also save every N steps; 0: only at the end
+    keep_every: int = 0             # also save every N-th step into a folder of its own, DIR.stepNNNNNN
     resume: str | None = None       # a checkpoint folder to continue from
     init_from: str | None = None    # a GPT-2 folder whose weights the run starts from (fine-tuning)
     eval_every: int = 0             # also evaluate every N steps; 0: only at the end

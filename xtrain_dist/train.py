@@ -170,11 +170,11 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             log(f"--- sample at step {done} ---\n{record['sample']}\n---")
         if rank == 0 and cfg.metrics:
             metrics.append(cfg.metrics, record)
-        if cfg.save_dir and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            checkpoint.save(cfg.save_dir, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
+        for folder in checkpoint.folders_to_save(cfg, done):
+            checkpoint.save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
                             model=model, optimizer=optimizer, sampler=sampler)
             if rank == 0:
-                log(f"saved checkpoint '{cfg.save_dir}' at step {done}")
+                log(f"saved checkpoint '{folder}' at step {done}")
 
     result.param_sha256 = param_sha256(model)
     return result

@@ -94,6 +94,9 @@ def build_parser() -> OneLineParser:
     g.add_argument("--save-dir", metavar="DIR", type=non_empty_path, default=None,
                    help="keep the latest checkpoint in DIR, replaced atomically at each save (and at the end)")
     g.add_argument("--save-every", metavar="N", type=non_negative_int, default=0, help="also save every N steps")
+    g.add_argument("--keep-every", metavar="N", type=non_negative_int, default=0,
+                   help="also keep every N-th step's checkpoint in a folder of its own, DIR.step000300 beside DIR, "
+                        "which later saves do not replace (to branch from, evaluate or sample later)")
     g.add_argument("--init-from", metavar="DIR", type=non_empty_path, default=None,
                    help="start from the weights of a GPT-2 folder (a Hugging Face one such as the Hub's gpt2, or one "
                         "of our checkpoints) with a fresh optimizer and data order: fine-tuning")
@@ -147,8 +150,9 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     if args.batch < world_size:
         raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({world_size}): "
                           "every rank needs a sequence")
-    if args.save_every and not args.save_dir:
-        raise XtrainError("--save-every needs --save-dir")
+    for flag, value in (("--save-every", args.save_every), ("--keep-every", args.keep_every)):
+        if value and not args.save_dir:
+            raise XtrainError(f"{flag} needs --save-dir")
     for flag, value in (("--min-lr", args.min_lr), ("--lr-decay-steps", args.lr_decay_steps)):
         if value is not None and args.lr_schedule == "constant":
             raise XtrainError(f"{flag} has no effect with --lr-schedule constant")
@@ -166,7 +170,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=args.rdzv_timeout,
-        save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, init_from=args.init_from,
+        save_dir=args.save_dir, save_every=args.save_every, keep_every=args.keep_every, resume=args.resume,
+        init_from=args.init_from,
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
         hellaswag=args.hellaswag or "", metrics=args.metrics, sample_every=args.sample_every,
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
@@ -398,6 +403,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         if launch.process_rank == 0:
             for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
                 log(line)
+    if cfg.keep_every and launch.process_rank == 0:
+        checkpoint.refuse_existing_kept_folders(cfg, first - 1)
     init_weights = check_init_from(cfg, corpus) if cfg.init_from else None
     if init_weights is not None and launch.process_rank == 0:
         log(f"starting from the weights in '{cfg.init_from}'")
