@@ -156,6 +156,65 @@ def test_a_resumed_run_continues_the_metrics_file_and_redone_steps_replace_lost_
         metrics.read(path)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_evaluate_command_gives_the_runs_own_validation_loss(corpus, tmp_path, world):
+    """DIR alone: the held-out windows the run measured (its corpus, BATCH, SEQ and --eval-batches, from
+    trainer_state.json), so the loss the run printed at its last step: to the bit from a world-1 run, to
+    float32 GEMM rounding from a world-2 one (its batches are split into other shapes)."""
+    report = run(corpus, 3, world=world, save_dir=tmp_path / "ck", eval_batches=3)
+    loss, line = evaluate.evaluate_checkpoint([str(tmp_path / "ck")])
+    if world == 1:
+        assert loss == report["val_losses"][-1][1]
+    assert loss == pytest.approx(report["val_losses"][-1][1], rel=1e-6)
+    assert line == (f"evaluate: loss {loss:.6f} (perplexity {np.exp(loss):.2f}) on 3 x 4 windows of 16 tokens of "
+                    f"the validation split of corpus '{DEFAULT_CORPUS}'")
+
+
+def test_the_evaluate_command_on_a_corpus_is_transformers_loss_on_its_windows(trained, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    text = tmp_path / "other.txt"
+    text.write_text(Path(DEFAULT_CORPUS).read_text()[:20000])
+    loss, line = evaluate.evaluate_checkpoint([str(trained), str(text), "--batch", "3", "--seq", "32",
+                                               "--batches", "2"])
+    assert line.endswith(f"on 2 x 3 windows of 32 tokens of corpus '{text}'")
+    # the oracle: six windows spread evenly over all of the text, scored by transformers in float64
+    ids = np.asarray(load(trained, numpy_ops)[1].encode(text.read_text(), add_special_tokens=False).ids)
+    starts = np.arange(6) * (len(ids) - 33) // 5
+    windows = torch.from_numpy(np.stack([ids[s:s + 33] for s in starts]).astype(np.int64))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(trained).double().eval()
+    with torch.no_grad():
+        logits = hf(windows[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item()
+    assert loss == pytest.approx(want, rel=1e-5)
+
+
+def test_the_evaluate_command_says_what_it_cannot_do_in_one_line(corpus, trained, tmp_path):
+    from xtrain_dist import checkpoint
+    hf_only = tmp_path / "hf"
+    hf_only.mkdir()
+    for name in (checkpoint.CONFIG, checkpoint.MODEL, checkpoint.TOKENIZER):
+        (hf_only / name).write_bytes((trained / name).read_bytes())
+    text = tmp_path / "corpus.txt"
+    text.write_text(Path(DEFAULT_CORPUS).read_text()[:50000])
+    changed = tmp_path / "ck"
+    run(Corpus.load(DEFAULT_TOKENIZER, text), 2, save_dir=changed, eval_batches=1)
+    text.write_text(text.read_text()[:40000])
+    for args, message in [
+        ([hf_only], f"checkpoint '{hf_only}' has no trainer_state.json (it is not a run of ours): give CORPUS to "
+                    "evaluate it on"),
+        ([changed], f"corpus '{text}' no longer gives the ids checkpoint '{changed}' was trained on: it changed "
+                    "since the run; give CORPUS to evaluate on it as it is"),
+        ([trained, "--seq", "129"], "--seq (129) exceeds the model's context length (128)"),
+        ([tmp_path / "nope"], f"checkpoint '{tmp_path / 'nope'}' not found"),
+    ]:
+        out = subprocess.run([sys.executable, "-m", "xtrain_dist.evaluate", *map(str, args)], capture_output=True,
+                             text=True, timeout=120)
+        assert (out.returncode, out.stdout, out.stderr) == (2, "", f"evaluate: error: {message}\n")
+    hf_loss, _ = evaluate.evaluate_checkpoint([str(hf_only), str(DEFAULT_CORPUS)])  # with CORPUS: any GPT-2
+    assert hf_loss == evaluate.evaluate_checkpoint([str(trained), str(DEFAULT_CORPUS)])[0]
+
+
 # ------------------------------------------------------------------------------- sampling
 def test_greedy_sampling_is_what_transformers_generates(trained):
     torch = pytest.importorskip("torch")

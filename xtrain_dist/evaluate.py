@@ -1,5 +1,6 @@
 """Validation loss on a fixed set of held-out sequences: the same set, and the same value, whatever
-the world size, seed or training state of the run.
+the world size, seed or training state of the run; and `python -m xtrain_dist.evaluate DIR [CORPUS]`,
+the same loss of a checkpoint after the run.
 
 The set is `n_batches` global batches of `batch` windows of `seq` tokens from the validation split,
 their starts spread evenly over the whole split (no RNG: every run, whatever its seed, is measured
@@ -9,12 +10,20 @@ float64 and one all-reduce adds the ranks' sums. World sizes then differ only in
 GEMMs round rows of different batch shapes, far below 1e-6 of the mean.
 """
 
+import json
+import math
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
-from .data import TokenFiles, take_windows
+from .backend import BACKENDS
+from .cli import OneLineParser, non_empty_path, positive_int, run_command
+from .data import Corpus, TokenFiles, take_windows
 from .errors import XtrainError
+
+PROG = "evaluate"
 
 
 class Evaluator:
@@ -63,3 +72,68 @@ def check(cfg, corpus, log):
         raise XtrainError(f"--eval-every: {reason}")
     log(f"no validation loss: {reason}")
     return replace(cfg, eval_batches=0)
+
+
+# ------------------------------------------------------------------------------- the command line
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}",
+                      description="Validation loss of a checkpoint: by default on the held-out set its run measured "
+                                  "(the same windows, so the same loss), or on all of CORPUS.")
+    p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (or, with CORPUS, a Hugging Face GPT-2 one)")
+    p.add_argument("corpus", metavar="CORPUS", nargs="?", type=non_empty_path, default=None,
+                   help="a text or llm.c token files (a quoted glob) to measure instead, encoded with DIR's "
+                        "tokenizer.json; all of it is held out")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="windows per batch (default: the run's BATCH, or 8)")
+    p.add_argument("--seq", type=positive_int, default=None, help="tokens per window (default: the run's SEQ, or 64)")
+    p.add_argument("--batches", type=positive_int, default=None,
+                   help="batches (default: the run's --eval-batches, or 20)")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    return p
+
+
+def _run_of(folder: Path) -> dict:
+    """The trainer state of one of our checkpoints: what held-out set its run measured."""
+    from .checkpoint import STATE, open_checkpoint
+    if not (folder / STATE).is_file():
+        raise XtrainError(f"checkpoint '{folder}' has no {STATE} (it is not a run of ours): give CORPUS to "
+                          "evaluate it on")
+    return json.loads(open_checkpoint(folder, read=(STATE,)).contents[STATE])
+
+
+def evaluate_checkpoint(argv) -> tuple[float, str]:
+    """(the mean loss, the line that says it) for the command line's arguments."""
+    from .checkpoint import TOKENIZER
+    from .comm.local import LocalGroup
+    from .sample import load_for_command
+
+    args = build_parser().parse_args(argv)
+    folder = Path(args.checkpoint)
+    model, _ = load_for_command(PROG, folder, args.backend)
+    run = _run_of(folder) if args.corpus is None else None
+    if run is None:
+        corpus = Corpus.load(folder / TOKENIZER, args.corpus, val_path=args.corpus)
+        batch, seq, batches = args.batch or 8, args.seq or 64, args.batches or 20
+    else:
+        data, config = run["data"], run["config"]
+        corpus = Corpus.load(folder / TOKENIZER, data["corpus"], val_path=data["val_corpus"] or None)
+        if corpus.train_sha256 != data["train_tokens_sha256"]:
+            raise XtrainError(f"corpus '{data['corpus']}' no longer gives the ids checkpoint '{folder}' was trained "
+                              "on: it changed since the run; give CORPUS to evaluate on it as it is")
+        batch, seq = args.batch or config["batch"], args.seq or config["seq"]
+        batches = args.batches or config["eval_batches"] or 20
+    if seq > model.config.n_ctx:
+        raise XtrainError(f"--seq ({seq}) exceeds the model's context length ({model.config.n_ctx})")
+    held_out = Evaluator(corpus.val, batch, seq, batches, 0, 1, model.ops)
+    loss = held_out.loss(model, LocalGroup(1).communicator(0))
+    source = f"corpus '{args.corpus}'" if run is None else corpus.val_source
+    return loss, (f"{PROG}: loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) on {batches} x {batch} "
+                  f"windows of {seq} tokens of {source}")
+
+
+def main(argv=None) -> int:
+    return run_command(PROG, lambda: print(evaluate_checkpoint(sys.argv[1:] if argv is None else argv)[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -112,7 +112,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
-    step_flops = flops_per_token(model.config, model.num_params, cfg.seq) * cfg.batch * cfg.seq  # the job's
+    step_flops = flops_per_token(model.config, model.num_params, cfg.seq) * cfg.batch * cfg.seq  # all ranks
     result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
                         start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
                         zero_shards=optimizer.shards)
