@@ -124,6 +124,19 @@ def test_a_validation_corpus_is_held_out_whole_and_the_corpus_trains_whole(text_
     assert text_val.val_sha256 == whole.train_sha256
 
 
+def test_a_corpus_that_is_its_own_validation_corpus_is_read_once(text_and_tokens, monkeypatch):
+    """python -m xtrain_dist.evaluate DIR CORPUS holds all of CORPUS out: one pass over the token files for
+    the ids' check and digest, not two, and the digest of all of them."""
+    _, tokens = text_and_tokens
+    whole = Corpus.load(DEFAULT_TOKENIZER, tokens, val_fraction=0).train_sha256
+    passes = []
+    real = data._stream_sha256
+    monkeypatch.setattr(data, "_stream_sha256", lambda ids, *rest: passes.append(ids) or real(ids, *rest))
+    once = Corpus.load(DEFAULT_TOKENIZER, tokens, val_path=tokens)
+    assert len(passes) == 1 and once.val is once.train
+    assert once.train_sha256 == once.val_sha256 == whole
+
+
 def refusal(tmp_path, corpus, **kwargs) -> str:
     with pytest.raises(XtrainError) as err:
         Corpus.load(DEFAULT_TOKENIZER, corpus, cache_dir=tmp_path, **kwargs)

@@ -412,11 +412,12 @@ class Corpus:
             train, val = ids.split(n_train) if isinstance(ids, TokenFiles) else (ids[:n_train], ids[n_train:])
         else:
             val_path = Path(val_path)
-            train, val = ids, ids_of("validation corpus", val_path)
+            # the same path (python -m xtrain_dist.evaluate DIR CORPUS holds all of CORPUS out): one read
+            train, val = ids, ids if val_path == corpus_path else ids_of("validation corpus", val_path)
         dtype = token_dtype(vocab_size)
-        return cls(tokenizer, vocab_size, train, val, tokenizer_path, corpus_path, val_path,
-                   _stream_sha256(train, dtype, vocab_size, tokenizer_path),
-                   _stream_sha256(val, dtype, vocab_size, tokenizer_path))
+        train_sha256 = _stream_sha256(train, dtype, vocab_size, tokenizer_path)
+        val_sha256 = train_sha256 if val is train else _stream_sha256(val, dtype, vocab_size, tokenizer_path)
+        return cls(tokenizer, vocab_size, train, val, tokenizer_path, corpus_path, val_path, train_sha256, val_sha256)
 
     @property
     def val_source(self) -> str:
