@@ -653,6 +653,22 @@ def rewrite_state(folder: Path, change) -> None:
     rehash(folder, "trainer_state.json")
 
 
+def test_evaluate_reads_a_checkpoint_from_before_val_corpus_and_names_a_corrupt_state(corpus, saved, tmp_path):
+    """python -m xtrain_dist.evaluate DIR reads trainer_state.json as resuming does: a checkpoint written
+    before --val-corpus existed held out its corpus's split, and a state that is not what a run writes is
+    one line, not a traceback."""
+    from xtrain_dist import evaluate
+    older = copy_of(saved, tmp_path)
+    rewrite_state(older, lambda state: state["data"].pop("val_corpus"))
+    loss, _ = evaluate.evaluate_checkpoint([str(older)])
+    assert loss == pytest.approx(saved[1]["val_losses"][-1][1], rel=1e-6)
+    rewrite_state(older, lambda state: state.update(step="three"))
+    with pytest.raises(XtrainError) as err:
+        evaluate.evaluate_checkpoint([str(older)])
+    assert str(err.value) == (f"checkpoint '{older}' is corrupt: {checkpoint.STATE} lacks the step, model, optimizer, "
+                              "sampler, data or config of a run")
+
+
 def rewrite_tensors(folder: Path, name: str, change) -> None:
     tensors, meta = read_safetensors(folder / name)
     tensors = {k: np.array(v) for k, v in tensors.items()}

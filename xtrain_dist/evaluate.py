@@ -10,7 +10,6 @@ float64 and one all-reduce adds the ranks' sums. World sizes then differ only in
 GEMMs round rows of different batch shapes, far below 1e-6 of the mean.
 """
 
-import json
 import math
 import sys
 from dataclasses import replace
@@ -93,12 +92,13 @@ def build_parser() -> OneLineParser:
 
 
 def _run_of(folder: Path) -> dict:
-    """The trainer state of one of our checkpoints: what held-out set its run measured."""
+    """The trainer state of one of our checkpoints (Checkpoint.state: verified and checked, a corrupt one is
+    one line): what held-out set its run measured."""
     from .checkpoint import STATE, open_checkpoint
     if not (folder / STATE).is_file():
         raise XtrainError(f"checkpoint '{folder}' has no {STATE} (it is not a run of ours): give CORPUS to "
                           "evaluate it on")
-    return json.loads(open_checkpoint(folder, read=(STATE,)).contents[STATE])
+    return open_checkpoint(folder, read=(STATE,)).state
 
 
 def evaluate_checkpoint(argv) -> tuple[float, str]:
@@ -116,12 +116,13 @@ def evaluate_checkpoint(argv) -> tuple[float, str]:
         batch, seq, batches = args.batch or 8, args.seq or 64, args.batches or 20
     else:
         data, config = run["data"], run["config"]
-        corpus = Corpus.load(folder / TOKENIZER, data["corpus"], val_path=data["val_corpus"] or None)
+        # val_corpus: absent from checkpoints written before --val-corpus, whose runs held out a split
+        corpus = Corpus.load(folder / TOKENIZER, data["corpus"], val_path=data.get("val_corpus") or None)
         if corpus.train_sha256 != data["train_tokens_sha256"]:
             raise XtrainError(f"corpus '{data['corpus']}' no longer gives the ids checkpoint '{folder}' was trained "
                               "on: it changed since the run; give CORPUS to evaluate on it as it is")
         batch, seq = args.batch or config["batch"], args.seq or config["seq"]
-        batches = args.batches or config["eval_batches"] or 20
+        batches = args.batches or config.get("eval_batches") or 20
     if seq > model.config.n_ctx:
         raise XtrainError(f"--seq ({seq}) exceeds the model's context length ({model.config.n_ctx})")
     held_out = Evaluator(corpus.val, batch, seq, batches, 0, 1, model.ops)
