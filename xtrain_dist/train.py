@@ -35,6 +35,7 @@ class RankResult:
     start_step: int = 0                                     # steps done before this run (resumed from a checkpoint)
     param_sha256: str = ""                                  # of the flat parameter buffer after the last step
     num_params: int = 0
+    step_flops: float = 0.0                                 # model flops of one step, all ranks (MFU's numerator)
     optimizer_state_bytes: int = 0
     # communication (ddp.py): seconds per step in collectives, and the part the rank's thread waited for
     comm_s: list[float] = field(default_factory=list)
@@ -112,10 +113,10 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
-    step_flops = flops_per_token(model.config, model.num_params, cfg.seq) * cfg.batch * cfg.seq  # all ranks
     result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
                         start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
-                        zero_shards=optimizer.shards)
+                        zero_shards=optimizer.shards,
+                        step_flops=flops_per_token(model.config, model.num_params, cfg.seq) * cfg.batch * cfg.seq)
 
     for step in range(start, cfg.steps):
         profiling = step + 1 == cfg.profile_step  # never with profile_step 0: steps count from 1
@@ -145,7 +146,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                   "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
                   "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
         if peak_flops:
-            record["mfu"] = step_flops / (ms * 1e-3) / peak_flops
+            record["mfu"] = result.step_flops / (ms * 1e-3) / peak_flops
         if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
             # both are all-reduced, so every rank stops at this step together, before a save could put
             # parameters that are no longer numbers over a good checkpoint

@@ -36,7 +36,7 @@ from .launch import RankFailed, run_thread_ranks
 from .launch_env import Launch, detect_launch, gpu_for, local_world_for
 from .model import ATTENTIONS, RECOMPUTE_LEVELS, check_recompute
 from .optim import LR_SCHEDULES, check_schedule
-from .profile import flops_per_token, peak_for, rows_markdown
+from .profile import peak_for, rows_markdown
 from .train import train_rank
 
 PROG = "train_ddp"
@@ -286,11 +286,10 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     timed = lead.step_ms[1:] or lead.step_ms  # the first step pays for warm-up
     ms = float(np.mean(timed))
     mcfg = model_config(cfg.model, corpus.vocab_size)
-    step_flops = flops_per_token(mcfg, lead.num_params, cfg.seq) * cfg.batch * cfg.seq
     return {
         "config": cfg.to_dict(),
         "dtype": cfg.dtype,
-        "model": {"preset": cfg.model, **vars(model_config(cfg.model, corpus.vocab_size)),
+        "model": {"preset": cfg.model, **vars(mcfg),
                   "num_params": lead.num_params},
         "launch": {"kind": launch.kind, "processes": launch.num_processes, "threads_per_process": local_world,
                    "comm": ready.engine},
@@ -305,14 +304,13 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "step_ms": lead.step_ms,
         "ms_per_step": ms,
         "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
-        "mfu": step_flops / (ms * 1e-3) / peak_flops if peak_flops else None,  # of the mean step, as tokens_per_s
+        "mfu": lead.step_flops / (ms * 1e-3) / peak_flops if peak_flops else None,  # of the mean step
         "wall_s": wall,
         **ddp.report_fields(cfg, results),
         # every rank of the job, in rank order, also those of other processes
         **outcomes[0][1],
         # memory: what rank 0 holds at least, by part (memory.py), and what this process took at its peak
-        "memory": {"rank0_bytes_at_least": asdict(memory.rank_memories(model_config(cfg.model, corpus.vocab_size),
-                                                                          cfg, act_itemsize(cfg))[0]),
+        "memory": {"rank0_bytes_at_least": asdict(memory.rank_memories(mcfg, cfg, act_itemsize(cfg))[0]),
                    "peak_rss_bytes": memory.peak_rss_bytes(), **gpu_memory(cfg, devices)},
         **({"profile": profile_of(lead, cfg.profile_step)} if cfg.profile_step else {}),
     }
