@@ -130,6 +130,14 @@ def test_a_validation_split_too_short_for_seq(tmp_path):
     lines = []
     assert run(short, 2, eval_batches=20, log=lines.append)["val_losses"] == []
     assert f"no validation loss: {reason}" in lines
+    # a --val-corpus too short is an error even for the default evaluation: the command line asked for it
+    few = tmp_path / "few.txt"
+    few.write_text("To be, or not to be")
+    own_val = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS, val_path=few, cache_dir=tmp_path)
+    with pytest.raises(XtrainError) as info:
+        run(own_val, 2, eval_batches=20)
+    assert str(info.value) == (f"--val-corpus: validation corpus '{few}' has {len(own_val.val)} tokens, at least "
+                               "SEQ+1 = 17 are needed")
     # exactly SEQ+1 tokens is enough: one window and its targets, the same for every batch
     seq = len(short.val) - 1
     cfg = TrainConfig(steps=2, batch=2, seq=seq, eval_every=1, eval_batches=2)
@@ -200,6 +208,9 @@ def test_the_evaluate_command_says_what_it_cannot_do_in_one_line(corpus, trained
     changed = tmp_path / "ck"
     run(Corpus.load(DEFAULT_TOKENIZER, text), 2, save_dir=changed, eval_batches=1)
     text.write_text(text.read_text()[:40000])
+    few = tmp_path / "few.txt"
+    few.write_text("To be, or not to be")
+    n_few = len(Corpus.load(DEFAULT_TOKENIZER, few, val_path=few).val)
     for args, message in [
         ([hf_only], f"checkpoint '{hf_only}' has no trainer_state.json (it is not a run of ours): give CORPUS to "
                     "evaluate it on"),
@@ -207,12 +218,18 @@ def test_the_evaluate_command_says_what_it_cannot_do_in_one_line(corpus, trained
                     "since the run; give CORPUS to evaluate on it as it is"),
         ([trained, "--seq", "129"], "--seq (129) exceeds the model's context length (128)"),
         ([tmp_path / "nope"], f"checkpoint '{tmp_path / 'nope'}' not found"),
+        ([trained, few], f"corpus '{few}' has {n_few} tokens, too few for one window of SEQ=16 and its targets"),
     ]:
         out = subprocess.run([sys.executable, "-m", "xtrain_dist.evaluate", *map(str, args)], capture_output=True,
                              text=True, timeout=120)
         assert (out.returncode, out.stdout, out.stderr) == (2, "", f"evaluate: error: {message}\n")
-    hf_loss, _ = evaluate.evaluate_checkpoint([str(hf_only), str(DEFAULT_CORPUS)])  # with CORPUS: any GPT-2
-    assert hf_loss == evaluate.evaluate_checkpoint([str(trained), str(DEFAULT_CORPUS)])[0]
+    # with CORPUS, any GPT-2 folder; a run of ours gives its BATCH, SEQ and --eval-batches as the defaults
+    ours, line = evaluate.evaluate_checkpoint([str(trained), str(DEFAULT_CORPUS)])
+    assert line.endswith(f"on 1 x 4 windows of 16 tokens of corpus '{DEFAULT_CORPUS}'")
+    hf_loss, line = evaluate.evaluate_checkpoint([str(hf_only), str(DEFAULT_CORPUS)])
+    assert line.endswith(f"on 20 x 8 windows of 64 tokens of corpus '{DEFAULT_CORPUS}'")
+    assert ours == evaluate.evaluate_checkpoint([str(hf_only), str(DEFAULT_CORPUS), "--batch", "4", "--seq", "16",
+                                                 "--batches", "1"])[0] != hf_loss
 
 
 # ------------------------------------------------------------------------------- sampling

@@ -60,13 +60,16 @@ def is_eval_step(done: int, cfg) -> bool:
 
 
 def check(cfg, corpus, log):
-    """Before the run: a validation split too short for SEQ is an error where --eval-every asked for
-    evaluation, and skips only the default end-of-run evaluation (with a line saying so)."""
+    """Before the run: validation ids too few for SEQ are an error where the command line asked for them
+    (--val-corpus, or --eval-every without --hellaswag), and skip only the default end-of-run evaluation on
+    the corpus's own split (with a line saying so)."""
     if cfg.eval_every and not cfg.eval_batches and not cfg.hellaswag:
         raise XtrainError("--eval-every needs --eval-batches of at least 1 (or --hellaswag)")
     if cfg.eval_batches == 0 or len(corpus.val) >= cfg.seq + 1:
         return cfg
     reason = f"{corpus.val_source} has {len(corpus.val)} tokens, at least SEQ+1 = {cfg.seq + 1} are needed"
+    if corpus.val_path is not None:
+        raise XtrainError(f"--val-corpus: {reason}")
     if cfg.eval_every and not cfg.hellaswag:
         raise XtrainError(f"--eval-every: {reason}")
     log(f"no validation loss: {reason}")
@@ -103,31 +106,36 @@ def _run_of(folder: Path) -> dict:
 
 def evaluate_checkpoint(argv) -> tuple[float, str]:
     """(the mean loss, the line that says it) for the command line's arguments."""
-    from .checkpoint import TOKENIZER
+    from .checkpoint import STATE, TOKENIZER
     from .comm.local import LocalGroup
     from .sample import load_for_command
 
     args = build_parser().parse_args(argv)
     folder = Path(args.checkpoint)
     model, _ = load_for_command(PROG, folder, args.backend)
-    run = _run_of(folder) if args.corpus is None else None
-    if run is None:
+    # a run of ours gives the defaults (its BATCH, SEQ and --eval-batches), also on another CORPUS
+    run = _run_of(folder) if args.corpus is None or (folder / STATE).is_file() else None
+    config = run["config"] if run else {}
+    batch, seq = args.batch or config.get("batch") or 8, args.seq or config.get("seq") or 64
+    batches = args.batches or config.get("eval_batches") or 20
+    if args.corpus is not None:
         corpus = Corpus.load(folder / TOKENIZER, args.corpus, val_path=args.corpus)
-        batch, seq, batches = args.batch or 8, args.seq or 64, args.batches or 20
+        source = f"corpus '{args.corpus}'"
     else:
-        data, config = run["data"], run["config"]
+        data = run["data"]
         # val_corpus: absent from checkpoints written before --val-corpus, whose runs held out a split
         corpus = Corpus.load(folder / TOKENIZER, data["corpus"], val_path=data.get("val_corpus") or None)
         if corpus.train_sha256 != data["train_tokens_sha256"]:
             raise XtrainError(f"corpus '{data['corpus']}' no longer gives the ids checkpoint '{folder}' was trained "
                               "on: it changed since the run; give CORPUS to evaluate on it as it is")
-        batch, seq = args.batch or config["batch"], args.seq or config["seq"]
-        batches = args.batches or config.get("eval_batches") or 20
+        source = corpus.val_source
     if seq > model.config.n_ctx:
         raise XtrainError(f"--seq ({seq}) exceeds the model's context length ({model.config.n_ctx})")
+    if len(corpus.val) < seq + 1:
+        raise XtrainError(f"{source} has {len(corpus.val)} tokens, too few for one window of SEQ={seq} and its "
+                          "targets")
     held_out = Evaluator(corpus.val, batch, seq, batches, 0, 1, model.ops)
     loss = held_out.loss(model, LocalGroup(1).communicator(0))
-    source = f"corpus '{args.corpus}'" if run is None else corpus.val_source
     return loss, (f"{PROG}: loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) on {batches} x {batch} "
                   f"windows of {seq} tokens of {source}")
 
