@@ -25,7 +25,7 @@ from xtrain_dist.launch import RankFailed, run_thread_ranks
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
 from xtrain_dist.safetensors_io import read_safetensors, write_safetensors
-from xtrain_dist.train_ddp import train
+from xtrain_dist.train_ddp import StopRequest, train
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +177,42 @@ def test_a_run_killed_after_a_periodic_save_resumes_bitwise(corpus, tmp_path, mo
     resumed = run(corpus, 8, resume=tmp_path / "ck")
     assert resumed["start_step"] == 6 and resumed["losses"] == full["losses"][6:]
     assert resumed["param_sha256"] == full["param_sha256"]
+
+
+def test_a_stop_request_ends_the_run_after_a_step_with_a_checkpoint_that_resumes_bitwise(corpus, tmp_path):
+    """What SIGTERM does (train_ddp.StopRequest): set while rank 0 logs step 1, after that step's all-reduce,
+    so rank 0 asks in step 2 whichever step rank 1 then is in; both ranks stop after step 2 and save it,
+    and the resumed run ends on the uninterrupted run's bits."""
+    full = run(corpus, 8, world=2)
+    stop = StopRequest(str(tmp_path / "ck"))
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if line.startswith("step     1/8"):
+            stop.set()
+
+    stopped = train(config(8, 2, save_dir=tmp_path / "ck", log_every=100), corpus, log=log, stop=stop)
+    assert stopped["stopped"] == {"step": 2, "signal": None}
+    assert stopped["losses"] == full["losses"][:2] and stopped["val_losses"] == []
+    # the step it stopped after is shown, whatever --log-every
+    assert lines[-2].startswith("step     2/8 | loss")
+    assert lines[-1] == f"saved checkpoint '{tmp_path / 'ck'}' at step 2"
+    assert len(set(stopped["param_sha256"])) == 1
+    resumed = run(corpus, 8, world=2, resume=tmp_path / "ck")
+    assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    assert resumed["stopped"] is None and resumed["param_sha256"] == full["param_sha256"]
+
+
+def test_a_stop_request_in_the_last_step_changes_nothing(corpus):
+    """Set while step 2 of 3 is logged, the ranks hear it in step 3: the run is done, not stopped."""
+    stop = StopRequest(None)
+
+    def log(line):
+        if line.startswith("step     2/3"):
+            stop.set()
+
+    assert train(config(3, 2), corpus, log=log, stop=stop)["stopped"] is None and stop.is_set()
 
 
 def test_resuming_at_another_world_size_restores_the_state_and_says_what_differs(corpus, saved):

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -239,6 +241,65 @@ def test_a_run_that_diverges_stops_with_one_line_and_keeps_the_checkpoint(tmp_pa
         "train_ddp: error: rank 0 failed: step 4: training diverged (loss nan, gradient norm nan): the parameters "
         "are no longer finite, so the run stops here and saves nothing; lower --lr"]
     assert {f.name: f.read_bytes() for f in ckpt.iterdir()} == before
+
+
+def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_status_143(tmp_path):
+    """What a scheduler's SIGTERM (or SLURM's --signal=USR1) gets: the run stops after the step it is in,
+    saves it, says so and how to go on, and exits 143 (128 + SIGTERM) so that what follows it in a script
+    knows the run did not finish. Without --save-dir it says nothing was saved."""
+    for save in (["--save-dir", str(tmp_path / "ck")], []):
+        proc = subprocess.Popen([sys.executable, "-m", "xtrain_dist.train_ddp", "5000", "8", "32", "--world-size", "2",
+                                 "--log-every", "1000", *save], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            assert proc.stdout.readline().startswith("tiny: GPTConfig")
+            assert proc.stdout.readline().startswith("step     1/5000 |")  # training is under way
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.communicate()
+        assert proc.returncode == 143, err
+        lines = out.splitlines()  # after step 1: the step it stopped after, (the save,) the summary
+        assert len(lines) == (3 if save else 2), out
+        step = int(re.fullmatch(r"step +(\d+)/5000 \|.*", lines[0])[1])
+        assert lines[-1].startswith(f"stopped after step {step} of 5000: loss 8.2995 -> ")
+        folder = tmp_path / "ck"
+        if save:
+            assert lines[1] == f"saved checkpoint '{folder}' at step {step}"
+            assert err.splitlines() == [
+                f"train_ddp: SIGTERM: stopping after the step the ranks are in (saving a checkpoint in '{folder}'); "
+                "send it again to end now",
+                f"train_ddp: stopped by SIGTERM: checkpoint '{folder}' holds step {step}: the same command with "
+                f"--resume {folder} goes on from there"]
+            assert json.loads((folder / "trainer_state.json").read_text())["step"] == step
+        else:
+            assert err.splitlines() == [
+                "train_ddp: SIGTERM: stopping after the step the ranks are in (no --save-dir: nothing is saved); "
+                "send it again to end now",
+                "train_ddp: stopped by SIGTERM: nothing was saved (no --save-dir)"]
+
+
+def test_the_first_stop_signal_asks_and_the_next_one_would_end_the_process(capsys):
+    from xtrain_dist.train_ddp import StopRequest
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    stop = StopRequest("ck")
+    with stop.on_signals():
+        os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs on this (the main) thread, within the wait
+        assert stop.wait(10) and stop.signal_name == "SIGUSR1"
+        # restored to the default: a second SIGTERM or SIGUSR1 ends the process where it is
+        assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert capsys.readouterr().err == ("train_ddp: SIGUSR1: stopping after the step the ranks are in (saving a "
+                                       "checkpoint in 'ck'); send it again to end now\n")
+    # off the main thread (train() called from code), Python lets nobody catch signals: nothing is touched
+    import threading
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(StopRequest(None).on_signals().__enter__()))
+    thread.start()
+    thread.join()
+    assert len(seen) == 1 and {s: signal.getsignal(s) for s in before} == before
 
 
 def test_a_run_refused_after_its_outputs_were_checked_leaves_no_folders(tmp_path):

@@ -500,14 +500,14 @@ def test_hellaswag_scores_follow_numpy(be, rng):
 
 # ---------------------------------------------------------------------------- training on the GPU
 
-def _train(**kw):
+def _train(log=lambda line: None, stop=None, **kw):
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
     from xtrain_dist.train_ddp import train
 
     corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
     cfg = TrainConfig(**{"steps": 10, "batch": 8, "seq": 64, "model": "tiny", "seed": 3, **kw}).resolved()
-    return train(cfg, corpus, log=lambda line: None)
+    return train(cfg, corpus, log=log, stop=stop)
 
 
 @pytest.mark.training
@@ -584,6 +584,28 @@ def test_a_cuda_run_resumes_bitwise(tmp_path, world, options):
     assert first["losses"] == full["losses"][:3]
     assert resumed["start_step"] == 3 and resumed["losses"] == full["losses"][3:]
     assert resumed["param_sha256"] == full["param_sha256"] and resumed["val_losses"] == full["val_losses"]
+
+
+@pytest.mark.training
+def test_a_stop_request_on_the_gpu_ends_after_a_step_and_resumes_bitwise(tmp_path):
+    """SIGTERM's path on the GPU (train_ddp.StopRequest): the request is a 1 written into the device array
+    the step's loss is all-reduced in, so both virtual ranks stop after step 2 (it is set while step 1 is
+    logged), save that step, and the resumed run ends on the uninterrupted run's bits."""
+    from xtrain_dist.train_ddp import StopRequest
+
+    kw = dict(backend="cuda", world_size=2, lr_decay_steps=5, eval_batches=0)
+    full = _train(steps=5, **kw)
+    stop = StopRequest(str(tmp_path / "ck"))
+
+    def log(line):
+        if line.startswith("step     1/5"):
+            stop.set()
+
+    stopped = _train(steps=5, save_dir=str(tmp_path / "ck"), log=log, stop=stop, **kw)
+    assert stopped["stopped"] == {"step": 2, "signal": None} and stopped["losses"] == full["losses"][:2]
+    resumed = _train(steps=5, resume=str(tmp_path / "ck"), **kw)
+    assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    assert resumed["param_sha256"] == full["param_sha256"]
 
 
 @pytest.mark.training

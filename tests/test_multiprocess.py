@@ -269,6 +269,60 @@ def test_a_killed_process_ends_its_tcp_peer(victim):
             p.communicate()
 
 
+@pytest.mark.parametrize("sig, target", [(signal.SIGUSR1, 1), (signal.SIGTERM, 0)])
+def test_a_stop_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path, sig, target):
+    """SLURM's --signal=USR1 may reach the processes of a job at different moments, or only one of them: the
+    request travels with the step's loss all-reduce, so every process stops after the same step, the
+    checkpoint holds it whole, and every process exits 143."""
+    folder = tmp_path / "ck"
+    args = ["-m", "xtrain_dist.train_ddp", "5000", "8", "32", "--save-dir", str(folder), "--comm-timeout", "60"]
+    port = free_port()
+    procs = [torchrun_style(r, 2, port, args) for r in range(2)]
+    try:
+        _wait_for_progress(procs[0])
+        os.kill(procs[target].pid, sig)
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert [p.returncode for p in procs] == [143, 143], [err for _, err in outs]
+    step = int(re.match(r"stopped after step (\d+) of 5000: ", outs[0][0].splitlines()[-1])[1])
+    assert json.loads((folder / "trainer_state.json").read_text())["step"] == step
+    name = signal.Signals(sig).name
+    caught = (f"train_ddp: {name}: stopping after the step the ranks are in (saving a checkpoint in '{folder}'); "
+              "send it again to end now")
+    summary = (f"train_ddp: stopped by {name if target == 0 else 'a signal to another process'}: checkpoint "
+               f"'{folder}' holds step {step}: the same command with --resume {folder} goes on from there")
+    # the signalled process says it caught it; process 0 reports for the job
+    assert [err.splitlines() for _, err in outs] == ([[caught, summary], []] if target == 0 else
+                                                     [[summary], [caught]])
+
+
+@needs_mpi
+def test_mpirun_passes_a_stop_signal_on_and_the_job_stops_after_a_step(tmp_path):
+    """MPICH's mpiexec forwards SIGUSR1 (and SIGTERM) to every process: the job saves and ends with 143, and
+    the stop does not take the MPI_Abort path a failing process takes."""
+    folder = tmp_path / "ck"
+    job = subprocess.Popen([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "5000", "8", "32",
+                            "--save-dir", str(folder), "--comm-timeout", "60"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(), start_new_session=True)
+    try:
+        _wait_for_progress(job)
+        job.send_signal(signal.SIGUSR1)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    assert job.returncode == 143, err
+    step = int(re.match(r"stopped after step (\d+) of 5000: ", out.splitlines()[-1])[1])
+    assert json.loads((folder / "trainer_state.json").read_text())["step"] == step
+    assert err.splitlines()[-1] == (f"train_ddp: stopped by SIGUSR1: checkpoint '{folder}' holds step {step}: the "
+                                    f"same command with --resume {folder} goes on from there")
+
+
 @needs_mpi
 def test_a_process_that_fails_ends_the_mpi_job(tmp_path):
     """Rank 1 stops at its input (a missing tokenizer) while rank 0 enters the first collective: without

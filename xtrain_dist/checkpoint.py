@@ -208,11 +208,11 @@ def kept_folder(save_dir, step: int) -> Path:
     return folder.with_name(f"{folder.name}.step{step:06d}")
 
 
-def folders_to_save(cfg: TrainConfig, step: int) -> list[Path]:
-    """The checkpoints to write after `step`: DIR at every --save-every step and the last; a kept one of
-    its own at every --keep-every step."""
+def folders_to_save(cfg: TrainConfig, step: int, stopping: bool = False) -> list[Path]:
+    """The checkpoints to write after `step`: DIR at every --save-every step, the last, and the one a stop
+    request ends the run after (`stopping`); a kept one of its own at every --keep-every step."""
     folders = []
-    if cfg.save_dir and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
+    if cfg.save_dir and (step == cfg.steps or stopping or (cfg.save_every and step % cfg.save_every == 0)):
         folders.append(Path(cfg.save_dir))
     if cfg.save_dir and cfg.keep_every and step % cfg.keep_every == 0:
         folders.append(kept_folder(cfg.save_dir, step))

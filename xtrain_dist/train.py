@@ -33,6 +33,7 @@ class RankResult:
     hellaswag: list[list] = field(default_factory=list)      # [step, --hellaswag accuracy] of every evaluation
     samples: list[list] = field(default_factory=list)        # [step, text] of every --sample-every draw (rank 0)
     start_step: int = 0                                     # steps done before this run (resumed from a checkpoint)
+    stopped_at: int = 0                                     # the step a stop request ended the run after (0: none)
     param_sha256: str = ""                                  # of the flat parameter buffer after the last step
     num_params: int = 0
     step_flops: float = 0.0                                 # model flops of one step, all ranks (MFU's numerator)
@@ -77,12 +78,14 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 # with one line instead
 @np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
-               log=print, resume=None, init=None, hellaswag=None, peak_flops=None) -> RankResult:
+               log=print, resume=None, init=None, hellaswag=None, peak_flops=None, stop=None) -> RankResult:
     """One rank's whole run. `resume`: what to restore from (a checkpoint.shared_restore that the process's
     ranks share), by default cfg.resume; `init`: the pretrained weights to start from (a
     checkpoint.Shared of them), by default cfg.init_from's; `hellaswag`: the examples of cfg.hellaswag,
     by default read from it; `peak_flops`: the dense peak FLOP/s of all the job's GPUs together, where
-    known (train_ddp.job_peak_flops): each step's record then has its MFU."""
+    known (train_ddp.job_peak_flops): each step's record then has its MFU; `stop`: a threading.Event that,
+    once set on any rank of the job (train_ddp sets it on SIGTERM), ends the run after the step every rank
+    is in, with a checkpoint in cfg.save_dir."""
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
@@ -124,24 +127,29 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             ops.active = True
         t0 = time.perf_counter()
         model.zero_grad()
-        loss = backend.xp.zeros(1, dtype=backend.xp.float32)
+        # [the step's loss, the ranks asked to stop]: one all-reduce tells every rank both, so all of them
+        # stop after the same step however the request reached them (one process's signal, or several)
+        loss = backend.xp.zeros(2, dtype=backend.xp.float32)
         micro = micro_batches(*sampler.next(), cfg.grad_accum)
         for i, (ids, targets) in enumerate(micro):
             losses = model.forward(backend.from_host(ids), backend.from_host(targets), dloss)
-            loss += losses.sum(dtype=backend.xp.float32) * np.float32(dloss)
+            loss[:1] += losses.sum(dtype=backend.xp.float32) * np.float32(dloss)
             # backward accumulates into grads; only the last micro-batch's starts the communication
             model.backward(on_grads_ready=grad_sync.on_grads_ready if i == len(micro) - 1 else None)
         grad_sync.finish()
+        if stop is not None and stop.is_set():
+            loss[1] = 1
         step_comm.all_reduce(loss)
         norm_squared = optimizer.grad_norm_squared()
         lr = lr_at(step, cfg)
         optimizer.step(lr, ops.clip_coefficient(norm_squared, cfg.grad_clip))
-        loss_host, norm_sq_host = backend.to_host(backend.xp.concatenate([loss, norm_squared]))  # the step's one read
+        loss_host, stops, norm_sq_host = backend.to_host(backend.xp.concatenate([loss, norm_squared]))  # the one read
         ms = (time.perf_counter() - t0) * 1e3
         if profiling:
             result.profile, ops.active = OpProfiler.rows(ops.report()), False
         comm_s, exposed_s, result.comm_calls = step_comm.take()
         done = step + 1
+        stopping = stops > 0 and done < cfg.steps
         record = {"step": done, "loss": float(loss_host), "lr": lr, "grad_norm": float(np.sqrt(norm_sq_host)),
                   "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
                   "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
@@ -165,17 +173,20 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                                             show_prompt=bool(cfg.sample_prompt))
         result.add(record)
         if rank == 0 and (step % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)
-                          or "sample" in record):
+                          or "sample" in record or stopping):
             log(metrics.progress_line(record, cfg.steps))
         if "sample" in record:
             log(f"--- sample at step {done} ---\n{record['sample']}\n---")
         if rank == 0 and cfg.metrics:
             metrics.append(cfg.metrics, record)
-        for folder in checkpoint.folders_to_save(cfg, done):
+        for folder in checkpoint.folders_to_save(cfg, done, stopping):
             checkpoint.save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
                             model=model, optimizer=optimizer, sampler=sampler)
             if rank == 0:
                 log(f"saved checkpoint '{folder}' at step {done}")
+        if stopping:
+            result.stopped_at = done
+            break
 
     result.param_sha256 = param_sha256(model)
     return result

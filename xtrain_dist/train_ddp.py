@@ -2,13 +2,16 @@
 
 Checks the input, loads the corpus once, starts one rank per thread, prints a progress line per
 step and writes the report. Any problem with the input ends in one line and exit status 2; a rank
-that fails ends the run with one line naming the rank and exit status 1.
+that fails ends the run with one line naming the rank and exit status 1; SIGTERM or SIGUSR1 ends it
+after the step its ranks are in, saved, with exit status 143 (StopRequest).
 """
 
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -40,6 +43,10 @@ from .profile import peak_for, rows_markdown
 from .train import train_rank
 
 PROG = "train_ddp"
+# what schedulers send before they kill: Kubernetes, docker stop, torchrun and mpirun pass on SIGTERM, and
+# SLURM's `--signal=USR1@SECONDS` sends SIGUSR1 that long before a job's time limit
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOPPED = 128 + signal.SIGTERM  # the exit status of every process of a job a stop signal ended (143)
 
 
 def build_parser() -> OneLineParser:
@@ -236,9 +243,11 @@ _PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_f
                        "sample_tokens", "sample_prompt", "extra"}
 
 
-def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None) -> dict:
+def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None,
+          stop: "StopRequest | None" = None) -> dict:
     """Run this process's share of a training job (all of it without a launcher); return the report
-    (a JSON-ready dict; `process_rank` says whether this process is the one that writes it)."""
+    (a JSON-ready dict; `process_rank` says whether this process is the one that writes it). `stop`: what
+    ends the run early when set (by default, a StopRequest that SIGTERM and SIGUSR1 set)."""
     launch = launch or detect_launch()
     local_world = local_world_for(launch, cfg.world_size)
     try:
@@ -261,16 +270,17 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     ready.init_weights = None  # the ranks' last load lets the host copy go
 
     peak_flops = job_peak_flops(cfg, devices, launch)
+    stop = StopRequest(cfg.save_dir) if stop is None else stop
 
     def rank_fn(local, comm):
         result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log, resume=shared_resume,
-                            init=shared_init, hellaswag=ready.hellaswag, peak_flops=peak_flops)
+                            init=shared_init, hellaswag=ready.hellaswag, peak_flops=peak_flops, stop=stop)
         return result, every_ranks_facts(comm, result, cfg.backend)
 
     t0 = time.perf_counter()
     try:
         with threadpool_limits(cfg.cpu_threads or cpu_threads_per_rank(local_world * launch.local_processes),
-                               user_api="blas"):
+                               user_api="blas"), stop.on_signals():
             outcomes = run_thread_ranks(local_world, rank_fn, timeout_s=cfg.comm_timeout_s, group=world)
     except RankFailed as e:
         world.abort("another process failed")  # peers learn at once (TCP: closed sockets; NCCL: aborted comms)
@@ -295,6 +305,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
                    "comm": ready.engine},
         "process_rank": launch.process_rank,
         "start_step": lead.start_step,  # losses[i] is the loss of step start_step + i + 1
+        # a stop signal ended the run after this step (the signal: None where it reached another process)
+        "stopped": {"step": lead.stopped_at, "signal": stop.signal_name} if lead.stopped_at else None,
         "losses": lead.losses,
         "val_losses": lead.val_losses,
         "hellaswag": lead.hellaswag,
@@ -314,6 +326,40 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
                    "peak_rss_bytes": memory.peak_rss_bytes(), **gpu_memory(cfg, devices)},
         **({"profile": profile_of(lead, cfg.profile_step)} if cfg.profile_step else {}),
     }
+
+
+class StopRequest(threading.Event):
+    """Set by the first SIGTERM or SIGUSR1 while the ranks train (`on_signals`); train_rank then ends the run
+    after the step every rank of the job is in, with a checkpoint in --save-dir. A second signal ends the
+    process at once, as the first would have without this."""
+
+    def __init__(self, save_dir: str | None):
+        super().__init__()
+        self.save_dir = save_dir
+        self.signal_name: str | None = None  # of the signal that set it
+
+    @contextlib.contextmanager
+    def on_signals(self):
+        """Catch the stop signals for the duration (only the main thread may: train() called from another
+        thread keeps the process's handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._caught) for s in STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _caught(self, signum, frame) -> None:
+        for s in STOP_SIGNALS:  # the next one ends the process
+            signal.signal(s, signal.SIG_DFL)
+        self.signal_name = signal.Signals(signum).name
+        self.set()
+        saving = f"saving a checkpoint in '{self.save_dir}'" if self.save_dir else "no --save-dir: nothing is saved"
+        print(f"{PROG}: {self.signal_name}: stopping after the step the ranks are in ({saving}); send it again to "
+              "end now", file=sys.stderr, flush=True)
 
 
 def job_peak_flops(cfg: TrainConfig, devices: list, launch: Launch) -> float | None:
@@ -514,7 +560,7 @@ def profile_table(profile: dict) -> str:
 
 def main(argv=None) -> int:
     code = run_command(PROG, lambda: _main(sys.argv[1:] if argv is None else argv))
-    if code:
+    if code and code != STOPPED:
         # under mpirun a process that gives up must take the job with it, or its peers wait in MPI
         from .comm.mpi import abort_job
         abort_job(code)
@@ -556,8 +602,9 @@ def _main(argv: list[str]) -> int:
             import traceback
             traceback.print_exception(e.error)
         return 1
+    stopped = report["stopped"]
     if report["process_rank"] != 0:  # one process writes and reports for the job
-        return 0
+        return STOPPED if stopped else 0
     if cfg.report:
         files.write_atomic(cfg.report, json.dumps(report, indent=1) + "\n", "--report")
     if cfg.profile_step:
@@ -567,10 +614,16 @@ def _main(argv: list[str]) -> int:
     pools = list(report["memory"].get("gpu_pool_bytes", {}).values())
     gpu = f", GPU memory held {'up to ' if len(pools) > 1 else ''}{memory.gib(max(pools))}" if pools else ""
     mfu = f", MFU {100 * report['mfu']:.1f}%" if report["mfu"] is not None else ""
-    print(f"done: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
+    head = f"stopped after step {stopped['step']} of {cfg.steps}" if stopped else "done"
+    print(f"{head}: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
           f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s{mfu}, "
           f"peak RSS {memory.gib(report['memory']['peak_rss_bytes'])}{gpu}"
           + (f", report {cfg.report}" if cfg.report else ""))
+    if stopped:
+        where = (f"checkpoint '{cfg.save_dir}' holds step {stopped['step']}: the same command with --resume "
+                 f"{cfg.save_dir} goes on from there" if cfg.save_dir else "nothing was saved (no --save-dir)")
+        print(f"{PROG}: stopped by {stopped['signal'] or 'a signal to another process'}: {where}", file=sys.stderr)
+        return STOPPED
     return 0
 
 
