@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from xtrain_dist.launch import RankFailed, run_thread_ranks
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
 from xtrain_dist.safetensors_io import read_safetensors, write_safetensors
-from xtrain_dist.train_ddp import StopRequest, train
+from xtrain_dist.train_ddp import StopRequest, resolve_auto_resume, train
 
 
 @pytest.fixture(scope="module")
@@ -179,12 +180,14 @@ def test_a_run_killed_after_a_periodic_save_resumes_bitwise(corpus, tmp_path, mo
     assert resumed["param_sha256"] == full["param_sha256"]
 
 
-def test_a_stop_request_ends_the_run_after_a_step_with_a_checkpoint_that_resumes_bitwise(corpus, tmp_path):
-    """What SIGTERM does (train_ddp.StopRequest): set while rank 0 logs step 1, after that step's all-reduce,
-    so rank 0 asks in step 2 whichever step rank 1 then is in; both ranks stop after step 2 and save it,
-    and the resumed run ends on the uninterrupted run's bits."""
+def test_a_stop_request_ends_the_run_after_a_step_and_the_same_command_resumes_it_bitwise(corpus, tmp_path):
+    """What SIGTERM does (train_ddp.StopRequest), and what a requeued job then does: set while rank 0 logs
+    step 1, after that step's all-reduce, the request reaches the ranks in step 2 whichever step rank 1 is
+    then in; both stop after step 2 and save it. Run again, the same configuration (--resume auto) resumes
+    from that checkpoint and ends on the uninterrupted run's bits."""
     full = run(corpus, 8, world=2)
-    stop = StopRequest(str(tmp_path / "ck"))
+    folder = tmp_path / "ck"
+    stop = StopRequest(str(folder))
     lines = []
 
     def log(line):
@@ -192,16 +195,22 @@ def test_a_stop_request_ends_the_run_after_a_step_with_a_checkpoint_that_resumes
         if line.startswith("step     1/8"):
             stop.set()
 
-    stopped = train(config(8, 2, save_dir=tmp_path / "ck", log_every=100), corpus, log=log, stop=stop)
+    same = config(8, 2, save_dir=folder, log_every=100, resume="auto")
+    stopped = train(same, corpus, log=log, stop=stop)
+    assert lines[0] == f"--resume auto: no checkpoint in '{folder}' yet: starting at step 1"
     assert stopped["stopped"] == {"step": 2, "signal": None}
     assert stopped["losses"] == full["losses"][:2] and stopped["val_losses"] == []
     # the step it stopped after is shown, whatever --log-every
     assert lines[-2].startswith("step     2/8 | loss")
-    assert lines[-1] == f"saved checkpoint '{tmp_path / 'ck'}' at step 2"
+    assert lines[-1] == f"saved checkpoint '{folder}' at step 2"
     assert len(set(stopped["param_sha256"])) == 1
-    resumed = run(corpus, 8, world=2, resume=tmp_path / "ck")
+    lines.clear()
+    resumed = train(same, corpus, log=lines.append)
+    assert lines[0] == f"resuming '{folder}' after step 2"
     assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
     assert resumed["stopped"] is None and resumed["param_sha256"] == full["param_sha256"]
+    # --init-from is the first start's: once there is a checkpoint to resume, it is done with
+    assert resolve_auto_resume(replace(same, init_from="gpt2"), log=print) == replace(same, resume=str(folder))
 
 
 def test_a_stop_request_in_the_last_step_changes_nothing(corpus):

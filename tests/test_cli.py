@@ -97,6 +97,7 @@ def error_line(out):
     ((5, 8, 32, "--tf32"), "--tf32 is a choice of the cuda backend's matmuls; the numpy backend computes in float32 "
                            "only"),
     ((5, 8, 32, "--cpu-threads", "two"), "--cpu-threads must be a positive integer, got 'two'"),
+    ((5, 8, 32, "--resume", "auto"), "--resume auto continues from the checkpoint in --save-dir: give --save-dir"),
     ((5, 8, 200), "SEQ (200) exceeds the context length of model 'tiny' (128)"),
     ((5, 8, 32, "--model", "huge"), "unknown model preset 'huge' (choose from tiny, mini, small, gpt2-124m, "
                                     "gpt2-350m, gpt2-774m)"),
@@ -246,12 +247,16 @@ def test_a_run_that_diverges_stops_with_one_line_and_keeps_the_checkpoint(tmp_pa
 def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_status_143(tmp_path):
     """What a scheduler's SIGTERM (or SLURM's --signal=USR1) gets: the run stops after the step it is in,
     saves it, says so and how to go on, and exits 143 (128 + SIGTERM) so that what follows it in a script
-    knows the run did not finish. Without --save-dir it says nothing was saved."""
-    for save in (["--save-dir", str(tmp_path / "ck")], []):
+    knows the run did not finish; with --resume auto, the same command goes on. Without --save-dir it says
+    nothing was saved."""
+    for save in (["--save-dir", str(tmp_path / "ck"), "--resume", "auto"], []):
         proc = subprocess.Popen([sys.executable, "-m", "xtrain_dist.train_ddp", "5000", "8", "32", "--world-size", "2",
                                  "--log-every", "1000", *save], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
         try:
+            if save:
+                assert proc.stdout.readline() == f"--resume auto: no checkpoint in '{tmp_path / 'ck'}' yet: starting " \
+                                                 "at step 1\n"
             assert proc.stdout.readline().startswith("tiny: GPTConfig")
             assert proc.stdout.readline().startswith("step     1/5000 |")  # training is under way
             proc.send_signal(signal.SIGTERM)
@@ -270,8 +275,8 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_status_143(tm
             assert err.splitlines() == [
                 f"train_ddp: SIGTERM: stopping after the step the ranks are in (saving a checkpoint in '{folder}'); "
                 "send it again to end now",
-                f"train_ddp: stopped by SIGTERM: checkpoint '{folder}' holds step {step}: the same command with "
-                f"--resume {folder} goes on from there"]
+                f"train_ddp: stopped by SIGTERM: checkpoint '{folder}' holds step {step}: the same command goes on "
+                "from there"]
             assert json.loads((folder / "trainer_state.json").read_text())["step"] == step
         else:
             assert err.splitlines() == [

@@ -117,6 +117,13 @@ def _is_complete(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
+def is_checkpoint(path) -> bool:
+    """Whether `path` holds one of our checkpoints: DIR with its manifest, or (a save cut short between its
+    two renames) no DIR but a complete .DIR.new beside it, which readers use."""
+    path = Path(path)
+    return (path / MANIFEST).exists() or (not path.exists() and any(_is_complete(s) for s in _siblings(path)))
+
+
 def _discard(folder: Path) -> None:
     """Delete a folder, manifest first: a half-deleted folder must never look complete."""
     if folder.is_dir():
@@ -520,8 +527,7 @@ def open_pretrained(path, read=(MODEL, CONFIG), what: str = "--init-from") -> Ch
     config.json and model.safetensors (and tokenizer.json where it is read), such as save_pretrained
     writes and the Hub's "gpt2" holds. `what` names the folder in errors."""
     path = Path(path)
-    # ours, or ours cut short by a save (DIR moved aside as a complete .DIR.new): open_checkpoint reads both
-    if (path / MANIFEST).exists() or (not path.exists() and any(_is_complete(s) for s in _siblings(path))):
+    if is_checkpoint(path):  # ours, also one cut short by a save: open_checkpoint reads both
         return open_checkpoint(path, read=read)
     if not path.is_dir():
         raise XtrainError(f"{what} '{path}' " + ("not found" if not path.exists() else "is not a folder"))

@@ -47,6 +47,7 @@ PROG = "train_ddp"
 # SLURM's `--signal=USR1@SECONDS` sends SIGUSR1 that long before a job's time limit
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STOPPED = 128 + signal.SIGTERM  # the exit status of every process of a job a stop signal ended (143)
+AUTO_RESUME = "auto"  # --resume auto
 
 
 def build_parser() -> OneLineParser:
@@ -108,7 +109,8 @@ def build_parser() -> OneLineParser:
                    help="start from the weights of a GPT-2 folder (a Hugging Face one such as the Hub's gpt2, or one "
                         "of our checkpoints) with a fresh optimizer and data order: fine-tuning")
     g.add_argument("--resume", metavar="DIR", type=non_empty_path, default=None,
-                   help="continue the run whose checkpoint is DIR")
+                   help=f"continue the run whose checkpoint is DIR; '{AUTO_RESUME}': the checkpoint in --save-dir "
+                        "where there is one, else start at step 1 (one command for a job's start and its requeues)")
     g.add_argument("--eval-every", metavar="N", type=non_negative_int, default=0,
                    help="validation loss every N steps and at the end (default 0: at the end only)")
     g.add_argument("--eval-batches", metavar="N", type=non_negative_int, default=20,
@@ -410,6 +412,7 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     is wrong."""
     if corpus is None:  # a TrainConfig made in code trains on the shipped data where it names none, as the CLI does
         cfg = replace(cfg, tokenizer=cfg.tokenizer or str(DEFAULT_TOKENIZER), corpus=cfg.corpus or str(DEFAULT_CORPUS))
+    cfg = resolve_auto_resume(cfg, log if launch.process_rank == 0 else lambda line: None)
     check_outputs(cfg)
     gpus = 0
     if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
@@ -476,6 +479,22 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     fingerprint = config_fingerprint({**same_everywhere, "train_tokens": corpus.train_sha256,
                                       "val_tokens": corpus.val_sha256})
     return Prepared(engine, corpus, devices, cfg, fingerprint, resume_from, init_weights, examples)
+
+
+def resolve_auto_resume(cfg: TrainConfig, log) -> TrainConfig:
+    """--resume auto: from the checkpoint in --save-dir where there is one (the weights of --init-from were
+    the first start's, and the checkpoint has moved on from them), else a first start. So a job requeued
+    after a stop signal runs the very command it started with. Every process decides alone, and the
+    configuration they compare at the rendezvous holds the outcome: processes that see different
+    --save-dir contents are refused there."""
+    if cfg.resume != AUTO_RESUME:
+        return cfg
+    if not cfg.save_dir:
+        raise XtrainError(f"--resume {AUTO_RESUME} continues from the checkpoint in --save-dir: give --save-dir")
+    if checkpoint.is_checkpoint(cfg.save_dir):
+        return replace(cfg, resume=cfg.save_dir, init_from=None)
+    log(f"--resume {AUTO_RESUME}: no checkpoint in '{cfg.save_dir}' yet: starting at step 1")
+    return replace(cfg, resume=None)
 
 
 def _shape(c) -> str:
@@ -620,8 +639,9 @@ def _main(argv: list[str]) -> int:
           f"peak RSS {memory.gib(report['memory']['peak_rss_bytes'])}{gpu}"
           + (f", report {cfg.report}" if cfg.report else ""))
     if stopped:
-        where = (f"checkpoint '{cfg.save_dir}' holds step {stopped['step']}: the same command with --resume "
-                 f"{cfg.save_dir} goes on from there" if cfg.save_dir else "nothing was saved (no --save-dir)")
+        resume = "" if cfg.resume == AUTO_RESUME else f" with --resume {cfg.save_dir}"  # --resume auto has it
+        where = (f"checkpoint '{cfg.save_dir}' holds step {stopped['step']}: the same command{resume} goes on from "
+                 "there" if cfg.save_dir else "nothing was saved (no --save-dir)")
         print(f"{PROG}: stopped by {stopped['signal'] or 'a signal to another process'}: {where}", file=sys.stderr)
         return STOPPED
     return 0
