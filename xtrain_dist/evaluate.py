@@ -27,10 +27,11 @@ PROG = "evaluate"
 
 class Evaluator:
     def __init__(self, tokens: np.ndarray | TokenFiles, batch: int, seq: int, n_batches: int, rank: int, world: int,
-                 backend):
+                 backend, source: str = "the validation split"):
+        """`source` names the tokens where there are too few of them for one window."""
         if len(tokens) < seq + 1:
-            raise XtrainError(f"the validation split has {len(tokens)} tokens, too few for one window of "
-                              f"SEQ={seq} and its targets")
+            raise XtrainError(f"{source} has {len(tokens)} tokens, too few for one window of SEQ={seq} and its "
+                              "targets")
         self.ops = backend
         n = batch * n_batches
         last = len(tokens) - seq - 1  # the last start whose window and targets fit
@@ -131,10 +132,7 @@ def evaluate_checkpoint(argv) -> tuple[float, str]:
         source = corpus.val_source
     if seq > model.config.n_ctx:
         raise XtrainError(f"--seq ({seq}) exceeds the model's context length ({model.config.n_ctx})")
-    if len(corpus.val) < seq + 1:
-        raise XtrainError(f"{source} has {len(corpus.val)} tokens, too few for one window of SEQ={seq} and its "
-                          "targets")
-    held_out = Evaluator(corpus.val, batch, seq, batches, 0, 1, model.ops)
+    held_out = Evaluator(corpus.val, batch, seq, batches, 0, 1, model.ops, source=source)
     loss = held_out.loss(model, LocalGroup(1).communicator(0))
     return loss, (f"{PROG}: loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) on {batches} x {batch} "
                   f"windows of {seq} tokens of {source}")
