@@ -84,8 +84,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     checkpoint.Shared of them), by default cfg.init_from's; `hellaswag`: the examples of cfg.hellaswag,
     by default read from it; `peak_flops`: the dense peak FLOP/s of all the job's GPUs together, where
     known (train_ddp.job_peak_flops): each step's record then has its MFU; `stop`: a threading.Event that,
-    once set on any rank of the job (train_ddp sets it on SIGTERM), ends the run after the step every rank
-    is in, with a checkpoint in cfg.save_dir."""
+    once set on any rank of the job (train_ddp.StopRequest: on SIGTERM or SIGUSR1), ends the run after the
+    step every rank is in, with a checkpoint in cfg.save_dir."""
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype)
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
