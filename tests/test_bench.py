@@ -203,4 +203,7 @@ def test_results_files_say_what_ran_where(results):
     assert f"`{data['command']}`, {data['date']}, commit {data['git_commit']}" in md
     assert f"Machine: {m['cpu']}, {m['cores']} cores, " in md
     assert bench.markdown_table(["a", "b"], [[1, "x"]]) == "| a | b |\n| --- | --- |\n| 1 | x |\n"
-    assert bench.default_results_dir("gpu").parts[-3:-1] == ("bench", "gpu")
+    assert bench.default_results_dir("gpu").parts[-3:-1] == ("bench", "results")
+    assert bench.default_results_dir("cpu").parts[-3:-1] == ("bench", "cpu")
+    with pytest.raises(ValueError, match=r"^results kind must be 'cpu' or 'gpu', not 'tpu'$"):
+        bench.default_results_dir("tpu")

@@ -25,7 +25,11 @@ MIB = 1 << 20
 
 
 def default_results_dir(kind: str = "cpu") -> Path:
-    return REPO / "bench" / kind / datetime.date.today().isoformat()
+    """bench/cpu/<date> for CPU runs; bench/results/<date> for GPU runs, the project's record of what ran
+    on which GPU (bin/bench_gpu writes there too)."""
+    if kind not in ("cpu", "gpu"):
+        raise ValueError(f"results kind must be 'cpu' or 'gpu', not {kind!r}")
+    return REPO / "bench" / ("results" if kind == "gpu" else "cpu") / datetime.date.today().isoformat()
 
 
 def _cpu_model() -> str:
