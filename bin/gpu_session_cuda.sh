@@ -43,7 +43,9 @@ step() {
     echo "## $name: skipped, the time budget is spent" | tee -a "$OUT/skipped.txt"
     return 124
   fi
-  timeout "$max" "$@"
+  # -k: SIGTERM only asks a run to stop after its step (train_ddp's stop request), and pytest running the
+  # CLI in-process takes it that way too; the KILL 10 s later keeps the budget a bound
+  timeout -k 10 "$max" "$@"
 }
 
 . bin/gpu_session_common.sh
@@ -66,7 +68,7 @@ numpy_pids=()
 trap '[ ${#numpy_pids[@]} -gt 0 ] && kill "${numpy_pids[@]}" 2>/dev/null' EXIT
 trap 'exit 143' TERM INT
 for dtype in fp32 bf16; do  # CPU only: they run while the GPU works, four BLAS threads each, inside the budget
-  timeout $(( BUDGET - 45 )) $PY -m xtrain_dist.train_ddp $CURVE --backend numpy --dtype $dtype --cpu-threads 4 \
+  timeout -k 10 $(( BUDGET - 45 )) $PY -m xtrain_dist.train_ddp $CURVE --backend numpy --dtype $dtype --cpu-threads 4 \
     --report "$OUT/curve_numpy_${dtype}_w1.json" > "$OUT/curve_numpy_${dtype}_w1.log" 2>&1 &
   numpy_pids+=($!)
 done

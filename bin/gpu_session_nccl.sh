@@ -63,7 +63,7 @@ two_procs() {  # two processes on GPU 0, two "hosts" for NCCL
   local p pids=() rc=0; p=$(port)
   for r in 0 1; do
     RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$p NCCL_HOSTID=xtrain-host-$r \
-      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 300 $PY tests/nccl_worker.py "$@" &
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout -k 10 300 $PY tests/nccl_worker.py "$@" &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
