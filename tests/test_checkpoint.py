@@ -5,6 +5,7 @@ checkpoint; and every bad checkpoint is one exact line."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from xtrain_dist.launch import RankFailed, run_thread_ranks
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
 from xtrain_dist.safetensors_io import read_safetensors, write_safetensors
-from xtrain_dist.train_ddp import StopRequest, resolve_auto_resume, train
+from xtrain_dist.train_ddp import RunComplete, StopRequest, resolve_auto_resume, train
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +210,15 @@ def test_a_stop_request_ends_the_run_after_a_step_and_the_same_command_resumes_i
     assert lines[0] == f"resuming '{folder}' after step 2"
     assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
     assert resumed["stopped"] is None and resumed["param_sha256"] == full["param_sha256"]
+    # run once more (a job requeued after it finished): nothing to train, said as success, nothing written
+    saved_bytes = {f.name: f.read_bytes() for f in folder.iterdir()}
+    with pytest.raises(RunComplete, match=rf"^--resume auto: checkpoint '{re.escape(str(folder))}' is at step 8 and "
+                                          r"STEPS is 8: nothing left to train$"):
+        train(same, corpus, log=lines.append)
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == saved_bytes
+    with pytest.raises(XtrainError, match=r"is already at step 8: STEPS \(8\) must be larger to train on$") as err:
+        train(replace(same, resume=str(folder)), corpus)  # an explicit --resume still asks for more steps
+    assert not isinstance(err.value, RunComplete)
     # --init-from is the first start's: once there is a checkpoint to resume, it is done with
     assert resolve_auto_resume(replace(same, init_from="gpt2"), log=print) == replace(same, resume=str(folder))
 

@@ -278,6 +278,12 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_status_143(tm
                 f"train_ddp: stopped by SIGTERM: checkpoint '{folder}' holds step {step}: the same command goes on "
                 "from there"]
             assert json.loads((folder / "trainer_state.json").read_text())["step"] == step
+            # requeued after its last step was saved, the job's command finds nothing to train: success
+            done = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", str(step), "8", "32",
+                                   "--world-size", "2", *save], capture_output=True, text=True, timeout=120)
+            assert (done.returncode, done.stderr) == (0, ""), done.stderr
+            assert done.stdout == f"--resume auto: checkpoint '{folder}' is at step {step} and STEPS is {step}: " \
+                                  "nothing left to train\n"
         else:
             assert err.splitlines() == [
                 "train_ddp: SIGTERM: stopping after the step the ranks are in (no --save-dir: nothing is saved); "

@@ -300,6 +300,30 @@ def test_a_stop_signal_to_one_process_stops_every_process_after_the_same_step(tm
                                                      [[summary], [caught]])
 
 
+def test_a_requeued_job_that_had_finished_ends_in_every_process_at_once(tmp_path):
+    """--resume auto where the checkpoint already holds STEPS: each process finds that alone and exits 0
+    without waiting for the others at the rendezvous (or telling them of a failure: process 1 alone ends at
+    once too); process 0 says so for the job."""
+    folder = tmp_path / "ck"
+    args = ["-m", "xtrain_dist.train_ddp", "2", "8", "32", "--save-dir", str(folder)]
+    assert run([sys.executable, *args]).returncode == 0
+    args += ["--resume", "auto"]
+    port = free_port()
+    procs = [torchrun_style(1, 2, port, args)]
+    try:
+        assert procs[0].communicate(timeout=20) == ("", "") and procs[0].returncode == 0
+        procs = [torchrun_style(r, 2, port, args) for r in range(2)]  # the rendezvous would wait 300 s
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    assert outs == [(f"--resume auto: checkpoint '{folder}' is at step 2 and STEPS is 2: nothing left to train\n", ""),
+                    ("", "")]
+
+
 @needs_mpi
 def test_mpirun_passes_a_stop_signal_on_and_the_job_stops_after_a_step(tmp_path):
     """MPICH's mpiexec forwards SIGUSR1 (and SIGTERM) to every process: the job saves and ends with 143, and

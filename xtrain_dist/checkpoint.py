@@ -652,6 +652,14 @@ def _read_verified(path: Path, folder: Path, manifest: dict, read) -> Checkpoint
 
 
 # ---------------------------------------------------------------------------------------------- resume
+class AlreadyTrained(XtrainError):
+    """The checkpoint to resume holds STEPS steps or more: nothing is left to train."""
+
+    def __init__(self, where: str, step: int, steps: int):
+        super().__init__(f"{where} is already at step {step}: STEPS ({steps}) must be larger to train on")
+        self.step = step
+
+
 def _describe(model: dict) -> str:
     return (f"'{model['preset']}' ({model['n_layer']} layers, {model['n_head']} heads, width {model['n_embd']}, "
             f"context {model['n_ctx']}, vocabulary {model['vocab_size']})")
@@ -688,7 +696,7 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     ckpt.check_contents(model_config(cfg.model, corpus.vocab_size))
     step = state["step"]
     if cfg.steps <= step:
-        raise XtrainError(f"{where} is already at step {step}: STEPS ({cfg.steps}) must be larger to train on")
+        raise AlreadyTrained(where, step, cfg.steps)
     # a checkpoint from before an option existed was trained with its default
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     changed = [f"{name} {saved.get(name, defaults[name])} -> {getattr(cfg, name)}" for name in CHANGEABLE

@@ -110,7 +110,8 @@ def build_parser() -> OneLineParser:
                         "of our checkpoints) with a fresh optimizer and data order: fine-tuning")
     g.add_argument("--resume", metavar="DIR", type=non_empty_path, default=None,
                    help=f"continue the run whose checkpoint is DIR; '{AUTO_RESUME}': the checkpoint in --save-dir "
-                        "where there is one, else start at step 1 (one command for a job's start and its requeues)")
+                        "where there is one, else start at step 1; nothing (exit 0) once it holds STEPS steps (one "
+                        "command for a job's start and its requeues)")
     g.add_argument("--eval-every", metavar="N", type=non_negative_int, default=0,
                    help="validation loss every N steps and at the end (default 0: at the end only)")
     g.add_argument("--eval-batches", metavar="N", type=non_negative_int, default=20,
@@ -254,6 +255,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     local_world = local_world_for(launch, cfg.world_size)
     try:
         ready = _prepare(cfg, corpus, launch, local_world, log)
+    except RunComplete:  # no failure: every process finds the same checkpoint and ends without the others
+        raise
     except Exception as err:
         # this process cannot start: tell the others now, or they wait for it until --rdzv-timeout
         reason = str(err) if isinstance(err, XtrainError) else f"{type(err).__name__}: {err}"
@@ -412,6 +415,7 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     is wrong."""
     if corpus is None:  # a TrainConfig made in code trains on the shipped data where it names none, as the CLI does
         cfg = replace(cfg, tokenizer=cfg.tokenizer or str(DEFAULT_TOKENIZER), corpus=cfg.corpus or str(DEFAULT_CORPUS))
+    auto_resume = cfg.resume == AUTO_RESUME
     cfg = resolve_auto_resume(cfg, log if launch.process_rank == 0 else lambda line: None)
     check_outputs(cfg)
     gpus = 0
@@ -445,7 +449,13 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         raise XtrainError("--init-from and --resume both say where the weights start: give one")
     first, resume_from = 1, None
     if cfg.resume:
-        step, notes, resume_from = checkpoint.check_resume(cfg, corpus)
+        try:
+            step, notes, resume_from = checkpoint.check_resume(cfg, corpus)
+        except checkpoint.AlreadyTrained as done:
+            if not auto_resume:  # an explicit --resume asks for more steps than it gave
+                raise
+            raise RunComplete(f"--resume {AUTO_RESUME}: checkpoint '{cfg.save_dir}' is at step {done.step} and "
+                              f"STEPS is {cfg.steps}: nothing left to train") from None
         first = step + 1
         if launch.process_rank == 0:
             for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
@@ -479,6 +489,11 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     fingerprint = config_fingerprint({**same_everywhere, "train_tokens": corpus.train_sha256,
                                       "val_tokens": corpus.val_sha256})
     return Prepared(engine, corpus, devices, cfg, fingerprint, resume_from, init_weights, examples)
+
+
+class RunComplete(XtrainError):
+    """--resume auto found the run already trained to STEPS: a requeued job that ended after its last save
+    runs its command once more, and that is success (exit status 0), not bad input."""
 
 
 def resolve_auto_resume(cfg: TrainConfig, log) -> TrainConfig:
@@ -611,6 +626,10 @@ def _main(argv: list[str]) -> int:
         raise
     try:
         report = train(cfg)
+    except RunComplete as done:
+        if detect_launch().process_rank == 0:
+            print(done)
+        return 0
     except RankFailed as e:
         if isinstance(e.error, CommAborted):  # every rank here only saw the abort: the line says whose failure it was
             print(f"{PROG}: error: rank {e.rank} stopped: {e.error}", file=sys.stderr)
