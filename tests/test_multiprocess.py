@@ -58,10 +58,10 @@ def oks(stdout):
     return re.findall(r"\bOK (\d+) ([0-9a-f]{64})", stdout)
 
 
-def torchrun_style(rank, world, port, args, **kw):
+def torchrun_style(rank, world, port, args, cwd=ROOT, **kw):
     """One process as torchrun would start it (the variables, without torchrun itself)."""
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, start_new_session=True,
+                            cwd=cwd, start_new_session=True,
                             env=env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **kw))
 
@@ -367,29 +367,40 @@ def test_mpi_processes_with_different_command_lines_are_refused():
     out = run([str(MPIRUN), "-n", "1", *command, ":", "-n", "1", *command, "--seed", "8"], timeout=120)
     assert out.returncode != 0
     assert ("train_ddp: error: MPI rank(s) 1 were started with a different configuration than rank 0 "
-            "(another command line, or other corpus or tokenizer files?)") in out.stderr
+            "(another command line, other corpus or tokenizer files, or --resume auto finding a checkpoint in "
+            "--save-dir on some machines only?)") in out.stderr
 
 
-@pytest.mark.parametrize("differ", ["seed", "corpus"])
+@pytest.mark.parametrize("differ", ["seed", "corpus", "resume-auto"])
 def test_tcp_processes_with_different_command_lines_are_refused_at_once(tmp_path, differ):
     """Both end within seconds, not at --rdzv-timeout (120 s here): rank 0 knows the job cannot start. A
     corpus of another content counts, though paths may differ between nodes: here rank 1's is the shipped
-    one cut short, which would have trained on other data."""
+    one cut short, which would have trained on other data. So does --resume auto where only rank 1's
+    machine has a checkpoint in --save-dir (here: the same relative path from another folder)."""
     port = free_port()
     base = ["-m", "xtrain_dist.train_ddp", "5", "8", "32", "--rdzv-timeout", "120"]
+    cwd = [ROOT, ROOT]
     if differ == "seed":
         other = [*base, "--seed", "8"]
-    else:
+    elif differ == "corpus":
         short = tmp_path / "short.txt"
         short.write_bytes(Path(DEFAULT_CORPUS).read_bytes()[:1_000_000])
         other = [*base[:5], DEFAULT_TOKENIZER, str(short), *base[5:]]
+    else:
+        cwd = [tmp_path / "node0", tmp_path / "node1"]
+        for folder in cwd:
+            folder.mkdir()
+        base = other = [*base, "--save-dir", "ck", "--resume", "auto"]
+        saved = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "8", "32", "--save-dir", "ck"],
+                               cwd=cwd[1], env=env(), capture_output=True, text=True, timeout=120)
+        assert saved.returncode == 0, saved.stderr
     t0 = time.monotonic()
-    procs = [torchrun_style(0, 2, port, base), torchrun_style(1, 2, port, other)]
+    procs = [torchrun_style(0, 2, port, base, cwd=cwd[0]), torchrun_style(1, 2, port, other, cwd=cwd[1])]
     (_, err0), (_, err1) = (p.communicate(timeout=100) for p in procs)
     assert time.monotonic() - t0 < 60
     assert [p.returncode for p in procs] == [2, 2]
-    why = ("rank 1 was started with a different configuration than rank 0 (another command line, or other "
-           "corpus or tokenizer files?)")
+    why = ("rank 1 was started with a different configuration than rank 0 (another command line, other corpus "
+           "or tokenizer files, or --resume auto finding a checkpoint in --save-dir on some machines only?)")
     assert err1.strip().splitlines()[-1] == \
         f"train_ddp: error: rendezvous: rank 0 at 127.0.0.1:{port} refused rank 1: {why}"
     last = err0.strip().splitlines()[-1]

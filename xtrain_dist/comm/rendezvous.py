@@ -56,6 +56,9 @@ _JOIN = struct.Struct("!4sHBII32s32s32sH")       # magic, version, kind, rank, w
 _REPLY = struct.Struct("!4sB32sI")                # magic, status, mac, body length
 HANDSHAKE_TIMEOUT_S = 10.0                        # one peer's handshake, once connected
 LINGER_S = 15.0                                   # how long rank 0 tells late joiners of a failure
+# what makes two processes' configurations differ, most likely first (--resume auto decides per process)
+CONFIGURATION_HINT = ("(another command line, other corpus or tokenizer files, or --resume auto finding a "
+                      "checkpoint in --save-dir on some machines only?)")
 
 
 def parse_hostport(text: str, default_port: int | None, what: str) -> tuple[str, int]:
@@ -208,7 +211,7 @@ class RendezvousServer:
                     of_this_job = False  # a stray second connection; the rank itself is here
                 if reason is None and not hmac.compare_digest(msg.fingerprint, self.fingerprint):
                     reason = (f"rank {msg.rank} was started with a different configuration than rank 0 "
-                              "(another command line, or other corpus or tokenizer files?)")
+                              f"{CONFIGURATION_HINT}")
                 if reason is None:
                     peers[msg.rank], nonces[msg.rank] = conn, msg.nonce
                     continue

@@ -15,6 +15,7 @@ import hashlib
 from ..errors import XtrainError
 from ..launch_env import Launch, detect_launch
 from .local import LocalGroup
+from .rendezvous import CONFIGURATION_HINT
 
 ENGINES = ("auto", "local", "mpi", "tcp", "nccl")
 
@@ -137,7 +138,7 @@ def _check_same_config_over_mpi(comm, fingerprint: bytes) -> None:
     differ = [r for r in range(comm.world_size) if everyone[32 * r:32 * (r + 1)].tobytes() != everyone[:32].tobytes()]
     if differ:
         raise XtrainError(f"MPI rank(s) {', '.join(map(str, differ))} were started with a different configuration "
-                          "than rank 0 (another command line, or other corpus or tokenizer files?)")
+                          f"than rank 0 {CONFIGURATION_HINT}")
 
 
 def open_world(engine: str, *, launch: Launch | None = None, local_world: int = 1, timeout_s: float = 300.0,
