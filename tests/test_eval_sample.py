@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from xtrain_dist import evaluate, metrics
+from xtrain_dist import checkpoint, evaluate, metrics
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -165,12 +165,16 @@ def test_a_resumed_run_continues_the_metrics_file_and_redone_steps_replace_lost_
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_the_evaluate_command_gives_the_runs_own_validation_loss(corpus, tmp_path, world):
+def test_the_evaluate_command_gives_the_runs_own_validation_loss(corpus, tmp_path, world, monkeypatch):
     """DIR alone: the held-out windows the run measured (its corpus, BATCH, SEQ and --eval-batches, from
     trainer_state.json), so the loss the run printed at its last step: to the bit from a world-1 run, to
-    float32 GEMM rounding from a world-2 one (its batches are split into other shapes)."""
+    float32 GEMM rounding from a world-2 one (its batches are split into other shapes). The checkpoint is
+    read and verified once, its model and trainer state together."""
     report = run(corpus, 3, world=world, save_dir=tmp_path / "ck", eval_batches=3)
+    reads, real_open = [], checkpoint.open_checkpoint
+    monkeypatch.setattr(checkpoint, "open_checkpoint", lambda path, read: reads.append(read) or real_open(path, read))
     loss, line = evaluate.evaluate_checkpoint([str(tmp_path / "ck")])
+    assert reads == [(checkpoint.MODEL, checkpoint.CONFIG, checkpoint.TOKENIZER, checkpoint.STATE)]
     if world == 1:
         assert loss == report["val_losses"][-1][1]
     assert loss == pytest.approx(report["val_losses"][-1][1], rel=1e-6)

@@ -95,16 +95,6 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def _run_of(folder: Path) -> dict:
-    """The trainer state of one of our checkpoints (Checkpoint.state: verified and checked, a corrupt one is
-    one line): what held-out set its run measured."""
-    from .checkpoint import STATE, open_checkpoint
-    if not (folder / STATE).is_file():
-        raise XtrainError(f"checkpoint '{folder}' has no {STATE} (it is not a run of ours): give CORPUS to "
-                          "evaluate it on")
-    return open_checkpoint(folder, read=(STATE,)).state
-
-
 def evaluate_checkpoint(argv) -> tuple[float, str]:
     """(the mean loss, the line that says it) for the command line's arguments."""
     from .checkpoint import STATE, TOKENIZER
@@ -113,9 +103,14 @@ def evaluate_checkpoint(argv) -> tuple[float, str]:
 
     args = build_parser().parse_args(argv)
     folder = Path(args.checkpoint)
-    model, _ = load_for_command(PROG, folder, args.backend)
-    # a run of ours gives the defaults (its BATCH, SEQ and --eval-batches), also on another CORPUS
-    run = _run_of(folder) if args.corpus is None or (folder / STATE).is_file() else None
+    model, _, ckpt = load_for_command(PROG, folder, args.backend)
+    # a run of ours (Checkpoint.state: checked, a corrupt one is one line) gives what held-out set it measured
+    # and the defaults (its BATCH, SEQ and --eval-batches), also on another CORPUS
+    has_state = STATE in ckpt.manifest.get("files", {})
+    if args.corpus is None and not has_state:
+        raise XtrainError(f"checkpoint '{folder}' has no {STATE} (it is not a run of ours): give CORPUS to "
+                          "evaluate it on")
+    run = ckpt.state if has_state else None
     config = run["config"] if run else {}
     batch, seq = args.batch or config.get("batch") or 8, args.seq or config.get("seq") or 64
     batches = args.batches or config.get("eval_batches") or 20

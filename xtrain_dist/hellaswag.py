@@ -257,7 +257,7 @@ def build_parser() -> OneLineParser:
 
 def evaluate(argv) -> str:
     args = build_parser().parse_args(argv)
-    model, tokenizer = load_for_command(PROG, args.checkpoint, args.backend)
+    model, tokenizer, _ = load_for_command(PROG, args.checkpoint, args.backend)
     examples = read_eval_file(args.eval_file, tokenizer.get_vocab_size(with_added_tokens=True), what="EVALFILE")
     check(examples, model.config.n_ctx, args.eval_file, what="EVALFILE")
     evaluator = HellaSwag(examples, args.tokens, 0, 1, model.ops)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .backend import BACKENDS, get_backend
-from .checkpoint import CONFIG, EOS, MODEL, TOKENIZER, open_pretrained
+from .checkpoint import CONFIG, EOS, MODEL, STATE, TOKENIZER, is_checkpoint, open_pretrained
 from .cli import OneLineParser, non_negative_float, non_negative_int, positive_int, run_command, utf8_text
 from .data import encode_checked
 from .errors import XtrainError
@@ -27,9 +27,11 @@ PROG = "sample"
 
 
 def load(path, backend):
-    """(model, tokenizer, checkpoint) of the checkpoint folder at `path`: one of ours, or a Hugging Face
-    GPT-2 folder with config.json, model.safetensors and tokenizer.json (the Hub's gpt2 has them)."""
-    ckpt = open_pretrained(path, read=(MODEL, CONFIG, TOKENIZER), what="checkpoint")
+    """(model, tokenizer, checkpoint) of the checkpoint folder at `path`: one of ours (its trainer state
+    read too, in the one verifying pass, for what the run measured), or a Hugging Face GPT-2 folder with
+    config.json, model.safetensors and tokenizer.json (the Hub's gpt2 has them)."""
+    ckpt = open_pretrained(path, read=(MODEL, CONFIG, TOKENIZER, STATE), what="checkpoint") if is_checkpoint(path) \
+        else open_pretrained(path, read=(MODEL, CONFIG, TOKENIZER), what="checkpoint")
     try:
         config = ckpt.gpt_config()
     except XtrainError as err:
@@ -47,12 +49,12 @@ def load(path, backend):
 
 
 def load_for_command(prog: str, path, backend: str):
-    """load() for a command line: (model, tokenizer) of the checkpoint at `path` on `backend` (its device 0),
-    with the checkpoint's note, if it has one, on stderr."""
+    """load() for a command line: (model, tokenizer, checkpoint) of the checkpoint at `path` on `backend`
+    (its device 0), with the checkpoint's note, if it has one, on stderr."""
     model, tokenizer, ckpt = load(path, get_backend(backend, 0))
     if ckpt.note:
         print(f"{prog}: {ckpt.note}", file=sys.stderr)
-    return model, tokenizer
+    return model, tokenizer, ckpt
 
 
 def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: int | None,
@@ -136,7 +138,7 @@ def build_parser() -> OneLineParser:
 
 def sample_text(argv) -> str:
     args = build_parser().parse_args(argv)
-    model, tokenizer = load_for_command(PROG, args.checkpoint, args.backend)
+    model, tokenizer, _ = load_for_command(PROG, args.checkpoint, args.backend)
     ids = prompt_ids(tokenizer, args.prompt, Path(args.checkpoint) / TOKENIZER)
     return continuation(model, tokenizer, ids, args.tokens, args.temperature, args.top_k, args.seed,
                         show_prompt=bool(args.prompt), cache=not args.no_cache)
