@@ -114,8 +114,8 @@ def test_another_command_line_ends_the_job_at_once():
     joined = start(1, 3, port, fingerprint="steps=10")
     time.sleep(0.5)  # most likely waiting at rank 0 by now; either way it must hear the same
     code, _, err = finish(start(2, 3, port, fingerprint="steps=20"))
-    why = ("rank 2 was started with a different configuration than rank 0 (another command line, or other "
-           "corpus or tokenizer files?)")
+    why = ("rank 2 was started with a different configuration than rank 0 (another command line, other corpus "
+           "or tokenizer files, or --resume auto finding a checkpoint in --save-dir on some machines only?)")
     assert code == 2 and error_of(err) == f"rendezvous: rank 0 at 127.0.0.1:{port} refused rank 2: {why}"
     code, _, err = finish(joined)
     assert code == 2 and error_of(err) == f"rendezvous: rank 0 at 127.0.0.1:{port} refused rank 1: {why}"
