@@ -3,6 +3,7 @@ launches by hand (TCP). Training matches world 1 and keeps every rank's paramete
 collectives are rank-order sums whatever MPI's own algorithm; a killed or failing process ends the job
 with a non-zero exit, never a hang. Every subprocess has a hard deadline, so nothing here can hang CI."""
 
+import contextlib
 import json
 import os
 import re
@@ -64,6 +65,19 @@ def torchrun_style(rank, world, port, args, cwd=ROOT, **kw):
                             cwd=cwd, start_new_session=True,
                             env=env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **kw))
+
+
+@contextlib.contextmanager
+def reaped(procs: list):
+    """At the end of the block, kill the process group of each of `procs` that still runs and collect them
+    all: a failed assertion must not leave a training job behind."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +249,7 @@ def test_a_killed_process_ends_the_mpi_job():
     job = subprocess.Popen([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "5000", "8", "32",
                             "--comm-timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            cwd=ROOT, env=env(XTRAIN_TEST_RUN=marker), start_new_session=True)
-    try:
+    with reaped([job]):
         _wait_for_progress(job)
         victims = _pids_with(marker, MPI_RANK_VARIABLES, "1")
         assert len(victims) == 1, victims
@@ -246,18 +260,13 @@ def test_a_killed_process_ends_the_mpi_job():
         while _pids_with(marker, MPI_RANK_VARIABLES, "0") and time.monotonic() < end:
             time.sleep(0.2)
         assert not _pids_with(marker, MPI_RANK_VARIABLES, "0"), "rank 0 outlived the job"
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
 
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_process_ends_its_tcp_peer(victim):
     port = free_port()
     args = ["-m", "xtrain_dist.train_ddp", "5000", "8", "32", "--comm-timeout", "60"]
-    procs = [torchrun_style(r, 2, port, args) for r in range(2)]
-    try:
+    with reaped([torchrun_style(r, 2, port, args) for r in range(2)]) as procs:
         _wait_for_progress(procs[0])
         os.kill(procs[victim].pid, signal.SIGKILL)
         survivor = procs[1 - victim]
@@ -267,11 +276,6 @@ def test_a_killed_process_ends_its_tcp_peer(victim):
         assert err.strip().splitlines()[-1].startswith(
             f"train_ddp: error: rank {1 - victim} stopped: all_reduce aborted: the connection to rank "
             f"{victim} broke in all_reduce")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
 
 
 @pytest.mark.parametrize("sig, target", [(signal.SIGUSR1, 1), (signal.SIGTERM, 0)])
@@ -282,16 +286,10 @@ def test_a_stop_signal_to_one_process_stops_every_process_after_the_same_step(tm
     folder = tmp_path / "ck"
     args = ["-m", "xtrain_dist.train_ddp", "5000", "8", "32", "--save-dir", str(folder), "--comm-timeout", "60"]
     port = free_port()
-    procs = [torchrun_style(r, 2, port, args) for r in range(2)]
-    try:
+    with reaped([torchrun_style(r, 2, port, args) for r in range(2)]) as procs:
         _wait_for_progress(procs[0])
         os.kill(procs[target].pid, sig)
         outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
     assert [p.returncode for p in procs] == [143, 143], [err for _, err in outs]
     step = int(re.match(r"stopped after step (\d+) of 5000: ", outs[0][0].splitlines()[-1])[1])
     assert json.loads((folder / "trainer_state.json").read_text())["step"] == step
@@ -314,16 +312,10 @@ def test_a_requeued_job_that_had_finished_ends_in_every_process_at_once(tmp_path
     assert run([sys.executable, *args]).returncode == 0
     args += ["--resume", "auto"]
     port = free_port()
-    procs = [torchrun_style(1, 2, port, args)]
-    try:
-        assert procs[0].communicate(timeout=20) == ("", "") and procs[0].returncode == 0
-        procs = [torchrun_style(r, 2, port, args) for r in range(2)]  # the rendezvous would wait 300 s
+    with reaped([torchrun_style(1, 2, port, args)]) as alone:
+        assert alone[0].communicate(timeout=20) == ("", "") and alone[0].returncode == 0
+    with reaped([torchrun_style(r, 2, port, args) for r in range(2)]) as procs:  # the rendezvous would wait 300 s
         outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
     assert outs == [(f"--resume auto: checkpoint '{folder}' is at step 2 and STEPS is 2: nothing left to train\n", ""),
                     ("", "")]
@@ -338,14 +330,10 @@ def test_mpirun_passes_a_stop_signal_on_and_the_job_stops_after_a_step(tmp_path)
     job = subprocess.Popen([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "5000", "8", "32",
                             "--save-dir", str(folder), "--comm-timeout", "60"], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(), start_new_session=True)
-    try:
+    with reaped([job]):
         _wait_for_progress(job)
         job.send_signal(signal.SIGUSR1)
         out, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
     assert job.returncode == 143, err
     step = int(re.match(r"stopped after step (\d+) of 5000: ", out.splitlines()[-1])[1])
     assert json.loads((folder / "trainer_state.json").read_text())["step"] == step
