@@ -30,8 +30,8 @@ def load(path, backend):
     """(model, tokenizer, checkpoint) of the checkpoint folder at `path`: one of ours (its trainer state
     read too, in the one verifying pass, for what the run measured), or a Hugging Face GPT-2 folder with
     config.json, model.safetensors and tokenizer.json (the Hub's gpt2 has them)."""
-    ckpt = open_pretrained(path, read=(MODEL, CONFIG, TOKENIZER, STATE), what="checkpoint") if is_checkpoint(path) \
-        else open_pretrained(path, read=(MODEL, CONFIG, TOKENIZER), what="checkpoint")
+    wanted = (MODEL, CONFIG, TOKENIZER) + ((STATE,) if is_checkpoint(path) else ())  # only ours: our trainer state
+    ckpt = open_pretrained(path, read=wanted, what="checkpoint")
     try:
         config = ckpt.gpt_config()
     except XtrainError as err:
