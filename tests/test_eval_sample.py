@@ -175,6 +175,9 @@ def test_the_evaluate_command_gives_the_runs_own_validation_loss(corpus, tmp_pat
     monkeypatch.setattr(checkpoint, "open_checkpoint", lambda path, read: reads.append(read) or real_open(path, read))
     loss, line = evaluate.evaluate_checkpoint([str(tmp_path / "ck")])
     assert reads == [(checkpoint.MODEL, checkpoint.CONFIG, checkpoint.TOKENIZER, checkpoint.STATE)]
+    # a save cut short between its two renames leaves only .ck.new: evaluate reads all of it from there
+    (tmp_path / "ck").rename(tmp_path / ".ck.new")
+    assert evaluate.evaluate_checkpoint([str(tmp_path / "ck")]) == (loss, line)
     if world == 1:
         assert loss == report["val_losses"][-1][1]
     assert loss == pytest.approx(report["val_losses"][-1][1], rel=1e-6)

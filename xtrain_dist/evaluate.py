@@ -114,13 +114,14 @@ def evaluate_checkpoint(argv) -> tuple[float, str]:
     config = run["config"] if run else {}
     batch, seq = args.batch or config.get("batch") or 8, args.seq or config.get("seq") or 64
     batches = args.batches or config.get("eval_batches") or 20
+    tokenizer = ckpt.folder / TOKENIZER  # where it was read: after an interrupted save, not under DIR
     if args.corpus is not None:
-        corpus = Corpus.load(folder / TOKENIZER, args.corpus, val_path=args.corpus)
+        corpus = Corpus.load(tokenizer, args.corpus, val_path=args.corpus)
         source = f"corpus '{args.corpus}'"
     else:
         data = run["data"]
         # val_corpus: absent from checkpoints written before --val-corpus, whose runs held out a split
-        corpus = Corpus.load(folder / TOKENIZER, data["corpus"], val_path=data.get("val_corpus") or None)
+        corpus = Corpus.load(tokenizer, data["corpus"], val_path=data.get("val_corpus") or None)
         if corpus.train_sha256 != data["train_tokens_sha256"]:
             raise XtrainError(f"corpus '{data['corpus']}' no longer gives the ids checkpoint '{folder}' was trained "
                               "on: it changed since the run; give CORPUS to evaluate on it as it is")
