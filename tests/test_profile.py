@@ -9,7 +9,7 @@ from xtrain_dist.backend import numpy_ops
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
-from xtrain_dist.profile import OpProfiler, flops_per_token, peak_for
+from xtrain_dist.profile import OpProfiler, flops_per_token, mfu, peak_for
 
 
 def one_step(backend, config, ids, targets, attention="standard"):
@@ -165,6 +165,12 @@ def test_flops_per_token_is_nanogpts_count():
     assert n == 124_439_808
     assert flops_per_token(mcfg, n, 1024) == 6 * (124_439_808 - 786_432) + 12 * 12 * 768 * 1024
     assert flops_per_token(mcfg, n, 1024) == 855_166_464
+
+
+def test_mfu_is_the_share_of_the_peak_a_step_reaches():
+    assert mfu(2e12, 500.0, 1e13) == pytest.approx(0.4)  # 2 TFLOP in half a second, of 10 TFLOP/s
+    # GPT-2 124M, 8 x 1024 tokens in 100 ms against an H100 SXM's bf16 peak: about 7%
+    assert mfu(855_166_464 * 8 * 1024, 100.0, 989.4e12) == pytest.approx(0.070806, abs=1e-6)
 
 
 def test_peak_for_names_the_parts_nvidia_smi_reports():

@@ -80,6 +80,12 @@ def flops_per_token(mcfg, num_params: int, seq: int) -> float:
     return 6.0 * matmul_params + 12.0 * mcfg.n_layer * mcfg.n_embd * seq
 
 
+def mfu(step_flops: float, ms: float, peak_flops: float) -> float:
+    """Model flops utilisation: the share of `peak_flops` (FLOP/s) that a step of `step_flops` model flops
+    taking `ms` milliseconds reaches."""
+    return step_flops / (ms * 1e-3) / peak_flops
+
+
 @dataclass
 class OpTime:
     name: str

@@ -18,7 +18,7 @@ from .hellaswag import HellaSwag
 from .hellaswag import load as load_hellaswag
 from .model import GPT2
 from .optim import lr_at, make_optimizer
-from .profile import OpProfiler, flops_per_token
+from .profile import OpProfiler, flops_per_token, mfu
 from .sample import continuation, prompt_ids
 
 
@@ -154,7 +154,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                   "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
                   "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
         if peak_flops:
-            record["mfu"] = result.step_flops / (ms * 1e-3) / peak_flops
+            record["mfu"] = mfu(result.step_flops, ms, peak_flops)
         if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
             # both are all-reduced, so every rank stops at this step together, before a save could put
             # parameters that are no longer numbers over a good checkpoint

@@ -39,7 +39,7 @@ from .launch import RankFailed, run_thread_ranks
 from .launch_env import Launch, detect_launch, gpu_for, local_world_for
 from .model import ATTENTIONS, RECOMPUTE_LEVELS, check_recompute
 from .optim import LR_SCHEDULES, check_schedule
-from .profile import peak_for, rows_markdown
+from .profile import mfu, peak_for, rows_markdown
 from .train import train_rank
 
 PROG = "train_ddp"
@@ -321,7 +321,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "step_ms": lead.step_ms,
         "ms_per_step": ms,
         "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
-        "mfu": lead.step_flops / (ms * 1e-3) / peak_flops if peak_flops else None,  # of the mean step
+        "mfu": mfu(lead.step_flops, ms, peak_flops) if peak_flops else None,  # of the mean step
         "wall_s": wall,
         **ddp.report_fields(cfg, results),
         # every rank of the job, in rank order, also those of other processes
@@ -651,10 +651,10 @@ def _main(argv: list[str]) -> int:
     val += f", hellaswag {report['hellaswag'][-1][1]:.4f}" if report["hellaswag"] else ""
     pools = list(report["memory"].get("gpu_pool_bytes", {}).values())
     gpu = f", GPU memory held {'up to ' if len(pools) > 1 else ''}{memory.gib(max(pools))}" if pools else ""
-    mfu = f", MFU {100 * report['mfu']:.1f}%" if report["mfu"] is not None else ""
+    utilisation = f", MFU {100 * report['mfu']:.1f}%" if report["mfu"] is not None else ""
     head = f"stopped after step {stopped['step']} of {cfg.steps}" if stopped else "done"
     print(f"{head}: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
-          f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s{mfu}, "
+          f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s{utilisation}, "
           f"peak RSS {memory.gib(report['memory']['peak_rss_bytes'])}{gpu}"
           + (f", report {cfg.report}" if cfg.report else ""))
     if stopped:
