@@ -51,6 +51,18 @@ def test_world1_learns(world1):
     assert np.mean(losses[-3:]) < losses[0] - 0.5
 
 
+def test_log_every_prints_the_first_step_its_multiples_and_the_last(corpus, tmp_path):
+    """--log-every 4 on 10 steps: 1, 4, 8, 10; resumed after step 5, the resumed run's first step, 6, then 8, 10."""
+    def printed_steps(**kw):
+        lines = []
+        run(corpus, 1, steps=10, batch=2, seq=16, log=lines.append, log_every=4, **kw)
+        return [int(re.match(r"step +(\d+)/10 ", line)[1]) for line in lines if line.startswith("step ")]
+
+    assert printed_steps() == [1, 4, 8, 10]
+    run(corpus, 1, steps=5, batch=2, seq=16, lr_decay_steps=10, save_dir=str(tmp_path / "ck"))
+    assert printed_steps(lr_decay_steps=10, resume=str(tmp_path / "ck")) == [6, 8, 10]
+
+
 def test_same_command_twice_gives_the_same_bits(corpus, world1):
     again = run(corpus, 1)
     assert again["param_sha256"] == world1["param_sha256"]

@@ -172,7 +172,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             record["sample"] = continuation(model, corpus.tokenizer, prompt, cfg.sample_tokens, seed=cfg.seed,
                                             show_prompt=bool(cfg.sample_prompt))
         result.add(record)
-        if rank == 0 and (step % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)
+        # the run's first step, then steps N, 2N, ... of --log-every N, and every step that has more to show
+        if rank == 0 and (step == start or done % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)
                           or "sample" in record or stopping):
             log(metrics.progress_line(record, cfg.steps))
         if "sample" in record:
