@@ -88,8 +88,8 @@ def error_line(out):
                                      "to the other"),
     ((5, 8, 32, "--lr-schedule", "constant", "--min-lr", "0.0001"), "--min-lr has no effect with --lr-schedule "
                                                                     "constant"),
-    ((5, 8, 32, "--lr-schedule", "constant", "--lr-decay-steps", 3), "--lr-decay-steps has no effect with "
-                                                                     "--lr-schedule constant"),
+    ((5, 8, 32, "--lr-schedule", "constant", "--lr-decay-steps", 3), "--lr-decay-steps is for a schedule that "
+     "decays, not --lr-schedule constant; the warmup is --warmup-steps (default STEPS/20)"),
     ((5, 8, 32, "--cooldown-steps", 2), "--cooldown-steps is for --lr-schedule wsd (this run's schedule is cosine)"),
     ((5, 8, 32, "--lr-schedule", "wsd", "--warmup-steps", 3, "--cooldown-steps", 3),
      "--warmup-steps (3) and --cooldown-steps (3) together exceed --lr-decay-steps (5): the cooldown would start in "

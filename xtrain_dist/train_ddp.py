@@ -163,9 +163,12 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     for flag, value in (("--save-every", args.save_every), ("--keep-every", args.keep_every)):
         if value and not args.save_dir:
             raise XtrainError(f"{flag} needs --save-dir")
-    for flag, value in (("--min-lr", args.min_lr), ("--lr-decay-steps", args.lr_decay_steps)):
-        if value is not None and args.lr_schedule == "constant":
-            raise XtrainError(f"{flag} has no effect with --lr-schedule constant")
+    if args.min_lr is not None and args.lr_schedule == "constant":
+        raise XtrainError("--min-lr has no effect with --lr-schedule constant")
+    if args.lr_decay_steps is not None and args.lr_schedule == "constant":
+        # it would only move the warmup's default (a twentieth of it): say which option sets the warmup
+        raise XtrainError("--lr-decay-steps is for a schedule that decays, not --lr-schedule constant; "
+                          "the warmup is --warmup-steps (default STEPS/20)")
     for flag, value in (("--sample-tokens", args.sample_tokens), ("--sample-prompt", args.sample_prompt)):
         if value and not args.sample_every:
             raise XtrainError(f"{flag} needs --sample-every")
