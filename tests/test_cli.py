@@ -197,7 +197,8 @@ def test_a_report_that_cannot_be_written_fails_before_training(tmp_path):
 def test_outputs_on_the_runs_own_files_are_refused_before_anything_is_written(tmp_path):
     """--report and --metrics are compared with the tokenizer, the corpus and each other as files, not
     names (a symlink or a hard link is the same file), and refused inside --save-dir, which every save
-    replaces, as is the corpus. Every file keeps its bytes and none appears."""
+    replaces, as is the corpus, and inside the folder of --resume or --init-from. Every file keeps its bytes
+    and none appears."""
     tok, corpus, ckpt = tmp_path / "tok.json", tmp_path / "corpus.txt", tmp_path / "ckpt"
     tok.write_bytes(Path(DEFAULT_TOKENIZER).read_bytes())
     corpus.write_text(Path(DEFAULT_CORPUS).read_text(encoding="utf-8")[:20_000], encoding="utf-8")
@@ -216,6 +217,11 @@ def test_outputs_on_the_runs_own_files_are_refused_before_anything_is_written(tm
          f"--metrics '{ckpt / 'm.jsonl'}' is inside --save-dir '{ckpt}': every checkpoint save replaces that folder"),
         (("--save-dir", tmp_path),
          f"corpus '{corpus}' is inside --save-dir '{tmp_path}': every checkpoint save replaces that folder"),
+        # the folders a run reads its start from (an audit wrote a report over a checkpoint's weights)
+        (("--resume", ckpt, "--report", ckpt / "model.safetensors"), f"--report '{ckpt / 'model.safetensors'}' is "
+         f"inside --resume '{ckpt}': the run would write into the checkpoint it reads"),
+        (("--init-from", ckpt, "--metrics", ckpt / "trainer_state.json"), f"--metrics '{ckpt / 'trainer_state.json'}' "
+         f"is inside --init-from '{ckpt}': the run would write into the checkpoint it reads"),
     ]:
         assert error_line(cli(2, 4, 16, tok, corpus, *args)) == f"train_ddp: error: {message}"
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -213,8 +213,9 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
 
 def check_outputs(cfg: TrainConfig) -> None:
     """Refuse a run that would write over its own files: --report or --metrics on the tokenizer, the corpus
-    or each other, or an output (or the corpus) inside --save-dir, a folder that every save replaces whole.
-    Files are compared, not names, so a relative path, a symlink or a hard link is caught too."""
+    or each other, or inside the folder of --resume or --init-from (which it reads) or of --save-dir (which
+    every save replaces whole, so the corpus may not lie there either). Files are compared, not names, so a
+    relative path, a symlink or a hard link is caught too."""
     outputs = [(flag, path) for flag, path in (("--report", cfg.report), ("--metrics", cfg.metrics)) if path]
     inputs = [("the tokenizer", cfg.tokenizer), ("the corpus", cfg.corpus), ("the validation corpus", cfg.val_corpus),
               ("the --hellaswag file", cfg.hellaswag)]
@@ -223,6 +224,11 @@ def check_outputs(cfg: TrainConfig) -> None:
     if len(outputs) == 2 and files.same_file(cfg.report, cfg.metrics):
         raise XtrainError(f"--report '{cfg.report}' and --metrics '{cfg.metrics}' are the same file: the report "
                           "would replace the metrics")
+    for flag, folder in (("--resume", cfg.resume), ("--init-from", cfg.init_from)):
+        for name, path in outputs if folder and folder != "auto" else []:
+            if files.inside(path, folder):
+                raise XtrainError(f"{name} '{path}' is inside {flag} '{folder}': the run would write into the "
+                                  "checkpoint it reads")
     inputs_in_run = [("corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus), ("--hellaswag", cfg.hellaswag)]
     for name, path in [*outputs, *inputs_in_run] if cfg.save_dir else []:
         if path and files.inside(path, cfg.save_dir):
