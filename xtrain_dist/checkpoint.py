@@ -481,7 +481,7 @@ class Checkpoint:
 
     def _optimizer_pieces(self, used: int):
         """(start, m, v) of every saved optimizer file in order, checked to continue one another from element 0
-        and to cover the model's `used` elements."""
+        and to cover exactly the model's `used` elements (more would be another model's state)."""
         info = self.state["optimizer"]
         covered = 0
         for name in info["files"]:
@@ -497,7 +497,7 @@ class Checkpoint:
                 raise self._corrupt(f"{name} does not continue the optimizer state at element {covered}")
             yield start, shard_m, shard_v
             covered = start + shard_m.size
-        if covered < used:
+        if covered != used:
             raise self._corrupt(f"the optimizer files cover flat[0:{covered}], the model has {used} elements")
 
     def optimizer_state(self, lo: int, hi: int, used: int) -> dict:
