@@ -227,6 +227,15 @@ def test_outputs_on_the_runs_own_files_are_refused_before_anything_is_written(tm
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+@pytest.mark.parametrize("flag", ["CORPUS", "--report", "--save-dir", "--resume"])
+def test_a_name_longer_than_the_file_system_allows_is_bad_input(tmp_path, flag):
+    """pathlib's stat() raises ENAMETOOLONG wherever such a path is first looked at: one line, status 2."""
+    long = tmp_path / ("x" * 300)
+    args = (DEFAULT_TOKENIZER, long) if flag == "CORPUS" else (flag, long)
+    assert error_line(cli(2, 4, 16, *args)) == \
+        f"train_ddp: error: '{long}' cannot be used: a name in it is longer than the file system allows"
+
+
 def test_a_report_to_a_pipe(tmp_path):
     """A device or a pipe (here /dev/stdout, a pipe to this test) is written as it is, not replaced by a
     regular file (tests/test_files.py holds the rest of how outputs are written)."""

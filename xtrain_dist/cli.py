@@ -1,6 +1,7 @@
 """What the command lines share: a parser whose errors are one line, and the argument types they check."""
 
 import argparse
+import errno
 import os
 import re
 import sys
@@ -55,8 +56,8 @@ utf8_text = _checked(_utf8, lambda text: True, "UTF-8 text")
 
 def run_command(prog: str, main: Callable[[], int | None]) -> int:
     """Run a command line's `main` and turn how it ends into an exit status: an XtrainError (bad input, a
-    missing engine) is the one line `prog: error: message` and status 2, Ctrl-C is `prog: interrupted` and
-    130. Anything else is a bug and keeps its traceback."""
+    missing engine, a path with a name too long for the file system) is the one line `prog: error: message`
+    and status 2, Ctrl-C is `prog: interrupted` and 130. Anything else is a bug and keeps its traceback."""
     try:
         return main() or 0
     except XtrainError as e:
@@ -69,3 +70,11 @@ def run_command(prog: str, main: Callable[[], int | None]) -> int:
         # Python flushes stdout once more at exit: point it at /dev/null so that cannot fail as well
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:
+        # a path with a name longer than the file system takes fails at the first stat() of it, wherever
+        # that is: it is bad input like any other (the path is in the error), not a bug
+        if e.errno != errno.ENAMETOOLONG:
+            raise
+        print(f"{prog}: error: '{e.filename}' cannot be used: a name in it is longer than the file system allows",
+              file=sys.stderr)
+        return 2
