@@ -58,6 +58,29 @@ def test_plot_metrics_refuses_a_file_with_nothing_to_plot(tmp_path):
         "--smooth must be a positive integer, got '0'"
 
 
+@pytest.mark.parametrize("name, args", [
+    ("bench_collectives", ["--out", ""]), ("bench_cpu", ["--out", ""]), ("bench_ddp", ["--out", ""]),
+    ("bench_gpu", ["--out", ""]), ("bench_recompute", ["1", "2", "16", "--out", ""]), ("bench_sample", ["--out", ""]),
+    ("fit_overhead_model", ["--out", ""]), ("fit_overhead_model", ["--ddp", ""]), ("prepare_corpus", ["--out", ""]),
+    ("plot_metrics", ["m.jsonl", "-o", ""]), ("plot_metrics", ["", "-o", "p.png"]),
+])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(name, args):
+    """Path("") is "." : `fit_overhead_model --out ""` wrote over the committed results under bench/."""
+    flag = {"-o": "-o/--out"}.get(args[-2], args[-2]) if args[-1] == "" else "METRICS"
+    assert error(name, *args) == f"{flag} must be a path, got ''"
+
+
+def test_tools_refuse_to_write_over_their_input(tmp_path):
+    run = write_metrics(tmp_path / "run.png", [{"step": 1, "loss": 3.0}])
+    assert error("plot_metrics", run, "-o", run) == f"--out '{run}' is the metrics file '{run}': the plot would " \
+                                                    "replace it"
+    sdist = tmp_path / "s.tar.gz"
+    sdist.write_bytes(b"not an sdist")
+    assert error("prepare_corpus", "--sdist", sdist, "--out", sdist) == \
+        f"--out '{sdist}' is --sdist '{sdist}': the sdist would be replaced"
+    assert run.read_text() == '{"step": 1, "loss": 3.0}\n' and sdist.read_bytes() == b"not an sdist"
+
+
 def test_plot_metrics_names_what_it_cannot_use(tmp_path):
     good = write_metrics(tmp_path / "run.jsonl", [{"step": 1, "loss": 3.0}])
     binary = tmp_path / "run.bin"

@@ -6,6 +6,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from .errors import XtrainError
 
@@ -42,6 +43,8 @@ non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a number 
 positive_float = _checked(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
 # an empty path would read as "not given" and quietly switch the report, checkpoint or metrics off
 non_empty_path = _checked(str, bool, "a path")
+# the same as a Path, for the tools' --out and input options: Path("") would be ".", the folder they run in
+path_arg = _checked(lambda text: Path(text) if text else None, bool, "a path")
 
 
 def _utf8(text: str) -> str:
