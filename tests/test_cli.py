@@ -145,6 +145,17 @@ def test_a_file_that_is_not_a_tokenizer(tmp_path):
     assert line.startswith(f"train_ddp: error: tokenizer '{bogus}' is not a tokenizers JSON file")
 
 
+def test_a_tokenizer_without_a_vocabulary(tmp_path):
+    """It encoded every corpus to nothing, and the run blamed the corpus for being empty."""
+    import tokenizers
+
+    empty = tmp_path / "empty.json"
+    tokenizers.Tokenizer(tokenizers.models.BPE()).save(str(empty))
+    assert error_line(cli(5, 8, 32, empty, DEFAULT_CORPUS)) == \
+        f"train_ddp: error: tokenizer '{empty}' has 0 token(s) in its vocabulary: a model needs at least 2 to choose " \
+        "between"
+
+
 def test_a_corpus_shorter_than_seq(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("To be, or not to be, that is the question.\n" * 3)

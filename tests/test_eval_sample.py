@@ -226,6 +226,9 @@ def test_the_evaluate_command_says_what_it_cannot_do_in_one_line(corpus, trained
         ([trained, "--seq", "129"], "--seq (129) exceeds the model's context length (128)"),
         ([tmp_path / "nope"], f"checkpoint '{tmp_path / 'nope'}' not found"),
         ([trained, few], f"corpus '{few}' has {n_few} tokens, too few for one window of SEQ=16 and its targets"),
+        # sizes no machine holds: numpy's allocation error as one line, not its traceback
+        ([trained, "--batches", "99999999999"], "not enough memory: Unable to allocate 2.91 TiB for an array with "
+                                                "shape (399999999996,) and data type int64"),
     ]:
         out = subprocess.run([sys.executable, "-m", "xtrain_dist.evaluate", *map(str, args)], capture_output=True,
                              text=True, timeout=120)

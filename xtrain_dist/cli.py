@@ -59,8 +59,9 @@ utf8_text = _checked(_utf8, lambda text: True, "UTF-8 text")
 
 def run_command(prog: str, main: Callable[[], int | None]) -> int:
     """Run a command line's `main` and turn how it ends into an exit status: an XtrainError (bad input, a
-    missing engine, a path with a name too long for the file system) is the one line `prog: error: message`
-    and status 2, Ctrl-C is `prog: interrupted` and 130. Anything else is a bug and keeps its traceback."""
+    missing engine, a path with a name too long for the file system, an allocation larger than memory) is
+    the one line `prog: error: message` and status 2, Ctrl-C is `prog: interrupted` and 130. Anything else
+    is a bug and keeps its traceback."""
     try:
         return main() or 0
     except XtrainError as e:
@@ -73,6 +74,10 @@ def run_command(prog: str, main: Callable[[], int | None]) -> int:
         # Python flushes stdout once more at exit: point it at /dev/null so that cannot fail as well
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except MemoryError as e:  # sizes asked for that the machine cannot hold (numpy names the allocation)
+        message = str(e).strip().splitlines()
+        print(f"{prog}: error: not enough memory: {message[0] if message else 'MemoryError'}", file=sys.stderr)
+        return 2
     except OSError as e:
         # a path with a name longer than the file system takes fails at the first stat() of it, wherever
         # that is: it is bad input like any other (the path is in the error), not a bug
