@@ -151,9 +151,8 @@ def test_a_tokenizer_without_a_vocabulary(tmp_path):
 
     empty = tmp_path / "empty.json"
     tokenizers.Tokenizer(tokenizers.models.BPE()).save(str(empty))
-    assert error_line(cli(5, 8, 32, empty, DEFAULT_CORPUS)) == \
-        f"train_ddp: error: tokenizer '{empty}' has 0 token(s) in its vocabulary: a model needs at least 2 to choose " \
-        "between"
+    assert error_line(cli(5, 8, 32, empty, DEFAULT_CORPUS)) == f"train_ddp: error: tokenizer '{empty}' has an empty " \
+                                                               "vocabulary"
 
 
 def test_a_corpus_shorter_than_seq(tmp_path):

@@ -481,7 +481,8 @@ class Checkpoint:
 
     def _optimizer_pieces(self, used: int):
         """(start, m, v) of every saved optimizer file in order, checked to continue one another from element 0
-        and to cover exactly the model's `used` elements (more would be another model's state)."""
+        and to cover the model's `used` elements; what they hold past those (ZeRO's padding) must be zero, as
+        the flat buffer's padding is, or they are another model's state."""
         info = self.state["optimizer"]
         covered = 0
         for name in info["files"]:
@@ -495,9 +496,12 @@ class Checkpoint:
                 raise self._corrupt(f"{name} is not an optimizer state (no m, v, start, step_count)") from None
             if start != covered or shard_m.shape != shard_v.shape or step_count != info["step_count"]:
                 raise self._corrupt(f"{name} does not continue the optimizer state at element {covered}")
+            past_used = slice(max(0, used - start), None)
+            if shard_m[past_used].any() or shard_v[past_used].any():
+                raise self._corrupt(f"{name} holds optimizer state past the model's {used} elements")
             yield start, shard_m, shard_v
             covered = start + shard_m.size
-        if covered != used:
+        if covered < used:
             raise self._corrupt(f"the optimizer files cover flat[0:{covered}], the model has {used} elements")
 
     def optimizer_state(self, lo: int, hi: int, used: int) -> dict:

@@ -78,9 +78,8 @@ def _parse_tokenizer(path: Path, raw: bytes) -> tokenizers.Tokenizer:
         raise XtrainError(f"tokenizer '{path}' is not a tokenizers JSON file (not UTF-8 text)") from None
     except Exception as err:  # the Rust side raises a bare Exception with serde's reason
         raise XtrainError(f"tokenizer '{path}' is not a tokenizers JSON file ({_first_line(err)})") from None
-    if tokenizer.get_vocab_size() < 2:  # an empty one made every corpus look empty: say what is wrong
-        raise XtrainError(f"tokenizer '{path}' has {tokenizer.get_vocab_size()} token(s) in its vocabulary: a "
-                          "model needs at least 2 to choose between")
+    if tokenizer.get_vocab_size() == 0:  # it made every corpus look empty: say what is wrong
+        raise XtrainError(f"tokenizer '{path}' has an empty vocabulary")
     # A tokenizer.json saved for fine-tuning may truncate to 512 tokens or pad; we want every token.
     tokenizer.no_truncation()
     tokenizer.no_padding()
