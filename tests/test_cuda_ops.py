@@ -386,11 +386,16 @@ def test_the_clock_times_the_gpu_not_the_host(be, rng):
     measures the stall, though the host queued both marks in microseconds."""
     a = cupy.asarray(randn(rng, 2048, 2048))
     side = cupy.cuda.Stream(non_blocking=True)
-    with side:
-        busy_start = be.timestamp()
-        for _ in range(20):
-            a = a @ a * np.float32(1e-3)  # a few ms of work on the side stream
-        busy_end = be.timestamp()
+    # not `with side:`: on the H100 (CuPy 14.2) leaving it made the null stream current, not the rank's, and
+    # every later test of the module failed the backend's stream check
+    side.use()
+    (a @ a).sum()  # cuBLAS's first call sets up its handle: the host work that would sit inside `busy`
+    side.synchronize()
+    busy_start = be.timestamp()
+    for _ in range(20):
+        a = a @ a * np.float32(1e-3)  # a few ms of work on the side stream
+    busy_end = be.timestamp()
+    be.stream.use()
     start = be.timestamp()  # on the rank's stream: reached at once
     be.wait(busy_end)
     end = be.timestamp()    # reached when the side stream's work is done
