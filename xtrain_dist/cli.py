@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import XtrainError
+from .errors import XtrainError, first_line
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -75,8 +75,7 @@ def run_command(prog: str, main: Callable[[], int | None]) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except MemoryError as e:  # sizes asked for that the machine cannot hold (numpy names the allocation)
-        message = str(e).strip().splitlines()
-        print(f"{prog}: error: not enough memory: {message[0] if message else 'MemoryError'}", file=sys.stderr)
+        print(f"{prog}: error: not enough memory: {first_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:
         # a path with a name longer than the file system takes fails at the first stat() of it, wherever

@@ -24,7 +24,7 @@ import numpy as np
 import tokenizers
 
 from xtrain_dist import files
-from xtrain_dist.errors import XtrainError
+from xtrain_dist.errors import XtrainError, first_line
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 DEFAULT_TOKENIZER = REPO_DATA / "tokenizer.json"
@@ -46,11 +46,6 @@ def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
     return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
-
-
 @contextlib.contextmanager
 def reading(what: str, path: Path):
     """Turn an OSError raised while reading `path` into one XtrainError that names it as `what`."""
@@ -63,7 +58,7 @@ def reading(what: str, path: Path):
     except PermissionError:
         raise XtrainError(f"{what} '{path}' cannot be read (permission denied)") from None
     except OSError as err:
-        raise XtrainError(f"{what} '{path}' cannot be read ({err.strerror or _first_line(err)})") from None
+        raise XtrainError(f"{what} '{path}' cannot be read ({err.strerror or first_line(err)})") from None
 
 
 def _read_file(what: str, path: Path) -> bytes:
@@ -77,7 +72,7 @@ def _parse_tokenizer(path: Path, raw: bytes) -> tokenizers.Tokenizer:
     except UnicodeDecodeError:
         raise XtrainError(f"tokenizer '{path}' is not a tokenizers JSON file (not UTF-8 text)") from None
     except Exception as err:  # the Rust side raises a bare Exception with serde's reason
-        raise XtrainError(f"tokenizer '{path}' is not a tokenizers JSON file ({_first_line(err)})") from None
+        raise XtrainError(f"tokenizer '{path}' is not a tokenizers JSON file ({first_line(err)})") from None
     if tokenizer.get_vocab_size() == 0:  # it made every corpus look empty: say what is wrong
         raise XtrainError(f"tokenizer '{path}' has an empty vocabulary")
     # A tokenizer.json saved for fine-tuning may truncate to 512 tokens or pad; we want every token.
@@ -119,7 +114,7 @@ def encode_checked(tokenizer: tokenizers.Tokenizer, text: str, tokenizer_path, s
     try:
         ids = _encode_text(tokenizer, text)
     except Exception as err:  # e.g. a WordLevel model without an unknown token meets a new word
-        raise XtrainError(f"tokenizer '{tokenizer_path}' cannot encode {source} ({_first_line(err)})") from None
+        raise XtrainError(f"tokenizer '{tokenizer_path}' cannot encode {source} ({first_line(err)})") from None
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     if ids.size and ids.max() >= vocab_size:
         raise XtrainError(f"tokenizer '{tokenizer_path}' produced id {ids.max()}, outside its vocabulary of "

@@ -5,3 +5,9 @@ class XtrainError(Exception):
     """A problem with the user's input or environment, stated in one line that names it.
 
     Anything else that escapes a rank is a bug and is reported as such."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (a library's may run to many), or its type's name."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
