@@ -225,7 +225,7 @@ def check_outputs(cfg: TrainConfig) -> None:
         raise XtrainError(f"--report '{cfg.report}' and --metrics '{cfg.metrics}' are the same file: the report "
                           "would replace the metrics")
     for flag, folder in (("--resume", cfg.resume), ("--init-from", cfg.init_from)):
-        for name, path in outputs if folder and folder != "auto" else []:
+        for name, path in outputs if folder else []:
             if files.inside(path, folder):
                 raise XtrainError(f"{name} '{path}' is inside {flag} '{folder}': the run would write into the "
                                   "checkpoint it reads")
