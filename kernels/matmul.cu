@@ -2,27 +2,37 @@
 // (cuda_ops.py); these kernels supply the bias to the forward product and reduce the bias gradient.
 // Oracles: the bias terms of numpy_ops.matmul_forward and numpy_ops.matmul_backward.
 //
-// Forward writes the bias into every row of the output first and lets the GEMM add the product to it
-// (beta = 1): out = inp @ weight + bias is then formed in float32 inside cuBLAS and rounded to floatX
-// once, where adding the bias in a second kernel would round a bf16 output twice. Memory traffic is
-// the same either way (one write here, the GEMM's read and write of out).
+// Forward: cuBLAS writes the product inp @ weight in float32 (into out itself when floatX is float),
+// then add_bias adds the bias and rounds to floatX once. Why not let the GEMM add the bias (bias
+// broadcast into a bf16 out, beta = 1)? On an H100 with cuBLAS 13 that rounds the product to bf16
+// before adding C, a second rounding that numpy_ops does not make: 26% of the outputs of GPT-2's
+// products came out a rounding step away from the oracle, up to 255 ulps where the bias cancels
+// the product (bench/results/2026-11-24-h100/cuda-rerun). The float32 product costs a bf16 output
+// 4 more bytes per element of traffic than that did (10 against 6); float32 costs the same (12).
 // What would be faster: cuBLASLt's BIAS / BGRADB epilogues fold both into the GEMM and save one pass
 // over the output each; CuPy does not expose cuBLASLt, and the extra pass is small next to the product.
 #include "common.cuh"
 
-// out[r, c] = bias[c] for a (rows, OC) output   (the "+ bias" of out = inp @ weight + bias)
-// One thread per chunk of N consecutive elements of out; N = VEC_X when OC is a multiple of it and
-// the pointers are aligned (then a chunk never crosses a row), else 1.
+// out[r, c] = floatX(product[r, c] + bias[c]) for a (rows, OC) output (the "+ bias" of
+// out = inp @ weight + bias); out may be product itself (float32). One thread per chunk of N
+// consecutive elements; N = VEC_X when OC is a multiple of it and the pointers are aligned (then a
+// chunk never crosses a row), else 1.
 template <int N>
-__device__ void bias_broadcast_impl(floatX* out, const floatX* bias, long long n, int OC) {
+__device__ void add_bias_impl(floatX* out, const float* product, const floatX* bias, long long n, int OC) {
     const long long i = chunk_start<N>();
     if (i >= n) return;
-    store_vec<N>(out + i, load_vec<N>(bias + (int)(i % OC)));
+    const Vec<float, N> p = load_vec<N>(product + i);
+    const Vec<floatX, N> b = load_vec<N>(bias + (int)(i % OC));
+    Vec<floatX, N> o;
+#pragma unroll
+    for (int k = 0; k < N; ++k) o[k] = from_float<floatX>(p[k] + to_float(b[k]));
+    store_vec<N>(out + i, o);
 }
 
-extern "C" __global__ void bias_broadcast(floatX* out, const floatX* bias, long long n, int OC, int vec) {
-    if (vec) bias_broadcast_impl<VEC_X>(out, bias, n, OC);
-    else bias_broadcast_impl<1>(out, bias, n, OC);
+extern "C" __global__ void add_bias(floatX* out, const float* product, const floatX* bias, long long n, int OC,
+                                    int vec) {
+    if (vec) add_bias_impl<VEC_X>(out, product, bias, n, OC);
+    else add_bias_impl<1>(out, product, bias, n, OC);
 }
 
 // Stage 1 of dbias += sum over rows of dout (column sums, see common.cuh): block (32, COL_ROWS) owns

@@ -40,10 +40,6 @@ def be():
     return CudaBackend(0, dtype="bf16")
 
 
-
-
-
-
 def run_case(backend, case, host):
     return {name: backend.to_host(value) for name, value in case.run(backend, upload(backend, host)).items()}
 
@@ -93,6 +89,16 @@ def test_host_round_trip_is_exact(be, rng):
     x = (rng.standard_normal(10_007) * 100).astype(np.float32)
     assert np.array_equal(be.to_host(be.from_host_act(x)), REF.from_host_act(x))
     assert be.from_host_act(x).dtype == np.uint16 and be.to_host(be.from_host_act(x)).dtype == np.float32
+
+
+def test_a_product_is_never_added_to_a_bf16_output(be, rng):
+    """cuBLAS rounds the product to bf16 before it adds a bf16 C (beta != 0), a second rounding the emulation
+    does not make (seen on an H100: kernels/matmul.cu), so the backend refuses to ask for it."""
+    a, b = (be.from_host_act(rng.standard_normal((8, 8))) for _ in range(2))
+    out = be.from_host_act(rng.standard_normal((8, 8)))
+    with pytest.raises(TypeError, match=r"^cuda_ops gemm: beta = 1\.0 into a bf16 output would round twice: "
+                                        r"cuBLAS rounds the product to bf16 before it adds C$"):
+        be._gemm(a, b, out, beta=1.0)
 
 
 def test_float32_buffer_ops_of_a_bf16_backend(be, rng):

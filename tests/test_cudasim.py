@@ -283,6 +283,24 @@ def test_cublas_stand_in_follows_column_major_conventions(ta, tb):
                       beta.ctypes.data, C.data.ptr, 0, ldc, cublas.CUBLAS_COMPUTE_32F, -1)
 
 
+def test_cublas_stand_in_rounds_a_bf16_product_before_adding_a_bf16_c():
+    """As cuBLAS did on an H100 (kernels/matmul.cu). (1 + 2^-7)(1 + 2^-6) - 1 = 2^-6 + 2^-7 + 2^-13 is a
+    bf16 (8 significant bits), so one rounding keeps it; rounding the product first loses the 2^-13."""
+    cublas = sim._cublas_module()
+    def bf16(x):
+        return upload(np.array([np.float32(x).view(np.uint32) >> 16], np.uint16))
+    A, B = bf16(1 + 2.0 ** -7), bf16(1 + 2.0 ** -6)
+    alpha, beta = np.array(1.0, np.float32), np.array(1.0, np.float32)
+    got = {}
+    for name, C, ctype in (("bf16", bf16(-1.0), sim.CUDA_R_16BF), ("f32", upload(np.array([-1.0], np.float32)),
+                                                                  sim.CUDA_R_32F)):
+        cublas.gemmEx(0, 0, 0, 1, 1, 1, alpha.ctypes.data, A.data.ptr, sim.CUDA_R_16BF, 1, B.data.ptr,
+                      sim.CUDA_R_16BF, 1, beta.ctypes.data, C.data.ptr, ctype, 1, cublas.CUBLAS_COMPUTE_32F, -1)
+        host = C.get()
+        got[name] = float((host.astype(np.uint32) << 16).view(np.float32)[0]) if name == "bf16" else float(host[0])
+    assert got == {"bf16": 2.0 ** -6 + 2.0 ** -7, "f32": 2.0 ** -6 + 2.0 ** -7 + 2.0 ** -13}
+
+
 # ---------------------------------------------------------------------------- the GPU tests, on the simulator
 
 # The reverse-order run repeats the op tests only: the training tests (marked `training`) compose the

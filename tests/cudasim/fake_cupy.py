@@ -17,7 +17,9 @@ sys.modules (tests/conftest.py does so when XTRAIN_CUDASIM=1). Then:
 - cuBLAS. gemmEx and gemmStridedBatchedEx read their operands from memory with the column-major
   conventions of the real library (op, leading dimensions, strides), check that the type combination
   is one cuBLAS supports, and compute in float32 (numpy's BLAS), rounding once to the output type (bf16
-  outputs to nearest even); TF32 compute rounds float32 operands to TF32 first.
+  outputs to nearest even); TF32 compute rounds float32 operands to TF32 first. A bf16 output with
+  beta != 0 is rounded twice, the product to bf16 before C is added, as cuBLAS 13 did on an H100
+  (kernels/matmul.cu).
 - Streams and events. Every operation runs to completion when it is queued (event times are host
   times), so streams never overlap here; but every operation tells streams.py which bytes it reads
   and writes on which stream, and an access that no stream order, event or host synchronisation
@@ -725,6 +727,8 @@ def _gemm(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
     c = np.lib.stride_tricks.as_strided(flat, (m, n), (flat.itemsize, ldc * flat.itemsize), writeable=True)
     result = np.float32(alpha) * (a @ b)
     if beta != 0.0:
+        if Ctype == CUDA_R_16BF:  # as cuBLAS 13 does on an H100: the product is rounded to bf16 first
+            result = _to_float(_bf16_bits(result.astype(np.float32)), CUDA_R_16BF)
         result = result + np.float32(beta) * _to_float(c, Ctype)
     if Ctype == CUDA_R_16BF:
         c[...] = _bf16_bits(result.astype(np.float32))

@@ -68,7 +68,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "encoder": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte"),
     "layernorm": ("layernorm_forward", "layernorm_backward_input", "layernorm_backward_params",
                   "layernorm_backward_params_finish"),
-    "matmul": ("bias_broadcast", "bias_backward", "bias_backward_finish"),
+    "matmul": ("add_bias", "bias_backward", "bias_backward_finish"),
     "attention": ("split_heads", "merge_heads", "causal_softmax_forward", "causal_softmax_backward"),
     "gelu": ("gelu_forward", "gelu_backward"),
     "residual": ("residual_forward",),
@@ -401,6 +401,9 @@ class CudaBackend:
         """out = alpha * a @ b + beta * out, for 2-D arrays each either row-major (C-contiguous) or the
         transpose of a row-major array (F-contiguous, like numpy's `.T` views); see _gemm_plan."""
         self._check_stream()
+        if beta != 0.0 and out.dtype != np.float32:  # see matmul.cu
+            raise TypeError(f"cuda_ops gemm: beta = {beta} into a bf16 output would round twice: cuBLAS rounds "
+                            "the product to bf16 before it adds C")
         first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
         ab_type, c_type, compute = self._types(a, b, out)
         alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
@@ -514,17 +517,14 @@ class CudaBackend:
         out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
         if bias is None:
             self._gemm(inp2, weight, out)
-        else:
-            self._bias_broadcast(out, bias)
-            self._gemm(inp2, weight, out, beta=1.0)  # out = inp @ weight + bias, rounded once (matmul.cu)
+        else:  # the float32 product, then + bias rounded to floatX once (matmul.cu says why not beta = 1)
+            self._act(bias)
+            product = out if out.dtype == np.float32 else cupy.empty(out.shape, dtype=cupy.float32)
+            self._gemm(inp2, weight, product)
+            vec = _vec(self._vec_x, out, product, _contiguous(bias), row=OC)
+            self._launch(self._k.add_bias, _chunk_grid(out.size, self._vec_x, vec), (BLOCK,),
+                         out, product, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
         return out.reshape(*inp.shape[:-1], OC)
-
-    def _bias_broadcast(self, out, bias) -> None:
-        self._act(bias)
-        OC = out.shape[-1]
-        vec = _vec(self._vec_x, out, _contiguous(bias), row=OC)
-        self._launch(self._k.bias_broadcast, _chunk_grid(out.size, self._vec_x, vec), (BLOCK,),
-                     out, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
 
     def matmul_backward(self, dweight, dbias, dout, inp, weight):
         _f32(dweight)
