@@ -1,4 +1,38 @@
-# Sourced by bin/gpu_session_cuda.sh and bin/gpu_session_nccl.sh: what both need before their first step.
+# Sourced by the bin/gpu_session_*.sh scripts: what they need before their first step, their steps'
+# time budget, and the packing of their results for the trip back.
+
+# step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX_SECONDS, what is left of the budget: BUDGET
+# seconds from START, 15 kept for the summary); a step with under 20 s left is skipped and listed in
+# $OUT/skipped.txt (exit 124)
+step() {
+  local name=$1 max=$2 left
+  shift 2
+  left=$(( BUDGET - (SECONDS - START) - 15 ))
+  [ "$left" -lt "$max" ] && max=$left
+  if [ "$max" -lt 20 ]; then
+    echo "## $name: skipped, the time budget is spent" | tee -a "$OUT/skipped.txt"
+    return 124
+  fi
+  # -k: SIGTERM only asks a run to stop after its step (train_ddp's stop request), and pytest running the
+  # CLI in-process takes it that way too; the KILL 10 s later keeps the budget a bound
+  timeout -k 10 "$max" "$@"
+}
+
+# pack_results KEEP...: where PACK_RESULTS=1 (the device calls in docs/gpu_session.md set it), put every
+# file under $OUT into $OUT/results.tar.gz and leave beside it only the KEEP files (the summaries): a
+# device call brings back at most 8 files, and a session writes about 20. Elsewhere (CI's simulator runs
+# of these scripts) the files stay as they are.
+pack_results() {
+  [ "${PACK_RESULTS:-}" = 1 ] || return 0
+  local keep name
+  (cd "$OUT" && find . -type f ! -name results.tar.gz -print0 | sort -z | tar -czf results.tar.gz --null -T -) || return 1
+  while IFS= read -r -d '' name; do
+    keep=0
+    for k in "$@"; do [ "$name" = "./$k" ] && keep=1; done
+    [ $keep = 1 ] || rm -f "$OUT/$name"
+  done < <(cd "$OUT" && find . -type f ! -name results.tar.gz -print0)
+  find "$OUT" -mindepth 1 -type d -empty -delete
+}
 
 # require_gpu: end the script at once (exit 2, CuPy's own words) where CuPy sees no GPU; without one every
 # step would fail slowly, one timeout after another. Needs $PY and $OUT.

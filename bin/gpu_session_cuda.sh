@@ -2,10 +2,10 @@
 # Everything the CUDA backend needs a GPU for, fp32 and bf16, in ONE device call; results land in $OUT
 # for bench/results/.
 #
-# Device call: command "bash bin/gpu_session_cuda.sh", carry [".whl"], timeout_s 600 (the image has CuPy
-# and torch; .whl/crt/ holds the CUDA crt headers its pip CUDA may lack, see ensure_crt_headers). The
-# benchmark is a separate call: "python3 bin/bench_gpu --out $OUT ..." (see bin/bench_gpu's docstring;
-# torch.compile makes the full sweep longer than one call).
+# Device call: command "PACK_RESULTS=1 SANITIZERS=memcheck bash bin/gpu_session_cuda.sh", carry [".whl"],
+# timeout_s 600 (the image has CuPy and torch; .whl/crt/ holds the CUDA crt headers its pip CUDA may
+# lack, see ensure_crt_headers). The benchmarks and racecheck are a separate call, bin/gpu_session_bench.sh
+# (docs/gpu_session.md).
 #
 # What it does, each step recorded even when an earlier one failed, most important first:
 #   1. device, driver, versions; the CPU (numpy) loss curves start in the background
@@ -15,7 +15,8 @@
 #   3. the shipped corpus on the GPU: mini, 200 steps, cuda fp32 and bf16 at 1 and 2 virtual ranks, beside
 #      numpy fp32 and bf16
 #   4. the per-op error tables at GPT-2 124M shapes (bin/kernel_errors): fp32, bf16 (in bf16 ulps), tf32
-#   5. compute-sanitizer memcheck and racecheck over the op tests, fp32 and the bf16 scalar paths
+#   5. compute-sanitizer memcheck and racecheck (SANITIZERS, default both) over the op tests, fp32 and
+#      the bf16 scalar paths
 #   6. $OUT/cuda_results.md: device, commands, test summary, error tables, loss curves side by side
 #
 # Time: one global budget (BUDGET seconds, default 540) caps every step's timeout by what is left, so the
@@ -32,21 +33,6 @@ rm -f "$OUT/skipped.txt"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}  # the python that runs every step (the tests set their own)
 START=$SECONDS
-
-# step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX_SECONDS, what is left of the budget)
-step() {
-  local name=$1 max=$2 left
-  shift 2
-  left=$(( BUDGET - (SECONDS - START) - 15 ))  # 15 s kept for the summary
-  [ "$left" -lt "$max" ] && max=$left
-  if [ "$max" -lt 20 ]; then
-    echo "## $name: skipped, the time budget is spent" | tee -a "$OUT/skipped.txt"
-    return 124
-  fi
-  # -k: SIGTERM only asks a run to stop after its step (train_ddp's stop request), and pytest running the
-  # CLI in-process takes it that way too; the KILL 10 s later keeps the budget a bound
-  timeout -k 10 "$max" "$@"
-}
 
 . bin/gpu_session_common.sh
 require_gpu
@@ -103,7 +89,7 @@ step "kernel_errors tf32" 60 $PY bin/kernel_errors --tf32 --json "$OUT/kernel_er
 
 sanitizer_rc=0
 if command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZERS:-memcheck racecheck}; do  # docs/gpu_session.md's call 1 leaves racecheck to call 3
     echo "## compute-sanitizer $tool"
     step "compute-sanitizer $tool" 120 compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -x \
       tests/test_cuda_ops.py tests/test_cuda_bf16.py \
@@ -117,3 +103,6 @@ else
 fi
 
 $PY bin/gpu_session_summary "$OUT" "$tests_rc" "$curves_rc" "$errors_rc" "$sanitizer_rc" "$(( SECONDS - START ))"
+summary_rc=$?
+pack_results cuda_results.md pytest_cuda.txt
+exit $summary_rc

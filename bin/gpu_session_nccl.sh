@@ -111,4 +111,5 @@ else:
 (out / "nccl_results.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
+pack_results nccl_results.md pytest_nccl.txt
 exit $(( tests_rc || probe_rc || bench_rc ))

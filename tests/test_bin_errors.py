@@ -60,8 +60,9 @@ def test_plot_metrics_refuses_a_file_with_nothing_to_plot(tmp_path):
 
 @pytest.mark.parametrize("name, args", [
     ("bench_collectives", ["--out", ""]), ("bench_cpu", ["--out", ""]), ("bench_ddp", ["--out", ""]),
-    ("bench_gpu", ["--out", ""]), ("bench_recompute", ["1", "2", "16", "--out", ""]), ("bench_sample", ["--out", ""]),
-    ("fit_overhead_model", ["--out", ""]), ("fit_overhead_model", ["--ddp", ""]), ("prepare_corpus", ["--out", ""]),
+    ("bench_gpu", ["--out", ""]), ("bench_gemm", ["--out", ""]), ("bench_recompute", ["1", "2", "16", "--out", ""]),
+    ("bench_sample", ["--out", ""]), ("fit_overhead_model", ["--out", ""]), ("fit_overhead_model", ["--ddp", ""]),
+    ("prepare_corpus", ["--out", ""]),
     ("plot_metrics", ["m.jsonl", "-o", ""]), ("plot_metrics", ["", "-o", "p.png"]),
 ])
 def test_an_empty_path_is_refused_not_read_as_the_current_folder(name, args):
@@ -176,6 +177,17 @@ def test_bench_gpu_bad_arguments_cost_no_device_time(args, message):
     assert error("bench_gpu", *args) == message
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "0"], "--tokens must be a positive integer, got '0'"),
+    (["--reps", "x"], "--reps must be a positive integer, got 'x'"),
+    (["--precisions", "bf16,fp8"], "--precisions: unknown 'fp8'"),
+    (["--preset", "huge"], "unknown model preset 'huge' (choose from "),
+    (["--no-torch", "--out", "/proc/x"], "--out '/proc/x' cannot be written (No such file or directory)"),
+])
+def test_bench_gemm_bad_arguments_cost_no_device_time(args, message):
+    assert error("bench_gemm", *args).startswith(message)
+
+
 # each would run (briefly) if its --out were good: an empty stdout (error() checks it) is a run not begun
 RUNNABLE = {
     "bench_collectives": ["--worlds", "2", "--sizes", "4K", "--iters", "1", "--warmup", "0"],
@@ -183,13 +195,14 @@ RUNNABLE = {
                   "--peer", "none"],
     "bench_cpu": ["--presets", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0"],
     "bench_gpu": ["--presets", "small", "--shapes", "1x64", "--torch-modes", ""],  # the GPU is never reached
+    "bench_gemm": ["--preset", "tiny", "--tokens", "16", "--no-torch"],
     "bench_sample": ["--presets", "tiny", "--prompts", "4", "--tokens", "2", "--repeats", "1"],
     "bench_recompute": ["2", "4", "16", "--model", "tiny", "--repeats", "1"],
 }
 
 
 @pytest.mark.parametrize("name", [
-    "bench_collectives", "bench_ddp", "bench_gpu", "bench_recompute",
+    "bench_collectives", "bench_ddp", "bench_gpu", "bench_gemm", "bench_recompute",
     pytest.param("bench_cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                                         reason="bench_cpu says PyTorch is missing first")),
     pytest.param("bench_sample", marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

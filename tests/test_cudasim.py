@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -549,6 +550,22 @@ def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
     assert len(list(tmp_path.glob("*.md"))) == 1
 
 
+def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
+    """bin/bench_gemm's side of ours: every layer, pass and precision gets a row, the classifier twice (its
+    vocabulary and that padded to 128), and the results files are written."""
+    result = subprocess.run([*RUN, "bin/bench_gemm", "--preset", "tiny", "--tokens", "32", "--vocab", "1001",
+                             "--precisions", "fp32,bf16", "--no-torch", "--reps", "1", "--warmup", "1", "--out",
+                             str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [report] = tmp_path.glob("*.json")
+    rows = json.loads(report.read_text())["rows"]
+    layers = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "lm_head V=1001", "lm_head V=1024"]
+    assert [(r["precision"], r["layer"], r["pass"]) for r in rows] == [
+        (p, layer, pass_) for p in ("fp32", "bf16") for layer in layers for pass_ in ("forward", "product", "backward")]
+    assert all(r["ours_ms"] > 0 and "torch_ms" not in r for r in rows)
+    assert len(list(tmp_path.glob("*.md"))) == 1
+
+
 @pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--tf32"]])
 def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
     """bin/kernel_errors (the GPU session's error tables) runs every op; in fp32 every error is float32-sized."""
@@ -599,7 +616,9 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     env = dict(os.environ, XTRAIN_CUDASIM="1", PYTHONPATH=str(ROOT / "tests" / "cudasim" / "site"), BUDGET="60",
                XTRAIN_CUDASIM_NCCL_TIMEOUT="5", PYTHONDONTWRITEBYTECODE="1", PY=sys.executable)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cuda = subprocess.run(["bash", "bin/gpu_session_cuda.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "cuda")),
+    # PACK_RESULTS=1, as the device call sets it: a call brings back 8 files at most
+    cuda = subprocess.run(["bash", "bin/gpu_session_cuda.sh"], cwd=ROOT,
+                          env=dict(env, OUT=str(tmp_path / "cuda"), PACK_RESULTS="1"),
                           capture_output=True, text=True, timeout=300)
     assert cuda.returncode == 0, cuda.stderr[-2000:]
     summary = (tmp_path / "cuda" / "cuda_results.md").read_text()
@@ -607,6 +626,22 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
                      "- kernel_errors tf32: skipped", "- compute-sanitizer memcheck + racecheck: exit",
                      "  - memcheck: "):
         assert expected in summary, (expected, summary)
+    assert sorted(p.name for p in (tmp_path / "cuda").iterdir()) == ["cuda_results.md", "pytest_cuda.txt",
+                                                                     "results.tar.gz"]
+    with tarfile.open(tmp_path / "cuda" / "results.tar.gz") as packed:
+        assert {"./cuda_results.md", "./environment.txt", "./skipped.txt"} <= set(packed.getnames())
+    bench_args = dict(BENCH_GPU_ARGS="--presets small --shapes 1x64 --precisions bf16 --torch-modes= --steps 1 "
+                      "--warmup 0 --vocab 512", BENCH_GEMM_ARGS="--preset tiny --tokens 16 --no-torch --reps 1")
+    bench = subprocess.run(["bash", "bin/gpu_session_bench.sh"], cwd=ROOT,
+                           env=dict(env, OUT=str(tmp_path / "bench"), BUDGET="120", **bench_args),
+                           capture_output=True, text=True, timeout=300)
+    summary = (tmp_path / "bench" / "bench_results.md").read_text()
+    assert "- `bin/bench_gpu --presets small" in summary and "`: exit 0 (bench_gpu-" in summary, summary
+    assert "- `bin/bench_gemm --preset tiny" in summary and "`: exit 0 (bench_gemm-" in summary, summary
+    assert "- compute-sanitizer racecheck: exit " in summary, summary
+    if shutil.which("compute-sanitizer") is None:  # a step that could not run fails the call
+        assert "racecheck: exit 127 (last line: compute-sanitizer not on this image)" in summary, summary
+        assert bench.returncode == 1, bench.stderr[-2000:]
     nccl = subprocess.run(["bash", "bin/gpu_session_nccl.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "nccl")),
                           capture_output=True, text=True, timeout=300)
     summary = (tmp_path / "nccl" / "nccl_results.md").read_text()
