@@ -389,15 +389,17 @@ def test_the_clock_times_the_gpu_not_the_host(be, rng):
     # not `with side:`: on the H100 (CuPy 14.2) leaving it made the null stream current, not the rank's, and
     # every later test of the module failed the backend's stream check
     side.use()
-    # the loop's own first iteration, untimed: cuBLAS's handle set-up and the NVRTC compile of the scaling
-    # kernel are host work that would sit inside `busy` (0.5 s of it on the H100, against 6 ms stalled)
-    a = a @ a * np.float32(1e-3)
-    side.synchronize()
-    busy_start = be.timestamp()
-    for _ in range(20):
-        a = a @ a * np.float32(1e-3)  # a few ms of work on the side stream
-    busy_end = be.timestamp()
-    be.stream.use()
+    try:  # a failure here must not leave the module's later tests on the side stream
+        # the loop's own first iteration, untimed: cuBLAS's handle set-up and the NVRTC compile of the scaling
+        # kernel are host work that would sit inside `busy` (0.5 s of it on the H100, against 6 ms stalled)
+        a = a @ a * np.float32(1e-3)
+        side.synchronize()
+        busy_start = be.timestamp()
+        for _ in range(20):
+            a = a @ a * np.float32(1e-3)  # a few ms of work on the side stream
+        busy_end = be.timestamp()
+    finally:
+        be.stream.use()
     start = be.timestamp()  # on the rank's stream: reached at once
     be.wait(busy_end)
     end = be.timestamp()    # reached when the side stream's work is done
