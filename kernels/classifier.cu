@@ -4,20 +4,22 @@
 // One block per (b, t) row of logits (V is 4096 to 50257: 16 to 200 KB per row). Pass 1 folds each
 // thread's share of the row into a running softmax state (max, sum of exp(x - max)), one exp per
 // element, and merges the states over the block, so max and sum take one read of the row instead of
-// two. Pass 2 (training only) reads the row again and overwrites it with dlogits. Rows are read with
-// 16-byte loads whatever their alignment (block_row_read in common.cuh), because V is odd for GPT-2.
+// two. Pass 2 (training only) reads the row again and overwrites it with dlogits. Rows start ld
+// elements apart: cuda_ops pads the logits' rows to a multiple of 64 (50257 -> 50304, as llm.c pads
+// the vocabulary, but in the buffer only, not in the model), so each row starts aligned for the
+// cuBLAS products around this kernel; the V..ld-1 padding is never read. Rows are read with 16-byte
+// loads whatever their alignment (block_row_read in common.cuh), so an unpadded caller works too.
 // The block size (host: 512 threads, a multiple of 32) keeps 25 vectors per thread at V = 50257.
-// What would be faster: padding V to a multiple of 64 (llm.c pads 50257 to 50304) makes every row
-// aligned and lets the tied matmul use better tiles; that is a change to the model's layout.
 #include "common.cuh"
 
 // losses[r] = log(sum_j exp(x_j - max)) - (x_target - max), and the row becomes
 // dlogits = softmax(x) * dloss - dloss * onehot(target)   (numpy_ops.fused_classifier).
 // A target outside [0, V) gives a NaN loss (numpy would raise IndexError) and no onehot term.
-extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const int* targets, int V, float dloss) {
+extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const int* targets, int V, long long ld,
+                                            float dloss) {
     __shared__ SoftmaxState scratch[WARP_SIZE];
     const long long row = blockIdx.x;
-    floatX* x = logits + row * V;
+    floatX* x = logits + row * ld;
     const int target = targets[row];
     const bool valid = 0 <= target && target < V;
     // read before the merge: its __syncthreads orders this read before pass 2 overwrites x[target]
@@ -38,10 +40,11 @@ extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const
 
 // losses[r] = log(sum_j exp(x_j - max)) + max - x_target, logits unchanged
 // (numpy_ops.crossentropy_forward). Pass 1 of the kernel above, nothing written to the row.
-extern "C" __global__ void crossentropy_forward(float* losses, const floatX* logits, const int* targets, int V) {
+extern "C" __global__ void crossentropy_forward(float* losses, const floatX* logits, const int* targets, int V,
+                                                long long ld) {
     __shared__ SoftmaxState scratch[WARP_SIZE];
     const long long row = blockIdx.x;
-    const floatX* x = logits + row * V;
+    const floatX* x = logits + row * ld;
     const int target = targets[row];
     const bool valid = 0 <= target && target < V;
 

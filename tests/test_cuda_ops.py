@@ -186,14 +186,25 @@ def test_matmul_forward_backward(be, rng, rows, ic, oc, bias):
 
 
 def test_tied_classifier_matmul_with_transposed_views(be, rng):
-    """The model passes wte.T and dwte.T (F-contiguous views) and accumulates into dwte."""
+    """The model passes wte.T and dwte.T (F-contiguous views) and accumulates into dwte. The logits come
+    back as the first 1001 columns of rows 1024 apart (cuBLAS's aligned paths), and the fused classifier
+    and the backward products take them so: the padded rows, turned into dlogits in place."""
     rows, c, v = B * T, C, 1001
-    lnf, wte, dlogits, dwte0 = randn(rng, rows, c), randn(rng, v, c), randn(rng, rows, v), randn(rng, v, c)
+    lnf, wte, dwte0 = randn(rng, rows, c), randn(rng, v, c), randn(rng, v, c)
+    targets = token_ids(rng, (rows,), v)
+    want_logits = ref.matmul_forward(lnf, wte.T)
+    dlogits = want_logits.copy()
+    want_losses = ref.fused_classifier(dlogits, targets, 0.5)
     want_dwte = dwte0.copy()
     want_dlnf = ref.matmul_backward(want_dwte.T, None, dlogits, lnf, wte.T)
     wte_d, dwte = be.from_host(wte), be.from_host(dwte0)
-    check(be.to_host(be.matmul_forward(be.from_host(lnf), wte_d.T)), ref.matmul_forward(lnf, wte.T), 1e-5, "logits")
-    got_dlnf = be.matmul_backward(dwte.T, None, be.from_host(dlogits), be.from_host(lnf), wte_d.T)
+    logits = be.matmul_forward(be.from_host(lnf), wte_d.T)
+    assert logits.shape == (rows, v) and logits.strides == (1024 * 4, 4), logits.strides
+    check(be.to_host(logits), want_logits, 1e-5, "logits")
+    check(be.to_host(be.crossentropy_forward(logits, be.from_host(targets))), want_losses, 1e-5, "eval losses")
+    check(be.to_host(be.fused_classifier(logits, be.from_host(targets), 0.5)), want_losses, 1e-5, "losses")
+    check(be.to_host(logits), dlogits, 1e-5, "dlogits")
+    got_dlnf = be.matmul_backward(dwte.T, None, logits, be.from_host(lnf), wte_d.T)
     check(be.to_host(got_dlnf), want_dlnf, 1e-5, "dlnf")
     check(be.to_host(dwte), want_dwte, 1e-5, "dwte")
 
@@ -417,9 +428,10 @@ def _model_step(backend, config, ids, targets, seed):
     return model, float(backend.to_host(losses).mean()), backend.to_host(model.grads)
 
 
-def test_tiny_model_loss_and_gradients_match_numpy(be, rng):
-    config = model_config("tiny", 4096)
-    ids, targets = token_ids(rng, (B, T), 4096), token_ids(rng, (B, T), 4096)
+@pytest.mark.parametrize("vocab", [4096, 1001])  # 1001: the logits' rows padded to 1024 (matmul_forward)
+def test_tiny_model_loss_and_gradients_match_numpy(be, rng, vocab):
+    config = model_config("tiny", vocab)
+    ids, targets = token_ids(rng, (B, T), vocab), token_ids(rng, (B, T), vocab)
     seed = int(rng.integers(0, 2**31))
     _, loss_np, grads_np = _model_step(ref, config, ids, targets, seed)
     _, loss_cu, grads_cu = _model_step(be, config, ids, targets, seed)

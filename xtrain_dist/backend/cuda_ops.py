@@ -22,7 +22,12 @@ files themselves under nvcc, on machines without a GPU.
 Matrix products go through cublasGemmEx / cublasGemmStridedBatchedEx directly: they accumulate into
 a gradient with beta = 1 (no temporary), take the tied classifier's transposed views (wte.T, dwte.T)
 as they are, and choose TF32 per call (`allow_tf32`) instead of through CuPy's process-wide CUPY_TF32
-variable, which only affects cupy.matmul and friends.
+variable, which only affects cupy.matmul and friends. An unbiased product (the logits) is written
+into rows padded to ROW_ALIGN elements and returned as a view of their first columns: GPT-2's 50257
+logits would otherwise start every row off the 16-byte alignment cuBLAS's fast paths need, in the
+forward product and in both backward ones, which read the logits' gradient in place. llm.c pads the
+vocabulary itself to 50304; padding the buffer instead leaves the model, its checkpoints and the
+numpy oracle as they are. The classifier kernels take the row stride.
 
 Precision (`dtype`, precision.py). The kernels are written over an activation type `floatX`
 (common.cuh) and each backend loads the variant its dtype names (PRECISIONS): float32, or bfloat16
@@ -172,6 +177,7 @@ class Kernels:
 BLOCK = 256            # elementwise and warp-per-row kernels: 8 warps
 ROWS_PER_BLOCK = 8     # warp-per-row kernels (layernorm, causal softmax): one row per warp
 CLASSIFIER_BLOCK = 512  # block-per-row classifier: ~25 16-byte loads per thread at V = 50257
+ROW_ALIGN = 64         # unbiased products' rows (the logits) start this many elements apart at least
 COL_ROWS = 8           # blockDim.y of the column-sum kernels (common.cuh)
 NORM_BLOCK = 512
 NORM_MAX_BLOCKS = 1024
@@ -514,10 +520,14 @@ class CudaBackend:
         self._act(inp, weight)
         IC, OC = weight.shape
         inp2 = _contiguous(inp).reshape(-1, IC)
-        out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
         if bias is None:
+            # rows padded to ROW_ALIGN elements: GPT-2's 50257 logits make every row but the first start
+            # off cuBLAS's aligned paths, in this product and both of its backward ones (llm.c pads the
+            # vocabulary to 50304 for this); the padding is never read
+            out = cupy.empty((inp2.shape[0], _round_up(OC, ROW_ALIGN)), dtype=self.act_dtype)[:, :OC]
             self._gemm(inp2, weight, out)
         else:  # the float32 product, then + bias rounded to floatX once (matmul.cu says why not beta = 1)
+            out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
             self._act(bias)
             product = out if out.dtype == np.float32 else cupy.empty(out.shape, dtype=cupy.float32)
             self._gemm(inp2, weight, product)
@@ -530,11 +540,12 @@ class CudaBackend:
         _f32(dweight)
         self._act(dout, inp, weight)
         IC, OC = weight.shape
-        dout2 = _contiguous(dout).reshape(-1, OC)
+        dout2 = _rows(dout, OC)  # the classifier's rows are padded (matmul_forward)
         inp2 = _contiguous(inp).reshape(-1, IC)
         self._gemm(inp2.T, dout2, dweight, beta=1.0)  # dweight += inp^T dout, in place (dwte.T too)
         if dbias is not None:
             _f32(dbias)
+            dout2 = _contiguous(dout2)
             rows = dout2.shape[0]
             splits, rows_per_split = _column_splits(rows)
             partial = cupy.empty((splits, OC), dtype=cupy.float32)
@@ -726,23 +737,23 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ classifier (kernels/classifier.cu)
     def crossentropy_forward(self, logits, targets):
-        logits = _contiguous(logits)
         self._act(logits)
         targets = _ids(targets)
         V = logits.shape[-1]
+        rows = _rows(logits, V)  # rows ld apart: matmul_forward pads them
         losses = cupy.empty(targets.shape, dtype=cupy.float32)
         self._launch(self._k.crossentropy_forward, (targets.size,), (CLASSIFIER_BLOCK,),
-                     losses, logits, targets, np.int32(V))
+                     losses, rows, targets, np.int32(V), np.int64(_matrix_layout(rows)[1]))
         return losses
 
     def fused_classifier(self, logits, targets, dloss: float):
-        logits = _contiguous(logits)
         self._act(logits)
         targets = _ids(targets)
         V = logits.shape[-1]
+        rows = _rows(logits, V)
         losses = cupy.empty(targets.shape, dtype=cupy.float32)
         self._launch(self._k.fused_classifier, (targets.size,), (CLASSIFIER_BLOCK,),
-                     logits, losses, targets, np.int32(V), np.float32(dloss))
+                     rows, losses, targets, np.int32(V), np.int64(_matrix_layout(rows)[1]), np.float32(dloss))
         return losses
 
     # ------------------------------------------------------------------ optimizer (adamw.cu, global_norm.cu, scale.cu)
@@ -829,33 +840,59 @@ def _cublas_handle():
 def _gemm_plan(a, b, out, cublas):
     """The cublasGemmEx arguments for out = a @ b: (first, second, op1, op2, rows, cols, k, ld1, ld2, ldc).
 
-    cuBLAS is column-major. A row-major (C-contiguous) X sits in memory as the column-major X^T with
-    leading dimension X.shape[1]; an F-contiguous X (a `.T` view of a row-major array) as X itself
-    with leading dimension X.shape[0]. For a row-major out we ask cuBLAS for out^T = b^T a^T, for an
-    F-contiguous out (dwte.T) for out = a b; each operand then needs a transpose or not depending on
-    which of the two ways it is stored. Pure: takes anything with .shape and .flags."""
+    cuBLAS is column-major. A row-major X (rows ld elements apart: C-contiguous, ld = X.shape[1], or
+    the first columns of a wider array, like the classifier's padded logits) sits in memory as the
+    column-major X^T with leading dimension ld; the transpose of such an array (an F-ordered `.T` view)
+    as X itself. For a row-major out we ask cuBLAS for out^T = b^T a^T, for an F-ordered out (dwte.T)
+    for out = a b; each operand then needs a transpose or not depending on which of the two ways it is
+    stored. Pure: takes anything with .shape, .strides and .itemsize."""
     m, k = a.shape
     n = b.shape[1]
     if b.shape[0] != k or out.shape != (m, n):
         raise ValueError(f"cuda_ops gemm: {a.shape} @ {b.shape} -> {out.shape}")
-    if out.flags.c_contiguous:
-        first, second, rows, cols, ldc, transposed = b, a, n, m, n, True
-    elif out.flags.f_contiguous:
-        first, second, rows, cols, ldc, transposed = a, b, m, n, m, False
+    order, ldc = _matrix_layout(out, "output")
+    if order == "C":
+        first, second, rows, cols, transposed = b, a, n, m, True
     else:
-        raise ValueError(f"cuda_ops gemm: output strides {out.strides} are neither C nor F order")
+        first, second, rows, cols, transposed = a, b, m, n, False
     op1, ld1 = _cublas_operand(first, transposed, cublas)
     op2, ld2 = _cublas_operand(second, transposed, cublas)
-    return first, second, op1, op2, rows, cols, k, ld1, ld2, max(ldc, 1)
+    return first, second, op1, op2, rows, cols, k, ld1, ld2, ldc
+
+
+def _matrix_layout(x, what: str = "operand") -> tuple[str, int]:
+    """("C", ld) for a 2-D x whose rows are ld elements apart, each contiguous; ("F", ld) for one whose
+    columns are. ld is at least the row's (column's) length and 1; a size-1 dimension's stride does not
+    matter (CuPy may set it to anything)."""
+    rows, cols = x.shape
+    item = x.itemsize
+    row_step, col_step = x.strides
+    if (col_step == item or cols <= 1) and row_step % item == 0 and (rows <= 1 or row_step >= cols * item):
+        return "C", max(row_step // item if rows > 1 else cols, 1)
+    if (row_step == item or rows <= 1) and col_step % item == 0 and (cols <= 1 or col_step >= rows * item):
+        return "F", max(col_step // item if cols > 1 else rows, 1)
+    raise ValueError(f"cuda_ops gemm: {what} strides {x.strides} are neither C nor F order")
 
 
 def _cublas_operand(x, transposed: bool, cublas) -> tuple[int, int]:
     """(op, ld) that make cuBLAS read x (transposed=False) or x^T (transposed=True) from x's memory."""
-    if x.flags.c_contiguous:   # memory holds x^T column-major
-        return (cublas.CUBLAS_OP_N if transposed else cublas.CUBLAS_OP_T), max(x.shape[1], 1)
-    if x.flags.f_contiguous:  # memory holds x column-major
-        return (cublas.CUBLAS_OP_T if transposed else cublas.CUBLAS_OP_N), max(x.shape[0], 1)
-    raise ValueError(f"cuda_ops gemm: operand strides {x.strides} are neither C nor F order")
+    order, ld = _matrix_layout(x)
+    if order == "C":  # memory holds x^T column-major
+        return (cublas.CUBLAS_OP_N if transposed else cublas.CUBLAS_OP_T), ld
+    return (cublas.CUBLAS_OP_T if transposed else cublas.CUBLAS_OP_N), ld  # memory holds x column-major
+
+
+def _rows(a, cols: int):
+    """a (..., cols) as a 2-D (rows, cols) view whose rows may be further apart than cols (the padded
+    logits), never a copy: the step must not copy behind the caller's back."""
+    rows2 = a.reshape(-1, cols)
+    if rows2.size and (rows2.data.ptr != a.data.ptr or _matrix_layout(rows2)[0] != "C"):
+        raise ValueError(f"cuda_ops: shape {a.shape} strides {a.strides} is not rows of {cols} elements")
+    return rows2
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _ids(ids):
