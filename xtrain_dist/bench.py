@@ -6,11 +6,13 @@ the machine, including its load average before and after: on a shared machine a 
 shows up there rather than silently in the timings.
 """
 
+import contextlib
 import datetime
 import io
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +119,70 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+# ---------------------------------------------------------------------------- the GPU benchmarks
+
+def gpu_header(cupy) -> dict:
+    """GPU 0 as a GPU benchmark's results state it: name, SMs, memory, driver, CUDA versions, CuPy."""
+    from .backend.cuda_ops import device_name
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    driver = "unknown"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", "0"],
+                                capture_output=True, text=True, timeout=30).stdout.strip() or driver
+
+    def version(v: int) -> str:
+        return f"{v // 1000}.{v % 1000 // 10}"
+
+    return {
+        "gpu": device_name(0),
+        "sm_count": props["multiProcessorCount"],
+        "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+        "driver": driver,
+        "cuda_driver_api": version(cupy.cuda.runtime.driverGetVersion()),
+        "cuda_runtime": version(cupy.cuda.runtime.runtimeGetVersion()),
+        "cupy": cupy.__version__,
+    }
+
+
+def cupy_timer(cupy, stream):
+    """start() -> stop(), stop() -> the ms on `stream` between the two, by CUDA events (waits for the end)."""
+    def start():
+        begin = cupy.cuda.Event()
+        begin.record(stream)
+
+        def stop():
+            end = cupy.cuda.Event()
+            end.record(stream)
+            end.synchronize()
+            return cupy.cuda.get_elapsed_time(begin, end)
+        return stop
+    return start
+
+
+def torch_timer(torch):
+    """cupy_timer for PyTorch's current stream."""
+    def start():
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+
+        def stop():
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end)
+        return stop
+    return start
+
+
+def write_gpu_results(out: Path, prefix: str, header: dict, rows: list[dict], markdown: str) -> Path:
+    """<prefix>-<date>-<gpu>.json ({"header", "rows"}) and .md under `out`, each whole or not at all; returns
+    the stem."""
+    gpu_slug = re.sub(r"[^A-Za-z0-9]+", "-", header["gpu"]).strip("-").lower()
+    stem = out / f"{prefix}-{header['date'][:19].replace(':', '')}-{gpu_slug}"
+    files.write_atomic(stem.with_suffix(".json"), json.dumps({"header": header, "rows": rows}, indent=1) + "\n",
+                       "results file")
+    files.write_atomic(stem.with_suffix(".md"), markdown, "results file")
+    return stem
