@@ -38,17 +38,8 @@ echo "## bench_gemm"
 step bench_gemm 120 $PY bin/bench_gemm $BENCH_GEMM_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.txt"
 gemm_rc=${PIPESTATUS[0]}
 
-echo "## compute-sanitizer racecheck"
-if command -v compute-sanitizer >/dev/null; then
-  step "compute-sanitizer racecheck" 600 compute-sanitizer --tool racecheck --error-exitcode 9 $PY -m pytest -q -x \
-    tests/test_cuda_ops.py tests/test_cuda_bf16.py -m "not training" -k "not tiny_model and not B4-T64" \
-    > "$OUT/sanitizer_racecheck.txt" 2>&1
-  race_rc=$?
-  tail -n 5 "$OUT/sanitizer_racecheck.txt"
-else
-  echo "compute-sanitizer not on this image" | tee "$OUT/sanitizer_racecheck.txt"
-  race_rc=127
-fi
+sanitize racecheck 600
+race_rc=$?
 
 # its own summary line, else the log's last line (a missing tool; a run cut short ends mid-way)
 race_word=$(grep -E "RACECHECK SUMMARY|ERROR SUMMARY" "$OUT/sanitizer_racecheck.txt" | tail -n 1)

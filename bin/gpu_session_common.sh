@@ -18,6 +18,24 @@ step() {
   timeout -k 10 "$max" "$@"
 }
 
+# sanitize TOOL MAX_SECONDS: compute-sanitizer TOOL (memcheck, racecheck) over the op tests, fp32 and the
+# bf16 scalar paths, as a step; its log in $OUT/sanitizer_TOOL.txt, its tail printed. Exit 127 where the
+# image has no compute-sanitizer.
+sanitize() {
+  local tool=$1 max=$2 rc
+  echo "## compute-sanitizer $tool"
+  if ! command -v compute-sanitizer >/dev/null; then
+    echo "compute-sanitizer not on this image" | tee "$OUT/sanitizer_$tool.txt"
+    return 127
+  fi
+  step "compute-sanitizer $tool" "$max" compute-sanitizer --tool "$tool" --error-exitcode 9 $PY -m pytest -q -x \
+    tests/test_cuda_ops.py tests/test_cuda_bf16.py -m "not training" -k "not tiny_model and not B4-T64" \
+    > "$OUT/sanitizer_$tool.txt" 2>&1
+  rc=$?
+  tail -n 5 "$OUT/sanitizer_$tool.txt"
+  return $rc
+}
+
 # pack_results KEEP...: where PACK_RESULTS=1 (the device calls in docs/gpu_session.md set it), put every
 # file under $OUT into $OUT/results.tar.gz and leave beside it only the KEEP files (the summaries): a
 # device call brings back at most 8 files, and a session writes about 20. Elsewhere (CI's simulator runs

@@ -88,19 +88,9 @@ step "kernel_errors tf32" 60 $PY bin/kernel_errors --tf32 --json "$OUT/kernel_er
   --markdown "$OUT/kernel_errors_tf32.md" || errors_rc=$?
 
 sanitizer_rc=0
-if command -v compute-sanitizer >/dev/null; then
-  for tool in ${SANITIZERS:-memcheck racecheck}; do  # docs/gpu_session.md's call 1 leaves racecheck to call 3
-    echo "## compute-sanitizer $tool"
-    step "compute-sanitizer $tool" 120 compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -x \
-      tests/test_cuda_ops.py tests/test_cuda_bf16.py \
-      -m "not training" -k "not tiny_model and not B4-T64" \
-      > "$OUT/sanitizer_$tool.txt" 2>&1
-    rc=$?; tail -n 5 "$OUT/sanitizer_$tool.txt"; [ $rc -ne 0 ] && sanitizer_rc=$rc
-  done
-else
-  echo "compute-sanitizer not on this image" | tee "$OUT/sanitizer_memcheck.txt" "$OUT/sanitizer_racecheck.txt"
-  sanitizer_rc=127
-fi
+for tool in ${SANITIZERS:-memcheck racecheck}; do  # docs/gpu_session.md's call 1 leaves racecheck to call 3
+  sanitize "$tool" 120 || sanitizer_rc=$?
+done
 
 $PY bin/gpu_session_summary "$OUT" "$tests_rc" "$curves_rc" "$errors_rc" "$sanitizer_rc" "$(( SECONDS - START ))"
 summary_rc=$?
