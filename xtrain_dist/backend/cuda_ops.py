@@ -540,7 +540,7 @@ class CudaBackend:
         _f32(dweight)
         self._act(dout, inp, weight)
         IC, OC = weight.shape
-        dout2 = _rows(dout, OC)  # the classifier's rows are padded (matmul_forward)
+        dout2, _ = _rows(dout, OC)  # the classifier's rows are padded (matmul_forward)
         inp2 = _contiguous(inp).reshape(-1, IC)
         self._gemm(inp2.T, dout2, dweight, beta=1.0)  # dweight += inp^T dout, in place (dwte.T too)
         if dbias is not None:
@@ -740,20 +740,20 @@ class CudaBackend:
         self._act(logits)
         targets = _ids(targets)
         V = logits.shape[-1]
-        rows = _rows(logits, V)  # rows ld apart: matmul_forward pads them
+        rows, ld = _rows(logits, V)  # rows ld apart: matmul_forward pads them
         losses = cupy.empty(targets.shape, dtype=cupy.float32)
         self._launch(self._k.crossentropy_forward, (targets.size,), (CLASSIFIER_BLOCK,),
-                     losses, rows, targets, np.int32(V), np.int64(_matrix_layout(rows)[1]))
+                     losses, rows, targets, np.int32(V), np.int64(ld))
         return losses
 
     def fused_classifier(self, logits, targets, dloss: float):
         self._act(logits)
         targets = _ids(targets)
         V = logits.shape[-1]
-        rows = _rows(logits, V)
+        rows, ld = _rows(logits, V)
         losses = cupy.empty(targets.shape, dtype=cupy.float32)
         self._launch(self._k.fused_classifier, (targets.size,), (CLASSIFIER_BLOCK,),
-                     rows, losses, targets, np.int32(V), np.int64(_matrix_layout(rows)[1]), np.float32(dloss))
+                     rows, losses, targets, np.int32(V), np.int64(ld), np.float32(dloss))
         return losses
 
     # ------------------------------------------------------------------ optimizer (adamw.cu, global_norm.cu, scale.cu)
@@ -883,12 +883,13 @@ def _cublas_operand(x, transposed: bool, cublas) -> tuple[int, int]:
 
 
 def _rows(a, cols: int):
-    """a (..., cols) as a 2-D (rows, cols) view whose rows may be further apart than cols (the padded
-    logits), never a copy: the step must not copy behind the caller's back."""
+    """(view, ld): a (..., cols) as a 2-D (rows, cols) view whose rows are ld >= cols elements apart (the
+    padded logits), never a copy: the step must not copy behind the caller's back."""
     rows2 = a.reshape(-1, cols)
-    if rows2.size and (rows2.data.ptr != a.data.ptr or _matrix_layout(rows2)[0] != "C"):
+    order, ld = _matrix_layout(rows2) if rows2.size else ("C", cols)
+    if rows2.size and (rows2.data.ptr != a.data.ptr or order != "C"):
         raise ValueError(f"cuda_ops: shape {a.shape} strides {a.strides} is not rows of {cols} elements")
-    return rows2
+    return rows2, ld
 
 
 def _round_up(n: int, multiple: int) -> int:
