@@ -92,11 +92,11 @@ def rng():
 
 @pytest.fixture
 def unencodable_tokenizer(tmp_path) -> Path:
-    """tmp_path/t.json: a WordLevel tokenizer knowing only "cat", with no unknown-word token to fall back
-    on, so encoding any other word fails inside the tokenizers library."""
+    """tmp_path/t.json: a WordLevel tokenizer knowing only "cat" and "mat", with no unknown-word token to fall
+    back on, so encoding any other word ("dog") fails inside the tokenizers library."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tokenizer = Tokenizer(models.WordLevel({"cat": 0}))
+    tokenizer = Tokenizer(models.WordLevel({"cat": 0, "mat": 1}))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "t.json"))
     return tmp_path / "t.json"

@@ -659,9 +659,10 @@ def test_corrupt_files_are_named(corpus, saved, tmp_path):
         f"checkpoint '{folder}' is corrupt: model.safetensors has 1000 bytes, its manifest says {len(raw)}"
     model.unlink()
     assert resume_error(corpus, folder) == f"checkpoint '{folder}' is corrupt: model.safetensors is missing"
-    (folder / "manifest.json").write_text("{not json")
-    assert resume_error(corpus, folder) == \
-        f"checkpoint '{folder}' is corrupt: manifest.json is not an xtrain-dist manifest"
+    for garbage in ("{not json", "[" * 100_000):  # the second, nested past Python's recursion limit
+        (folder / "manifest.json").write_text(garbage)
+        assert resume_error(corpus, folder) == \
+            f"checkpoint '{folder}' is corrupt: manifest.json is not an xtrain-dist manifest"
 
 
 def test_a_checkpoint_of_another_model_or_run(corpus, saved, tmp_path):

@@ -286,6 +286,17 @@ def test_bad_tokenizer_files(small_corpus, tmp_path):
         assert re.fullmatch(expected, load_error(bad, corpus, tmp_path))
 
 
+@pytest.mark.parametrize("vocab", [{}, {"a": 0}])
+def test_a_tokenizer_of_fewer_than_two_tokens_is_refused(small_corpus, tmp_path, vocab):
+    """With one token every loss is 0 from the first step (nothing to predict); with none every corpus is empty."""
+    _, corpus = small_corpus
+    path = tmp_path / "few.json"
+    Tokenizer(models.WordLevel(vocab, unk_token="a" if vocab else None)).save(str(path))
+    words = "1 token" if vocab else "0 tokens"
+    assert load_error(path, corpus, tmp_path) == (
+        f"tokenizer '{path}' has {words} in its vocabulary: a language model needs at least 2 to choose between")
+
+
 def test_bad_corpus_files(small_corpus, tmp_path):
     tokenizer, _ = small_corpus
     missing, folder, binary, empty = (tmp_path / n for n in ("c.txt", "dir.txt", "bin.txt", "empty.txt"))

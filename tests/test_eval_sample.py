@@ -162,6 +162,9 @@ def test_a_resumed_run_continues_the_metrics_file_and_redone_steps_replace_lost_
         f.write("\n" + json.dumps({"step": 8, "loss": 2.0}) + "\n")
     with pytest.raises(XtrainError, match=r"metrics file '.*m.jsonl', line 8: not a metrics record"):
         metrics.read(path)
+    path.write_text("[" * 100_000 + "\n" + json.dumps({"step": 1, "loss": 2.0}) + "\n")  # nested too deeply
+    with pytest.raises(XtrainError, match=r"metrics file '.*m.jsonl', line 1: not a metrics record"):
+        metrics.read(path)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -515,7 +518,7 @@ def test_sampling_options_are_checked_before_training(corpus, tmp_path, unencoda
 
 
 def test_the_sample_command_names_a_prompt_its_tokenizer_cannot_encode(trained, tmp_path, unencodable_tokenizer):
-    """A checkpoint whose tokenizer.json knows one word and has no unknown-word token: a prompt with another
+    """A checkpoint whose tokenizer.json knows two words and has no unknown-word token: a prompt with another
     word, and one of whitespace only (no ids at all), are one line each, where they were a traceback."""
     folder = tmp_path / "ck"
     folder.mkdir()

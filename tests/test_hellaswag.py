@@ -314,6 +314,7 @@ def test_prepare_hellaswag_names_the_line_its_tokenizer_cannot_encode(tmp_path, 
 
 @pytest.mark.parametrize("line, message", [
     ("{", "line 2: not JSON (Expecting property name enclosed in double quotes)"),
+    pytest.param("[" * 100_000, "line 2: not JSON (nested too deeply)", id="nested-past-the-recursion-limit"),
     ('{"ctx": "a", "label": 4, "endings": ["b", "c", "d", "e"]}', 'line 2: "label" 4 is not the index of one of its '
                                                                   "4 endings"),
     ('{"ctx": "a", "label": 0, "endings": ["b"]}', 'line 2: "endings" is not a list of at least two texts'),

@@ -76,6 +76,8 @@ def test_damaged_files_are_refused_by_name(tmp_path):
     assert damaged(tmp_path, struct.pack("<Q", len(good) - 5) + good[8:]) == \
         f"its header length {len(good) - 5} exceeds the {len(good) - 8} bytes after it"
     assert damaged(tmp_path, struct.pack("<Q", 3) + b"{x}").startswith("its header is not JSON")
+    deep = b"[" * 100_000  # nested past Python's recursion limit
+    assert damaged(tmp_path, struct.pack("<Q", len(deep)) + deep).startswith("its header is not JSON (nested too")
     entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
     assert damaged(tmp_path, with_header({"a": {**entry, "shape": [3]}}, bytes(8))) == \
         "tensor 'a' of shape [3] F32 needs 12 bytes, its offsets hold 8"

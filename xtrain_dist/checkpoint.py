@@ -46,7 +46,7 @@ from . import __version__
 from .config import GPTConfig, TrainConfig, model_config
 from .data import BatchSampler
 from .errors import XtrainError
-from .files import probe_in
+from .files import loads_json, probe_in
 from .model import param_layout
 from .safetensors_io import parse_safetensors, write_safetensors
 
@@ -199,7 +199,7 @@ def refuse_another_runs_checkpoint(folder, resume) -> None:
     if not _is_complete(folder) or (resume and Path(resume).exists() and os.path.samefile(resume, folder)):
         return
     try:
-        step = f" (step {json.loads((folder / STATE).read_text())['step']})"
+        step = f" (step {loads_json((folder / STATE).read_text())['step']})"
     except (OSError, ValueError, KeyError, TypeError):
         step = ""
     raise XtrainError(f"--save-dir '{folder}' holds the checkpoint of another run{step}: give --resume "
@@ -388,7 +388,7 @@ class Checkpoint:
 
     def json(self, name: str) -> dict:
         try:
-            data = json.loads(self.contents[name])
+            data = loads_json(self.contents[name])
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise self._corrupt(f"{name} is not valid JSON ({err})") from None
         if not isinstance(data, dict):
@@ -618,7 +618,7 @@ def _read_manifest(path: Path, folder: Path) -> dict:
     except OSError as err:
         raise XtrainError(f"checkpoint '{path}': cannot read {MANIFEST} ({err.strerror})") from None
     try:
-        manifest = json.loads(raw)
+        manifest = loads_json(raw)
         ok = manifest.get("format") == FORMAT and all(
             isinstance(e["bytes"], int) and isinstance(e["sha256"], str) for e in manifest["files"].values())
     except (ValueError, KeyError, TypeError, AttributeError):

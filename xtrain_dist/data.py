@@ -73,8 +73,10 @@ def _parse_tokenizer(path: Path, raw: bytes) -> tokenizers.Tokenizer:
         raise XtrainError(f"tokenizer '{path}' is not a tokenizers JSON file (not UTF-8 text)") from None
     except Exception as err:  # the Rust side raises a bare Exception with serde's reason
         raise XtrainError(f"tokenizer '{path}' is not a tokenizers JSON file ({first_line(err)})") from None
-    if tokenizer.get_vocab_size() == 0:  # it made every corpus look empty: say what is wrong
-        raise XtrainError(f"tokenizer '{path}' has an empty vocabulary")
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab_size < 2:  # none makes every corpus look empty; one makes every loss 0 from the first step
+        raise XtrainError(f"tokenizer '{path}' has {vocab_size} token{'' if vocab_size == 1 else 's'} in its "
+                          "vocabulary: a language model needs at least 2 to choose between")
     # A tokenizer.json saved for fine-tuning may truncate to 512 tokens or pad; we want every token.
     tokenizer.no_truncation()
     tokenizer.no_padding()

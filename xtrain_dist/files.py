@@ -1,10 +1,21 @@
 """Output files appear whole or not at all: the one way every command here writes a file it produces."""
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
 from .errors import XtrainError
+
+
+def loads_json(text):
+    """json.loads, except that a document nested deeper than Python's recursion limit (a file of 100k "[")
+    raises the json.JSONDecodeError every other malformed document raises, not a RecursionError that no
+    reader expects."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text if isinstance(text, str) else "", 0) from None
 
 
 def written_in_place(path: Path) -> bool:

@@ -67,7 +67,7 @@ def read(path) -> list[dict]:
         raise XtrainError(f"metrics file '{path}' is not UTF-8 text (invalid byte at offset {err.start})") from None
     for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            record = files.loads_json(line)
             by_step[int(record["step"])] = record
         except (ValueError, KeyError, TypeError):
             if number < len(lines):

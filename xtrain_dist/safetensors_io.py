@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import XtrainError
+from .files import loads_json
 
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -76,7 +77,7 @@ def parse_safetensors(data: bytes, where: str) -> tuple[dict[str, np.ndarray], d
     if n > min(MAX_HEADER, size - 8):
         raise bad(f"its header length {n} exceeds the {size - 8} bytes after it")
     try:
-        header = json.loads(data[8: 8 + n].decode("utf-8"))
+        header = loads_json(data[8: 8 + n].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise bad(f"its header is not JSON ({err})") from None
     if not isinstance(header, dict):
