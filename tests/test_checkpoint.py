@@ -220,7 +220,7 @@ def test_a_stop_request_ends_the_run_after_a_step_and_the_same_command_resumes_i
         train(replace(same, resume=str(folder)), corpus)  # an explicit --resume still asks for more steps
     assert not isinstance(err.value, RunComplete)
     # --init-from is the first start's: once there is a checkpoint to resume, it is done with
-    assert resolve_auto_resume(replace(same, init_from="gpt2"), log=print) == replace(same, resume=str(folder))
+    assert resolve_auto_resume(replace(same, init_from="gpt2")) == replace(same, resume=str(folder))
 
 
 def test_a_stop_request_in_the_last_step_changes_nothing(corpus):
@@ -592,6 +592,10 @@ def test_save_dir_never_replaces_a_folder_that_is_not_a_checkpoint(corpus, tmp_p
     assert str(info.value) == (f"--save-dir '{precious}' exists and is not an xtrain-dist checkpoint "
                                "(no manifest.json): refusing to replace it; give a new or empty folder")
     assert (precious / "thesis.tex").read_text() == "years of work"
+    lines = []  # --resume auto finds no checkpoint there, but says "starting at step 1" only where it would start
+    with pytest.raises(XtrainError, match=r"^--save-dir '.*results' exists and is not an xtrain-dist checkpoint"):
+        run(corpus, 2, save_dir=precious, resume="auto", log=lines.append)
+    assert lines == []
     with pytest.raises(XtrainError, match="is a file, not a folder"):
         run(corpus, 2, save_dir=precious / "thesis.tex")
     (tmp_path / "fresh").mkdir()  # an empty folder is what the refusal asks for: it takes the checkpoint

@@ -130,6 +130,26 @@ def test_batch_equal_to_the_world_size_is_enough():
     assert parse_config(["1", "2", "16", "--world-size", "2"], launch=Launch("single")).batch == 2
 
 
+@pytest.mark.parametrize("flag, value, field, parsed", [
+    ("--rdzv-bind", "0.0.0.0", "rdzv_bind", "0.0.0.0"),
+    ("--rdzv-advertise", "node7:31000", "rdzv_advertise", "node7:31000"),
+    ("--rdzv-timeout", "60", "rdzv_timeout_s", 60.0),
+])
+def test_rendezvous_options_are_for_jobs_of_several_processes(flag, value, field, parsed):
+    """Alone, a process meets nobody: the option would be ignored, so it is refused; in a job of two it is taken."""
+    from xtrain_dist.errors import XtrainError
+    from xtrain_dist.launch_env import Launch
+    from xtrain_dist.train_ddp import parse_config
+
+    with pytest.raises(XtrainError) as info:
+        parse_config(["5", "8", "32", flag, value], launch=Launch("single"))
+    assert str(info.value) == (f"{flag} is for a job of several processes (started by torchrun, srun or mpirun); "
+                               "this one runs alone")
+    cfg = parse_config(["5", "8", "32", flag, value], launch=Launch("torchrun", num_processes=2))
+    assert getattr(cfg, field) == parsed
+    assert parse_config(["5", "8", "32"], launch=Launch("torchrun", num_processes=2)).rdzv_timeout_s == 300.0
+
+
 def test_missing_files(tmp_path):
     missing = tmp_path / "nope.json"
     assert error_line(cli(5, 8, 32, missing, DEFAULT_CORPUS)) == f"train_ddp: error: tokenizer '{missing}' not found"

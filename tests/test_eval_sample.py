@@ -138,6 +138,9 @@ def test_a_validation_split_too_short_for_seq(tmp_path):
         run(own_val, 2, eval_batches=20)
     assert str(info.value) == (f"--val-corpus: validation corpus '{few}' has {len(own_val.val)} tokens, at least "
                                "SEQ+1 = 17 are needed")
+    with pytest.raises(XtrainError, match=r"^--val-corpus needs --eval-batches of at least 1: with 0 no validation "
+                                          r"loss is measured$"):
+        run(own_val, 2, eval_batches=0)
     # exactly SEQ+1 tokens is enough: one window and its targets, the same for every batch
     seq = len(short.val) - 1
     cfg = TrainConfig(steps=2, batch=2, seq=seq, eval_every=1, eval_batches=2)

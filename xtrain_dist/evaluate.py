@@ -63,9 +63,12 @@ def is_eval_step(done: int, cfg) -> bool:
 def check(cfg, corpus, log):
     """Before the run: validation ids too few for SEQ are an error where the command line asked for them
     (--val-corpus, or --eval-every without --hellaswag), and skip only the default end-of-run evaluation on
-    the corpus's own split (with a line saying so)."""
+    the corpus's own split (with a line saying so). Options that ask for a validation loss with
+    --eval-batches 0 are refused, not ignored."""
     if cfg.eval_every and not cfg.eval_batches and not cfg.hellaswag:
         raise XtrainError("--eval-every needs --eval-batches of at least 1 (or --hellaswag)")
+    if corpus.val_path is not None and not cfg.eval_batches:
+        raise XtrainError("--val-corpus needs --eval-batches of at least 1: with 0 no validation loss is measured")
     if cfg.eval_batches == 0 or len(corpus.val) >= cfg.seq + 1:
         return cfg
     reason = f"{corpus.val_source} has {len(corpus.val)} tokens, at least SEQ+1 = {cfg.seq + 1} are needed"

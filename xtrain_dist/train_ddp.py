@@ -96,8 +96,8 @@ def build_parser() -> OneLineParser:
     procs.add_argument("--rdzv-advertise", metavar="HOST:PORT", default=None,
                        help="address the other processes connect to (default MASTER_ADDR:MASTER_PORT; "
                             "MASTER_PORT+1 under torchrun, whose agent holds MASTER_PORT)")
-    procs.add_argument("--rdzv-timeout", type=positive_float, default=300.0,
-                       help="seconds processes wait for each other")
+    procs.add_argument("--rdzv-timeout", type=positive_float, default=None,
+                       help=f"seconds processes wait for each other (default {TrainConfig.rdzv_timeout_s:g})")
     g = p.add_argument_group("checkpoints, evaluation and metrics")
     g.add_argument("--save-dir", metavar="DIR", type=non_empty_path, default=None,
                    help="keep the latest checkpoint in DIR, replaced atomically at each save (and at the end)")
@@ -172,6 +172,11 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     for flag, value in (("--sample-tokens", args.sample_tokens), ("--sample-prompt", args.sample_prompt)):
         if value and not args.sample_every:
             raise XtrainError(f"{flag} needs --sample-every")
+    for flag, value in (("--rdzv-bind", args.rdzv_bind), ("--rdzv-advertise", args.rdzv_advertise),
+                        ("--rdzv-timeout", args.rdzv_timeout)):
+        if value is not None and not launch.multi_process:  # it would be ignored: no other process to meet
+            raise XtrainError(f"{flag} is for a job of several processes (started by torchrun, srun or mpirun); "
+                              "this one runs alone")
     return TrainConfig(
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
@@ -182,7 +187,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
         report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
-        rdzv_timeout_s=args.rdzv_timeout,
+        rdzv_timeout_s=TrainConfig.rdzv_timeout_s if args.rdzv_timeout is None else args.rdzv_timeout,
         save_dir=args.save_dir, save_every=args.save_every, keep_every=args.keep_every, resume=args.resume,
         init_from=args.init_from,
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
@@ -425,7 +430,7 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if corpus is None:  # a TrainConfig made in code trains on the shipped data where it names none, as the CLI does
         cfg = replace(cfg, tokenizer=cfg.tokenizer or str(DEFAULT_TOKENIZER), corpus=cfg.corpus or str(DEFAULT_CORPUS))
     auto_resume = cfg.resume == AUTO_RESUME
-    cfg = resolve_auto_resume(cfg, log if launch.process_rank == 0 else lambda line: None)
+    cfg = resolve_auto_resume(cfg)
     check_outputs(cfg)
     gpus = 0
     if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
@@ -446,6 +451,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         if note := checkpoint.prepare_save_dir(cfg.save_dir):
             log(note)
         checkpoint.refuse_another_runs_checkpoint(cfg.save_dir, cfg.resume)
+        if auto_resume and not cfg.resume:  # said once --save-dir is known to take the run's checkpoints
+            log(f"--resume {AUTO_RESUME}: no checkpoint in '{cfg.save_dir}' yet: starting at step 1")
     if cfg.metrics:
         metrics.check_path(cfg.metrics)
     if cfg.report and launch.process_rank == 0:
@@ -505,19 +512,18 @@ class RunComplete(XtrainError):
     runs its command once more, and that is success (exit status 0), not bad input."""
 
 
-def resolve_auto_resume(cfg: TrainConfig, log) -> TrainConfig:
+def resolve_auto_resume(cfg: TrainConfig) -> TrainConfig:
     """--resume auto: from the checkpoint in --save-dir where there is one (the weights of --init-from were
     the first start's, and the checkpoint has moved on from them), else a first start. So a job requeued
     after a stop signal runs the very command it started with. Every process decides alone, and the
     configuration they compare at the rendezvous holds the outcome: processes that see different
-    --save-dir contents are refused there."""
+    --save-dir contents are refused there. (train says which it was, once --save-dir has passed its checks.)"""
     if cfg.resume != AUTO_RESUME:
         return cfg
     if not cfg.save_dir:
         raise XtrainError(f"--resume {AUTO_RESUME} continues from the checkpoint in --save-dir: give --save-dir")
     if checkpoint.is_checkpoint(cfg.save_dir):
         return replace(cfg, resume=cfg.save_dir, init_from=None)
-    log(f"--resume {AUTO_RESUME}: no checkpoint in '{cfg.save_dir}' yet: starting at step 1")
     return replace(cfg, resume=None)
 
 
@@ -618,7 +624,7 @@ def _rendezvous_options(argv: list[str]) -> dict:
     p.add_argument("--rdzv-bind", dest="bind")
     p.add_argument("--rdzv-advertise", dest="advertise")
     p.add_argument("--rdzv-timeout", dest="timeout_s", type=positive_float,
-                   default=build_parser().get_default("rdzv_timeout"))
+                   default=TrainConfig.rdzv_timeout_s)
     try:
         options = vars(p.parse_known_args(argv)[0])
     except XtrainError:
