@@ -1,6 +1,7 @@
 // flash_attention.cu: fused causal self-attention on tensor cores, forward and backward, bf16 with
 // 64-channel heads (every GPT-2 size). Oracles: numpy_ops.flash_attention_forward / _backward, which
-// compute the same function as attention.cu's path (itself checked against numpy_ops.attention_*).
+// compute the same function as attention.cu's path (itself checked against numpy_ops.attention_*) the
+// way this file does: forward's online softmax key tile by key tile, rounding where this file rounds.
 //
 // Why: attention.cu's path writes the (B, NH, T, T) float scores, reads them back for the softmax,
 // stores the probabilities for backward and computes the masked upper triangle in full. Here the

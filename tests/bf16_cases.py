@@ -18,7 +18,9 @@ against float32 arithmetic, 3 shapes x 20 seeds), while a missing or misplaced r
 ~1.7e-3 (bf16's unit roundoff 2^-8 over sqrt(3)); NORM = 4e-4 sits between, plus one ulp of the
 largest element, which a single straddle can be of a small array (4.3e-4 seen on 756 elements).
 Outputs that are float32 in every precision (parameter gradients, layernorm statistics, losses)
-get the float32 tests' bounds.
+get the float32 tests' bounds. Flash attention's log-sum-exp ("lse") is float32 but summed from bf16
+P: a straddle of one P moves it by at most 2^-8 P / l < 2^-8 (P <= 1 <= l); seen, float64 against
+float32 emulation, up to 8e-5 and norm-wise 9e-7, where a sum of unrounded P is 1e-3 and 5e-5 off.
 """
 
 from collections.abc import Callable
@@ -38,11 +40,12 @@ NORM = 4e-4        # norm-wise relative error of a bf16 output
 FLOOR = 1e-5       # absolute slack, times the largest |want|, for results that cancel to near zero
 CHAIN_FLOOR = 2.0 ** -7  # the same for outputs two roundings deep (an upstream straddle, times one term)
 F32_NORM = 2e-5    # float32 outputs: norm-wise, and elementwise 50x that of the largest |want|
+LSE_MAX, LSE_NORM = 2.0 ** -8, 1e-5  # flash attention's lse: elementwise, and norm-wise plus one straddle
 
 
 def bf16_mismatch(got, want, kind: str) -> str | None:
     """Why `got` is not `want` within the tolerance of its kind ("act": one rounding to bf16, "act2": two
-    chained, "f32": float32), or None if it is."""
+    chained, "f32": float32, "lse": float32 summed from bf16), or None if it is."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if got.shape != want.shape:
         return f"shape {got.shape} != {want.shape}"
@@ -51,6 +54,11 @@ def bf16_mismatch(got, want, kind: str) -> str | None:
     diff = np.abs(got - want)
     scale = max(float(np.abs(want).max()), 1e-30)
     norm = float(np.linalg.norm(diff.ravel()) / max(np.linalg.norm(want.ravel()), 1e-30))
+    if kind == "lse":
+        allowed = LSE_NORM + LSE_MAX / max(float(np.linalg.norm(want.ravel())), 1e-30)
+        if diff.max() > LSE_MAX or norm > allowed:
+            return f"log-sum-exp: max abs {diff.max():.3g} (allowed {LSE_MAX:g}), norm-wise {norm:.3g} ({allowed:.3g})"
+        return None
     if kind == "f32":
         if norm > F32_NORM or diff.max() > 50 * F32_NORM * scale:
             return f"float32 output: norm-wise {norm:.3g}, max abs {diff.max():.3g} (scale {scale:.3g})"

@@ -566,9 +566,10 @@ def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
     assert len(list(tmp_path.glob("*.md"))) == 1
 
 
-@pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--tf32"]])
+@pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"]])
 def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
-    """bin/kernel_errors (the GPU session's error tables) runs every op; in fp32 every error is float32-sized."""
+    """bin/kernel_errors (the GPU session's error tables) runs every op, flash attention too where its kernel
+    applies (bf16, 64-channel heads); in fp32 every error is float32-sized."""
     out = tmp_path / "errors.json"
     result = subprocess.run([*RUN, "bin/kernel_errors", "--batch", "2", "--seq", "32", "--channels", "64", "--heads",
                              "2", "--vocab", "500", "--json", str(out), *options], cwd=ROOT, capture_output=True,
@@ -577,8 +578,11 @@ def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
     report = json.loads(out.read_text())
     assert report["adamw_bitwise_equal"] is True
     worst = max(row["norm_rel"] for row in report["rows"])
-    bound = {(): 1e-5, ("--dtype", "bf16"): 5e-3, ("--tf32",): 5e-3}[tuple(options)]
+    bound = 1e-5 if not options else 5e-3
     assert 0 <= worst <= bound, [r for r in report["rows"] if r["norm_rel"] > bound]
+    flash = [(r["op"], r["output"]) for r in report["rows"] if r["op"].startswith("flash")]
+    assert flash == ([("flash_attention_forward", "out"), ("flash_attention_forward", "lse"),
+                      ("flash_attention_backward", "dqkv")] if "128" in options else [])
 
 
 def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):

@@ -45,6 +45,7 @@ LN_EPS = 1e-5
 # thread per chunk, every operation on registers.
 CHUNK = 1 << 16
 GELU_SCALE = float(np.sqrt(2.0 / np.pi))
+FLASH_TILE = 64  # kernels/flash_attention.cu: the key columns each step of its online softmax takes
 
 
 def _chunks(*arrays):
@@ -321,16 +322,33 @@ class NumpyBackend:
 
     def flash_attention_forward(self, qkv, n_head: int):
         """qkv (B, T, 3C) -> (out (B, T, C), lse (B, NH, T)), lse[b, h, i] = log sum_{j <= i} exp(score[i, j])
-        over the scores, float32 in every precision (float64 for the gradient checks' float64 inputs)."""
+        over the scores, float32 in every precision (float64 for the gradient checks' float64 inputs).
+
+        Computed as the kernel's online softmax: key tile by key tile (FLASH_TILE columns), each tile's
+        scores raise the running row maximum m, the running denominator l and output O are rescaled by
+        exp(m_old - m_new), and P = exp(S - m_new) is rounded to the activation dtype as it enters P V and
+        summed as rounded, so that l normalises what O holds. In float32 that is the softmax, up to
+        summation order; in bf16 it rounds where the kernel does (the unnormalised P), not where the
+        standard path does (the normalised att). Tiles right of a row's diagonal, which the kernel skips,
+        change nothing here: their P is 0 and m stays."""
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
         q, k, v = _split_qkv(qkv, n_head)
         scores = self._causal_scores(q, k, hs)
-        top = scores.max(axis=-1, keepdims=True)
-        lse = (top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
-        att = np.exp(scores - lse[..., None])
-        y = self.store(att @ v)
+        m = np.full((B, n_head, T, 1), -np.inf, scores.dtype)  # finite after the first tile: key 0 is every row's
+        l = np.zeros_like(m)
+        o = np.zeros((B, n_head, T, hs), scores.dtype)
+        for k0 in range(0, T, FLASH_TILE):
+            s = scores[..., k0:k0 + FLASH_TILE]
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            alpha = np.exp(m - m_new)
+            p = self.store(np.exp(s - m_new))
+            l = l * alpha + p.sum(axis=-1, keepdims=True)
+            o = o * alpha + p @ v[:, :, k0:k0 + FLASH_TILE]
+            m = m_new
+        y = self.store(o / l)
+        lse = (m + np.log(l))[..., 0]
         return y.transpose(0, 2, 1, 3).reshape(B, T, C), lse
 
     def flash_attention_backward(self, dout, qkv, out, lse, n_head: int):
