@@ -245,6 +245,18 @@ def test_kernel_errors_are_relative_to_the_oracle():
                                                              pytest.approx(1 / 1e-30))
 
 
+def test_kernel_errors_counts_rounding_steps_where_rounding_sets_the_error():
+    """bf16 ulps of the oracle's value (1.0's is 2^-7, 3.0's 2^-6), over the elements of at least 1/256 of the
+    largest magnitude: 1e-6 against an exact 0, float32 cancellation, is not 10^33 ulps of 0 (the table of
+    an H100 run said 1.07e33 for the classifier's logits); it still counts as an element that differs."""
+    kernel_errors = load_script("kernel_errors")
+    want = np.array([1.0, 3.0, 0.0, 2.0 ** -9, 2.0 ** -6])
+    got = want + np.array([2.0 ** -7, 2.0 ** -5, 1e-6, 2.0 ** -12, 0.0])
+    ulps, differ = kernel_errors.rounding_steps(got.astype(np.float32), want)
+    assert ulps == 2.0 and differ == pytest.approx(4 / 5)  # 3.0 + 2^-5: 2 steps; 2^-9 and 0 are not counted
+    assert kernel_errors.rounding_steps(want, want) == (0.0, 0.0)
+
+
 # ------------------------------------------------------------------------------- gpu_session_summary
 def test_gpu_session_summary_reports_each_step(tmp_path):
     import subprocess
