@@ -11,10 +11,12 @@
 //   merge_heads:  y (B, NH, T, hs) -> (B, T, C)
 // and backward runs the mirror image (split dout, four products, softmax backward, merge into dqkv).
 //
-// What would be faster: a fused flash-attention kernel (the scores never reach memory, the upper
-// triangle is never computed, and att is not stored: it is recomputed in backward). Here att is kept
-// because the model's contract returns it, and the products compute full T x T blocks, half of which
-// the mask throws away.
+// cuda_ops runs each product in chunks of query rows (_causal_chunks: 256 rows against the keys they may
+// see), so of the T x T blocks the mask would zero only the diagonal chunks' upper halves are computed
+// (at T = 1024, 10/16 of the full products). What is faster still is flash_attention.cu: the scores never
+// reach memory and att is not stored but recomputed in backward. Here att is kept because the model's
+// contract returns it; the softmax kernels read only keys j <= i, so the scores right of a chunk's
+// diagonal block, which no product writes, are never used.
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------- head layout

@@ -4,8 +4,8 @@
 // way this file does: forward's online softmax key tile by key tile, rounding where this file rounds.
 //
 // Why: attention.cu's path writes the (B, NH, T, T) float scores, reads them back for the softmax,
-// stores the probabilities for backward and computes the masked upper triangle in full. Here the
-// scores of a 64 x 64 tile live in shared memory only, the upper triangle is skipped tile by tile,
+// stores the probabilities for backward and computes the masked upper triangle in 256-row chunks. Here
+// the scores of a 64 x 64 tile live in shared memory only, the upper triangle is skipped tile by tile,
 // and forward keeps one float per query row (its log-sum-exp, lse) instead of T of them; backward
 // recomputes the probabilities from q, k and lse.
 //

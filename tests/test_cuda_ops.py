@@ -20,6 +20,7 @@ cupy = pytest.importorskip("cupy")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
+from xtrain_dist.backend import cuda_ops  # noqa: E402
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
 from xtrain_dist.backend.cuda_ops import CudaBackend  # noqa: E402
 from xtrain_dist.config import model_config  # noqa: E402
@@ -238,6 +239,33 @@ def test_attention_forward_backward(be, rng, b, t, c, nh):
     assert np.all(be.to_host(att)[..., np.triu_indices(t, 1)[0], np.triu_indices(t, 1)[1]] == 0)
     dqkv = be.attention_backward(be.from_host(dout), be.from_host(qkv), att, nh)
     check(be.to_host(dqkv), want_dqkv, 2e-5, "dqkv")
+
+
+@pytest.mark.parametrize("chunk", [8, 20, 32])
+@pytest.mark.parametrize("b,t,c,nh", [(2, 33, 36, 4), (1, 200, 64, 2)])
+def test_attention_in_causal_chunks(be, rng, monkeypatch, chunk, b, t, c, nh):
+    """The products run in chunks of query rows, each against only the keys it may see (cuda_ops._causal_chunks,
+    256 rows a chunk): with chunks of 8, 20 and 32 rows, several at these T and the last one ragged, the
+    results are the oracle's, and the scores right of each chunk's diagonal block, which no product writes
+    (they hold poisoned memory, NaN), reach nothing."""
+    monkeypatch.setattr(cuda_ops, "CAUSAL_CHUNK", chunk)
+    assert len(cuda_ops._causal_chunks(t)) == -(-t // chunk) > 1
+    qkv, dout = randn(rng, b, t, 3 * c), randn(rng, b, t, c)
+    want_out, want_att = ref.attention_forward(qkv, nh)
+    out, att = be.attention_forward(be.from_host(qkv), nh)
+    check(be.to_host(out), want_out, 1e-5, "attention out")
+    check(be.to_host(att), want_att, 1e-5, "att")
+    dqkv = be.attention_backward(be.from_host(dout), be.from_host(qkv), att, nh)
+    check(be.to_host(dqkv), ref.attention_backward(dout, qkv, want_att, nh), 2e-5, "dqkv")
+
+
+def test_batched_products_take_slices_with_contiguous_rows_only(be):
+    """_gemm_batched reads each matrix's row stride from the view (a chunk of the T x T scores); a view whose
+    rows are not contiguous is refused, not multiplied as if they were."""
+    x = be.from_host(np.zeros((2, 4, 6), np.float32))
+    assert cuda_ops._batched_layout(x[:, 1:3, :5]) == (6, 24)
+    with pytest.raises(ValueError, match=r"^cuda_ops batched gemm: expected contiguous rows, got shape \(2, 4, 3\)"):
+        cuda_ops._batched_layout(x[:, :, ::2])
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 16, 16), (5, 1, 1), (2, 33, 33)])

@@ -179,6 +179,9 @@ ROWS_PER_BLOCK = 8     # warp-per-row kernels (layernorm, causal softmax): one r
 CLASSIFIER_BLOCK = 512  # block-per-row classifier: ~25 16-byte loads per thread at V = 50257
 ROW_ALIGN = 64         # unbiased products' rows (the logits) start this many elements apart at least
 COL_ROWS = 8           # blockDim.y of the column-sum kernels (common.cuh)
+# Standard attention's products in chunks of this many query rows, each against only the keys it may see
+# (_causal_chunks): at T = 1024, 4 chunks compute 10/16 of the T x T products the mask would otherwise halve
+CAUSAL_CHUNK = 256
 NORM_BLOCK = 512
 NORM_MAX_BLOCKS = 1024
 
@@ -207,6 +210,25 @@ def _vec(width: int, *arrays, row: int | None = None) -> int:
     if row is not None and row % width:
         return 0
     return int(all(a.data.ptr % (a.itemsize * width) == 0 for a in arrays if a is not None))
+
+
+def _causal_chunks(T: int) -> list[tuple[int, int]]:
+    """[r0, r1) row ranges of CAUSAL_CHUNK rows covering [0, T). Query rows [r0, r1) see keys [0, r1) only,
+    and keys [r0, r1) are seen by query rows [r0, T) only: each product of causal attention runs per chunk
+    over that part, and skips the blocks right of the diagonal that the mask would zero. The diagonal
+    blocks are still computed whole (att and dscores are 0 above the diagonal, which the softmax kernels
+    write)."""
+    return [(r0, min(r0 + CAUSAL_CHUNK, T)) for r0 in range(0, T, CAUSAL_CHUNK)]
+
+
+def _batched_layout(x) -> tuple[int, int]:
+    """(row stride, matrix stride) in elements of a (batch, rows, cols) array whose rows are contiguous: a
+    C-contiguous array or a slice of one along its last two axes (a chunk of causal attention's T x T)."""
+    item = x.itemsize
+    row, matrix = x.strides[1], x.strides[0]
+    if x.strides[2] != item or row % item or matrix % item or row < x.shape[2] * item:
+        raise ValueError(f"cuda_ops batched gemm: expected contiguous rows, got shape {x.shape} strides {x.strides}")
+    return row // item, matrix // item
 
 
 def _contiguous(a):
@@ -421,13 +443,13 @@ class CudaBackend:
                       beta_h.ctypes.data, out.data.ptr, c_type, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
     def _gemm_batched(self, a, b, out, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0) -> None:
-        """out[i] = alpha * op(a[i]) @ op(b[i]) for C-contiguous (batch, rows, cols) arrays, op = transpose
-        where asked. Column-major: out[i]^T = op(b[i])^T op(a[i])^T, and a row-major X is stored as X^T."""
+        """out[i] = alpha * op(a[i]) @ op(b[i]) for (batch, rows, cols) arrays with contiguous rows (C-contiguous,
+        or slices of such along the last two axes: _batched_layout), op = transpose where asked. Column-major:
+        out[i]^T = op(b[i])^T op(a[i])^T, and a row-major X with row stride ld is X^T with leading dimension ld."""
         self._check_stream()
         batch, m, n = out.shape
         k = a.shape[1] if trans_a else a.shape[2]
-        for x in (a, b, out):
-            _contiguous(x)
+        (ld_a, stride_a), (ld_b, stride_b), (ld_out, stride_out) = (_batched_layout(x) for x in (a, b, out))
         cublas = self._cublas
         op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
         op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
@@ -437,9 +459,9 @@ class CudaBackend:
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.gemmStridedBatchedEx(
             handle, op_b, op_a, n, m, k, alpha_h.ctypes.data,
-            b.data.ptr, ab_type, b.shape[2], b.shape[1] * b.shape[2],
-            a.data.ptr, ab_type, a.shape[2], a.shape[1] * a.shape[2],
-            beta_h.ctypes.data, out.data.ptr, c_type, n, m * n,
+            b.data.ptr, ab_type, ld_b, stride_b,
+            a.data.ptr, ab_type, ld_a, stride_a,
+            beta_h.ctypes.data, out.data.ptr, c_type, ld_out, stride_out,
             batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
     # ------------------------------------------------------------------ encoder (kernels/encoder.cu)
@@ -613,15 +635,19 @@ class CudaBackend:
         C = C3 // 3
         hs = C // n_head
         BH = B * n_head
-        q, k, v = self._split_qkv(qkv, n_head)
-        scores = cupy.empty((B, n_head, T, T), dtype=cupy.float32)  # float32 in every precision
-        scale = _attention_scale(hs)
-        self._gemm_batched(q.reshape(BH, T, hs), k.reshape(BH, T, hs), scores.reshape(BH, T, T), trans_b=True,
-                           alpha=scale)
+        q, k, v = (x.reshape(BH, T, hs) for x in self._split_qkv(qkv, n_head))
+        # float32 in every precision; right of each chunk's diagonal block never written, and never used
+        scores = cupy.empty((B, n_head, T, T), dtype=cupy.float32)
+        scores3 = scores.reshape(BH, T, T)
+        for r0, r1 in _causal_chunks(T):  # query rows [r0, r1) against keys [0, r1)
+            self._gemm_batched(q[:, r0:r1], k[:, :r1], scores3[:, r0:r1, :r1], trans_b=True,
+                               alpha=_attention_scale(hs))
         att = self._act_or_in_place(scores)
         self._softmax(att, scores, T)
         y = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
-        self._gemm_batched(att.reshape(BH, T, T), v.reshape(BH, T, hs), y.reshape(BH, T, hs))
+        att3, y3 = att.reshape(BH, T, T), y.reshape(BH, T, hs)
+        for r0, r1 in _causal_chunks(T):
+            self._gemm_batched(att3[:, r0:r1, :r1], v[:, :r1], y3[:, r0:r1])
         out = cupy.empty((B, T, C), dtype=self.act_dtype)
         self._merge_heads(out, (y,), C, B, n_head, T, hs)
         return out, att
@@ -680,20 +706,24 @@ class CudaBackend:
         C = C3 // 3
         hs = C // n_head
         BH = B * n_head
-        q, k, v = self._split_qkv(qkv, n_head)
+        q, k, v = (x.reshape(BH, T, hs) for x in self._split_qkv(qkv, n_head))
         dy = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
         self._split_heads(dout, (dy,), C, B, n_head, T, hs)
-        shape3 = (BH, T, hs)
-        datt = cupy.empty((BH, T, T), dtype=cupy.float32)  # float32 like the scores
-        self._gemm_batched(dy.reshape(shape3), v.reshape(shape3), datt, trans_b=True)        # dy v^T
-        dv = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
-        self._gemm_batched(att.reshape(BH, T, T), dy.reshape(shape3), dv.reshape(shape3), trans_a=True)  # att^T dy
+        dy = dy.reshape(BH, T, hs)
+        att = att.reshape(BH, T, T)
+        # chunk by chunk (_causal_chunks): query rows [r0, r1) against keys [0, r1), and keys [r0, r1) against
+        # query rows [r0, T), the only ones whose att and dscores are not 0 there
+        datt = cupy.empty((BH, T, T), dtype=cupy.float32)  # float32 like the scores; read where j <= i only
+        dv, dq, dk = (cupy.empty((B, n_head, T, hs), dtype=self.act_dtype) for _ in range(3))
+        dv3, dq3, dk3 = (x.reshape(BH, T, hs) for x in (dv, dq, dk))
+        for r0, r1 in _causal_chunks(T):
+            self._gemm_batched(dy[:, r0:r1], v[:, :r1], datt[:, r0:r1, :r1], trans_b=True)         # dy v^T
+            self._gemm_batched(att[:, r0:, r0:r1], dy[:, r0:], dv3[:, r0:r1], trans_a=True)        # att^T dy
         dscores = self._act_or_in_place(datt)
         self._softmax_backward(dscores, datt, att, T, _attention_scale(hs))
-        dq = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
-        dk = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
-        self._gemm_batched(dscores, k.reshape(shape3), dq.reshape(shape3))                   # dscores k
-        self._gemm_batched(dscores, q.reshape(shape3), dk.reshape(shape3), trans_a=True)     # dscores^T q
+        for r0, r1 in _causal_chunks(T):
+            self._gemm_batched(dscores[:, r0:r1, :r1], k[:, :r1], dq3[:, r0:r1])                   # dscores k
+            self._gemm_batched(dscores[:, r0:, r0:r1], q[:, r0:], dk3[:, r0:r1], trans_a=True)     # dscores^T q
         dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)
         self._merge_heads(dqkv, (dq, dk, dv), C3, B, n_head, T, hs)
         return dqkv
