@@ -1,4 +1,5 @@
-"""Output files appear whole or not at all: the one way every command here writes a file it produces."""
+"""Output files appear whole or not at all: the one way every command here writes a file it produces; and
+the JSON parse every reader of a project file uses (loads_json)."""
 
 import contextlib
 import json
