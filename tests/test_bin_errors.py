@@ -295,6 +295,10 @@ def test_fit_overhead_model_names_a_file_that_is_not_what_it_reads(tmp_path):
     assert fit(coll, coll) == f"--ddp '{coll}' is not a bench_ddp results file (no 'model', 'world')"
     assert fit(empty, ddp) == f"--collectives '{empty}' is not a bench_collectives results file (no 'rows')"
     assert fit(coll, a_list) == f"--ddp '{a_list}' is not a bench_ddp results file (not a JSON object)"
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)  # nested past Python's recursion limit: a line, not a RecursionError
+    assert fit(coll, deep) == f"cannot read '{deep}': nested too deeply: line 1 column 1 (char 0)"
+    deep.unlink()
     assert fit(coll, ddp) == f"'{ddp}' has no flat row without ZeRO"  # the right shape, but no S to fit
     assert error("fit_overhead_model", "--collectives", coll, "--ddp", ddp, "--out", empty) == \
         f"--out '{empty}' is a file, not a folder"  # before the fit, as the benchmarks check theirs
