@@ -171,8 +171,9 @@ def test_a_tokenizer_without_a_vocabulary(tmp_path):
 
     empty = tmp_path / "empty.json"
     tokenizers.Tokenizer(tokenizers.models.BPE()).save(str(empty))
-    assert error_line(cli(5, 8, 32, empty, DEFAULT_CORPUS)) == f"train_ddp: error: tokenizer '{empty}' has an empty " \
-                                                               "vocabulary"
+    assert error_line(cli(5, 8, 32, empty, DEFAULT_CORPUS)) == (
+        f"train_ddp: error: tokenizer '{empty}' has 0 tokens in its vocabulary: a language model needs at least 2 "
+        "to choose between")
 
 
 def test_a_corpus_shorter_than_seq(tmp_path):
