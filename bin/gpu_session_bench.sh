@@ -18,15 +18,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_session_bench}
 BUDGET=${BUDGET:-560}
-mkdir -p "$OUT"
-rm -f "$OUT/skipped.txt"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PY:-python3}
-START=$SECONDS
 BENCH_GPU_ARGS=${BENCH_GPU_ARGS:---presets gpt2-124m --shapes 8x1024 --precisions fp32,tf32,bf16}
 BENCH_GEMM_ARGS=${BENCH_GEMM_ARGS:---preset gpt2-124m --tokens 8192}
 
 . bin/gpu_session_common.sh
+session_setup
 require_gpu
 ensure_crt_headers
 cat "$OUT/crt.txt"

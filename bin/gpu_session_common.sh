@@ -1,6 +1,17 @@
 # Sourced by the bin/gpu_session_*.sh scripts: what they need before their first step, their steps'
 # time budget, and the packing of their results for the trip back.
 
+# session_setup: once a script has set OUT and BUDGET, what each one with a time budget does first: $OUT made
+# and cleared of the last run's skip list, Python unbuffered with the repository importable, PY (the python
+# that runs every step; the tests set their own) and the budget's START
+session_setup() {
+  mkdir -p "$OUT"
+  rm -f "$OUT/skipped.txt"
+  export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  PY=${PY:-python3}
+  START=$SECONDS
+}
+
 # step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX_SECONDS, what is left of the budget: BUDGET
 # seconds from START, 15 kept for the summary); a step with under 20 s left is skipped and listed in
 # $OUT/skipped.txt (exit 124)

@@ -28,13 +28,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_session_cuda}
 BUDGET=${BUDGET:-540}
-mkdir -p "$OUT"
-rm -f "$OUT/skipped.txt"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PY:-python3}  # the python that runs every step (the tests set their own)
-START=$SECONDS
 
 . bin/gpu_session_common.sh
+session_setup
 require_gpu
 ensure_crt_headers
 
