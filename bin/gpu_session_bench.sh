@@ -6,8 +6,9 @@
 #
 # What it does, each step recorded even when an earlier one failed:
 #   1. the CUDA crt headers (a fresh machine lacks them, and the flash-attention row needs them)
-#   2. bin/bench_gpu: our step against PyTorch eager and torch.compile, fp32, tf32 and bf16, with the
-#      per-op profile of each of our rows (BENCH_GPU_ARGS, default gpt2-124m at 8 x 1024)
+#   2. bin/bench_gpu: our step against PyTorch eager and torch.compile, fp32, tf32 and bf16, ours with
+#      --matmul cublas and cublaslt, with the per-op profile of each of our rows (BENCH_GPU_ARGS, default
+#      gpt2-124m at 8 x 1024); up to 400 s, since it writes its results files only at the end
 #   3. bin/bench_gemm: the products alone, ours against PyTorch's, which says whether the profile's
 #      product times are cuBLAS's or ours (BENCH_GEMM_ARGS, default gpt2-124m at 8192 rows)
 #   4. compute-sanitizer racecheck over the op tests with what is left of the budget (call 1 runs
@@ -28,7 +29,7 @@ ensure_crt_headers
 cat "$OUT/crt.txt"
 
 echo "## bench_gpu"
-step bench_gpu 330 $PY bin/bench_gpu $BENCH_GPU_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.txt"
+step bench_gpu 400 $PY bin/bench_gpu $BENCH_GPU_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.txt"
 gpu_rc=${PIPESTATUS[0]}
 echo "## bench_gemm"
 step bench_gemm 120 $PY bin/bench_gemm $BENCH_GEMM_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.txt"

@@ -9,8 +9,9 @@
 // products came out a rounding step away from the oracle, up to 255 ulps where the bias cancels
 // the product (bench/results/2026-11-24-h100/cuda-rerun). The float32 product costs a bf16 output
 // 4 more bytes per element of traffic than that did (10 against 6); float32 costs the same (12).
-// What would be faster: cuBLASLt's BIAS / BGRADB epilogues fold both into the GEMM and save one pass
-// over the output each; CuPy does not expose cuBLASLt, and the extra pass is small next to the product.
+// --matmul cublaslt skips add_bias: cuBLASLt's BIAS epilogue adds the bias to the float32 accumulator
+// and rounds once (backend/cublaslt.py, bound with ctypes since CuPy does not expose cuBLASLt). Its
+// BGRADB epilogue could fold bias_backward into the weight-gradient product the same way; not done.
 #include "common.cuh"
 
 // out[r, c] = floatX(product[r, c] + bias[c]) for a (rows, OC) output (the "+ bias" of

@@ -165,6 +165,8 @@ def test_bench_cpu_bad_arguments(args, words):
     (["--peak-tflops", "inf"], "--peak-tflops must be a finite number > 0, got 'inf'"),
     (["--precisions", "fp32,fp64"], "--precisions: unknown 'fp64'"),
     (["--torch-modes", "jit"], "--torch-modes: unknown 'jit'"),
+    (["--matmuls", "cublas,cutlass"], "--matmuls: unknown 'cutlass' (choose from cublas, cublaslt)"),
+    (["--matmuls", ","], "--matmuls: give at least one of cublas, cublaslt"),
     (["--shapes", "8x0"], "--shapes: '8x0' is not BATCHxSEQ (two positive integers)"),
     (["--presets", "tiny", "--shapes", "1x4096"], "tiny: sequence 4096 exceeds its 128 positions"),
     (["--presets", "tiny", "--shapes", "1x128", "--out", "/proc/x"],  # all 128 positions are allowed

@@ -109,6 +109,8 @@ def error_line(out):
      "the warmup"),
     ((5, 8, 32, "--tf32"), "--tf32 is a choice of the cuda backend's matmuls; the numpy backend computes in float32 "
                            "only"),
+    ((5, 8, 32, "--matmul", "cublaslt"), "--matmul cublaslt is a choice of the cuda backend's matmuls; the numpy "
+                                         "backend's products are numpy's"),
     ((5, 8, 32, "--cpu-threads", "two"), "--cpu-threads must be a positive integer, got 'two'"),
     ((5, 8, 32, "--resume", "auto"), "--resume auto continues from the checkpoint in --save-dir: give --save-dir"),
     ((5, 8, 200), "SEQ (200) exceeds the context length of model 'tiny' (128)"),

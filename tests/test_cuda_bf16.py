@@ -41,6 +41,21 @@ def be():
     return CudaBackend(0, dtype="bf16")
 
 
+@pytest.fixture(scope="module")
+def lt_backend(be):
+    backend = CudaBackend(0, dtype="bf16", matmul="cublaslt")
+    be.stream.use()  # a backend makes its stream the thread's current one; be_lt hands it over per test
+    return backend
+
+
+@pytest.fixture()
+def be_lt(be, lt_backend):
+    """The --matmul cublaslt backend, its stream current for the test, `be`'s again after it."""
+    lt_backend.stream.use()
+    yield lt_backend
+    be.stream.use()
+
+
 def run_case(backend, case, host):
     return {name: backend.to_host(value) for name, value in case.run(backend, upload(backend, host)).items()}
 
@@ -53,6 +68,20 @@ def test_every_bf16_op_matches_the_numpy_emulation(be, rng, shape, case):
     want, got = run_case(REF, case, host), run_case(be, case, host)
     for name, kind in case.outputs.items():
         assert_bf16_close(got[name], want[name], kind, f"{case.name} {name}")
+
+
+LT_CASES = [(shape, case) for shape, case in CASES
+            if case.name.startswith("matmul_forward") and "tied" not in case.name]  # the products with a bias
+
+
+@pytest.mark.parametrize("shape, case", LT_CASES, ids=[f"{shape}-{case.name}" for shape, case in LT_CASES])
+def test_cublaslt_bias_epilogue_matches_the_numpy_emulation(be_lt, rng, shape, case):
+    """--matmul cublaslt: bf16 product + bf16 bias in the float32 accumulator, one rounding, as the
+    emulation computes it (and as the default path's float32 product + add_bias does)."""
+    host = case.inputs(rng)
+    want, got = run_case(REF, case, host), run_case(be_lt, case, host)
+    for name, kind in case.outputs.items():
+        assert_bf16_close(got[name], want[name], kind, f"{case.name} {name} (cublaslt)")
 
 
 @pytest.mark.parametrize("chunk", [16, 24])
@@ -178,7 +207,8 @@ def _model_step(backend, config, ids, targets, seed):
     return float(np.mean(backend.to_host(losses))), backend.to_host(model.grads).astype(np.float64)
 
 
-def test_tiny_model_bf16_loss_and_gradients_match_numpy_bf16(be, rng):
+@pytest.mark.parametrize("matmul", ["cublas", "cublaslt"])
+def test_tiny_model_bf16_loss_and_gradients_match_numpy_bf16(be, rng, request, matmul):
     """The whole step against the emulation, and closer to it than bf16 is to fp32. A 1-ulp difference at
     one stored activation propagates through the layers, so whole-model gradients differ by much more than
     any one op: on the CPU, over 20 seeds, the emulation computing in float64 (a proxy for the GPU's other
@@ -189,7 +219,8 @@ def test_tiny_model_bf16_loss_and_gradients_match_numpy_bf16(be, rng):
     ids, targets = (rng.integers(0, 4096, (4, 64)).astype(np.int32) for _ in range(2))
     seed = int(rng.integers(0, 2**31))
     loss_ref, grads_ref = _model_step(REF, config, ids, targets, seed)
-    loss_cu, grads_cu = _model_step(be, config, ids, targets, seed)
+    loss_cu, grads_cu = _model_step(request.getfixturevalue("be_lt") if matmul == "cublaslt" else be, config, ids,
+                                    targets, seed)
     _, grads_fp32 = _model_step(NumpyBackend("fp32"), config, ids, targets, seed)
 
     def dist(a, b):
@@ -226,6 +257,18 @@ def test_bf16_ddp_two_virtual_ranks_match_one_rank_and_numpy(corpus):
     assert len(two["param_sha256"]) == 2 and len(set(two["param_sha256"])) == 1
     again = _train(corpus, backend="cuda", world_size=2)
     assert again["param_sha256"] == two["param_sha256"] and again["losses"] == two["losses"]
+
+
+@pytest.mark.training
+def test_bf16_ddp_with_cublaslt_follows_numpy_bf16_bitwise_reproducibly(corpus):
+    """--matmul cublaslt in training: two virtual ranks, each with its own handle and workspace, follow the
+    emulation, stay equal, and a second run gives the same bits (the heuristic's algorithms, once chosen
+    per shape, are deterministic)."""
+    runs = [_train(corpus, backend="cuda", world_size=2, matmul="cublaslt") for _ in range(2)]
+    reference = _train(corpus, backend="numpy", world_size=1)
+    np.testing.assert_allclose(runs[0]["losses"], reference["losses"], rtol=1e-3)
+    assert len(runs[0]["param_sha256"]) == 2 and len(set(runs[0]["param_sha256"])) == 1
+    assert runs[1]["param_sha256"] == runs[0]["param_sha256"] and runs[1]["losses"] == runs[0]["losses"]
 
 
 @pytest.mark.training

@@ -75,6 +75,7 @@ class TrainConfig:
     comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
     cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default cores / ranks
     tf32: bool = False              # cuda backend: TF32 tensor-core matmuls (fp32 storage)
+    matmul: str = "cublas"          # cuda backend: cublas | cublaslt, the library of products with a bias
     # processes and launchers (see launch_env.py and comm/world.py); world_size above counts every rank
     # of the job: processes x rank threads per process
     comm: str = "auto"                  # auto | local | mpi | tcp | nccl

@@ -19,7 +19,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from . import checkpoint, ddp, evaluate, files, hellaswag, memory, metrics, precision, sample
-from .backend import BACKENDS, rank_device
+from .backend import BACKENDS, MATMULS, rank_device
 from .cli import (
     OneLineParser,
     non_empty_path,
@@ -82,6 +82,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global norm clip; 0 disables")
     p.add_argument("--comm-timeout", type=positive_float, default=300.0, help="seconds a rank may wait in a collective")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
+    p.add_argument("--matmul", choices=MATMULS, default="cublas",
+                   help="cuda: cublaslt adds a linear layer's bias in the product's epilogue, rounding once, "
+                        "instead of a kernel after a float32 product (default cublas)")
     p.add_argument("--cpu-threads", type=positive_int, default=None,
                    help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", type=non_empty_path, default=None, help="write a JSON report here")
@@ -185,6 +188,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         lr_schedule=args.lr_schedule, cooldown_steps=args.cooldown_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
+        matmul=args.matmul,
         report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=TrainConfig.rdzv_timeout_s if args.rdzv_timeout is None else args.rdzv_timeout,

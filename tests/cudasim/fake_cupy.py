@@ -710,7 +710,10 @@ def _operand(ptr, kind, op, rows, cols, ld, what) -> np.ndarray:
     return x if op == 0 else x.T
 
 
-def _gemm(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute):
+def _gemm(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute,
+          bias: np.ndarray | None = None):
+    """C = alpha op(A) op(B) + beta C, column-major; `bias` (m float32 values, cuBLASLt's bias epilogue) is
+    added to each column of the float32 product before the one rounding to C's type."""
     if Atype != Btype or compute not in _SUPPORTED.get((Atype, Ctype), ()):
         raise CUBLASError(f"CUBLAS_STATUS_NOT_SUPPORTED: A/B type {Atype}, C type {Ctype}, compute {compute}")
     if min(m, n, k) < 0:
@@ -726,6 +729,8 @@ def _gemm(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
     flat = _memory(C, _ELEMENT[Ctype], ldc * (n - 1) + m)
     c = np.lib.stride_tricks.as_strided(flat, (m, n), (flat.itemsize, ldc * flat.itemsize), writeable=True)
     result = np.float32(alpha) * (a @ b)
+    if bias is not None:
+        result = result + bias[:, None]
     if beta != 0.0:
         if Ctype == CUDA_R_16BF:  # as cuBLAS 13 does on an H100: the product is rounded to bf16 first
             result = _to_float(_bf16_bits(result.astype(np.float32)), CUDA_R_16BF)
@@ -843,6 +848,8 @@ def install() -> types.ModuleType:
     backends_cuda = types.ModuleType("cupy_backends.cuda")
     libs = types.ModuleType("cupy_backends.cuda.libs")
     libs.cublas = _cublas_module()
+    import fake_cublaslt  # after cupy: it imports xtrain_dist's cublaslt to put itself in place of the library
+    fake_cublaslt.install()
     backends.cuda, backends_cuda.libs = backends_cuda, libs
     sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": backends,
                         "cupy_backends.cuda": backends_cuda, "cupy_backends.cuda.libs": libs,

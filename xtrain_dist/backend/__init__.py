@@ -11,9 +11,20 @@ from ..errors import XtrainError
 from ..precision import check_dtype
 
 BACKENDS = ("numpy", "cuda")
+# --matmul (cuda): the library a linear layer's product with a bias goes through. cublas: cublasGemmEx into
+# a float32 product, then kernels/matmul.cu's add_bias; cublaslt: one cuBLASLt call whose epilogue adds the
+# bias before the single rounding (cublaslt.py). Products without a bias take cublasGemmEx either way.
+MATMULS = ("cublas", "cublaslt")
 
 
-def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, dtype: str = "fp32"):
+def check_matmul(matmul: str) -> str:
+    if matmul not in MATMULS:
+        raise XtrainError(f"unknown --matmul '{matmul}' (choose from {', '.join(MATMULS)})")
+    return matmul
+
+
+def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, dtype: str = "fp32",
+                matmul: str = "cublas"):
     check_dtype(dtype)
     if name == "numpy":
         from . import numpy_ops
@@ -21,7 +32,8 @@ def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, 
         return numpy_ops.NumpyBackend(dtype)
     if name == "cuda":
         from . import cuda_ops
-        return cuda_ops.CudaBackend(0 if device is None else device, allow_tf32=allow_tf32, dtype=dtype)
+        return cuda_ops.CudaBackend(0 if device is None else device, allow_tf32=allow_tf32, dtype=dtype,
+                                     matmul=matmul)
     raise XtrainError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
 
 

@@ -54,7 +54,7 @@ import numpy as np
 
 from ..errors import XtrainError
 from ..precision import bf16_bits, check_dtype, from_bf16_bits
-from . import numpy_ops
+from . import check_matmul, numpy_ops
 
 try:  # the module imports without CuPy, so the kernel sources and options can be checked anywhere
     import cupy
@@ -305,8 +305,9 @@ class CudaBackend:
     LN_EPS = numpy_ops.LN_EPS
     GELU_SCALE = numpy_ops.GELU_SCALE
 
-    def __init__(self, device: int, allow_tf32: bool = False, dtype: str = "fp32"):
+    def __init__(self, device: int, allow_tf32: bool = False, dtype: str = "fp32", matmul: str = "cublas"):
         check_dtype(dtype)
+        check_matmul(matmul)
         count = device_count()
         if not 0 <= device < count:
             raise XtrainError(f"--backend cuda: device {device} does not exist ({count} visible)")
@@ -330,6 +331,11 @@ class CudaBackend:
         self._side_streams: set[int] = set()
         self._keep_alive: list = []
         self._vec_x = 16 // self.act_dtype.itemsize  # elements of floatX per 16 bytes: 4 (fp32) or 8 (bf16)
+        self.matmul = matmul
+        self._lt = None
+        if matmul == "cublaslt":
+            from . import cublaslt
+            self._lt = cublaslt.LtMatmul(cupy)  # this device's handle and workspace, made on the rank's thread
 
     # ------------------------------------------------------------------ host/device plumbing
     def to_host(self, a) -> np.ndarray:
@@ -442,6 +448,18 @@ class CudaBackend:
                       first.data.ptr, ab_type, ld1, second.data.ptr, ab_type, ld2,
                       beta_h.ctypes.data, out.data.ptr, c_type, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
+    def _gemm_bias(self, a, b, bias, out) -> None:
+        """out = a @ b + bias (bias broadcast over rows), rounded once to out's type: cuBLASLt's bias
+        epilogue. out is row-major, so cuBLAS computes out^T = b^T a^T, whose rows are bias's elements."""
+        self._check_stream()
+        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
+        if _matrix_layout(out, "output")[0] != "C" or bias.shape != (rows,) or not bias.flags.c_contiguous:
+            raise ValueError(f"cuda_ops gemm: a bias {bias.shape} for an output {out.shape} with strides {out.strides}")
+        ab_type, c_type, compute = self._types(a, b, out)
+        self._lt.matmul_bias(op1, op2, rows, cols, k, first.data.ptr, ab_type, ld1, second.data.ptr, ld2,
+                             out.data.ptr, c_type, ldc, bias.data.ptr, self._cuda_type[bias.dtype], compute,
+                             cupy.cuda.get_current_stream().ptr)
+
     def _gemm_batched(self, a, b, out, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0) -> None:
         """out[i] = alpha * op(a[i]) @ op(b[i]) for (batch, rows, cols) arrays with contiguous rows (C-contiguous,
         or slices of such along the last two axes: _batched_layout), op = transpose where asked. Column-major:
@@ -548,6 +566,10 @@ class CudaBackend:
             # vocabulary to 50304 for this); the padding is never read
             out = cupy.empty((inp2.shape[0], _round_up(OC, ROW_ALIGN)), dtype=self.act_dtype)[:, :OC]
             self._gemm(inp2, weight, out)
+        elif self._lt is not None:  # product + bias rounded once, in one cuBLASLt call
+            out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
+            self._act(bias)
+            self._gemm_bias(inp2, weight, bias, out)
         else:  # the float32 product, then + bias rounded to floatX once (matmul.cu says why not beta = 1)
             out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
             self._act(bias)

@@ -1,0 +1,200 @@
+"""cuBLASLt through ctypes, for the one thing cublasGemmEx cannot do: add a bias with a single rounding.
+
+A linear layer's forward is out = inp @ weight + bias. cublasGemmEx can only add a bias it finds in C
+(beta = 1), and with a bf16 output it rounds the product to bf16 before adding C, so the result is
+rounded twice (kernels/matmul.cu). The default path therefore writes a float32 product and adds the
+bias in a kernel of its own, which costs a float32 write and read of the whole output. cuBLASLt's bias
+epilogue adds the bias to the float32 accumulator inside the product and rounds once: the same value
+the numpy oracle computes (numpy_ops.matmul_forward), with neither the extra pass nor the float32 buffer.
+llm.c does the same (llmc/matmul.cuh). `--matmul cublaslt` asks for it.
+
+CuPy does not expose cuBLASLt, so this module binds the seven functions it needs with ctypes. Each
+`LtMatmul` (one per backend, so per rank) owns a handle and a workspace, and keeps one plan per shape:
+the operation and layout descriptors and the algorithm cuBLASLt's heuristic picks for them, asked once.
+The enum values and struct layout below are cublasLt.h's; tests/test_cublaslt.py checks them against the
+header and the library where it finds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from ..errors import XtrainError
+
+# cublasLt.h (CUDA 13) values; tests/test_cublaslt.py compiles them against the header
+CUBLAS_STATUS_SUCCESS = 0
+STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED",
+                7: "CUBLAS_STATUS_INVALID_VALUE", 8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
+                13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR",
+                15: "CUBLAS_STATUS_NOT_SUPPORTED", 16: "CUBLAS_STATUS_LICENSE_ERROR"}
+CUBLASLT_MATMUL_DESC_TRANSA = 3          # int32_t (cublasOperation_t)
+CUBLASLT_MATMUL_DESC_TRANSB = 4          # int32_t
+CUBLASLT_MATMUL_DESC_EPILOGUE = 7        # uint32_t (cublasLtEpilogue_t)
+CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8    # const void*
+CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26  # int32_t (cudaDataType)
+CUBLASLT_EPILOGUE_BIAS = 4
+CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1    # uint64_t
+CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES = 5  # uint32_t, then B, C, D at 6, 7, 8
+CUDA_R_32F = 0  # library_types.h: cudaDataType, as the scale (alpha, beta) type
+
+# The attributes this module sets, with the C type cublasLt.h gives each: the library checks the size.
+DESC_ATTRIBUTE_TYPES = {CUBLASLT_MATMUL_DESC_TRANSA: ctypes.c_int32, CUBLASLT_MATMUL_DESC_TRANSB: ctypes.c_int32,
+                        CUBLASLT_MATMUL_DESC_EPILOGUE: ctypes.c_uint32,
+                        CUBLASLT_MATMUL_DESC_BIAS_POINTER: ctypes.c_void_p,
+                        CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: ctypes.c_int32}
+PREF_ATTRIBUTE_TYPES = {CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: ctypes.c_uint64,
+                        **{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES + i: ctypes.c_uint32 for i in range(4)}}
+
+# As llm.c: Hopper's fastest kernels want up to 32 MiB (split-K and stream-K partial sums)
+WORKSPACE_BYTES = 32 << 20
+MAX_ALIGNMENT = 256  # the alignment the heuristic assumes unless told less (cublasLt.h: MIN_ALIGNMENT_*)
+
+
+class MatmulAlgo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]  # cublasLtMatmulAlgo_t: opaque
+
+
+class HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", MatmulAlgo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # cublasLtMatmulHeuristicResult_t
+
+
+_P = ctypes.c_void_p
+_SIGNATURES = {  # name: argtypes (every function returns cublasStatus_t)
+    "cublasLtCreate": [ctypes.POINTER(_P)],
+    "cublasLtMatmulDescCreate": [ctypes.POINTER(_P), ctypes.c_int, ctypes.c_int],
+    "cublasLtMatmulDescSetAttribute": [_P, ctypes.c_int, _P, ctypes.c_size_t],
+    "cublasLtMatmulDescGetAttribute": [_P, ctypes.c_int, _P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+    "cublasLtMatrixLayoutCreate": [ctypes.POINTER(_P), ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
+                                   ctypes.c_int64],
+    "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(_P)],
+    "cublasLtMatmulPreferenceSetAttribute": [_P, ctypes.c_int, _P, ctypes.c_size_t],
+    "cublasLtMatmulAlgoGetHeuristic": [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.POINTER(HeuristicResult),
+                                       ctypes.POINTER(ctypes.c_int)],
+    "cublasLtMatmul": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.POINTER(MatmulAlgo), _P,
+                       ctypes.c_size_t, _P],
+}
+
+_library = None
+_library_lock = threading.Lock()
+
+
+def load_library(path: str | None = None):
+    """libcublasLt as a ctypes library with its functions' argument types set: from `path`, else where
+    cuda.pathfinder finds NVIDIA's wheel (what CuPy's own cuBLAS loads), else by soname. Loaded once."""
+    global _library
+    with _library_lock:
+        if _library is not None and path is None:
+            return _library
+        library = ctypes.CDLL(path) if path else _find_library()
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, ctypes.c_int
+        if path is None:
+            _library = library
+        return library
+
+
+def _find_library():
+    tried = []
+    try:
+        from cuda import pathfinder
+        return ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("cublasLt").abs_path)
+    except Exception as e:  # not installed, or no wheel: try the loader's search path
+        tried.append(f"cuda.pathfinder: {e}")
+    for soname in ("libcublasLt.so.13", "libcublasLt.so"):
+        try:
+            return ctypes.CDLL(soname)
+        except OSError as e:
+            tried.append(str(e))
+    raise XtrainError("--matmul cublaslt: cannot load libcublasLt (" + "; ".join(tried) +
+                      "): pip install nvidia-cublas, the wheel CuPy's cuBLAS comes from")
+
+
+def check(library, function: str, *args) -> None:
+    status = getattr(library, function)(*args)
+    if status != CUBLAS_STATUS_SUCCESS:
+        raise XtrainError(f"cuBLASLt: {function} failed: {STATUS_NAMES.get(status, f'status {status}')}")
+
+
+def set_attribute(library, function: str, descriptor, attribute: int, value) -> None:
+    """Set one attribute of a descriptor (function: cublasLtMatmulDescSetAttribute or
+    cublasLtMatmulPreferenceSetAttribute) to `value`, passed as the C type cublasLt.h gives it."""
+    types = DESC_ATTRIBUTE_TYPES if function == "cublasLtMatmulDescSetAttribute" else PREF_ATTRIBUTE_TYPES
+    held = types[attribute](value)
+    check(library, function, descriptor, attribute, ctypes.byref(held), ctypes.sizeof(held))
+
+
+def alignment(pointer: int) -> int:
+    """The largest power of two (up to 256 bytes) that divides a device address."""
+    return min(pointer & -pointer, MAX_ALIGNMENT) if pointer else MAX_ALIGNMENT
+
+
+class LtMatmul:
+    """D = op(A) op(B) + bias (bias broadcast along D's columns, added to the float32 accumulator, one
+    rounding to D's type) on a stream, in cuBLAS's column-major terms: A is rows x k after op, B k x cols,
+    D rows x cols, each with a leading dimension; the bias has `rows` elements. Made on the rank's thread,
+    with the rank's device current: the handle and workspace belong to that device."""
+
+    def __init__(self, cupy, library=None, workspace_bytes: int = WORKSPACE_BYTES):
+        self._lib = library if library is not None else load_library()
+        self._handle = _P()
+        check(self._lib, "cublasLtCreate", ctypes.byref(self._handle))
+        self._workspace = cupy.empty((workspace_bytes,), dtype=cupy.uint8)  # 256-byte aligned (CuPy's pool)
+        self._workspace_bytes = workspace_bytes
+        self._plans: dict[tuple, tuple] = {}
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def matmul_bias(self, op_a: int, op_b: int, rows: int, cols: int, k: int,
+                    a: int, a_type: int, ld_a: int, b: int, ld_b: int,
+                    d: int, d_type: int, ld_d: int, bias: int, bias_type: int, compute: int, stream: int) -> None:
+        """Enqueue D = op(A) op(B) + bias on `stream` (pointers are device addresses, A and B share a_type)."""
+        aligned = tuple(alignment(p) for p in (a, b, d, d))  # C is D (beta = 0 never reads it)
+        key = (op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, aligned,
+               alignment(bias))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(key, bias)
+        desc, layout_a, layout_b, layout_d, algo = plan
+        # the bias pointer changes from call to call (each layer's own); the plan was made for its alignment
+        set_attribute(self._lib, "cublasLtMatmulDescSetAttribute", desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)
+        check(self._lib, "cublasLtMatmul", self._handle, desc, ctypes.byref(self._one), a, layout_a, b, layout_b,
+              ctypes.byref(self._zero), d, layout_d, d, layout_d, ctypes.byref(algo), self._workspace.data.ptr,
+              self._workspace_bytes, stream)
+
+    def _plan(self, key: tuple, bias: int) -> tuple:
+        """The descriptors for one shape and the algorithm the heuristic ranks first for it (the heuristic
+        reads the bias pointer's alignment from the pointer set in the descriptor)."""
+        op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, aligned, _ = key
+        lib = self._lib
+        desc = _P()
+        check(lib, "cublasLtMatmulDescCreate", ctypes.byref(desc), compute, CUDA_R_32F)
+        for attribute, value in ((CUBLASLT_MATMUL_DESC_TRANSA, op_a), (CUBLASLT_MATMUL_DESC_TRANSB, op_b),
+                                 (CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS),
+                                 (CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type),
+                                 (CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)):
+            set_attribute(lib, "cublasLtMatmulDescSetAttribute", desc, attribute, value)
+        layouts = []
+        # stored shapes: A is rows x k, or k x rows when transposed; B is k x cols, or cols x k
+        for kind, stored_rows, stored_cols, ld in ((a_type, *((rows, k) if op_a == 0 else (k, rows)), ld_a),
+                                                   (a_type, *((k, cols) if op_b == 0 else (cols, k)), ld_b),
+                                                   (d_type, rows, cols, ld_d)):
+            layout = _P()
+            check(lib, "cublasLtMatrixLayoutCreate", ctypes.byref(layout), kind, stored_rows, stored_cols, ld)
+            layouts.append(layout)
+        preference = _P()
+        check(lib, "cublasLtMatmulPreferenceCreate", ctypes.byref(preference))
+        set_attribute(lib, "cublasLtMatmulPreferenceSetAttribute", preference,
+                      CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, self._workspace_bytes)
+        for i, value in enumerate(aligned):  # A, B, C, D
+            set_attribute(lib, "cublasLtMatmulPreferenceSetAttribute", preference,
+                          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES + i, value)
+        result, found = HeuristicResult(), ctypes.c_int(0)
+        layout_a, layout_b, layout_d = layouts
+        check(lib, "cublasLtMatmulAlgoGetHeuristic", self._handle, desc, layout_a, layout_b, layout_d, layout_d,
+              preference, 1, ctypes.byref(result), ctypes.byref(found))
+        if found.value < 1 or result.state != CUBLAS_STATUS_SUCCESS:
+            raise XtrainError(f"cuBLASLt has no algorithm for a {rows} x {k} x {cols} product with a bias epilogue "
+                              f"(types {a_type} -> {d_type}, compute {compute}); run without --matmul cublaslt")
+        return desc, layout_a, layout_b, layout_d, result.algo
