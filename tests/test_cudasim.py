@@ -481,8 +481,9 @@ def _losses(stdout: str) -> list[float]:
 
 
 def test_the_command_line_trains_on_cuda_like_numpy():
-    """train_ddp's --backend cuda path end to end (device choice, two virtual ranks, bf16), before a GPU
-    session spends time on it: the same command on numpy's bf16 emulation gives the same losses."""
+    """train_ddp's --backend cuda path end to end (device choice, two virtual ranks, bf16, and again with
+    --matmul cublaslt), before a GPU session spends time on it: the same command on numpy's bf16 emulation
+    gives the same losses."""
     command = ["-m", "xtrain_dist.train_ddp", "3", "4", "32", "--model", "tiny", "--world-size", "2", "--dtype", "bf16"]
     cuda = subprocess.run([*RUN, *command, "--backend", "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert cuda.returncode == 0, cuda.stderr[-2000:]
@@ -493,6 +494,11 @@ def test_the_command_line_trains_on_cuda_like_numpy():
     got, want = _losses(cuda.stdout), _losses(numpy_run.stdout)
     assert len(got) == 3 and got[-1] < got[0]
     np.testing.assert_allclose(got, want, rtol=1e-3)
+    lt = subprocess.run([*RUN, *command, "--backend", "cuda", "--matmul", "cublaslt"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=600)
+    assert lt.returncode == 0, lt.stderr[-2000:]
+    assert "cuda backend, bf16, biases in cuBLASLt's epilogue, 2 rank(s) on GPUs [0, 0]" in lt.stdout
+    np.testing.assert_allclose(_losses(lt.stdout), want, rtol=1e-3)
 
 
 def test_the_report_says_what_the_gpu_held_and_the_preflight_bound_is_below_it(tmp_path):
@@ -554,7 +560,8 @@ def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
 
 def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
     """bin/bench_gemm's side of ours: every layer, pass and precision gets a row, the classifier twice (its
-    vocabulary and that padded to 128), and the results files are written."""
+    vocabulary and that padded to 128), the layers with a bias a "forward lt" row (--matmul cublaslt), and
+    the results files are written."""
     result = subprocess.run([*RUN, "bin/bench_gemm", "--preset", "tiny", "--tokens", "32", "--vocab", "1001",
                              "--precisions", "fp32,bf16", "--no-torch", "--reps", "1", "--warmup", "1", "--out",
                              str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -563,7 +570,8 @@ def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
     rows = json.loads(report.read_text())["rows"]
     layers = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "lm_head V=1001", "lm_head V=1024"]
     assert [(r["precision"], r["layer"], r["pass"]) for r in rows] == [
-        (p, layer, pass_) for p in ("fp32", "bf16") for layer in layers for pass_ in ("forward", "product", "backward")]
+        (p, layer, pass_) for p in ("fp32", "bf16") for layer in layers
+        for pass_ in ("forward", "product", "backward") + (("forward lt",) if "lm_head" not in layer else ())]
     assert all(r["ours_ms"] > 0 and "torch_ms" not in r for r in rows)
     assert len(list(tmp_path.glob("*.md"))) == 1
 
