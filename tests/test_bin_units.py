@@ -408,6 +408,7 @@ def test_bench_gpu_rows_on_the_cuda_simulator(tmp_path):
     out = subprocess.run([sys.executable, str(BIN.parent / "tests" / "cudasim" / "run.py"), str(BIN / "bench_gpu"),
                           "--presets", "tiny", "--shapes", "2x32", "--torch-modes", "", "--precisions", "fp32",
                           "--steps", "1", "--warmup", "0", "--peak-tflops", "2", "--no-profile", "--vocab", "512",
+                          "--matmuls", "cublas",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     (path,) = tmp_path.glob("bench_gpu-*.json")
