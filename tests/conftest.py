@@ -112,6 +112,16 @@ def real_cupy():
     return cupy
 
 
+@pytest.fixture
+def be_lt(be, lt_backend):
+    """A GPU test module's --matmul cublaslt backend (its `lt_backend`) with its stream current for the test,
+    and the module's `be` stream again after it: each backend makes its own stream the thread's current one,
+    and the backends check that their work goes there."""
+    lt_backend.stream.use()
+    yield lt_backend
+    be.stream.use()
+
+
 @pytest.fixture(scope="module")
 def poisoned_device_memory(be):
     """While a GPU test module runs (after its `be` fixture has bound the device), every device

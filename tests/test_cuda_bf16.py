@@ -43,17 +43,10 @@ def be():
 
 @pytest.fixture(scope="module")
 def lt_backend(be):
+    """--matmul cublaslt, for conftest's be_lt (made after `be`, whose stream is current again after it)."""
     backend = CudaBackend(0, dtype="bf16", matmul="cublaslt")
-    be.stream.use()  # a backend makes its stream the thread's current one; be_lt hands it over per test
-    return backend
-
-
-@pytest.fixture()
-def be_lt(be, lt_backend):
-    """The --matmul cublaslt backend, its stream current for the test, `be`'s again after it."""
-    lt_backend.stream.use()
-    yield lt_backend
     be.stream.use()
+    return backend
 
 
 def run_case(backend, case, host):
