@@ -41,6 +41,8 @@ ensure_crt_headers
   $PY -m pip list 2>/dev/null | grep -i -E "^(cupy|cupy-cuda13x|cuda-core|cuda-bindings|numpy|torch|tokenizers) " || true
   nvcc --version 2>/dev/null | tail -1
   echo "## CUDA crt headers (flash attention)"; cat "$OUT/crt.txt"
+  echo "## cuBLASLt (--matmul cublaslt)"
+  $PY -c "from xtrain_dist.backend import cublaslt; print(cublaslt.describe_library())" || true
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
@@ -57,8 +59,10 @@ done
 
 echo "## tests"
 # (the two test_cudasim tests hold the simulator's CuPy stand-in to the real CuPy and cuBLAS: the cuBLAS
-# enum values can only be read where libcublas loads, as it does here)
+# enum values can only be read where libcublas loads, as it does here; test_cublaslt holds the ctypes
+# binding to this image's cublasLt.h and libcublasLt, as CI does to the pip wheel's)
 step tests 330 $PY -m pytest -q -rs tests/test_kernels_compile.py tests/test_cuda_ops.py tests/test_cuda_bf16.py \
+  tests/test_cublaslt.py \
   "tests/test_cudasim.py::test_the_stand_in_has_real_cupys_names_values_and_parameters" \
   "tests/test_cudasim.py::test_the_stand_in_cublas_constants_are_cupys" \
   2>&1 | tee "$OUT/pytest_cuda.txt"

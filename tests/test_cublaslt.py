@@ -102,6 +102,14 @@ def test_the_library_takes_every_attribute_at_the_size_given_and_refuses_another
     cublaslt.check(library, "cublasLtMatrixLayoutCreate", ctypes.byref(layout), 14, 2304, 768, 2304)
 
 
+@needs_library
+def test_the_record_names_the_library_and_its_version():
+    """What gpu_session_cuda.sh writes into environment.txt: the file loaded and cublasLtGetVersion's
+    major * 10000 + minor * 100 + patch (size_t: a wrong return type would give garbage or 0)."""
+    path, version = cublaslt.describe_library().split(", version ")
+    assert path.endswith("libcublasLt.so.13") and 130000 <= int(version) < 140000, (path, version)
+
+
 def test_alignment_is_the_largest_power_of_two_up_to_256():
     assert [cublaslt.alignment(p) for p in (0x1000, 0x1100, 0x1104, 0x1102, 0x1001, 0)] == [256, 256, 4, 2, 1, 256]
 

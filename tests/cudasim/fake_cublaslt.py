@@ -32,6 +32,8 @@ ALGO_MARK = 0x5EED
 
 
 class FakeCublasLt:
+    _name = "tests/cudasim/fake_cublaslt.py (the simulator's stand-in)"
+
     def __init__(self):
         self._objects: dict[int, dict] = {}
         self._handles = itertools.count(0x1000, 0x10)
@@ -48,6 +50,10 @@ class FakeCublasLt:
     @staticmethod
     def _sized(ref, size: int, sizes: dict, attribute: int) -> bool:
         return sizes.get(attribute) == size == ctypes.sizeof(ref._obj)
+
+    @staticmethod
+    def cublasLtGetVersion():
+        return 0
 
     def cublasLtCreate(self, out_ref):
         return self._new(out_ref, kind="handle")

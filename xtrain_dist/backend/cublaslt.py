@@ -8,7 +8,7 @@ epilogue adds the bias to the float32 accumulator inside the product and rounds 
 the numpy oracle computes (numpy_ops.matmul_forward), with neither the extra pass nor the float32 buffer.
 llm.c does the same (llmc/matmul.cuh). `--matmul cublaslt` asks for it.
 
-CuPy does not expose cuBLASLt, so this module binds the seven functions it needs with ctypes. Each
+CuPy does not expose cuBLASLt, so this module binds the functions it needs with ctypes. Each
 `LtMatmul` (one per backend, so per rank) owns a handle and a workspace, and keeps one plan per shape:
 the operation and layout descriptors and the algorithm cuBLASLt's heuristic picks for them, asked once.
 The enum values and struct layout below are cublasLt.h's; tests/test_cublaslt.py checks them against the
@@ -61,7 +61,8 @@ class HeuristicResult(ctypes.Structure):
 
 
 _P = ctypes.c_void_p
-_SIGNATURES = {  # name: argtypes (every function returns cublasStatus_t)
+_SIGNATURES = {  # name: argtypes (every function but the first returns cublasStatus_t)
+    "cublasLtGetVersion": [],  # returns size_t
     "cublasLtCreate": [ctypes.POINTER(_P)],
     "cublasLtMatmulDescCreate": [ctypes.POINTER(_P), ctypes.c_int, ctypes.c_int],
     "cublasLtMatmulDescSetAttribute": [_P, ctypes.c_int, _P, ctypes.c_size_t],
@@ -90,10 +91,18 @@ def load_library(path: str | None = None):
         library = ctypes.CDLL(path) if path else _find_library()
         for name, argtypes in _SIGNATURES.items():
             function = getattr(library, name)
-            function.argtypes, function.restype = argtypes, ctypes.c_int
+            function.argtypes = argtypes
+            function.restype = ctypes.c_size_t if name == "cublasLtGetVersion" else ctypes.c_int
         if path is None:
             _library = library
         return library
+
+
+def describe_library() -> str:
+    """Which libcublasLt a run loads, and its version (cublasLtGetVersion: major * 10000 + minor * 100 +
+    patch), for a results folder's record of what ran."""
+    library = load_library()
+    return f"{library._name}, version {library.cublasLtGetVersion()}"
 
 
 def _find_library():
