@@ -644,6 +644,9 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
                                                                      "results.tar.gz"]
     with tarfile.open(tmp_path / "cuda" / "results.tar.gz") as packed:
         assert {"./cuda_results.md", "./environment.txt", "./skipped.txt"} <= set(packed.getnames())
+        environment = packed.extractfile("./environment.txt").read().decode()
+    assert "## cuBLASLt (--matmul cublaslt)\ntests/cudasim/fake_cublaslt.py (the simulator's stand-in), version 0" \
+        in environment, environment
     bench_args = dict(BENCH_GPU_ARGS="--presets small --shapes 1x64 --precisions bf16 --torch-modes= --steps 1 "
                       "--warmup 0 --vocab 512", BENCH_GEMM_ARGS="--preset tiny --tokens 16 --no-torch --reps 1")
     bench = subprocess.run(["bash", "bin/gpu_session_bench.sh"], cwd=ROOT,
