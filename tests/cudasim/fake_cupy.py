@@ -848,7 +848,9 @@ def install() -> types.ModuleType:
     backends_cuda = types.ModuleType("cupy_backends.cuda")
     libs = types.ModuleType("cupy_backends.cuda.libs")
     libs.cublas = _cublas_module()
-    import fake_cublaslt  # after cupy: it imports xtrain_dist's cublaslt to put itself in place of the library
+    # here, not at the top: fake_cublaslt imports this module's memory and gemm; its install() hooks the
+    # import of xtrain_dist's cublaslt, which then finds the stand-in as its loaded library
+    import fake_cublaslt
     fake_cublaslt.install()
     backends.cuda, backends_cuda.libs = backends_cuda, libs
     sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": backends,

@@ -566,18 +566,17 @@ class CudaBackend:
             # vocabulary to 50304 for this); the padding is never read
             out = cupy.empty((inp2.shape[0], _round_up(OC, ROW_ALIGN)), dtype=self.act_dtype)[:, :OC]
             self._gemm(inp2, weight, out)
-        elif self._lt is not None:  # product + bias rounded once, in one cuBLASLt call
+        else:
             out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
             self._act(bias)
-            self._gemm_bias(inp2, weight, bias, out)
-        else:  # the float32 product, then + bias rounded to floatX once (matmul.cu says why not beta = 1)
-            out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
-            self._act(bias)
-            product = out if out.dtype == np.float32 else cupy.empty(out.shape, dtype=cupy.float32)
-            self._gemm(inp2, weight, product)
-            vec = _vec(self._vec_x, out, product, _contiguous(bias), row=OC)
-            self._launch(self._k.add_bias, _chunk_grid(out.size, self._vec_x, vec), (BLOCK,),
-                         out, product, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
+            if self._lt is not None:  # product + bias rounded once, in one cuBLASLt call
+                self._gemm_bias(inp2, weight, bias, out)
+            else:  # the float32 product, then + bias rounded to floatX once (matmul.cu says why not beta = 1)
+                product = out if out.dtype == np.float32 else cupy.empty(out.shape, dtype=cupy.float32)
+                self._gemm(inp2, weight, product)
+                vec = _vec(self._vec_x, out, product, _contiguous(bias), row=OC)
+                self._launch(self._k.add_bias, _chunk_grid(out.size, self._vec_x, vec), (BLOCK,),
+                             out, product, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
         return out.reshape(*inp.shape[:-1], OC)
 
     def matmul_backward(self, dweight, dbias, dout, inp, weight):
