@@ -20,7 +20,7 @@ cupy = pytest.importorskip("cupy")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
-from xtrain_dist.backend import cuda_ops  # noqa: E402
+from xtrain_dist.backend import cublaslt, cuda_ops  # noqa: E402
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
 from xtrain_dist.backend.cuda_ops import CudaBackend  # noqa: E402
 from xtrain_dist.config import model_config  # noqa: E402
@@ -207,6 +207,7 @@ def test_cublaslt_adds_the_bias_in_the_epilogue(be_lt, rng, rows, ic, oc):
         check(outs[0], want, 1e-5, "matmul_forward (cublaslt)")
         assert np.array_equal(outs[0], outs[1])
     assert len(be_lt._lt._plans) >= 2
+    assert be_lt._lt._workspace.nbytes == cublaslt.WORKSPACE_BYTES  # what memory.py counts a rank
 
 
 def test_tied_classifier_matmul_with_transposed_views(be, rng):

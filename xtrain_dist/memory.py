@@ -16,6 +16,7 @@ import resource
 import sys
 from dataclasses import dataclass
 
+from .backend import cublaslt
 from .config import GPTConfig
 from .errors import XtrainError
 from .model import param_layout
@@ -63,11 +64,12 @@ class RankMemory:
     optimizer: int     # AdamW's m and v: the whole buffer, or this rank's ZeRO-1 shard
     activations: int   # what forward keeps for backward, for the rank's largest micro-batch
     validation: int = 0  # its share of the --eval-batches held-out windows and their targets (int32)
+    workspace: int = 0   # --matmul cublaslt's workspace, which the rank's LtMatmul holds from the rank's start
 
     @property
     def persistent(self) -> int:
         """What the rank holds for the whole run."""
-        return self.parameters + self.gradients + self.optimizer + self.validation
+        return self.parameters + self.gradients + self.optimizer + self.validation + self.workspace
 
 
 def least_bytes(needs: list[RankMemory]) -> int:
@@ -100,6 +102,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
                                     for _, shape, kind in saved)
         return activations[rows]
 
+    lt_workspace = cublaslt.WORKSPACE_BYTES if cfg.matmul == "cublaslt" else 0
     memories = []
     for rank, (lo, hi) in enumerate(shards):
         # rank r takes the sequences i % world == r, then cuts them into --grad-accum micro-batches
@@ -107,7 +110,8 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
         memories.append(RankMemory(parameters=parameters, gradients=4 * size, optimizer=2 * 4 * (hi - lo),
                                    activations=saved_bytes(-(-rows // cfg.grad_accum)),
                                    # evaluate.Evaluator keeps every batch's windows of this rank's rows
-                                   validation=cfg.eval_batches * rows * cfg.seq * 2 * ITEMSIZE["i32"]))
+                                   validation=cfg.eval_batches * rows * cfg.seq * 2 * ITEMSIZE["i32"],
+                                   workspace=lt_workspace))
     return memories
 
 
@@ -159,9 +163,11 @@ def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) 
     remedy = f"lower {lower}, or raise --grad-accum" + (f", or use {either(options)}" if options else "")
     if least > available:
         top = max(needs, key=lambda n: n.persistent)
-        state = f"{gib(top.parameters)} of parameters, {gib(top.gradients)} of gradients" + \
-            (f", {gib(top.optimizer)} of AdamW state and {gib(top.validation)} of validation windows"
-             if held_out else f" and {gib(top.optimizer)} of AdamW state")
+        parts = [f"{gib(top.parameters)} of parameters", f"{gib(top.gradients)} of gradients",
+                 f"{gib(top.optimizer)} of AdamW state"]
+        parts += [f"{gib(top.validation)} of validation windows"] if held_out else []
+        parts += [f"{gib(top.workspace)} of cuBLASLt workspace"] if top.workspace else []
+        state = f"{', '.join(parts[:-1])} and {parts[-1]}"
         acts = f"{gib(max(n.activations for n in needs))} of activations kept for backward"
         if len(needs) == 1:
             detail = f"{state}, and {acts}"
