@@ -163,8 +163,9 @@ def test_bench_cpu_bad_arguments(args, words):
     (["--steps", "0"], "--steps must be a positive integer, got '0'"),
     (["--warmup", "-1"], "--warmup must be an integer >= 0, got '-1'"),
     (["--peak-tflops", "inf"], "--peak-tflops must be a finite number > 0, got 'inf'"),
-    (["--precisions", "fp32,fp64"], "--precisions: unknown 'fp64'"),
-    (["--torch-modes", "jit"], "--torch-modes: unknown 'jit'"),
+    (["--precisions", "fp32,fp64"], "--precisions: unknown 'fp64' (choose from fp32, tf32, bf16)"),
+    (["--precisions", ","], "--precisions: give at least one of fp32, tf32, bf16"),
+    (["--torch-modes", "jit"], "--torch-modes: unknown 'jit' (choose from eager, eager-math, compile)"),
     (["--matmuls", "cublas,cutlass"], "--matmuls: unknown 'cutlass' (choose from cublas, cublaslt)"),
     (["--matmuls", ","], "--matmuls: give at least one of cublas, cublaslt"),
     (["--shapes", "8x0"], "--shapes: '8x0' is not BATCHxSEQ (two positive integers)"),
@@ -182,7 +183,8 @@ def test_bench_gpu_bad_arguments_cost_no_device_time(args, message):
 @pytest.mark.parametrize("args, message", [
     (["--tokens", "0"], "--tokens must be a positive integer, got '0'"),
     (["--reps", "x"], "--reps must be a positive integer, got 'x'"),
-    (["--precisions", "bf16,fp8"], "--precisions: unknown 'fp8'"),
+    (["--precisions", "bf16,fp8"], "--precisions: unknown 'fp8' (choose from fp32, tf32, bf16)"),
+    (["--precisions", ""], "--precisions: give at least one of fp32, tf32, bf16"),
     (["--preset", "huge"], "unknown model preset 'huge' (choose from "),
     (["--no-torch", "--out", "/proc/x"], "--out '/proc/x' cannot be written (No such file or directory)"),
 ])

@@ -503,3 +503,16 @@ def test_a_process_that_cannot_start_tells_the_others_within_its_rdzv_timeout(tm
         train(cfg, launch=launch, log=lambda line: None)
     assert str(info.value) == f"corpus '{missing}' not found"
     assert time.monotonic() - t0 < 10
+
+
+def test_a_choice_list_keeps_the_order_given_and_names_a_bad_item_and_the_choices():
+    from xtrain_dist.cli import choice_list
+    from xtrain_dist.errors import XtrainError
+    choices = ("fp32", "tf32", "bf16")
+    assert choice_list("--precisions", "bf16,,fp32", choices) == ["bf16", "fp32"]
+    assert choice_list("--torch-modes", "", ("eager",), allow_empty=True) == []
+    for text, message in (("bf16,FP32", "--precisions: unknown 'FP32' (choose from fp32, tf32, bf16)"),
+                          (",", "--precisions: give at least one of fp32, tf32, bf16")):
+        with pytest.raises(XtrainError) as info:
+            choice_list("--precisions", text, choices)
+        assert str(info.value) == message

@@ -47,6 +47,18 @@ non_empty_path = _checked(str, bool, "a path")
 path_arg = _checked(lambda text: Path(text) if text else None, bool, "a path")
 
 
+def choice_list(flag: str, text: str, choices, allow_empty: bool = False) -> list[str]:
+    """The items of a comma-separated option (the tools' --precisions, --matmuls, ...), in the order given,
+    each one of `choices`; else one line naming the option, the item and the choices."""
+    items = [item for item in text.split(",") if item]
+    for item in items:
+        if item not in choices:
+            raise XtrainError(f"{flag}: unknown '{item}' (choose from {', '.join(choices)})")
+    if not items and not allow_empty:
+        raise XtrainError(f"{flag}: give at least one of {', '.join(choices)}")
+    return items
+
+
 def _utf8(text: str) -> str:
     """The text itself, once it is known to encode: bytes that are not UTF-8 reach Python as lone
     surrogates (UnicodeEncodeError is a ValueError), which the tokenizer would refuse with a TypeError."""

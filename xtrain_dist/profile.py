@@ -47,6 +47,9 @@ def op_flops(name: str, args: tuple) -> float:
     return 0.0
 
 
+# What the GPU benchmarks time, and the keys of PEAK_TFLOPS: --dtype fp32, fp32 with --tf32, --dtype bf16
+PRECISIONS = ("fp32", "tf32", "bf16")
+
 # Dense (no 2:4 sparsity) peaks in TFLOP/s at boost clock, from NVIDIA's datasheets: fp32 is the CUDA-core
 # rate, tf32 and bf16 the tensor-core rates. H200 has H100 SXM's compute; A100 SXM and PCIe share theirs.
 PEAK_TFLOPS = {
