@@ -529,16 +529,17 @@ def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
     env = dict(os.environ, XTRAIN_CUDASIM_MEMORY=str(10 << 20))
     one = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([*command, "--world-size", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert two.returncode == 2 and two.stdout == "", two.stdout + two.stderr[-2000:]
-    [line] = two.stderr.splitlines()
+
+    def refusal(*extra) -> str:
+        run = subprocess.run([*command, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr[-2000:]
+        [line] = run.stderr.splitlines()
+        return line
+
+    line = refusal("--world-size", "2")
     assert line.startswith("train_ddp: error: not enough memory for this run: its 2 ranks need at least "), line
     assert "and GPU 0 has 10.0 MiB available" in line, line
-    lt = subprocess.run([*command, "--matmul", "cublaslt"], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=600)
-    assert lt.returncode == 2 and lt.stdout == "", lt.stdout + lt.stderr[-2000:]
-    [line] = lt.stderr.splitlines()
+    line = refusal("--matmul", "cublaslt")
     assert line.startswith("train_ddp: error: not enough memory for this run: it needs at least "), line
     assert " of AdamW state and 32.0 MiB of cuBLASLt workspace, and " in line, line
 

@@ -635,12 +635,13 @@ class CudaBackend:
                      dscores, datt, att, np.int64(rows), np.int32(T), np.float32(scale), np.int32(vec))
 
     def _split_qkv(self, qkv, n_head: int):
+        """(B, T, C, hs), and q, k and v with their heads apart: (B * n_head, T, hs) each."""
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
-        q, k, v = (cupy.empty((B, n_head, T, hs), dtype=self.act_dtype) for _ in range(3))
+        q, k, v = (cupy.empty((B * n_head, T, hs), dtype=self.act_dtype) for _ in range(3))
         self._split_heads(qkv, (q, k, v), C3, B, n_head, T, hs)
-        return q, k, v
+        return (B, T, C, hs), (q, k, v)
 
     def _act_or_in_place(self, buffer_f32):
         """The floatX output of a softmax kernel over a float32 buffer: the buffer itself when floatX is
@@ -652,11 +653,8 @@ class CudaBackend:
     def attention_forward(self, qkv, n_head: int):
         qkv = _contiguous(qkv)
         self._act(qkv)
-        B, T, C3 = qkv.shape
-        C = C3 // 3
-        hs = C // n_head
+        (B, T, C, hs), (q, k, v) = self._split_qkv(qkv, n_head)
         BH = B * n_head
-        q, k, v = (x.reshape(BH, T, hs) for x in self._split_qkv(qkv, n_head))
         # float32 in every precision; right of each chunk's diagonal block never written, and never used
         scores = cupy.empty((B, n_head, T, T), dtype=cupy.float32)
         scores3 = scores.reshape(BH, T, T)
@@ -723,11 +721,8 @@ class CudaBackend:
         for a in (dout, qkv, att):
             _contiguous(a)
         self._act(dout, qkv, att)
-        B, T, C3 = qkv.shape
-        C = C3 // 3
-        hs = C // n_head
+        (B, T, C, hs), (q, k, v) = self._split_qkv(qkv, n_head)
         BH = B * n_head
-        q, k, v = (x.reshape(BH, T, hs) for x in self._split_qkv(qkv, n_head))
         dy = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
         self._split_heads(dout, (dy,), C, B, n_head, T, hs)
         dy = dy.reshape(BH, T, hs)
@@ -745,8 +740,8 @@ class CudaBackend:
         for r0, r1 in _causal_chunks(T):
             self._gemm_batched(dscores[:, r0:r1, :r1], k[:, :r1], dq3[:, r0:r1])                   # dscores k
             self._gemm_batched(dscores[:, r0:, r0:r1], q[:, r0:], dk3[:, r0:r1], trans_a=True)     # dscores^T q
-        dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)
-        self._merge_heads(dqkv, (dq, dk, dv), C3, B, n_head, T, hs)
+        dqkv = cupy.empty(qkv.shape, dtype=self.act_dtype)
+        self._merge_heads(dqkv, (dq, dk, dv), 3 * C, B, n_head, T, hs)
         return dqkv
 
     def causal_softmax_backward(self, datt, att):
