@@ -8,10 +8,11 @@ is imported, not now: the checkout's xtrain_dist may not be on the path yet). Th
 - Attributes are read from the bytes the caller passes, and a size other than the one cublasLt.h gives
   the attribute is CUBLAS_STATUS_INVALID_VALUE, as the real library answers (tests/test_cublaslt.py
   checks the sizes against it).
+- The heuristic refuses an A of one row or column, as the library has.
 - cublasLtMatmul checks that the layouts agree with the operation (op(A) rows x k, op(B) k x cols, D rows
   x cols), that the algorithm came from the heuristic, that the pointers are as aligned as the preference
-  promised, the workspace as large, and that it runs on the current stream; then computes through
-  fake_cupy's gemm with the bias added to the float32 product before the one rounding to D's type.
+  promised (the bias as D), the workspace as large, and that it runs on the current stream; then computes
+  through fake_cupy's gemm with the bias added to the float32 product before the one rounding to D's type.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ class FakeCublasLt:
     def cublasLtMatmulAlgoGetHeuristic(self, handle, desc, a, b, c, d, preference, count, result_ref, found_ref):
         if count < 1:
             return INVALID_VALUE
+        # the library has answered INVALID_VALUE for an A of one row or column (PyTorch's addmm keeps such
+        # products off cuBLASLt for it); cuda_ops must not ask
+        layout_a = self._get(a)
+        if 1 in (layout_a["rows"], layout_a["cols"]):
+            return INVALID_VALUE
         result = result_ref._obj
         result.algo.data[0], result.algo.data[1] = ALGO_MARK, self._get(preference)["attributes"][1]
         result.algo.data[2:6] = [self._get(preference)["attributes"][i] for i in (5, 6, 7, 8)]
@@ -119,6 +125,8 @@ class FakeCublasLt:
                 return INVALID_VALUE
             if bias_type != ld["type"]:
                 return NOT_SUPPORTED  # the bias has D's type (the only combination this module asks for)
+            if bias_ptr % algo.data[5]:
+                return NOT_SUPPORTED  # the bias is read like D: as aligned as D's promise (cublaslt.py says why)
             item = np.dtype(_ELEMENT[bias_type]).itemsize
             raw_operation(get_current_stream(), "cublasLtMatmul (bias)", [(bias_ptr, bias_ptr + m * item, False)])
             bias = _to_float(_memory(bias_ptr, _ELEMENT[bias_type], m), bias_type)

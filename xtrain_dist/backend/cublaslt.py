@@ -159,9 +159,13 @@ class LtMatmul:
                     a: int, a_type: int, ld_a: int, b: int, ld_b: int,
                     d: int, d_type: int, ld_d: int, bias: int, bias_type: int, compute: int, stream: int) -> None:
         """Enqueue D = op(A) op(B) + bias on `stream` (pointers are device addresses, A and B share a_type)."""
-        aligned = tuple(alignment(p) for p in (a, b, d, d))  # C is D (beta = 0 never reads it)
-        key = (op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, aligned,
-               alignment(bias))
+        # C is D (beta = 0 never reads it). The preferences have no entry for the bias, and an algorithm's
+        # vector loads may need it as aligned as D: D's entry is the smaller of the two alignments, so that
+        # the algorithm chosen suits the bias too (PyTorch's addmm tells the heuristic the bias's alignment in
+        # that same entry). The biases are views into the flat parameters, at any element offset.
+        d_aligned = min(alignment(d), alignment(bias))
+        aligned = (alignment(a), alignment(b), d_aligned, d_aligned)
+        key = (op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, aligned)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(key, bias)
@@ -173,9 +177,8 @@ class LtMatmul:
               self._workspace_bytes, stream)
 
     def _plan(self, key: tuple, bias: int) -> tuple:
-        """The descriptors for one shape and the algorithm the heuristic ranks first for it (the heuristic
-        reads the bias pointer's alignment from the pointer set in the descriptor)."""
-        op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, aligned, _ = key
+        """The descriptors for one shape and alignment, and the algorithm the heuristic ranks first for them."""
+        op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, aligned = key
         lib = self._lib
         desc = _P()
         check(lib, "cublasLtMatmulDescCreate", ctypes.byref(desc), compute, CUDA_R_32F)

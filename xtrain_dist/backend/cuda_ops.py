@@ -569,7 +569,9 @@ class CudaBackend:
         else:
             out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
             self._act(bias)
-            if self._lt is not None:  # product + bias rounded once, in one cuBLASLt call
+            # product + bias rounded once, in one cuBLASLt call; a weight with one row or column stays on the
+            # path below, which computes the same values: cuBLASLt's heuristic has refused such products
+            if self._lt is not None and min(IC, OC) > 1:
                 self._gemm_bias(inp2, weight, bias, out)
             else:  # the float32 product, then + bias rounded to floatX once (matmul.cu says why not beta = 1)
                 product = out if out.dtype == np.float32 else cupy.empty(out.shape, dtype=cupy.float32)
