@@ -331,7 +331,6 @@ class CudaBackend:
         self._side_streams: set[int] = set()
         self._keep_alive: list = []
         self._vec_x = 16 // self.act_dtype.itemsize  # elements of floatX per 16 bytes: 4 (fp32) or 8 (bf16)
-        self.matmul = matmul
         self._lt = None
         if matmul == "cublaslt":
             from . import cublaslt
