@@ -112,9 +112,20 @@ def real_cupy():
     return cupy
 
 
+@pytest.fixture(scope="module")
+def lt_backend(be):
+    """A GPU test module's `be` made again with --matmul cublaslt (same device, dtype and TF32 choice), once
+    per module; `be`'s stream is current again after it is made."""
+    from xtrain_dist.backend.cuda_ops import CudaBackend
+
+    backend = CudaBackend(be.device, allow_tf32=be.allow_tf32, dtype=be.dtype, matmul="cublaslt")
+    be.stream.use()
+    return backend
+
+
 @pytest.fixture
 def be_lt(be, lt_backend):
-    """A GPU test module's --matmul cublaslt backend (its `lt_backend`) with its stream current for the test,
+    """A GPU test module's --matmul cublaslt backend (`lt_backend`) with its stream current for the test,
     and the module's `be` stream again after it: each backend makes its own stream the thread's current one,
     and the backends check that their work goes there."""
     lt_backend.stream.use()

@@ -41,14 +41,6 @@ def be():
     return CudaBackend(0, dtype="bf16")
 
 
-@pytest.fixture(scope="module")
-def lt_backend(be):
-    """--matmul cublaslt, for conftest's be_lt (made after `be`, whose stream is current again after it)."""
-    backend = CudaBackend(0, dtype="bf16", matmul="cublaslt")
-    be.stream.use()
-    return backend
-
-
 def run_case(backend, case, host):
     return {name: backend.to_host(value) for name, value in case.run(backend, upload(backend, host)).items()}
 

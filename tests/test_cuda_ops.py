@@ -34,18 +34,6 @@ def be():
     return CudaBackend(0)
 
 
-@pytest.fixture(scope="module")
-def lt_backend(be):
-    """--matmul cublaslt, for conftest's be_lt (made after `be`, whose stream is current again after it)."""
-    backend = CudaBackend(0, matmul="cublaslt")
-    be.stream.use()
-    return backend
-
-
-
-
-
-
 def randn(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
