@@ -73,6 +73,42 @@ def test_bench_gpu_markdown_rows():
     assert "| tiny | 2 x 16 | bf16 | torch compile | OutOfMemoryError: no | | | | | | |" in text
 
 
+def test_bench_gpu_writes_each_row_as_it_ends():
+    """A GPU session stops bench_gpu at its time limit (SIGTERM, no clean-up): the results files are rewritten
+    after every row, so each finished row is on disk, marked incomplete until the last; a failing row is
+    recorded and the sweep goes on; ratios come when a group ends, against the fastest of our rows."""
+    bench_gpu = load_script("bench_gpu")
+    key = {"preset": "tiny", "batch": 2, "seq": 8, "precision": "bf16"}
+
+    def timed(ms):
+        return lambda: {"ms": ms, "ms_events": ms, "first_loss": 6.0, "peak_mem_gib": 0.1}
+
+    def fails():
+        raise RuntimeError("no kernel image\nsecond line")
+
+    groups = [(key, 1.6e10, 1e12, [("ours", timed(4.0)), ("ours flash", timed(2.0)), ("torch eager", fails)]),
+              ({**key, "batch": 4}, 3.2e10, None, [("ours", timed(8.0)), ("torch compile", timed(16.0))])]
+    written, freed = [], []
+
+    def write(rows, complete):
+        written.append(([dict(r) for r in rows], complete))
+
+    rows = bench_gpu.run_groups(groups, lambda: freed.append(1), write)
+    assert [(len(r), complete) for r, complete in written] == [(1, False), (2, False), (3, False), (4, False),
+                                                             (5, False)]
+    assert len(freed) == 5
+    first = written[0][0][0]
+    assert first["impl"] == "ours" and first["tokens_per_s"] == 16 / 4.0 * 1e3 and "ours_over_this" not in first
+    assert first["mfu"] == pytest.approx(1.6e10 / 4e-3 / 1e12)
+    assert [r.get("ours_over_this") for r in rows] == [2.0, 1.0, None, 1.0, 2.0]
+    assert rows[2]["error"] == "RuntimeError: no kernel image"
+    assert rows[3]["mfu"] is None and rows[4]["batch"] == 4
+    header = {**BENCH_GPU_HEADER, "complete": False, "rows_planned": 5}
+    text = bench_gpu.markdown(header, written[1][0])
+    assert "**Incomplete: 2 of the 5 rows planned.**" in text
+    assert "Incomplete" not in bench_gpu.markdown({**header, "complete": True}, rows)
+
+
 # ------------------------------------------------------------------------------- bench_collectives
 def test_bench_collectives_takes_the_slowest_rank_of_each_iteration():
     """An iteration ends when its last rank does: per iteration the maximum over the ranks, then the
@@ -414,6 +450,7 @@ def test_bench_gpu_rows_on_the_cuda_simulator(tmp_path):
     (path,) = tmp_path.glob("bench_gpu-*.json")
     data = json.loads(path.read_text())
     assert data["header"]["peak_tflops"] == {"fp32": 2.0, "tf32": 2.0, "bf16": 2.0}
+    assert (data["header"]["complete"], data["header"]["rows_planned"]) == (True, 1)
     (row,) = data["rows"]
     mcfg = model_config("tiny", 512)
     model = GPT2(mcfg, numpy_ops, seed=1)
