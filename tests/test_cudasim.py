@@ -629,43 +629,51 @@ def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
 
 
 def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_path):
-    """bin/gpu_session_cuda.sh and bin/gpu_session_nccl.sh, unchanged, with every Python process they
-    start on the simulator (tests/cudasim/site): each step runs or is skipped by the time budget, and
-    each script ends in its summary. A small budget keeps it short: what it checks is the scripts' own
-    flow, which otherwise would first run in a GPU session's 30 minutes."""
+    """bin/gpu_session.sh (gpu_session_cuda.sh, then gpu_session_bench.sh) and bin/gpu_session_nccl.sh,
+    unchanged, with every Python process they start on the simulator (tests/cudasim/site): each step runs
+    or is skipped by the time budget, each script ends in its summary, and what a device call brings back
+    (8 files at most) is the summaries, the benchmark tables and the packed rest. A small budget keeps it
+    short: what it checks is the scripts' own flow, which otherwise would first run in a GPU session's
+    15 minutes."""
     # PY: this test's python, not whichever python3 PATH finds (a venv's python run without activating it)
-    env = dict(os.environ, XTRAIN_CUDASIM="1", PYTHONPATH=str(ROOT / "tests" / "cudasim" / "site"), BUDGET="60",
+    env = dict(os.environ, XTRAIN_CUDASIM="1", PYTHONPATH=str(ROOT / "tests" / "cudasim" / "site"),
                XTRAIN_CUDASIM_NCCL_TIMEOUT="5", PYTHONDONTWRITEBYTECODE="1", PY=sys.executable)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    # PACK_RESULTS=1, as the device call sets it: a call brings back 8 files at most
-    cuda = subprocess.run(["bash", "bin/gpu_session_cuda.sh"], cwd=ROOT,
-                          env=dict(env, OUT=str(tmp_path / "cuda"), PACK_RESULTS="1"),
-                          capture_output=True, text=True, timeout=300)
-    assert cuda.returncode == 0, cuda.stderr[-2000:]
-    summary = (tmp_path / "cuda" / "cuda_results.md").read_text()
+    small = "--precisions bf16 --torch-modes= --steps 1 --warmup 0 --vocab 512"
+    runs = {"BENCH_GPU_RUNS": f"60 --presets small --shapes 1x64 {small};60 --presets tiny --shapes 1x32 {small} "
+            "--no-profile", "BENCH_GEMM_ARGS": "--preset tiny --tokens 16 --no-torch --reps 1"}
+    # PACK_RESULTS=1, as the device call sets it
+    out = tmp_path / "session"
+    session = subprocess.run(["bash", "bin/gpu_session.sh"], cwd=ROOT, env=dict(
+        env, OUT=str(out), PACK_RESULTS="1", BUDGET="200", CUDA_BUDGET="60", **runs),
+        capture_output=True, text=True, timeout=400)
+    back = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert len(back) <= 8 and back[:4] == ["bench/bench_gemm-" + back[0].split("bench_gemm-")[1],
+                                           "bench/bench_results.md", back[2], back[3]], back
+    assert back[2].startswith("bench/run1/bench_gpu-") and back[3].startswith("bench/run2/bench_gpu-"), back
+    assert back[4:] == ["cuda/cuda_results.md", "results.tar.gz", "session.txt"], back
+    summary = (out / "cuda" / "cuda_results.md").read_text()
     for expected in ("## versions", "- tests: exit", "- curve cuda fp32 w1: skipped, the time budget is spent",
                      "- kernel_errors tf32: skipped", "- compute-sanitizer memcheck + racecheck: exit",
                      "  - memcheck: "):
         assert expected in summary, (expected, summary)
-    assert sorted(p.name for p in (tmp_path / "cuda").iterdir()) == ["cuda_results.md", "pytest_cuda.txt",
-                                                                     "results.tar.gz"]
-    with tarfile.open(tmp_path / "cuda" / "results.tar.gz") as packed:
-        assert {"./cuda_results.md", "./environment.txt", "./skipped.txt"} <= set(packed.getnames())
-        environment = packed.extractfile("./environment.txt").read().decode()
+    with tarfile.open(out / "results.tar.gz") as packed:
+        names = set(packed.getnames())
+        assert {"./cuda/environment.txt", "./cuda/skipped.txt", "./cuda/pytest_cuda.txt",
+                "./bench/run1/bench_gpu.txt", f"./{back[2][:-3]}.json"} <= names, names
+        environment = packed.extractfile("./cuda/environment.txt").read().decode()
     assert "## cuBLASLt (--matmul cublaslt)\ntests/cudasim/fake_cublaslt.py (the simulator's stand-in), version 0" \
         in environment, environment
-    bench_args = dict(BENCH_GPU_ARGS="--presets small --shapes 1x64 --precisions bf16 --torch-modes= --steps 1 "
-                      "--warmup 0 --vocab 512", BENCH_GEMM_ARGS="--preset tiny --tokens 16 --no-torch --reps 1")
-    bench = subprocess.run(["bash", "bin/gpu_session_bench.sh"], cwd=ROOT,
-                           env=dict(env, OUT=str(tmp_path / "bench"), BUDGET="120", **bench_args),
-                           capture_output=True, text=True, timeout=300)
-    summary = (tmp_path / "bench" / "bench_results.md").read_text()
-    assert "- `bin/bench_gpu --presets small" in summary and "`: exit 0 (bench_gpu-" in summary, summary
+    summary = (out / "bench" / "bench_results.md").read_text()
+    assert f"- `bin/bench_gpu --presets small --shapes 1x64 {small}`: exit 0 (run1/bench_gpu-" in summary, summary
+    assert "- `bin/bench_gpu --presets tiny --shapes 1x32" in summary and "`: exit 0 (run2/bench_gpu-" in summary
     assert "- `bin/bench_gemm --preset tiny" in summary and "`: exit 0 (bench_gemm-" in summary, summary
     assert "- compute-sanitizer racecheck: exit " in summary, summary
+    verdict = (out / "session.txt").read_text()
+    assert re.fullmatch(r"## gpu_session.sh: cuda exit 0, bench exit \d+, \d+ s in all\n", verdict), verdict
     if shutil.which("compute-sanitizer") is None:  # a step that could not run fails the call
         assert "racecheck: exit 127 (last line: compute-sanitizer not on this image)" in summary, summary
-        assert bench.returncode == 1, bench.stderr[-2000:]
+        assert "bench exit 1," in verdict and session.returncode == 1, session.stderr[-2000:]
     nccl = subprocess.run(["bash", "bin/gpu_session_nccl.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "nccl")),
                           capture_output=True, text=True, timeout=300)
     summary = (tmp_path / "nccl" / "nccl_results.md").read_text()

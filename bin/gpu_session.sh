@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# A whole GPU session for the CUDA backend (issue 6) in ONE device call: a session is lent 15 minutes of
+# device time, a machine's start takes one or two of them and it goes back 30 s after a call, so the
+# checks and the benchmarks travel together (docs/gpu_session.md).
+#
+# Device call: command "PACK_RESULTS=1 bash bin/gpu_session.sh", carry [".whl"], timeout_s 600.
+#
+#   1. bin/gpu_session_cuda.sh into $OUT/cuda, CUDA_BUDGET seconds (default 240): tests, the shipped
+#      corpus on the GPU, the per-op error tables, memcheck
+#   2. bin/gpu_session_bench.sh into $OUT/bench, with the rest of BUDGET (default 540): bench_gpu (gpt2-124m
+#      at 8 x 1024 in every precision with profiles, then the bf16 batch x seq sweep), bench_gemm, racecheck
+#   3. with PACK_RESULTS=1, everything in $OUT/results.tar.gz, beside it only the summaries and the
+#      benchmark tables (a device call brings back 8 files)
+# The benchmarks run even where a test failed: their numbers are the session's other half, and a failing
+# test is fixed on the CPU afterwards. Exit status: non-zero where either half's script failed (the cuda
+# half's is its summary's: the tests' verdicts are in cuda_results.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu_session}
+BUDGET=${BUDGET:-540}
+CUDA_BUDGET=${CUDA_BUDGET:-240}
+
+. bin/gpu_session_common.sh
+session_setup
+require_gpu
+
+# each half packs nothing itself (PACK_RESULTS=0) and has its own budget, the bench's what is left
+OUT="$OUT/cuda" BUDGET=$CUDA_BUDGET PACK_RESULTS=0 bash bin/gpu_session_cuda.sh
+cuda_rc=$?
+OUT="$OUT/bench" BUDGET=$(( BUDGET - (SECONDS - START) )) PACK_RESULTS=0 bash bin/gpu_session_bench.sh
+bench_rc=$?
+
+echo "## gpu_session.sh: cuda exit $cuda_rc, bench exit $bench_rc, $(( SECONDS - START )) s in all" \
+  | tee "$OUT/session.txt"
+pack_results session.txt cuda/cuda_results.md bench/bench_results.md \
+  $(cd "$OUT" && ls bench/run*/bench_gpu-*.md bench/bench_gemm-*.md 2>/dev/null)
+exit $(( cuda_rc || bench_rc ))
