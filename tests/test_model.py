@@ -82,6 +82,18 @@ def test_init_is_deterministic_and_gpt2_like():
             assert abs(np.corrcoef(a, b)[0, 1]) < 0.3
 
 
+def test_a_model_from_drawn_weights_is_the_model_of_their_seed():
+    """GPT2(init=...) (bench_gpu draws a preset's weights once for all its rows): the same bits as the model
+    that draws them from the seed, padded buffer included, and its own copy of them."""
+    cfg = model_config("tiny", 500)
+    drawn = GPT2(cfg, numpy_ops, seed=7)
+    given = GPT2(cfg, numpy_ops, init=drawn.params, pad_to_multiple=7)
+    own = GPT2(cfg, numpy_ops, seed=7, pad_to_multiple=7)
+    assert given.params.tobytes() == own.params.tobytes() and given.size > drawn.size
+    given.params[:] = 0
+    assert drawn.params.tobytes() == init_weights(cfg, 7).tobytes()
+
+
 def test_state_dict_round_trip_and_views_share_the_flat_buffer():
     model = GPT2(model_config("tiny", 300), numpy_ops, seed=3)
     sd = model.state_dict()
