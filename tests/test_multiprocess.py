@@ -60,11 +60,15 @@ def oks(stdout):
 
 
 def torchrun_style(rank, world, port, args, cwd=ROOT, **kw):
-    """One process as torchrun would start it (the variables, without torchrun itself)."""
+    """One process as torchrun would start it (the variables, without torchrun itself), all on this node:
+    LOCAL_WORLD_SIZE too, from which each process takes its share of the cores' BLAS threads, as the thread
+    ranks of the reference run do (OpenBLAS's products differ in their last bits between 1 and 2 threads on
+    some CPUs, an AMD EPYC among them)."""
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=cwd, start_new_session=True,
                             env=env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **kw))
+                                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                    **kw))
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from .backend import BACKENDS
 from .cli import OneLineParser, non_empty_path, positive_int, run_command
@@ -103,6 +104,7 @@ def evaluate_checkpoint(argv) -> tuple[float, str]:
     from .checkpoint import STATE, TOKENIZER
     from .comm.local import LocalGroup
     from .sample import load_for_command
+    from .train_ddp import cpu_threads_per_rank
 
     args = build_parser().parse_args(argv)
     folder = Path(args.checkpoint)
@@ -132,7 +134,11 @@ def evaluate_checkpoint(argv) -> tuple[float, str]:
     if seq > model.config.n_ctx:
         raise XtrainError(f"--seq ({seq}) exceeds the model's context length ({model.config.n_ctx})")
     held_out = Evaluator(corpus.val, batch, seq, batches, 0, 1, model.ops, source=source)
-    loss = held_out.loss(model, LocalGroup(1).communicator(0))
+    # the BLAS threads train_ddp gives a world-1 run's rank: OpenBLAS's products are not the same bits at
+    # every thread count on every CPU (on an AMD EPYC, 1 and 2 threads differ), and with the same count the
+    # loss is the one such a run printed, to the bit
+    with threadpool_limits(cpu_threads_per_rank(1), user_api="blas"):
+        loss = held_out.loss(model, LocalGroup(1).communicator(0))
     return loss, (f"{PROG}: loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) on {batches} x {batch} "
                   f"windows of {seq} tokens of {source}")
 
