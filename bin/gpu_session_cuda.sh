@@ -25,6 +25,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_session_cuda}
 BUDGET=${BUDGET:-240}
+# what a dry run on the simulator shrinks (tests/test_cudasim.py): the error tables' shapes and the curves' run
+KERNEL_ERRORS_ARGS=${KERNEL_ERRORS_ARGS:-}
+CURVE=${CURVE:-200 8 128 --model mini --log-every 50}
 
 . bin/gpu_session_common.sh
 session_setup
@@ -43,7 +46,6 @@ ensure_crt_headers
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
-CURVE="200 8 128 --model mini --log-every 50"
 background=()
 # the CPU-bound steps run in the background, each with a few BLAS threads of the machine's cores: they end
 # with the script, however it ends (a timeout's SIGTERM too), and within the budget
@@ -57,7 +59,7 @@ done
 errors_pids=()
 for dtype in fp32 bf16; do  # kernel_errors.md and kernel_errors_bf16.md; their GPU share is small
   suffix=${dtype/fp32/}
-  OPENBLAS_NUM_THREADS=2 OMP_NUM_THREADS=2 timeout -k 10 $(( BUDGET - 45 )) $PY bin/kernel_errors --dtype $dtype \
+  OPENBLAS_NUM_THREADS=2 OMP_NUM_THREADS=2 timeout -k 10 $(( BUDGET - 45 )) $PY bin/kernel_errors --dtype $dtype $KERNEL_ERRORS_ARGS \
     --json "$OUT/kernel_errors${suffix:+_$suffix}.json" --markdown "$OUT/kernel_errors${suffix:+_$suffix}.md" \
     > "$OUT/kernel_errors_${dtype}.log" 2>&1 &
   background+=($!)
@@ -98,7 +100,7 @@ echo "## per-op errors"
 errors_rc=0
 for pid in "${errors_pids[@]}"; do wait "$pid" || errors_rc=$?; done
 tail -n 1 "$OUT"/kernel_errors_*.log
-step "kernel_errors tf32" 60 $PY bin/kernel_errors --tf32 --json "$OUT/kernel_errors_tf32.json" \
+step "kernel_errors tf32" 60 $PY bin/kernel_errors --tf32 $KERNEL_ERRORS_ARGS --json "$OUT/kernel_errors_tf32.json" \
   --markdown "$OUT/kernel_errors_tf32.md" || errors_rc=$?
 
 sanitizer_rc=0

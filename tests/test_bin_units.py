@@ -307,6 +307,7 @@ def test_gpu_session_summary_reports_each_step(tmp_path):
         (tmp_path / name).write_text(f"table of {name}\n")
     losses = [10.0 - i / 100 for i in range(200)]
     (tmp_path / "curve_numpy.json").write_text(json.dumps({
+        "config": {"model": "mini", "steps": 200, "batch": 8, "seq": 128, "seed": 1337},
         "losses": losses, "ms_per_step": 12.34, "tokens_per_s": 999.6, "val_losses": [[100, 7.5], [200, 6.25]],
         "param_sha256": ["ab" * 32, "ab" * 32]}))
     (tmp_path / "curve_cuda.json").write_text(json.dumps({
@@ -322,7 +323,7 @@ def test_gpu_session_summary_reports_each_step(tmp_path):
     assert "  - memcheck: ERROR SUMMARY: 0 errors\n  - racecheck: did not run\n- racecheck: not on this image" in text
     for name in ("kernel_errors.md", "kernel_errors_bf16.md", "kernel_errors_tf32.md"):
         assert f"table of {name}" in text
-    assert "| step | cuda | numpy |" in text
+    assert "Loss, mini, 200 steps of 8 x 128 tokens, seed 1337:\n\n| step | cuda | numpy |" in text
     assert "| 1 | 10.0000 | 10.0000 |\n| 50 | 9.5100 | 9.5100 |\n| 100 | 9.0100 | 9.0100 |\n" \
            "| 150 |  | 8.5100 |\n| 200 |  | 8.0100 |" in text
     assert f"| numpy | 12.3 | 1000 | 6.2500 | {'ab' * 8} | True |" in text
