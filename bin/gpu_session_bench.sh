@@ -10,7 +10,9 @@
 #      --matmul cublas and cublaslt, in bf16 also with flash attention) against PyTorch eager (SDPA and
 #      attention written out) and torch.compile; then the batch x seq sweep in bf16 against eager and
 #      torch.compile: gpt2-124m at 16 and 4 x 1024, the small preset at 16 and 64 x 256. bench_gpu writes
-#      its files after every row, so a run its time cap stops keeps the rows it finished.
+#      its files after every row, so a run its time cap stops keeps the rows it finished. Every row of ours
+#      has its per-op profile (one step more): at the small shapes it says whether the host's launches,
+#      not the GPU, set the step's time (the gaps between ops).
 #   3. bin/bench_gemm: the products alone, ours against PyTorch's, which says whether the profile's product
 #      times are cuBLAS's or ours (BENCH_GEMM_ARGS, default gpt2-124m at 8192 rows)
 #   4. compute-sanitizer racecheck over the op tests with what is left of the budget
@@ -23,8 +25,8 @@ OUT=${OUT:-bench/results/gpu_session_bench}
 BUDGET=${BUDGET:-330}
 # ';' between runs, each "MAX_SECONDS ARGUMENTS..."; the precisions in order of what issue 6 asks first
 BENCH_GPU_RUNS=${BENCH_GPU_RUNS:-"200 --presets gpt2-124m --shapes 8x1024 --precisions bf16,tf32,fp32;\
-150 --presets gpt2-124m --shapes 16x1024,4x1024 --precisions bf16 --torch-modes eager,compile --no-profile;\
-90 --presets small --precisions bf16 --torch-modes eager,compile --no-profile"}
+150 --presets gpt2-124m --shapes 16x1024,4x1024 --precisions bf16 --torch-modes eager,compile;\
+90 --presets small --precisions bf16 --torch-modes eager,compile"}
 BENCH_GEMM_ARGS=${BENCH_GEMM_ARGS:---preset gpt2-124m --tokens 8192}
 
 . bin/gpu_session_common.sh
