@@ -9,7 +9,7 @@ from xtrain_dist.backend import numpy_ops
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
-from xtrain_dist.profile import OpProfiler, flops_per_token, mfu, peak_for
+from xtrain_dist.profile import OpProfiler, flops_per_token, mfu, op_bytes, peak_bandwidth_for, peak_for
 
 
 def one_step(backend, config, ids, targets, attention="standard"):
@@ -152,6 +152,48 @@ def test_rows_rate_and_order_and_what_is_not_recorded():
     profiler.active = True
     profiler.fast()
     assert [(t.name, t.calls) for t in profiler.report()["ops"]] == [("fast", 1)]
+
+
+def test_op_bytes_is_what_an_op_cannot_avoid_moving():
+    """Each array given read once (or written once, an output passed in), each returned written once, each
+    updated in place read and written; scalars and None are no traffic."""
+    x, out = np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32)
+    assert op_bytes("gelu_forward", (x,), out) == 2 * 128
+    mean = rstd = np.zeros(4, np.float32)
+    w = np.zeros(8, np.float32)
+    assert op_bytes("layernorm_forward", (x, w, w), (out, mean, rstd)) == 128 + 32 + 32 + 128 + 16 + 16
+    # dweight and dbias accumulate (read and written), dinp is only written
+    assert op_bytes("layernorm_backward", (out, w, w, x, x, w, mean, rstd), None) == \
+        128 + 2 * 32 + 2 * 32 + 128 + 128 + 32 + 16 + 16
+    dweight, weight = np.zeros((8, 16), np.float32), np.zeros((8, 16), np.float32)
+    dout = np.zeros((4, 16), np.float32)
+    assert op_bytes("matmul_backward", (dweight, None, dout, x, weight), x) == 2 * 512 + 256 + 128 + 512 + 128
+    p, g, m, v = (np.zeros(10, np.float32) for _ in range(4))
+    mask = np.zeros(10, np.uint8)
+    args = (p, g, m, v, mask, 3, 1e-3, 0.9, 0.95, 1e-8, 0.1, np.float32(1.0))
+    assert op_bytes("adamw_update", args, None) == 2 * 40 + 40 + 2 * 40 + 2 * 40 + 10
+
+
+def test_a_profiled_step_has_each_ops_bandwidth(rng):
+    """On the numpy backend too: AdamW's row moves params, m and v twice, the gradients, the decay mask and
+    the clip factor once; GB/s is that over the op's time; the table shows it."""
+    config = model_config("tiny", 64)
+    ids = rng.integers(0, 64, (2, 8))
+    profiler = OpProfiler(numpy_ops)
+    _, model = one_step(profiler, config, ids, np.roll(ids, -1, axis=1))
+    report = profiler.report()
+    [adamw] = [t for t in report["ops"] if t.name == "adamw_update"]
+    assert adamw.bytes == 7 * model.params.nbytes + model.decay_mask.nbytes + 4  # + the clip factor, a 0-d array
+    row = next(r for r in OpProfiler.rows(report) if r["op"] == "adamw_update")
+    assert row["gbps"] == pytest.approx(adamw.bytes / adamw.seconds / 1e9)
+    assert f"| {row['gbps']:.4g} |" in OpProfiler.markdown(report)
+    assert all(t.bytes > 0 for t in report["ops"]), [t.name for t in report["ops"] if not t.bytes]
+
+
+def test_peak_bandwidth_for_the_parts():
+    assert peak_bandwidth_for("NVIDIA H100 80GB HBM3") == 3350 and peak_bandwidth_for("NVIDIA H200") == 4800
+    assert peak_bandwidth_for("NVIDIA H100 PCIe") == 2000 and peak_bandwidth_for("NVIDIA A100-SXM4-80GB") == 2039
+    assert peak_bandwidth_for("NVIDIA GeForce RTX 4090") is None
 
 
 # ------------------------------------------------------------------------------- MFU

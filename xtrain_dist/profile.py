@@ -10,7 +10,10 @@ waiting for the host to launch the next op: the launch-bound part of a step.
 Matrix products and attention also get their arithmetic rate: matmul_forward does 2·rows·in·out flops,
 matmul_backward twice that (dinp and dweight); attention (standard or flash) counts the full T×T
 square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same counts as flops_per_token below, which gives
-the MFU of training runs on GPUs and of bin/bench_gpu.
+the MFU of training runs on GPUs and of bin/bench_gpu. Every op also gets the rate at which it moved the
+bytes it cannot avoid moving (op_bytes): for the ops bound by memory, not arithmetic (layernorm, GELU,
+the residual, the classifier's softmax, AdamW), that GB/s against the GPU's (PEAK_GBPS) says how far each
+is from its bound.
 
     profiler = OpProfiler(backend)
     model = GPT2(config, profiler, seed=1)      # every op the model or AdamW calls is timed
@@ -20,6 +23,8 @@ the MFU of training runs on GPUs and of bin/bench_gpu.
 
 import threading
 from dataclasses import dataclass
+
+import numpy as np
 
 # the backend functions that are plumbing, not a step's work: never timed
 PLUMBING = {"to_host", "from_host", "from_host_act", "synchronize", "bind_side_thread", "fence", "wait",
@@ -47,6 +52,30 @@ def op_flops(name: str, args: tuple) -> float:
     return 0.0
 
 
+# the arguments each op updates in place, read and then written (the others are read, or written alone)
+IN_PLACE = {"matmul_backward": (0, 1), "layernorm_backward": (1, 2), "encoder_backward": (0, 1),
+            "adamw_update": (0, 2, 3), "fused_classifier": (0,), "scale": (0,), "bf16_round": (0,)}
+
+
+def _arrays(values):
+    for v in values:
+        if isinstance(v, (tuple, list)):
+            yield from _arrays(v)
+        elif hasattr(v, "nbytes") and not isinstance(v, np.generic):  # numpy or CuPy arrays, not scalars
+            yield v
+
+
+def op_bytes(name: str, args: tuple, result) -> int:
+    """The bytes one call cannot avoid moving: every array it is given read once (or, where it only writes
+    it, written once), every array it returns written once, and every array it updates in place (IN_PLACE)
+    read and written. A lower bound of its traffic: an op that reads an input twice, keeps partial sums or
+    rereads its output moves more; divided by its time, a floor of its bandwidth."""
+    given = list(_arrays(args))
+    again = [args[i] for i in IN_PLACE.get(name, ()) if i < len(args) and args[i] is not None]
+    return sum(a.nbytes for a in given) + sum(a.nbytes for a in _arrays(again)) + sum(
+        a.nbytes for a in _arrays([result]))
+
+
 # What the GPU benchmarks time, and the keys of PEAK_TFLOPS: --dtype fp32, fp32 with --tf32, --dtype bf16
 PRECISIONS = ("fp32", "tf32", "bf16")
 
@@ -60,19 +89,35 @@ PEAK_TFLOPS = {
 }
 
 
-def peak_for(gpu_name: str) -> dict | None:
-    """The peaks of the GPU named as the driver names it; None for another: MFU is then not given, rather
-    than given against a wrong peak."""
+# Memory bandwidth in GB/s (10^9 bytes), from the same datasheets: the bound of the ops op_bytes measures
+PEAK_GBPS = {"H100 SXM": 3350, "H200": 4800, "H100 PCIe": 2000, "A100": 2039}
+
+
+def gpu_part(gpu_name: str) -> str | None:
+    """The key of PEAK_TFLOPS and PEAK_GBPS for the GPU named as the driver names it; None for another:
+    MFU and bandwidth shares are then not given, rather than given against a wrong peak."""
     name = gpu_name.upper()
     if "H200" in name:
-        return PEAK_TFLOPS["H200"]
+        return "H200"
     if "H100" in name and "PCIE" in name:
-        return PEAK_TFLOPS["H100 PCIe"]
+        return "H100 PCIe"
     if "H100" in name and ("SXM" in name or "HBM3" in name):  # "NVIDIA H100 80GB HBM3" is the SXM part
-        return PEAK_TFLOPS["H100 SXM"]
+        return "H100 SXM"
     if "A100" in name:
-        return PEAK_TFLOPS["A100"]
+        return "A100"
     return None
+
+
+def peak_for(gpu_name: str) -> dict | None:
+    """The peak TFLOP/s of each precision of the GPU named as the driver names it, or None (gpu_part)."""
+    part = gpu_part(gpu_name)
+    return PEAK_TFLOPS[part] if part else None
+
+
+def peak_bandwidth_for(gpu_name: str) -> float | None:
+    """The GB/s of the GPU named as the driver names it (an A100's: the 80 GB SXM part's), or None."""
+    part = gpu_part(gpu_name)
+    return PEAK_GBPS[part] if part else None
 
 
 def flops_per_token(mcfg, num_params: int, seq: int) -> float:
@@ -95,6 +140,7 @@ class OpTime:
     calls: int
     seconds: float
     flops: float
+    bytes: float = 0.0
 
 
 class OpProfiler:
@@ -106,7 +152,7 @@ class OpProfiler:
         # the thread whose ops are timed (the rank's); another thread's calls pass through, so the bucketed
         # sync's communication thread (its bf16 rounding, its fences) adds no marks to the rank's stream
         self._thread = threading.get_ident()
-        self._spans: list[tuple[str, object, object, float]] = []
+        self._spans: list[tuple[str, object, object, float, int]] = []
         self._timed: dict = {}
 
     def __getattr__(self, name):
@@ -121,7 +167,7 @@ class OpProfiler:
                     return attr(*args, **kwargs)
                 start = backend.timestamp()
                 out = attr(*args, **kwargs)
-                spans.append((name, start, backend.timestamp(), op_flops(name, args)))
+                spans.append((name, start, backend.timestamp(), op_flops(name, args), op_bytes(name, args, out)))
                 return out
 
             self._timed[name] = timed
@@ -137,11 +183,12 @@ class OpProfiler:
             return {"ops": [], "ops_s": 0.0, "span_s": 0.0, "gaps_s": 0.0}
         elapsed = self._backend.elapsed
         totals: dict[str, OpTime] = {}
-        for name, start, end, flops in self._spans:
+        for name, start, end, flops, moved in self._spans:
             t = totals.setdefault(name, OpTime(name, 0, 0.0, 0.0))
             t.calls += 1
             t.seconds += max(0.0, elapsed(start, end))
             t.flops += flops
+            t.bytes += moved
         ops_s = sum(t.seconds for t in totals.values())
         span_s = max(0.0, elapsed(self._spans[0][1], self._spans[-1][2]))
         return {"ops": sorted(totals.values(), key=lambda t: -t.seconds), "ops_s": ops_s, "span_s": span_s,
@@ -149,25 +196,29 @@ class OpProfiler:
 
     @staticmethod
     def rows(report: dict) -> list[dict]:
-        """The report as JSON-ready rows, with each op's share of the span and its TFLOP/s."""
+        """The report as JSON-ready rows, with each op's share of the span, its TFLOP/s and its GB/s (op_bytes
+        over its time)."""
         span = report["span_s"] or float("nan")
         out = [{"op": t.name, "calls": t.calls, "ms": t.seconds * 1e3, "share": t.seconds / span,
-                "tflops": t.flops / t.seconds / 1e12 if t.flops and t.seconds else None} for t in report["ops"]]
+                "tflops": t.flops / t.seconds / 1e12 if t.flops and t.seconds else None,
+                "gbps": t.bytes / t.seconds / 1e9 if t.bytes and t.seconds else None} for t in report["ops"]]
         out.append({"op": "(between ops: host work and launches)", "calls": None, "ms": report["gaps_s"] * 1e3,
-                    "share": report["gaps_s"] / span, "tflops": None})
+                    "share": report["gaps_s"] / span, "tflops": None, "gbps": None})
         return out
 
     @staticmethod
     def markdown(report: dict) -> str:
         return rows_markdown(OpProfiler.rows(report)) + (
-            f"| **step (first mark to last)** | | {report['span_s'] * 1e3:.2f} | 100% | |\n")
+            f"| **step (first mark to last)** | | {report['span_s'] * 1e3:.2f} | 100% | | |\n")
 
 
 def rows_markdown(rows: list[dict]) -> str:
-    """OpProfiler.rows (as a results file holds them) as a Markdown table."""
-    lines = ["| op | calls | ms | share of step | TFLOP/s |", "|---|---:|---:|---:|---:|"]
+    """OpProfiler.rows (as a results file holds them; those written before GB/s was measured have no
+    "gbps") as a Markdown table."""
+    lines = ["| op | calls | ms | share of step | TFLOP/s | GB/s (at least) |", "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         calls = "" if r["calls"] is None else str(r["calls"])
         rate = "" if r["tflops"] is None else f"{r['tflops']:.3g}"
-        lines.append(f"| {r['op']} | {calls} | {r['ms']:.2f} | {100 * r['share']:.1f}% | {rate} |")
+        bandwidth = "" if r.get("gbps") is None else f"{r['gbps']:.4g}"
+        lines.append(f"| {r['op']} | {calls} | {r['ms']:.2f} | {100 * r['share']:.1f}% | {rate} | {bandwidth} |")
     return "\n".join(lines) + "\n"
