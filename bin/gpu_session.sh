@@ -8,9 +8,9 @@
 #   1. bin/gpu_session_cuda.sh into $OUT/cuda, CUDA_BUDGET seconds (default 240): tests, the shipped
 #      corpus on the GPU, the per-op error tables, memcheck
 #   2. bin/gpu_session_bench.sh into $OUT/bench, with the rest of BUDGET (default 540): bench_gpu (gpt2-124m
-#      at 8 x 1024 in every precision with profiles, then the bf16 batch x seq sweep), bench_gemm, racecheck
-#   3. with PACK_RESULTS=1, everything in $OUT/results.tar.gz, beside it only the summaries and the
-#      benchmark tables (a device call brings back 8 files)
+#      at 8 x 1024 in every precision with profiles, the bf16 batch x seq sweep), bench_gemm, racecheck
+#   3. with PACK_RESULTS=1, everything in $OUT/results.tar.gz, beside it only session.txt and the two
+#      summaries (a device call brings back 8 files; a session writes dozens)
 # The benchmarks run even where a test failed: their numbers are the session's other half, and a failing
 # test is fixed on the CPU afterwards. Exit status: non-zero where either half's script failed (the cuda
 # half's is its summary's: the tests' verdicts are in cuda_results.md).
@@ -32,6 +32,5 @@ bench_rc=$?
 
 echo "## gpu_session.sh: cuda exit $cuda_rc, bench exit $bench_rc, $(( SECONDS - START )) s in all" \
   | tee "$OUT/session.txt"
-pack_results session.txt cuda/cuda_results.md bench/bench_results.md \
-  $(cd "$OUT" && ls bench/run*/bench_gpu-*.md bench/bench_gemm-*.md 2>/dev/null)
+pack_results session.txt cuda/cuda_results.md bench/bench_results.md
 exit $(( cuda_rc || bench_rc ))

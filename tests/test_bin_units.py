@@ -66,11 +66,11 @@ def test_bench_gpu_markdown_rows():
     bench_gpu = load_script("bench_gpu")
     base = {"preset": "tiny", "batch": 2, "seq": 16, "precision": "bf16"}
     rows = [{**base, "impl": "ours", "ms": 10.0, "ms_events": 9.5, "tokens_per_s": 3200.0, "mfu": 0.4567,
-             "ours_over_this": 1.0, "first_loss": 6.25, "peak_mem_gib": 0.5},
-            {**base, "impl": "torch compile", "error": "OutOfMemoryError: no"}]
+             "ours_over_this": 1.0, "first_loss": 6.25, "peak_mem_gib": 0.5, "wall_s": 12.3},
+            {**base, "impl": "torch compile", "error": "OutOfMemoryError: no", "wall_s": 61.0}]
     text = bench_gpu.markdown(BENCH_GPU_HEADER, rows)
-    assert "| tiny | 2 x 16 | bf16 | ours | 10.0 | 9.5 | 3,200 | 45.7% | 1.00x | 6.25000 | 0.5 |" in text
-    assert "| tiny | 2 x 16 | bf16 | torch compile | OutOfMemoryError: no | | | | | | |" in text
+    assert "| tiny | 2 x 16 | bf16 | ours | 10.0 | 9.5 | 3,200 | 45.7% | 1.00x | 6.25000 | 0.5 | 12.3 |\n" in text
+    assert "| tiny | 2 x 16 | bf16 | torch compile | OutOfMemoryError: no | | | | | | | 61.0 |\n" in text
 
 
 def test_bench_gpu_writes_each_row_as_it_ends():
@@ -103,6 +103,7 @@ def test_bench_gpu_writes_each_row_as_it_ends():
     assert [r.get("ours_over_this") for r in rows] == [2.0, 1.0, None, 1.0, 2.0]
     assert rows[2]["error"] == "RuntimeError: no kernel image"
     assert rows[3]["mfu"] is None and rows[4]["batch"] == 4
+    assert all(r["wall_s"] >= 0 for r in rows)
     header = {**BENCH_GPU_HEADER, "complete": False, "rows_planned": 5}
     text = bench_gpu.markdown(header, written[1][0])
     assert "**Incomplete: 2 of the 5 rows planned.**" in text
