@@ -671,8 +671,8 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     assert "- `bin/bench_gemm --preset tiny" in summary and "`: exit 0 (bench_gemm-" in summary, summary
     assert "- compute-sanitizer racecheck: exit " in summary, summary
     # each run's table of rows, for a first look without the archive
-    assert re.search(r"## run1/bench_gpu-\S+\.md\n\n\| preset \| B x T \|.*\n\|---.*\n\| small \| 1 x 64 \| bf16 \| ours \|",
-                     summary), summary
+    assert re.search(r"## run1/bench_gpu-\S+\.md\n\n\| preset \| B x T \|.*\n\|---.*\n"
+                     r"\| small \| 1 x 64 \| bf16 \| ours \|", summary), summary
     assert "| tiny | 1 x 32 | bf16 | ours flash lt |" not in summary  # tiny's heads are not 64 channels
     assert "| tiny | 1 x 32 | bf16 | ours lt |" in summary and "### Where our step" not in summary, summary
     verdict = (out / "session.txt").read_text()
