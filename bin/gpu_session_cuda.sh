@@ -46,23 +46,22 @@ ensure_crt_headers
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
-background=()
+curve_pids=()
+errors_pids=()
 # the CPU-bound steps run in the background, each with a few BLAS threads of the machine's cores: they end
 # with the script, however it ends (a timeout's SIGTERM too), and within the budget
-trap '[ ${#background[@]} -gt 0 ] && kill "${background[@]}" 2>/dev/null' EXIT
+trap 'pids=("${curve_pids[@]}" "${errors_pids[@]}"); [ ${#pids[@]} -gt 0 ] && kill "${pids[@]}" 2>/dev/null' EXIT
 trap 'exit 143' TERM INT
 for dtype in fp32 bf16; do
   timeout -k 10 $(( BUDGET - 45 )) $PY -m xtrain_dist.train_ddp $CURVE --backend numpy --dtype $dtype --cpu-threads 2 \
     --report "$OUT/curve_numpy_${dtype}_w1.json" > "$OUT/curve_numpy_${dtype}_w1.log" 2>&1 &
-  background+=($!)
+  curve_pids+=($!)
 done
-errors_pids=()
 for dtype in fp32 bf16; do  # kernel_errors.md and kernel_errors_bf16.md; their GPU share is small
   suffix=${dtype/fp32/}
   OPENBLAS_NUM_THREADS=2 OMP_NUM_THREADS=2 timeout -k 10 $(( BUDGET - 45 )) $PY bin/kernel_errors --dtype $dtype $KERNEL_ERRORS_ARGS \
     --json "$OUT/kernel_errors${suffix:+_$suffix}.json" --markdown "$OUT/kernel_errors${suffix:+_$suffix}.md" \
     > "$OUT/kernel_errors_${dtype}.log" 2>&1 &
-  background+=($!)
   errors_pids+=($!)
 done
 
@@ -93,7 +92,7 @@ for run in "fp32 1" "fp32 2" "bf16 1" "bf16 2"; do
   step "curve cuda $1 w$2" 60 $PY -m xtrain_dist.train_ddp $CURVE --backend cuda --dtype "$1" --world-size "$2" \
     --report "$OUT/curve_cuda_$1_w$2.json" || curves_rc=$?
 done
-for pid in "${background[@]:0:2}"; do wait "$pid" || curves_rc=$?; done
+for pid in "${curve_pids[@]}"; do wait "$pid" || curves_rc=$?; done
 tail -n 2 "$OUT"/curve_numpy_*.log
 
 echo "## per-op errors"

@@ -70,10 +70,8 @@ def op_bytes(name: str, args: tuple, result) -> int:
     it, written once), every array it returns written once, and every array it updates in place (IN_PLACE)
     read and written. A lower bound of its traffic: an op that reads an input twice, keeps partial sums or
     rereads its output moves more; divided by its time, a floor of its bandwidth."""
-    given = list(_arrays(args))
-    again = [args[i] for i in IN_PLACE.get(name, ()) if i < len(args) and args[i] is not None]
-    return sum(a.nbytes for a in given) + sum(a.nbytes for a in _arrays(again)) + sum(
-        a.nbytes for a in _arrays([result]))
+    updated = [args[i] for i in IN_PLACE.get(name, ()) if i < len(args)]  # None (no dbias) is no array
+    return sum(a.nbytes for a in _arrays([*args, *updated, result]))
 
 
 # What the GPU benchmarks time, and the keys of PEAK_TFLOPS: --dtype fp32, fp32 with --tf32, --dtype bf16
