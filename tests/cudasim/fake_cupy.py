@@ -220,6 +220,11 @@ class ndarray(np.ndarray):
 
     def get(self, stream=None, order="C", out=None) -> np.ndarray:
         stream = stream or get_current_stream()
+        if not self.flags.c_contiguous:
+            # CuPy copies a strided array into a contiguous one under `with stream:` first, and leaving that
+            # block makes the null stream current (see Stream.__exit__), whatever stream was current before
+            with stream:
+                pass
         _on_stream("a copy to the host (ndarray.get)", reads=[self], stream=stream)
         host_traffic().append("download")
         streams.host_saw(streams.recorded(stream))  # CuPy's get waits for the stream

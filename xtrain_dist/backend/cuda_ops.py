@@ -341,9 +341,22 @@ class CudaBackend:
         """A host copy (waits for this stream's queued work). bf16 activations come back as float32,
         which holds every bf16 value exactly: the values numpy_ops' bf16 emulation holds."""
         if isinstance(a, cupy.ndarray):
+            if not a.flags.c_contiguous:  # the classifier's padded logits rows, a transposed view
+                a = self._on_own_stream(a.copy)
             host = a.get(stream=self.stream)
             return from_bf16_bits(host) if host.dtype == np.uint16 else host
         return np.asarray(a)
+
+    def _on_own_stream(self, work):
+        """work() with this backend's stream current, and the caller's current again after it. CuPy's get()
+        would copy a strided array under `with stream:` itself, and leaving such a block makes the null
+        stream current (CuPy 14.2 on the H100), not the stream that was: the next op then fails _check_stream."""
+        previous = cupy.cuda.get_current_stream()
+        self.stream.use()
+        try:
+            return work()
+        finally:
+            previous.use()
 
     def from_host(self, a: np.ndarray):
         a = np.ascontiguousarray(a)
