@@ -19,8 +19,8 @@
 #
 # Time: one global budget (BUDGET seconds, default 240) caps every step's timeout by what is left, so the
 # script always ends, with its summary, inside it; a step with under 20 s left is skipped and listed as
-# such. On the H100 (2026-11-24) the tests took 69 s run one after another, each curve 6-10 s and each error
-# table about 75 s, which now overlap the tests.
+# such. On the H100 (2026-11-26) the whole script took 123 s: the tests 54 s in 8 processes and 9 s for the
+# real_gpu ones, each cuda curve 3-8 s, the error tables and numpy curves (66-76 s) beside the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_session_cuda}
