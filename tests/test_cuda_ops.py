@@ -201,6 +201,25 @@ def test_cublaslt_adds_the_bias_in_the_epilogue(be_lt, rng, rows, ic, oc):
     assert be_lt._lt._workspace.nbytes == cublaslt.WORKSPACE_BYTES  # what memory.py counts a rank
 
 
+def test_reading_back_a_strided_view_leaves_the_current_stream_alone(be, rng):
+    """CuPy 14.2's get() copies a strided array under `with stream:`, and leaving that block makes the null
+    stream current: on the H100 every op after reading back the padded logits failed the stream check.
+    to_host makes the copy itself, on the backend's stream, and leaves whichever stream was current."""
+    host = randn(rng, 8, 24)
+    a = be.from_host(host)
+    for view, want in ((a[:, 3:17], host[:, 3:17]), (a.T, host.T)):
+        np.testing.assert_array_equal(be.to_host(view), want)
+        assert cupy.cuda.get_current_stream().ptr == be.stream.ptr
+    side = cupy.cuda.Stream(non_blocking=True)
+    side.use()
+    try:
+        be.synchronize()
+        np.testing.assert_array_equal(be.to_host(a[:, 3:17]), host[:, 3:17])
+        assert cupy.cuda.get_current_stream().ptr == side.ptr
+    finally:
+        be.stream.use()
+
+
 def test_tied_classifier_matmul_with_transposed_views(be, rng):
     """The model passes wte.T and dwte.T (F-contiguous views) and accumulates into dwte. The logits come
     back as the first 1001 columns of rows 1024 apart (cuBLAS's aligned paths), and the fused classifier
