@@ -42,7 +42,7 @@ ensure_crt_headers
   nvcc --version 2>/dev/null | tail -1
   echo "## CUDA crt headers (flash attention)"; cat "$OUT/crt.txt"
   echo "## cuBLASLt (--matmul cublaslt)"
-  $PY -c "from xtrain_dist.backend import cublaslt; print(cublaslt.describe_library())" || true
+  $PY -c "from xtrain_dist.backend.cuda import cublaslt; print(cublaslt.describe_library())" || true
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 

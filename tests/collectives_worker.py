@@ -16,10 +16,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from xtrain_dist.comm.launch_env import detect_launch
 from xtrain_dist.comm.local import LocalCommunicator
 from xtrain_dist.comm.world import open_world
-from xtrain_dist.launch import run_thread_ranks
-from xtrain_dist.launch_env import detect_launch
+from xtrain_dist.train.launch import run_thread_ranks
 
 
 def rank_data(rank, n):

@@ -67,7 +67,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` skip, each with the reason, where no CUDA device is usable."""
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_tests and CUDASIM:
-        from xtrain_dist.backend import cuda_ops
+        from xtrain_dist.backend.cuda import ops as cuda_ops
 
         for item in gpu_tests:
             if item.get_closest_marker("real_gpu"):
@@ -116,7 +116,7 @@ def real_cupy():
 def lt_backend(be):
     """A GPU test module's `be` made again with --matmul cublaslt (same device, dtype and TF32 choice), once
     per module; `be`'s stream is current again after it is made."""
-    from xtrain_dist.backend.cuda_ops import CudaBackend
+    from xtrain_dist.backend.cuda.ops import CudaBackend
 
     backend = CudaBackend(be.device, allow_tf32=be.allow_tf32, dtype=be.dtype, matmul="cublaslt")
     be.stream.use()

@@ -16,8 +16,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from xtrain_dist.comm.launch_env import detect_launch
 from xtrain_dist.comm.world import open_world
-from xtrain_dist.launch_env import detect_launch
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -186,7 +186,7 @@ def test_collectives_over_mpi_processes(tmp_path):
 def test_results_files_say_what_ran_where(results):
     """Every results file names the command, date, commit and machine (with the load average after the
     run too); the Markdown repeats them above the table."""
-    from xtrain_dist import bench
+    from xtrain_dist.bench import results as bench
 
     out, _ = results
     data = json.loads((out / "ddp.json").read_text())

@@ -381,7 +381,7 @@ def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
     time over the flat row's; buckets: how many the gradient is cut into."""
     pytest.importorskip("matplotlib")
     bench_ddp = load_script("bench_ddp")
-    from xtrain_dist.ddp import bucket_bounds
+    from xtrain_dist.parallel.ddp import bucket_bounds
 
     grad_bytes = 3 * (1 << 20) + 400
     calls = {}
@@ -472,7 +472,7 @@ def test_bench_cpu_peer_trains_like_our_trainer():
     pytest.importorskip("torch")
     bench_cpu = load_script("bench_cpu")
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 
     corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
     cfg = TrainConfig(steps=4, batch=2, seq=16, model="tiny", seed=1, lr=1e-2, weight_decay=30.0,

@@ -15,19 +15,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xtrain_dist import checkpoint
-from xtrain_dist import train as train_module
 from xtrain_dist.backend import numpy_ops
+from xtrain_dist.checkpoint import store as checkpoint
+from xtrain_dist.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from xtrain_dist.comm.local import LocalGroup, _chunk
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.evaluate import Evaluator
-from xtrain_dist.launch import RankFailed, run_thread_ranks
+from xtrain_dist.eval.evaluate import Evaluator
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
-from xtrain_dist.safetensors_io import read_safetensors, write_safetensors
-from xtrain_dist.train_ddp import RunComplete, StopRequest, resolve_auto_resume, train
+from xtrain_dist.train import loop as train_module
+from xtrain_dist.train.job import StopRequest, train
+from xtrain_dist.train.launch import RankFailed, run_thread_ranks
+from xtrain_dist.train.preflight import RunComplete, resolve_auto_resume
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +183,7 @@ def test_a_run_killed_after_a_periodic_save_resumes_bitwise(corpus, tmp_path, mo
 
 
 def test_a_stop_request_ends_the_run_after_a_step_and_the_same_command_resumes_it_bitwise(corpus, tmp_path):
-    """What SIGTERM does (train_ddp.StopRequest), and what a requeued job then does: set while rank 0 logs
+    """What SIGTERM does (job.StopRequest), and what a requeued job then does: set while rank 0 logs
     step 1, after that step's all-reduce, the request reaches the ranks in step 2 whichever step rank 1 is
     then in; both stop after step 2 and save it. Run again, the same configuration (--resume auto) resumes
     from that checkpoint and ends on the uninterrupted run's bits."""
@@ -717,7 +718,7 @@ def test_evaluate_reads_a_checkpoint_from_before_val_corpus_and_names_a_corrupt_
     """python -m xtrain_dist.evaluate DIR reads trainer_state.json as resuming does: a checkpoint written
     before --val-corpus existed held out its corpus's split, and a state that is not what a run writes is
     one line, not a traceback."""
-    from xtrain_dist import evaluate
+    from xtrain_dist.eval import evaluate
     older = copy_of(saved, tmp_path)
     rewrite_state(older, lambda state: state["data"].pop("val_corpus"))
     loss, _ = evaluate.evaluate_checkpoint([str(older)])
@@ -802,7 +803,7 @@ def _transpose_c_attn(tensors, meta):
      "is corrupt: optimizer.safetensors holds optimizer state past the model's {used} elements"),
 ])
 def test_rehashed_but_wrong_tensors_are_refused_before_training(corpus, saved, tmp_path, name, change, message):
-    """What the ranks would load is checked in _prepare: the same one line as any bad input (exit 2 on the
+    """What the ranks would load is checked in preflight.prepare: the same one line as any bad input (exit 2 on the
     command line), not a rank failing after the run has started."""
     folder = copy_of(saved, tmp_path)
     rewrite_tensors(folder, name, change)

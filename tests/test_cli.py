@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER
 
 
 def cli(*args, timeout=120, env=None):
@@ -69,7 +69,7 @@ def test_explicit_tokenizer_and_corpus(tmp_path):
 def test_every_option_is_in_the_readme_s_option_tables():
     """The README's tables (first cells of rows starting `| `--`) name every option --help has: three had
     gone missing from them before this test."""
-    from xtrain_dist.train_ddp import build_parser
+    from xtrain_dist.train.cli import build_parser
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     first_cells = " ".join(line.split(" | ")[0] for line in readme.splitlines() if line.startswith("| `--"))
@@ -126,8 +126,8 @@ def test_bad_arguments_get_one_line(args, message):
 
 
 def test_batch_equal_to_the_world_size_is_enough():
-    from xtrain_dist.launch_env import Launch
-    from xtrain_dist.train_ddp import parse_config
+    from xtrain_dist.comm.launch_env import Launch
+    from xtrain_dist.train.cli import parse_config
 
     assert parse_config(["1", "2", "16", "--world-size", "2"], launch=Launch("single")).batch == 2
 
@@ -139,9 +139,9 @@ def test_batch_equal_to_the_world_size_is_enough():
 ])
 def test_rendezvous_options_are_for_jobs_of_several_processes(flag, value, field, parsed):
     """Alone, a process meets nobody: the option would be ignored, so it is refused; in a job of two it is taken."""
+    from xtrain_dist.comm.launch_env import Launch
     from xtrain_dist.errors import XtrainError
-    from xtrain_dist.launch_env import Launch
-    from xtrain_dist.train_ddp import parse_config
+    from xtrain_dist.train.cli import parse_config
 
     with pytest.raises(XtrainError) as info:
         parse_config(["5", "8", "32", flag, value], launch=Launch("single"))
@@ -209,7 +209,7 @@ def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
 ])
 def test_numeric_options_are_checked_before_anything_runs(flag, value, message):
     from xtrain_dist.errors import XtrainError
-    from xtrain_dist.train_ddp import parse_config
+    from xtrain_dist.train.cli import parse_config
 
     with pytest.raises(XtrainError) as info:
         parse_config(["5", "8", "32", flag, value])
@@ -280,8 +280,8 @@ def test_a_report_to_a_pipe(tmp_path):
 
 
 def test_metrics_that_cannot_be_appended_name_the_file(tmp_path):
-    from xtrain_dist import metrics
     from xtrain_dist.errors import XtrainError
+    from xtrain_dist.train import metrics
 
     with pytest.raises(XtrainError) as info:
         metrics.append(tmp_path, {"step": 1})  # a folder: the open fails as a full disk's write would
@@ -353,7 +353,7 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_status_143(tm
 
 
 def test_the_first_stop_signal_asks_and_the_next_one_would_end_the_process(capsys):
-    from xtrain_dist.train_ddp import StopRequest
+    from xtrain_dist.train.job import StopRequest
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     stop = StopRequest("ck")
@@ -391,7 +391,7 @@ def test_a_run_refused_after_its_outputs_were_checked_leaves_no_folders(tmp_path
 
 # ------------------------------------------------------------------ what mutation testing found untested
 def test_ctrl_c_is_one_line_and_status_130(capsys):
-    from xtrain_dist.cli import run_command
+    from xtrain_dist.command import run_command
 
     def interrupted():
         raise KeyboardInterrupt
@@ -402,16 +402,16 @@ def test_ctrl_c_is_one_line_and_status_130(capsys):
 
 @pytest.fixture(scope="module")
 def shipped_corpus():
-    from xtrain_dist.data import Corpus
+    from xtrain_dist.data.corpus import Corpus
     return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
 
 
 def prepare(loaded, launch=None, **fields):
+    from xtrain_dist.comm.launch_env import Launch
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.launch_env import Launch
-    from xtrain_dist.train_ddp import _prepare
+    from xtrain_dist.train.preflight import prepare
     cfg = TrainConfig(**{"steps": 2, "batch": 2, "seq": 16, "eval_batches": 0, **fields}).resolved()
-    return _prepare(cfg, loaded, launch or Launch("single"), 1, lambda line: None)
+    return prepare(cfg, loaded, launch or Launch("single"), 1, lambda line: None)
 
 
 def test_the_configuration_fingerprint_ignores_what_may_differ_between_nodes(shipped_corpus, tmp_path):
@@ -431,8 +431,8 @@ def test_the_fingerprint_holds_the_hellaswag_examples_not_their_path(shipped_cor
 
     import numpy as np
 
+    from xtrain_dist.eval.hellaswag import Example, eval_file_chunks
     from xtrain_dist.files import write_atomic
-    from xtrain_dist.hellaswag import Example, eval_file_chunks
 
     def eval_file(name, label):
         ids = np.arange(1, 4, dtype=np.int32)
@@ -448,8 +448,8 @@ def test_the_fingerprint_holds_the_hellaswag_examples_not_their_path(shipped_cor
 
 def test_only_process_0_needs_a_writable_report(shipped_corpus, tmp_path):
     """Process 0 writes the report; another node need not have its folder."""
+    from xtrain_dist.comm.launch_env import Launch
     from xtrain_dist.errors import XtrainError
-    from xtrain_dist.launch_env import Launch
     blocker = tmp_path / "file.txt"
     blocker.write_text("")
     report = str(blocker / "r.json")  # a part of its folder is a file: nobody can write it
@@ -461,9 +461,10 @@ def test_only_process_0_needs_a_writable_report(shipped_corpus, tmp_path):
 
 def test_blas_threads_are_shared_with_the_other_processes_on_the_node(shipped_corpus, monkeypatch):
     """2 rank threads in each of 2 processes on a node of 8 cores: 2 BLAS threads per rank, not 4."""
-    from xtrain_dist import train_ddp
+    from xtrain_dist.backend import numpy_ops
+    from xtrain_dist.comm.launch_env import Launch
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.launch_env import Launch
+    from xtrain_dist.train import job
 
     class Stop(Exception):
         pass
@@ -474,11 +475,11 @@ def test_blas_threads_are_shared_with_the_other_processes_on_the_node(shipped_co
         asked.append((n, user_api))
         raise Stop  # the number is all this test needs: no training
 
-    monkeypatch.setattr(train_ddp, "available_cores", lambda: 8)
-    monkeypatch.setattr(train_ddp, "threadpool_limits", limits)
+    monkeypatch.setattr(numpy_ops, "available_cores", lambda: 8)
+    monkeypatch.setattr(job, "threadpool_limits", limits)
     cfg = TrainConfig(steps=1, batch=2, seq=16, world_size=2, eval_batches=0).resolved()
     with pytest.raises(Stop):
-        train_ddp.train(cfg, shipped_corpus, log=lambda line: None, launch=Launch("single", local_processes=2))
+        job.train(cfg, shipped_corpus, log=lambda line: None, launch=Launch("single", local_processes=2))
     assert asked == [(2, "blas")]
 
 
@@ -487,10 +488,10 @@ def test_a_process_that_cannot_start_tells_the_others_within_its_rdzv_timeout(tm
     import socket
     import time
 
+    from xtrain_dist.comm.launch_env import Launch
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.errors import XtrainError
-    from xtrain_dist.launch_env import Launch
-    from xtrain_dist.train_ddp import train
+    from xtrain_dist.train.job import train
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -506,7 +507,7 @@ def test_a_process_that_cannot_start_tells_the_others_within_its_rdzv_timeout(tm
 
 
 def test_a_choice_list_keeps_the_order_given_and_names_a_bad_item_and_the_choices():
-    from xtrain_dist.cli import choice_list
+    from xtrain_dist.command import choice_list
     from xtrain_dist.errors import XtrainError
     choices = ("fp32", "tf32", "bf16")
     assert choice_list("--precisions", "bf16,,fp32", choices) == ["bf16", "fp32"]

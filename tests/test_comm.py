@@ -13,7 +13,7 @@ from xtrain_dist.comm import CommAborted, local, shard_offsets
 from xtrain_dist.comm.hybrid import HybridCommunicator
 from xtrain_dist.comm.local import LocalGroup, _chunk
 from xtrain_dist.comm.tcp import TcpCommunicator
-from xtrain_dist.launch import RankFailed, run_thread_ranks
+from xtrain_dist.train.launch import RankFailed, run_thread_ranks
 
 
 def rank_data(rank, n, seed=0):
@@ -486,7 +486,7 @@ def test_ctrl_c_aborts_the_ranks_waiting_in_a_collective(monkeypatch):
     interrupt is raised by the launcher's first wait for a rank, so it comes while the ranks run."""
     import threading as real_threading
 
-    from xtrain_dist import launch as launch_module
+    from xtrain_dist.train import launch as launch_module
 
     class InterruptedThread(real_threading.Thread):
         interrupted = False

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from xtrain_dist.backend import cublaslt
+from xtrain_dist.backend.cuda import cublaslt
 from xtrain_dist.errors import XtrainError
 
 

@@ -24,13 +24,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")
 
 from bf16_cases import SHAPES, assert_bf16_close, cases, upload  # noqa: E402
 
-from xtrain_dist.backend import cuda_ops  # noqa: E402
-from xtrain_dist.backend.cuda_ops import CudaBackend  # noqa: E402
-from xtrain_dist.backend.numpy_ops import NumpyBackend  # noqa: E402
+from xtrain_dist.backend.cuda import ops as cuda_ops  # noqa: E402
+from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
+from xtrain_dist.backend.numpy_ops import NumpyBackend, bf16_bits  # noqa: E402
 from xtrain_dist.config import TrainConfig, model_config  # noqa: E402
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus  # noqa: E402
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus  # noqa: E402
 from xtrain_dist.model import GPT2  # noqa: E402
-from xtrain_dist.precision import bf16_bits, bf16_ulp  # noqa: E402
+from xtrain_dist.precision import bf16_ulp  # noqa: E402
 
 REF = NumpyBackend("bf16")
 CASES = [(shape, case) for shape, dims in SHAPES.items() for case in cases(*dims)]
@@ -224,7 +224,7 @@ def corpus():
 
 
 def _train(corpus, **kw):
-    from xtrain_dist.train_ddp import train
+    from xtrain_dist.train.job import train
 
     cfg = TrainConfig(**{"steps": 10, "batch": 8, "seq": 64, "model": "tiny", "seed": 3, "dtype": "bf16",
                          **kw}).resolved()

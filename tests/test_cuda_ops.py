@@ -20,9 +20,10 @@ cupy = pytest.importorskip("cupy")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
-from xtrain_dist.backend import cublaslt, cuda_ops  # noqa: E402
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
-from xtrain_dist.backend.cuda_ops import CudaBackend  # noqa: E402
+from xtrain_dist.backend.cuda import cublaslt  # noqa: E402
+from xtrain_dist.backend.cuda import ops as cuda_ops  # noqa: E402
+from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
 from xtrain_dist.config import model_config  # noqa: E402
 from xtrain_dist.model import GPT2  # noqa: E402
 
@@ -560,7 +561,7 @@ def test_a_device_that_does_not_exist_is_one_line():
 def test_hellaswag_scores_follow_numpy(be, rng):
     """Each completion's mean loss and the count of right answers (hellaswag.py) on the GPU, against the
     numpy backend on the same weights; examples of random ids, passes of 3 examples."""
-    from xtrain_dist.hellaswag import Example, HellaSwag
+    from xtrain_dist.eval.hellaswag import Example, HellaSwag
 
     def ids(most):
         return rng.integers(0, 4096, size=int(rng.integers(1, most + 1))).astype(np.int32)
@@ -587,8 +588,8 @@ def test_hellaswag_scores_follow_numpy(be, rng):
 
 def _train(log=lambda line: None, stop=None, **kw):
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-    from xtrain_dist.train_ddp import train
+    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.train.job import train
 
     corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
     cfg = TrainConfig(**{"steps": 10, "batch": 8, "seq": 64, "model": "tiny", "seed": 3, **kw}).resolved()
@@ -642,19 +643,19 @@ def test_a_cuda_run_gives_each_steps_mfu_against_its_gpus_peak(tmp_path, monkeyp
     it, at the run's precision; every step's record and progress line and the report carry the MFU of the
     job's model flops (profile.flops_per_token) in that step's time. The peak is made up, so the figures
     mean nothing here but their arithmetic; bin/bench_gpu measures the real MFU."""
-    from xtrain_dist import train_ddp
-    from xtrain_dist.backend.cuda_ops import device_name
+    from xtrain_dist.backend.cuda.ops import device_name
     from xtrain_dist.config import TrainConfig, model_config
-    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-    from xtrain_dist.metrics import read
+    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
     from xtrain_dist.profile import flops_per_token
+    from xtrain_dist.train import job
+    from xtrain_dist.train.metrics import read
 
     asked = []
-    monkeypatch.setattr(train_ddp, "peak_for", lambda name: asked.append(name) or {"fp32": 1, "tf32": 2, "bf16": 1e-4})
+    monkeypatch.setattr(job, "peak_for", lambda name: asked.append(name) or {"fp32": 1, "tf32": 2, "bf16": 1e-4})
     corpus, lines = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS), []
     cfg = TrainConfig(steps=3, batch=8, seq=64, seed=3, backend="cuda", world_size=2, dtype="bf16", eval_batches=0,
                       metrics=str(tmp_path / "m.jsonl")).resolved()
-    report = train_ddp.train(cfg, corpus, log=lines.append)
+    report = job.train(cfg, corpus, log=lines.append)
     assert asked == [device_name(0)]
     step_flops = flops_per_token(model_config("tiny", corpus.vocab_size), report["model"]["num_params"], 64) * 8 * 64
     records = read(tmp_path / "m.jsonl")
@@ -684,10 +685,10 @@ def test_a_cuda_run_resumes_bitwise(tmp_path, world, options):
 
 @pytest.mark.training
 def test_a_stop_request_on_the_gpu_ends_after_a_step_and_resumes_bitwise(tmp_path):
-    """SIGTERM's path on the GPU (train_ddp.StopRequest): the request is a 1 written into the device array
+    """SIGTERM's path on the GPU (job.StopRequest): the request is a 1 written into the device array
     the step's loss is all-reduced in, so both virtual ranks stop after step 2 (it is set while step 1 is
     logged), save that step, and the resumed run ends on the uninterrupted run's bits."""
-    from xtrain_dist.train_ddp import StopRequest
+    from xtrain_dist.train.job import StopRequest
 
     kw = dict(backend="cuda", world_size=2, lr_decay_steps=5, eval_batches=0)
     full = _train(steps=5, **kw)
@@ -725,9 +726,9 @@ def test_a_cuda_checkpoint_evaluates_and_samples_as_on_numpy(be, tmp_path):
     where numpy's top two logits are a near tie)."""
     from xtrain_dist.backend import numpy_ops
     from xtrain_dist.comm.local import LocalGroup
-    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-    from xtrain_dist.evaluate import Evaluator
-    from xtrain_dist.sample import generate, load
+    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.eval.evaluate import Evaluator
+    from xtrain_dist.eval.sample import generate, load
 
     _train(backend="cuda", steps=20, save_dir=str(tmp_path / "ck"), eval_batches=0)
     corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
@@ -768,7 +769,7 @@ def test_cuda_training_is_bitwise_reproducible_and_sampling_changes_nothing(be, 
     bits, and its last draw is the one the sample command makes on the GPU from the step-5 checkpoint
     (its functions on this module's backend: a CudaBackend made here would take over this thread's
     stream from `be`)."""
-    from xtrain_dist.sample import continuation, load
+    from xtrain_dist.eval.sample import continuation, load
 
     first = _train(backend="cuda", world_size=2, steps=5)
     second = _train(backend="cuda", world_size=2, steps=5, sample_every=2, sample_tokens=8,
@@ -814,7 +815,7 @@ def test_the_preflight_bound_is_below_what_the_gpu_held(tmp_path):
     import subprocess
     import sys
 
-    from xtrain_dist import memory
+    from xtrain_dist.train import memory
 
     report = tmp_path / "r.json"
     out = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "16", "256", "--backend", "cuda",

@@ -508,7 +508,7 @@ def test_the_report_says_what_the_gpu_held_and_the_preflight_bound_is_below_it(t
     keeps the high-water mark of live arrays, as CuPy's keeps its freed blocks) is at least the memory
     check's bound for them (both ranks' state, one rank's activations) and below twice their state and
     activations together; the last line says it."""
-    from xtrain_dist import memory
+    from xtrain_dist.train import memory
 
     report = tmp_path / "r.json"
     run = subprocess.run([*RUN, "-m", "xtrain_dist.train_ddp", "2", "8", "64", "--model", "tiny", "--world-size",
@@ -736,7 +736,7 @@ def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch, re
     simulator calls nothing that the real library lacks or orders otherwise."""
     import importlib.util
 
-    from xtrain_dist.backend import cuda_ops
+    from xtrain_dist.backend.cuda import ops as cuda_ops
 
     real = real_cupy
     binding = Path(importlib.util.find_spec("cupy_backends.cuda.libs.cublas").origin).read_bytes()

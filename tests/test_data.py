@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from xtrain_dist import data
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.data import corpus as data
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
 from xtrain_dist.errors import XtrainError
 
 # --- BatchSampler -------------------------------------------------------------------------------

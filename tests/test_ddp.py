@@ -8,15 +8,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from xtrain_dist import ddp
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.launch import RankFailed, run_thread_ranks
 from xtrain_dist.model import ALIGN, GPT2
-from xtrain_dist.train_ddp import main, train
+from xtrain_dist.parallel import ddp
+from xtrain_dist.train.cli import main
+from xtrain_dist.train.job import train
+from xtrain_dist.train.launch import RankFailed, run_thread_ranks
 
 SMALL_BUCKET_MB = 0.05  # cuts the tiny model (1.4 MiB of gradients) into 29 buckets
 
@@ -53,7 +54,8 @@ def test_two_ranks_train_as_pytorch_ddp_does(corpus, tmp_path):
     gradient off by the world size shows in the norms (clipping would hide it from the losses), a rank
     that steps on its own gradient or a wrong shard in the parameters."""
     pytest.importorskip("torch")
-    from xtrain_dist import checkpoint, torch_gpt2
+    from xtrain_dist.bench import torch_gpt2
+    from xtrain_dist.checkpoint import store as checkpoint
 
     cfg = TrainConfig(steps=6, batch=4, seq=16, model="tiny", seed=1, world_size=2, lr=1e-2,
                       save_dir=str(tmp_path / "ours")).resolved()
@@ -69,7 +71,7 @@ def test_two_ranks_train_as_pytorch_ddp_does(corpus, tmp_path):
 
 def test_a_pytorch_ddp_peer_that_fails_is_one_line(tmp_path):
     pytest.importorskip("torch")
-    from xtrain_dist import torch_gpt2
+    from xtrain_dist.bench import torch_gpt2
 
     cfg = TrainConfig(steps=1, batch=2, seq=16, tokenizer=str(DEFAULT_TOKENIZER),
                       corpus=str(tmp_path / "gone.txt")).resolved()

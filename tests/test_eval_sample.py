@@ -13,17 +13,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from xtrain_dist import checkpoint, evaluate, metrics
 from xtrain_dist.backend import numpy_ops
+from xtrain_dist.checkpoint import store as checkpoint
+from xtrain_dist.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.evaluate import Evaluator
-from xtrain_dist.launch import run_thread_ranks
+from xtrain_dist.eval import evaluate
+from xtrain_dist.eval.evaluate import Evaluator
+from xtrain_dist.eval.sample import generate, load, sample_text
 from xtrain_dist.model import GPT2, KVCache
-from xtrain_dist.safetensors_io import read_safetensors, write_safetensors
-from xtrain_dist.sample import generate, load, sample_text
-from xtrain_dist.train_ddp import parse_config, train
+from xtrain_dist.train import metrics
+from xtrain_dist.train.cli import parse_config
+from xtrain_dist.train.job import train
+from xtrain_dist.train.launch import run_thread_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -211,7 +214,7 @@ def test_the_evaluate_command_on_a_corpus_is_transformers_loss_on_its_windows(tr
 
 
 def test_the_evaluate_command_says_what_it_cannot_do_in_one_line(corpus, trained, tmp_path):
-    from xtrain_dist import checkpoint
+    from xtrain_dist.checkpoint import store as checkpoint
     hf_only = tmp_path / "hf"
     hf_only.mkdir()
     for name in (checkpoint.CONFIG, checkpoint.MODEL, checkpoint.TOKENIZER):

@@ -12,16 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xtrain_dist import files, metrics
+from xtrain_dist import files
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus, read_tokenizer
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus, read_tokenizer
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.hellaswag import Example, HellaSwag, eval_file_chunks, passes_by_length, read_eval_file, render
-from xtrain_dist.launch import run_thread_ranks
+from xtrain_dist.eval.hellaswag import Example, HellaSwag, eval_file_chunks, passes_by_length, read_eval_file, render
 from xtrain_dist.model import GPT2
-from xtrain_dist.train_ddp import train
+from xtrain_dist.train import metrics
+from xtrain_dist.train.job import train
+from xtrain_dist.train.launch import run_thread_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096  # the shipped tokenizer's
@@ -169,7 +170,7 @@ def transformers_scores(model: GPT2, examples) -> np.ndarray:
     GPT2LMHeadModel with our weights, each example's rows padded to its own longest, the mask shifted."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from xtrain_dist.torch_gpt2 import hf_model
+    from xtrain_dist.bench.torch_gpt2 import hf_model
 
     hf = hf_model(model.config, model.state_dict())
     scores = []

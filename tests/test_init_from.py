@@ -10,14 +10,15 @@ import shutil
 import numpy as np
 import pytest
 
-from xtrain_dist import checkpoint
 from xtrain_dist.backend import numpy_ops
+from xtrain_dist.checkpoint import store as checkpoint
+from xtrain_dist.checkpoint.safetensors_io import write_safetensors
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.model import GPT2
-from xtrain_dist.safetensors_io import write_safetensors
-from xtrain_dist.train_ddp import main, train
+from xtrain_dist.train.cli import main
+from xtrain_dist.train.job import train
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_fine_tuning_from_our_own_checkpoint(corpus, tmp_path):
 def test_a_checkpoint_cut_short_by_a_save_is_still_read(corpus, tmp_path, capsys):
     """Where a save was interrupted between its renames, DIR is missing and its complete .DIR.new holds the
     checkpoint: --init-from and sample read it there (with sample's note), as --resume does."""
-    from xtrain_dist.sample import main as sample_main
+    from xtrain_dist.eval.sample import main as sample_main
 
     run(corpus, steps=2, save_dir=str(tmp_path / "ck"))
     whole = run(corpus, steps=1, seed=5, init_from=str(tmp_path / "ck"))
@@ -205,12 +206,12 @@ def test_bad_pretrained_folders_are_one_line(capsys, hf_gpt2, tmp_path, corpus):
 def test_processes_must_start_from_the_same_weights(corpus, hf_gpt2, tmp_path):
     """The weights join the fingerprint that processes compare at the rendezvous (their path does not: it
     may differ from node to node), so processes started from different files are refused by name."""
-    from xtrain_dist.launch_env import Launch
-    from xtrain_dist.train_ddp import _prepare
+    from xtrain_dist.comm.launch_env import Launch
+    from xtrain_dist.train.preflight import prepare
 
     def fingerprint(init_from):
         cfg = TrainConfig(steps=2, batch=2, seq=16, eval_batches=0, init_from=str(init_from)).resolved()
-        return _prepare(cfg, corpus, Launch("single"), 1, lambda line: None).fingerprint
+        return prepare(cfg, corpus, Launch("single"), 1, lambda line: None).fingerprint
 
     folder, _ = hf_gpt2
     shutil.copytree(folder, tmp_path / "copy")
@@ -225,7 +226,7 @@ def test_sample_draws_from_a_hugging_face_folder(hf_gpt2, tmp_path):
     one) draws greedily what transformers generates from it; without a tokenizer.json it is one line."""
     import torch
 
-    from xtrain_dist.sample import generate, load, sample_text
+    from xtrain_dist.eval.sample import generate, load, sample_text
 
     folder, hf = hf_gpt2
     with pytest.raises(XtrainError) as missing:

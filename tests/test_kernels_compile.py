@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import pytest
 
-from xtrain_dist.backend import cuda_ops
+from xtrain_dist.backend.cuda import ops as cuda_ops
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.precision import DTYPES
 

@@ -3,9 +3,10 @@ SLURM node-list syntax; how --world-size, threads per process and GPUs follow fr
 
 import pytest
 
-from xtrain_dist.comm.world import choose_engine, rdzv_addresses
+from xtrain_dist.comm.launch_env import Launch, detect_launch, expand_nodelist, gpu_for, local_world_for
+from xtrain_dist.comm.rendezvous import rdzv_addresses
+from xtrain_dist.comm.world import choose_engine
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.launch_env import Launch, detect_launch, expand_nodelist, gpu_for, local_world_for
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node7",
             "MASTER_PORT": "29511", "TORCHELASTIC_RUN_ID": "job42", "TORCHELASTIC_USE_AGENT_STORE": "True",

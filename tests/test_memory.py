@@ -12,15 +12,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from xtrain_dist import memory
 from xtrain_dist.backend.numpy_ops import NumpyBackend
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.evaluate import Evaluator
+from xtrain_dist.eval.evaluate import Evaluator
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import make_optimizer
-from xtrain_dist.train import micro_batches
+from xtrain_dist.train import memory
+from xtrain_dist.train.loop import micro_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 KIND_DTYPE = {"f32": np.float32, "i32": np.int32}
@@ -141,7 +141,7 @@ def test_bf16_on_a_gpu_halves_the_activations_and_the_copy_forward_reads(corpus)
 def test_cublaslt_adds_its_workspace_to_every_ranks_state(corpus):
     """--matmul cublaslt: each rank's LtMatmul holds a workspace for the whole run (cublaslt.WORKSPACE_BYTES,
     which test_cuda_ops holds the allocation to), counted as persistent state and named when a run is refused."""
-    from xtrain_dist.backend import cublaslt
+    from xtrain_dist.backend.cuda import cublaslt
 
     config = model_config("tiny", corpus.vocab_size)
     plain, lt = (memory.rank_memories(config, TrainConfig(steps=1, batch=4, seq=32, model="tiny", world_size=2,
@@ -247,7 +247,7 @@ def test_the_report_sets_the_bound_beside_what_the_run_took(tmp_path):
 def test_ranks_that_fit_only_one_at_a_time_get_a_note_and_run(corpus, monkeypatch):
     """Between the two figures (all the state and one rank's activations; every rank's activations at once)
     the run goes ahead, saying it may run out of memory."""
-    from xtrain_dist import train_ddp
+    from xtrain_dist.train import job
 
     cfg = TrainConfig(steps=1, batch=4, seq=32, world_size=2, eval_batches=0).resolved()
     figures = memory.rank_memories(model_config("tiny", corpus.vocab_size), cfg, 4)
@@ -255,7 +255,7 @@ def test_ranks_that_fit_only_one_at_a_time_get_a_note_and_run(corpus, monkeypatc
     assert least < overlapping
     monkeypatch.setattr(memory, "host_available_bytes", lambda: least)
     lines = []
-    report = train_ddp.train(cfg, corpus, log=lines.append)
+    report = job.train(cfg, corpus, log=lines.append)
     assert len(report["losses"]) == 1
     assert lines[0] == (f"note: the 2 ranks on this machine need at least {memory.gib(least)}, and "
                         f"{memory.gib(overlapping)} when their steps overlap, as they usually do; this machine has "
@@ -263,8 +263,8 @@ def test_ranks_that_fit_only_one_at_a_time_get_a_note_and_run(corpus, monkeypatc
                         "--world-size, or raise --grad-accum, or use --zero 1, --attention flash or --recompute 2")
     monkeypatch.setattr(memory, "host_available_bytes", lambda: overlapping)
     lines.clear()
-    train_ddp.train(cfg, corpus, log=lines.append)
+    job.train(cfg, corpus, log=lines.append)
     assert not any(line.startswith("note:") for line in lines), lines
     monkeypatch.setattr(memory, "host_available_bytes", lambda: least - 1)
     with pytest.raises(XtrainError, match=r"^not enough memory for this run: its 2 ranks need at least "):
-        train_ddp.train(cfg, corpus, log=lines.append)
+        job.train(cfg, corpus, log=lines.append)

@@ -206,7 +206,7 @@ def test_the_torch_peer_is_our_model(sdpa):
     std 0.3: at the init's 0.02 a GELU approximation, a layernorm eps, the attention scale or a leaky
     mask moved the benchmarks' loss comparison by less than its tolerance."""
     torch = pytest.importorskip("torch")
-    from xtrain_dist import torch_gpt2
+    from xtrain_dist.bench import torch_gpt2
 
     cfg = SMALL
     model = GPT2(cfg, numpy_ops, seed=5, dtype=np.float64)
@@ -231,7 +231,7 @@ def test_the_torch_peer_is_our_model(sdpa):
 def test_presets_are_openai_gpt2_sizes_and_shapes_are_checked():
     """The gpt2-* presets have the parameter counts of OpenAI's GPT-2 (Hugging Face's gpt2, gpt2-medium,
     gpt2-large, tied classifier) at its vocabulary of 50257; a bad shape is one clear error."""
-    from xtrain_dist.checkpoint import layout_size
+    from xtrain_dist.checkpoint.store import layout_size
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.errors import XtrainError
 

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from xtrain_dist.config import TrainConfig
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
+from xtrain_dist.eval.hellaswag import Example, eval_file_chunks
 from xtrain_dist.files import write_atomic
-from xtrain_dist.hellaswag import Example, eval_file_chunks
-from xtrain_dist.train_ddp import train
+from xtrain_dist.train.job import train
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "collectives_worker.py"

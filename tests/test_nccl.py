@@ -38,7 +38,7 @@ if GPUS == 0:
 pytestmark = pytest.mark.gpu
 
 from xtrain_dist.comm.world import open_world  # noqa: E402
-from xtrain_dist.launch import run_thread_ranks  # noqa: E402
+from xtrain_dist.train.launch import run_thread_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "nccl_worker.py"
@@ -48,14 +48,14 @@ PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH
 
 def has_cuda_backend():
     try:
-        from xtrain_dist.backend import cuda_ops  # noqa: F401
+        from xtrain_dist.backend.cuda import ops as cuda_ops  # noqa: F401
         return True
     except ImportError:
         return False
 
 
 def shipped_corpus():
-    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 
     return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
 
@@ -163,7 +163,7 @@ def test_rank_threads_on_several_gpus():
 @pytest.mark.skipif(not has_cuda_backend(), reason="the CUDA backend (backend/cuda_ops.py) is not in this tree")
 def test_world1_training_over_nccl_has_the_bits_of_the_in_process_communicator():
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.train_ddp import train
+    from xtrain_dist.train.job import train
 
     def job(comm):
         cfg = TrainConfig(steps=10, batch=8, seq=64, seed=3, backend="cuda", comm=comm).resolved()
@@ -180,7 +180,7 @@ def test_two_gpu_training_over_nccl_follows_numpy():
     shards as grouped reduces and broadcasts): the ranks keep the same bits and follow the numpy backend's
     run of the same options."""
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.train_ddp import train
+    from xtrain_dist.train.job import train
 
     for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}):
         def job(backend, options=options):
@@ -203,7 +203,7 @@ def test_a_step_over_nccl_copies_the_batch_in_and_one_array_out():
     import fake_cupy
 
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.train_ddp import train
+    from xtrain_dist.train.job import train
 
     for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}):
         fake_cupy.host_traffic_by_thread.clear()
@@ -237,7 +237,7 @@ def test_two_process_collectives_fp32_and_bf16(hostid_probe):
 def test_two_process_ddp_matches_world1_with_bitwise_ranks(hostid_probe, tmp_path):
     needs_hostid(hostid_probe)
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.train_ddp import train
+    from xtrain_dist.train.job import train
     world1 = train(TrainConfig(steps=10, batch=8, seq=64, seed=3, backend="cuda").resolved(), log=lambda line: None)
     report = tmp_path / "nccl2.json"
     procs = two_processes(["-m", "xtrain_dist.train_ddp", "10", "8", "64", "--seed", "3", "--backend", "cuda",

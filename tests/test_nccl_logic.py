@@ -13,7 +13,7 @@ import pytest
 
 from xtrain_dist.comm import CommAborted
 from xtrain_dist.comm import nccl as nccl_module
-from xtrain_dist.launch_env import Launch
+from xtrain_dist.comm.launch_env import Launch
 
 
 class FakeComm:

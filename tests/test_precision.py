@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from bf16_cases import SHAPES, assert_bf16_close, bf16_mismatch, cases, upload
 
-from xtrain_dist import checkpoint
 from xtrain_dist.backend import get_backend, numpy_ops
-from xtrain_dist.backend.numpy_ops import NumpyBackend
+from xtrain_dist.backend.numpy_ops import NumpyBackend, bf16_bits, from_bf16_bits
+from xtrain_dist.checkpoint import store as checkpoint
 from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW, ShardedAdamW
-from xtrain_dist.precision import BF16_EPS, bf16_bits, bf16_ulp, from_bf16_bits
-from xtrain_dist.train_ddp import train
+from xtrain_dist.precision import BF16_EPS, bf16_ulp
+from xtrain_dist.train.job import train
 
 CASES = cases(B=4, T=32, C=64, NH=4, V=1000)
 BF16, FP32 = NumpyBackend("bf16"), NumpyBackend("fp32")
@@ -164,7 +164,7 @@ def test_bf16_bits_round_to_nearest_even_and_widen_exactly():
 
 
 def test_the_module_is_the_fp32_backend_and_cuda_has_every_op():
-    from xtrain_dist.backend.cuda_ops import CudaBackend
+    from xtrain_dist.backend.cuda.ops import CudaBackend
 
     assert numpy_ops.dtype == "fp32" and numpy_ops.store is not None
     x = np.random.default_rng(4).standard_normal((2, 3, 8)).astype(np.float32)
@@ -180,7 +180,7 @@ def test_cuda_products_take_bf16_operands_into_bf16_or_float32():
     only; mixed operands or a float32 product into bf16 are refused."""
     from types import SimpleNamespace
 
-    from xtrain_dist.backend.cuda_ops import CUDA_R_16BF, CudaBackend
+    from xtrain_dist.backend.cuda.ops import CUDA_R_16BF, CudaBackend
 
     f32, u16 = np.dtype(np.float32), np.dtype(np.uint16)
     fake = SimpleNamespace(_cuda_type={f32: 0, u16: CUDA_R_16BF}, _compute={f32: "32F_FAST_TF32", u16: "32F"})

@@ -200,7 +200,7 @@ def test_peak_bandwidth_for_the_parts():
 def test_flops_per_token_is_nanogpts_count():
     """nanoGPT's estimate_mfu for GPT-2 124M at T = 1024: 6 N (N = 124,439,808 parameters less wpe's
     1024 x 768) plus 12 L C T for attention; the model's own parameter count is the published one."""
-    from xtrain_dist.checkpoint import layout_size
+    from xtrain_dist.checkpoint.store import layout_size
 
     mcfg = model_config("gpt2-124m", 50257)
     n = layout_size(mcfg)
@@ -230,9 +230,9 @@ def test_the_jobs_peak_counts_each_gpu_once_at_the_runs_precision(monkeypatch):
     """MFU's denominator: virtual ranks sharing a GPU count it once; every process holds as many GPUs."""
     from dataclasses import replace
 
-    from xtrain_dist.backend import cuda_ops
-    from xtrain_dist.launch_env import Launch
-    from xtrain_dist.train_ddp import job_peak_flops
+    from xtrain_dist.backend.cuda import ops as cuda_ops
+    from xtrain_dist.comm.launch_env import Launch
+    from xtrain_dist.train.job import job_peak_flops
 
     monkeypatch.setattr(cuda_ops, "device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "Some GPU"].__getitem__)
     cfg = TrainConfig(steps=1, batch=4, seq=8, backend="cuda")
@@ -245,8 +245,8 @@ def test_the_jobs_peak_counts_each_gpu_once_at_the_runs_precision(monkeypatch):
 
 
 def test_a_cpu_run_gives_no_mfu():
-    from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-    from xtrain_dist.train_ddp import train
+    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.train.job import train
 
     lines = []
     cfg = TrainConfig(steps=2, batch=4, seq=16, eval_batches=0).resolved()

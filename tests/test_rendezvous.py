@@ -18,10 +18,10 @@ import pytest
 
 from xtrain_dist.comm import rendezvous as rdzv
 from xtrain_dist.comm import world as world_mod
+from xtrain_dist.comm.launch_env import Launch
 from xtrain_dist.comm.rendezvous import RendezvousServer, join, report_failure
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.launch import RankFailed, run_thread_ranks
-from xtrain_dist.launch_env import Launch
+from xtrain_dist.train.launch import RankFailed, run_thread_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
@@ -333,12 +333,12 @@ def test_the_trainers_entry_point_tells_the_others(monkeypatch):
     port = free_port()
     server = RendezvousServer(("127.0.0.1", port), 2, rdzv.derived_token("job42", "127.0.0.1", port), timeout_s=60)
     served = Background(server.serve, b"id")
-    world_mod.report_failure_before_world(torchrun(1, 2, port), "corpus missing", timeout_s=20)
+    rdzv.report_failure_before_world(torchrun(1, 2, port), "corpus missing", timeout_s=20)
     with pytest.raises(XtrainError, match=r"^process 1 failed before joining: corpus missing$"):
         served.result()
     # rank 0 fails before the world: rank 1 hears it at the rendezvous
     port = free_port()
-    refusing = Background(world_mod.report_failure_before_world, torchrun(0, 2, port), "no GPU")
+    refusing = Background(rdzv.report_failure_before_world, torchrun(0, 2, port), "no GPU")
     with pytest.raises(XtrainError, match=r"refused rank 1: process 0 failed: no GPU$"):
         join(("127.0.0.1", port), 1, 2, rdzv.derived_token("job42", "127.0.0.1", port), timeout_s=20)
     refusing.result()
@@ -348,7 +348,7 @@ def test_the_trainers_entry_point_tells_the_others(monkeypatch):
 @pytest.mark.parametrize("launch", [Launch("single"), Launch("mpirun", process_rank=1, num_processes=2)])
 def test_the_entry_point_does_nothing_alone_or_under_mpirun(launch, monkeypatch):
     t0 = time.monotonic()
-    world_mod.report_failure_before_world(launch, "reason", timeout_s=30)
+    rdzv.report_failure_before_world(launch, "reason", timeout_s=30)
     assert time.monotonic() - t0 < 1
 
 

@@ -8,8 +8,8 @@ import struct
 import numpy as np
 import pytest
 
+from xtrain_dist.checkpoint.safetensors_io import encode_header, read_safetensors, write_safetensors
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.safetensors_io import encode_header, read_safetensors, write_safetensors
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xtrain_dist import data
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus, TokenFiles
+from xtrain_dist.data import corpus as data
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus, TokenFiles
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.evaluate import Evaluator
+from xtrain_dist.eval.evaluate import Evaluator
 
 REPO = Path(__file__).resolve().parent.parent
 # a slice of the shipped text with its paragraph breaks, plus what a block cut could split wrongly:

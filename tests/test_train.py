@@ -7,12 +7,12 @@ import re
 import numpy as np
 import pytest
 
-from xtrain_dist import train as train_module
 from xtrain_dist.config import TrainConfig
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-from xtrain_dist.launch import RankFailed
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.optim import lr_at
-from xtrain_dist.train_ddp import train
+from xtrain_dist.train import loop as train_module
+from xtrain_dist.train.job import train
+from xtrain_dist.train.launch import RankFailed
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +217,7 @@ def test_recompute_changes_memory_not_bits(corpus, dtype):
 
 def test_a_recompute_level_that_does_not_exist_is_one_line(corpus, capsys):
     from xtrain_dist.errors import XtrainError
-    from xtrain_dist.train_ddp import main
+    from xtrain_dist.train.cli import main
 
     assert main(["2", "4", "16", "--recompute", "3"]) == 2
     assert capsys.readouterr().err.splitlines() == \
@@ -228,7 +228,7 @@ def test_a_recompute_level_that_does_not_exist_is_one_line(corpus, capsys):
 
 
 def test_flash_attention_on_cuda_needs_bf16_and_64_channel_heads():
-    from xtrain_dist.backend.cuda_ops import check_flash_attention
+    from xtrain_dist.backend.cuda.ops import check_flash_attention
     from xtrain_dist.errors import XtrainError
 
     check_flash_attention("bf16", 64, "gpt2-124m")

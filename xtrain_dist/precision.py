@@ -1,4 +1,4 @@
-"""Training precision (`--dtype`): what is stored in bfloat16, and the host-side bfloat16 helpers.
+"""Training precision (`--dtype`, and the products' `--tf32` and `--matmul`): what is stored in bfloat16.
 
 fp32: everything float32 (matmuls may still use TF32 tensor cores with --tf32).
 bf16: mixed precision as llm.c does it. Activations, and a copy of the parameters that forward and
@@ -10,8 +10,8 @@ bfloat16 is float32's upper 16 bits: the same 8-bit exponent (so the same range:
 needed, unlike float16) with 7 mantissa bits instead of 23, i.e. 2-3 significant decimal digits
 (unit roundoff 2^-8 ~ 0.4%). The CUDA backend stores it as real 16-bit values (uint16 arrays holding
 the bits, see cuda_ops); the numpy backend emulates it in float32 storage by rounding every value
-the GPU would store in bfloat16 (numpy_ops.NumpyBackend.store). The helpers below convert between
-the two on the host.
+the GPU would store in bfloat16 (numpy_ops.NumpyBackend.store). numpy_ops also converts between the
+two on the host (bf16_bits, from_bf16_bits), beside the rounding that is their oracle.
 """
 
 import numpy as np
@@ -19,6 +19,17 @@ import numpy as np
 from .errors import XtrainError
 
 DTYPES = ("fp32", "bf16")
+# --matmul (cuda): the library a linear layer's product with a bias goes through. cublas: cublasGemmEx into
+# a float32 product, then kernels/matmul.cu's add_bias; cublaslt: one cuBLASLt call whose epilogue adds the
+# bias before the single rounding (backend/cuda/cublaslt.py). Products without a bias take cublasGemmEx either way.
+MATMULS = ("cublas", "cublaslt")
+
+
+def check_matmul(matmul: str) -> str:
+    if matmul not in MATMULS:
+        raise XtrainError(f"unknown --matmul '{matmul}' (choose from {', '.join(MATMULS)})")
+    return matmul
+
 
 # Unit roundoff of bfloat16: round to nearest moves a value by at most this fraction of itself.
 BF16_EPS = 2.0 ** -8
@@ -42,20 +53,6 @@ def check_config(cfg) -> None:
     if cfg.matmul != "cublas" and cfg.backend != "cuda":
         raise XtrainError(f"--matmul {cfg.matmul} is a choice of the cuda backend's matmuls; the {cfg.backend} "
                           "backend's products are numpy's")
-
-
-def bf16_bits(x) -> np.ndarray:
-    """The uint16 bits of the bfloat16 nearest to each float32 value (ties to even; NaN stays NaN)."""
-    from .backend.numpy_ops import bf16_round
-
-    rounded = np.array(x, dtype=np.float32)  # a copy: bf16_round works in place
-    bf16_round(rounded)
-    return (rounded.view(np.uint32) >> 16).astype(np.uint16)
-
-
-def from_bf16_bits(bits) -> np.ndarray:
-    """float32 values of bfloat16 bits: exact, widening only appends 16 zero bits."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def bf16_ulp(x) -> np.ndarray:

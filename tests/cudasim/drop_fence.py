@@ -19,11 +19,11 @@ import os
 import sys
 import threading
 
-from xtrain_dist.backend import cuda_ops
+from xtrain_dist.backend.cuda import ops as cuda_ops
 from xtrain_dist.comm import local
 from xtrain_dist.config import TrainConfig
-from xtrain_dist.data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-from xtrain_dist.train_ddp import train
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.train.job import train
 
 
 def main(fence: str, comm: str) -> None:

@@ -1,6 +1,6 @@
 """A stand-in for libcublasLt: the functions xtrain_dist/backend/cublaslt.py calls, on fake_cupy's memory.
 
-`install()` makes `xtrain_dist.backend.cublaslt` find this object as its loaded library (when that module
+`install()` makes `xtrain_dist.backend.cuda.cublaslt` find this object as its loaded library (when that module
 is imported, not now: the checkout's xtrain_dist may not be on the path yet). Then:
 
 - Descriptors are Python dicts behind integer handles written through the caller's pointer, as the
@@ -145,9 +145,9 @@ class FakeCublasLt:
 
 
 class _SetLibraryOnImport(importlib.abc.MetaPathFinder):
-    """Loads xtrain_dist.backend.cublaslt as usual, then sets its library to the fake."""
+    """Loads xtrain_dist.backend.cuda.cublaslt as usual, then sets its library to the fake."""
 
-    NAME = "xtrain_dist.backend.cublaslt"
+    NAME = "xtrain_dist.backend.cuda.cublaslt"
 
     def find_spec(self, name, path, target=None):
         if name != self.NAME:

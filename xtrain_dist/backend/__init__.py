@@ -11,16 +11,6 @@ from ..errors import XtrainError
 from ..precision import check_dtype
 
 BACKENDS = ("numpy", "cuda")
-# --matmul (cuda): the library a linear layer's product with a bias goes through. cublas: cublasGemmEx into
-# a float32 product, then kernels/matmul.cu's add_bias; cublaslt: one cuBLASLt call whose epilogue adds the
-# bias before the single rounding (cublaslt.py). Products without a bias take cublasGemmEx either way.
-MATMULS = ("cublas", "cublaslt")
-
-
-def check_matmul(matmul: str) -> str:
-    if matmul not in MATMULS:
-        raise XtrainError(f"unknown --matmul '{matmul}' (choose from {', '.join(MATMULS)})")
-    return matmul
 
 
 def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, dtype: str = "fp32",
@@ -31,7 +21,7 @@ def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, 
         numpy_ops.keep_freed_arrays()  # the CPU's arrays are this process's heap: let it reuse their pages
         return numpy_ops.NumpyBackend(dtype)
     if name == "cuda":
-        from . import cuda_ops
+        from .cuda import ops as cuda_ops
         return cuda_ops.CudaBackend(0 if device is None else device, allow_tf32=allow_tf32, dtype=dtype,
                                      matmul=matmul)
     raise XtrainError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
@@ -42,5 +32,5 @@ def rank_device(name: str, local_rank: int) -> int | None:
     than the GPU count puts several virtual ranks (each with its own stream) on one GPU."""
     if name != "cuda":
         return None
-    from . import cuda_ops
+    from .cuda import ops as cuda_ops
     return local_rank % cuda_ops.device_count()

@@ -92,6 +92,19 @@ def keep_freed_arrays(mmap_above: int = 32 << 20, trim_above: int = 64 << 20) ->
         return _heap_set
 
 
+# ------------------------------------------------------------------ the cores the ranks' BLAS shares
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_threads_per_rank(ranks_on_node: int) -> int:
+    """Share the cores among the rank threads of every process of the job on this node: BLAS threads
+    beyond that only spin."""
+    return max(1, available_cores() // ranks_on_node)
+
+
 # ------------------------------------------------------------------ bf16 rounding (kernels/bf16_round.cu)
 
 def bf16_round(buf) -> None:
@@ -119,6 +132,18 @@ def bf16_round(buf) -> None:
         block &= 0xFFFF0000
     if nan.any():
         bits[nan] = 0x7FC00000
+
+
+def bf16_bits(x) -> np.ndarray:
+    """The uint16 bits of the bfloat16 nearest to each float32 value (ties to even; NaN stays NaN)."""
+    rounded = np.array(x, dtype=np.float32)  # a copy: bf16_round works in place
+    bf16_round(rounded)
+    return (rounded.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(bits) -> np.ndarray:
+    """float32 values of bfloat16 bits: exact, widening only appends 16 zero bits."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def _split_qkv(qkv, n_head: int):

@@ -54,7 +54,7 @@ def abort_job(code: int = 1) -> None:
     Called after the failing process has printed its line: a peer then never waits for a dead job."""
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None:  # it failed before it joined MPI (bad input): join now, or the peers wait in MPI
-        from ..launch_env import detect_launch
+        from .launch_env import detect_launch
         try:
             if detect_launch().kind != "mpirun":
                 return

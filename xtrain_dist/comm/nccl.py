@@ -312,7 +312,7 @@ def open_nccl_world(launch, local_world: int, devices: list[int] | None, *, time
         raise XtrainError("--comm nccl needs a CUDA GPU, and this machine shows none "
                           "(no driver, or CUDA_VISIBLE_DEVICES hides them)")
     if devices is None:
-        from ..launch_env import gpu_for
+        from .launch_env import gpu_for
         devices = [gpu_for(launch, local_world, local, count) for local in range(local_world)]
     if len(set(devices)) != len(devices):
         raise XtrainError(f"NCCL refuses two ranks on one GPU in one process (devices {devices})")
@@ -326,8 +326,7 @@ def open_nccl_world(launch, local_world: int, devices: list[int] | None, *, time
             mpi_module().COMM_WORLD.Bcast(buf, root=0)
             unique_id = buf.tobytes()
         else:
-            from .rendezvous import close_all
-            from .world import rendezvous
+            from .rendezvous import close_all, rendezvous
             unique_id, conns = rendezvous(launch, unique_id, bind=rdzv_bind, advertise=rdzv_advertise,
                                           timeout_s=rdzv_timeout_s, fingerprint=fingerprint, log=log)
             close_all(conns)  # NCCL makes its own connections from the id

@@ -13,9 +13,9 @@ process_rank * local_world + l. `choose_engine` picks the engine a run asked for
 import hashlib
 
 from ..errors import XtrainError
-from ..launch_env import Launch, detect_launch
+from .launch_env import Launch, detect_launch
 from .local import LocalGroup
-from .rendezvous import CONFIGURATION_HINT
+from .rendezvous import CONFIGURATION_HINT, rendezvous
 
 ENGINES = ("auto", "local", "mpi", "tcp", "nccl")
 
@@ -76,52 +76,6 @@ class World:
         for part in self._parts:
             if hasattr(part, "close"):
                 part.close()
-
-
-def rdzv_addresses(launch: Launch, bind: str | None, advertise: str | None) -> tuple[tuple, tuple]:
-    """(bind, advertise) as (host, port): the others connect to `advertise` (default MASTER_ADDR and
-    MASTER_PORT, or MASTER_PORT+1 under torchrun, whose agent holds MASTER_PORT); rank 0 listens on
-    `bind` (default: the advertised address; a bind without a port takes the advertised port)."""
-    from .rendezvous import parse_hostport
-    adv = parse_hostport(advertise, None, "--rdzv-advertise") if advertise else (launch.master_addr, launch.rdzv_port)
-    return (parse_hostport(bind, adv[1], "--rdzv-bind") if bind else adv), adv
-
-
-def rendezvous(launch: Launch, payload: bytes = b"", *, bind=None, advertise=None, timeout_s=300.0,
-               fingerprint: bytes = b"", log=print):
-    """Rank 0 hands `payload` to every process over TCP; returns (payload, open connections as the TCP
-    communicator wants them)."""
-    from .rendezvous import RendezvousServer, derived_token, join, token_from_env
-    bind_at, adv = rdzv_addresses(launch, bind, advertise)
-    token = token_from_env(derived_token(launch.job_id, *adv))
-    if launch.process_rank == 0:
-        server = RendezvousServer(bind_at, launch.num_processes, token, fingerprint, timeout_s, log=log)
-        return payload, server.serve(payload)
-    body, conn = join(adv, launch.process_rank, launch.num_processes, token, fingerprint, timeout_s)
-    return body, [conn]
-
-
-def report_failure_before_world(launch: Launch, reason: str, *, bind=None, advertise=None,
-                                timeout_s: float = 30.0) -> None:
-    """A process that fails before it reaches the rendezvous (a missing file on its node) tells the
-    others why, so they end at once instead of at --rdzv-timeout: rank 0 answers every joiner with the
-    reason, another rank tells rank 0 (who then tells the rest). Best effort, at most about `timeout_s`;
-    it never raises. Nothing to do for one process or under mpirun (MPI_Abort ends the job). Only for
-    failures before this process calls rendezvous(): its failures there already reach the others, and
-    reporting again would wait for nobody. `bind` and `advertise` as for rendezvous()."""
-    if not launch.multi_process or launch.kind == "mpirun":
-        return
-    from .rendezvous import RendezvousServer, derived_token, report_failure, token_from_env
-    try:
-        bind_at, adv = rdzv_addresses(launch, bind, advertise)
-        token = token_from_env(derived_token(launch.job_id, *adv))
-        if launch.process_rank == 0:
-            server = RendezvousServer(bind_at, launch.num_processes, token, log=lambda line: None)
-            server.refuse_all(reason, timeout_s)
-        else:
-            report_failure(adv, launch.process_rank, launch.num_processes, token, reason, timeout_s)
-    except (XtrainError, OSError):  # a bad address or a port in use: the others learn at their timeout
-        pass
 
 
 def config_fingerprint(fields: dict) -> bytes:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import XtrainError
-from .files import loads_json
+from ..errors import XtrainError
+from ..files import loads_json
 
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,

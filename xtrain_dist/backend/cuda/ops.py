@@ -52,9 +52,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import XtrainError
-from ..precision import bf16_bits, check_dtype, from_bf16_bits
-from . import check_matmul, numpy_ops
+from ...errors import XtrainError
+from ...precision import check_dtype, check_matmul
+from .. import numpy_ops
 
 try:  # the module imports without CuPy, so the kernel sources and options can be checked anywhere
     import cupy
@@ -66,7 +66,7 @@ else:
 
 # ---------------------------------------------------------------------------- kernel sources
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+KERNEL_DIR = Path(__file__).resolve().parents[3] / "kernels"
 
 # file -> the kernels (extern "C" entry points) cuda_ops launches from it
 KERNELS: dict[str, tuple[str, ...]] = {
@@ -344,7 +344,7 @@ class CudaBackend:
             if not a.flags.c_contiguous:  # the classifier's padded logits rows, a transposed view
                 a = self._on_own_stream(a.copy)
             host = a.get(stream=self.stream)
-            return from_bf16_bits(host) if host.dtype == np.uint16 else host
+            return numpy_ops.from_bf16_bits(host) if host.dtype == np.uint16 else host
         return np.asarray(a)
 
     def _on_own_stream(self, work):
@@ -367,7 +367,7 @@ class CudaBackend:
     def from_host_act(self, a):
         """Host float32 data as an activation (or weight copy) of this backend: bf16 rounds to nearest even."""
         if self.act_dtype == np.uint16:
-            return self.from_host(bf16_bits(a))
+            return self.from_host(numpy_ops.bf16_bits(a))
         return self.from_host(np.asarray(a, dtype=np.float32))
 
     def synchronize(self) -> None:

@@ -8,8 +8,8 @@ first real error as RankFailed.
 import threading
 import time
 
-from .comm import CommAborted
-from .comm.local import LocalGroup
+from ..comm import CommAborted
+from ..comm.local import LocalGroup
 
 
 class RankFailed(Exception):

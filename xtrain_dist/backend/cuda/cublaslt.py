@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from ..errors import XtrainError
+from ...errors import XtrainError
 
 # cublasLt.h (CUDA 13) values; tests/test_cublaslt.py compiles them against the header
 CUBLAS_STATUS_SUCCESS = 0

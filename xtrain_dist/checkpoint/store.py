@@ -42,12 +42,12 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from . import __version__
-from .config import GPTConfig, TrainConfig, model_config
-from .data import BatchSampler
-from .errors import XtrainError
-from .files import loads_json, probe_in
-from .model import param_layout
+from .. import __version__
+from ..config import GPTConfig, TrainConfig, model_config
+from ..data.corpus import BatchSampler
+from ..errors import XtrainError
+from ..files import loads_json, probe_in
+from ..model import param_layout
 from .safetensors_io import parse_safetensors, write_safetensors
 
 FORMAT = "xtrain-dist checkpoint"

@@ -26,7 +26,7 @@ import tokenizers
 from xtrain_dist import files
 from xtrain_dist.errors import XtrainError, first_line
 
-REPO_DATA = Path(__file__).resolve().parent.parent / "data"
+REPO_DATA = Path(__file__).resolve().parents[2] / "data"
 DEFAULT_TOKENIZER = REPO_DATA / "tokenizer.json"
 DEFAULT_CORPUS = REPO_DATA / "shakespeare.txt"
 

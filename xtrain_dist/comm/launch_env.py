@@ -13,7 +13,7 @@ import re
 import zlib
 from dataclasses import dataclass
 
-from .errors import XtrainError
+from ..errors import XtrainError
 
 
 @dataclass(frozen=True)

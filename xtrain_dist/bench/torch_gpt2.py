@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import GPTConfig, TrainConfig, model_config
-from .errors import XtrainError
+from ..config import GPTConfig, TrainConfig, model_config
+from ..errors import XtrainError
 
 
 def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu", sdpa: bool = True):
@@ -84,7 +84,7 @@ def hf_model(config: GPTConfig, state_dict: dict):
     import torch
     import transformers
 
-    from .checkpoint import GPT2_MASK_BUFFER, hf_config
+    from ..checkpoint.store import GPT2_MASK_BUFFER, hf_config
 
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(hf_config(config)))
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict.items()}
@@ -113,7 +113,7 @@ def train_step(model, opt, ids, targets, step: int, cfg: TrainConfig):
     tensors (reading them is the caller's sync)."""
     import torch
 
-    from .optim import lr_at
+    from ..optim import lr_at
 
     opt.zero_grad(set_to_none=False)
     loss = model(ids, targets)
@@ -164,9 +164,9 @@ def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from . import model as our_model
-    from .backend import numpy_ops
-    from .data import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+    from .. import model as our_model
+    from ..backend import numpy_ops
+    from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank, world_size=world)

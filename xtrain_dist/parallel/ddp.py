@@ -24,10 +24,10 @@ import queue
 import threading
 import weakref
 
-from .comm import shard_offsets
-from .comm.timed import TimedCommunicator
-from .errors import XtrainError
-from .model import ALIGN
+from ..comm import shard_offsets
+from ..comm.timed import TimedCommunicator
+from ..errors import XtrainError
+from ..model import ALIGN
 
 MIB = 1 << 20  # --bucket-mb counts mebibytes, like torch DDP's bucket_cap_mb
 COMPRESSIONS = ("none", "bf16")

@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from . import files
-from .errors import XtrainError
+from .. import files
+from ..errors import XtrainError
 
 
 def check_path(path) -> None:

@@ -16,11 +16,11 @@ import resource
 import sys
 from dataclasses import dataclass
 
-from .backend import cublaslt
-from .config import GPTConfig
-from .errors import XtrainError
-from .model import param_layout
-from .optim import shard_bounds
+from ..backend.cuda import cublaslt
+from ..config import GPTConfig
+from ..errors import XtrainError
+from ..model import param_layout
+from ..optim import shard_bounds
 
 GIB = float(1 << 30)
 ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}

@@ -6,20 +6,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import checkpoint, metrics
-from .backend import get_backend
-from .comm.timed import TimedCommunicator
-from .config import TrainConfig, model_config
-from .data import BatchSampler, Corpus
-from .ddp import make_grad_sync
-from .errors import XtrainError
-from .evaluate import Evaluator, is_eval_step
-from .hellaswag import HellaSwag
-from .hellaswag import load as load_hellaswag
-from .model import GPT2
-from .optim import lr_at, make_optimizer
-from .profile import OpProfiler, flops_per_token, mfu
-from .sample import continuation, prompt_ids
+from ..backend import get_backend
+from ..checkpoint import store as checkpoint
+from ..comm.timed import TimedCommunicator
+from ..config import TrainConfig, model_config
+from ..data.corpus import BatchSampler, Corpus
+from ..errors import XtrainError
+from ..eval.evaluate import Evaluator, is_eval_step
+from ..eval.hellaswag import HellaSwag
+from ..eval.hellaswag import load as load_hellaswag
+from ..eval.sample import continuation, prompt_ids
+from ..model import GPT2
+from ..optim import lr_at, make_optimizer
+from ..parallel.ddp import make_grad_sync
+from ..profile import OpProfiler, flops_per_token, mfu
+from . import metrics
 
 
 @dataclass

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import files
-from .errors import XtrainError
+from .. import files
+from ..errors import XtrainError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
@@ -125,7 +125,7 @@ def pyplot():
 
 def gpu_header(cupy) -> dict:
     """GPU 0 as a GPU benchmark's results state it: name, SMs, memory, driver, CUDA versions, CuPy."""
-    from .backend.cuda_ops import device_name
+    from ..backend.cuda.ops import device_name
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     driver = "unknown"

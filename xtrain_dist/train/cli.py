@@ -1,0 +1,279 @@
+"""The command line: python -m xtrain_dist.train_ddp STEPS BATCH SEQ [TOKENIZER CORPUS] [options]
+
+Parses the arguments into a TrainConfig, runs the job (job.train) and prints its last line. Any problem
+with the input ends in one line and exit status 2; a rank that fails ends the run with one line naming
+the rank and exit status 1; SIGTERM or SIGUSR1 ends it after the step its ranks are in, saved, with exit
+status 143 (job.StopRequest).
+"""
+
+import contextlib
+import json
+import os
+import sys
+
+from .. import files, precision
+from ..backend import BACKENDS
+from ..comm import CommAborted
+from ..comm.launch_env import Launch, detect_launch, local_world_for
+from ..comm.rendezvous import report_failure_before_world
+from ..command import (
+    OneLineParser,
+    non_empty_path,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    run_command,
+    utf8_text,
+)
+from ..config import PRESETS, TrainConfig
+from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER
+from ..errors import XtrainError
+from ..model import ATTENTIONS, RECOMPUTE_LEVELS
+from ..optim import LR_SCHEDULES
+from ..parallel import ddp
+from ..precision import MATMULS
+from ..profile import rows_markdown
+from . import memory
+from .job import PROG, STOPPED, train
+from .launch import RankFailed
+from .preflight import AUTO_RESUME, RunComplete
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}",
+                      description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).")
+    p.add_argument("steps", metavar="STEPS", type=positive_int, help="optimizer steps to run")
+    p.add_argument("batch", metavar="BATCH", type=positive_int, help="sequences per step, all ranks together")
+    p.add_argument("seq", metavar="SEQ", type=positive_int, help="tokens per sequence")
+    # non_empty_path: an empty one would read as "not given" and quietly train on the shipped data
+    p.add_argument("tokenizer", metavar="TOKENIZER", nargs="?", type=non_empty_path,
+                   help=f"tokenizer.json (default {DEFAULT_TOKENIZER})")
+    p.add_argument("corpus", metavar="CORPUS", nargs="?", type=non_empty_path,
+                   help=f"UTF-8 text, or llm.c token files: one, or a quoted glob pattern (default {DEFAULT_CORPUS})")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    p.add_argument("--world-size", type=positive_int, default=None,
+                   help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
+    p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--seed", type=non_negative_int, default=1337)
+    p.add_argument("--overfit-batch", action="store_true",
+                   help="train every step on the first global batch (llm.c's -a 1): the loss should fall toward "
+                        "0, a check that forward, backward, the all-reduce and AdamW fit together")
+    p.add_argument("--lr", type=non_negative_float, default=1e-3, help="peak learning rate")
+    p.add_argument("--min-lr", type=non_negative_float, default=None, help="end of the decay (default lr/10)")
+    p.add_argument("--warmup-steps", type=non_negative_int, default=None, help="default lr-decay-steps/20")
+    p.add_argument("--lr-decay-steps", type=positive_int, default=None, help="length of the schedule (default STEPS)")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
+                   help="after warmup: cosine or linear decay to min-lr, constant, or wsd (warmup-stable-decay: lr "
+                        "until the cooldown, then 1-sqrt down to min-lr) (default cosine)")
+    p.add_argument("--cooldown-steps", type=positive_int, default=None,
+                   help="wsd: steps of the final decay, ending at lr-decay-steps (default lr-decay-steps/5)")
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
+    p.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global norm clip; 0 disables")
+    p.add_argument("--comm-timeout", type=positive_float, default=300.0, help="seconds a rank may wait in a collective")
+    p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
+    p.add_argument("--matmul", choices=MATMULS, default="cublas",
+                   help="cuda: cublaslt adds a linear layer's bias in the product's epilogue, rounding once, "
+                        "instead of a kernel after a float32 product (default cublas)")
+    p.add_argument("--cpu-threads", type=positive_int, default=None,
+                   help="BLAS threads per rank (default: cores / ranks)")
+    p.add_argument("--report", type=non_empty_path, default=None, help="write a JSON report here")
+    p.add_argument("--log-every", type=positive_int, default=1)
+    p.add_argument("--profile-step", metavar="N", type=positive_int, default=None,
+                   help="time every op of step N (CUDA events on a GPU) and print where the step's time went")
+    procs = p.add_argument_group("processes and launchers (torchrun, srun, mpirun)")
+    procs.add_argument("--comm", default="auto", help="auto | local | mpi | tcp | nccl (default: local in one process; "
+                       "across processes nccl with --backend cuda, else mpi under mpirun, tcp under torchrun/srun)")
+    procs.add_argument("--rdzv-bind", metavar="HOST[:PORT]", default=None,
+                       help="address rank 0's rendezvous listens on (default: the advertised address)")
+    procs.add_argument("--rdzv-advertise", metavar="HOST:PORT", default=None,
+                       help="address the other processes connect to (default MASTER_ADDR:MASTER_PORT; "
+                            "MASTER_PORT+1 under torchrun, whose agent holds MASTER_PORT)")
+    procs.add_argument("--rdzv-timeout", type=positive_float, default=None,
+                       help=f"seconds processes wait for each other (default {TrainConfig.rdzv_timeout_s:g})")
+    g = p.add_argument_group("checkpoints, evaluation and metrics")
+    g.add_argument("--save-dir", metavar="DIR", type=non_empty_path, default=None,
+                   help="keep the latest checkpoint in DIR, replaced atomically at each save (and at the end)")
+    g.add_argument("--save-every", metavar="N", type=non_negative_int, default=0, help="also save every N steps")
+    g.add_argument("--keep-every", metavar="N", type=non_negative_int, default=0,
+                   help="also keep every N-th step's checkpoint in a folder of its own, DIR.step000300 beside DIR, "
+                        "which later saves do not replace (to branch from, evaluate or sample later)")
+    g.add_argument("--init-from", metavar="DIR", type=non_empty_path, default=None,
+                   help="start from the weights of a GPT-2 folder (a Hugging Face one such as the Hub's gpt2, or one "
+                        "of our checkpoints) with a fresh optimizer and data order: fine-tuning")
+    g.add_argument("--resume", metavar="DIR", type=non_empty_path, default=None,
+                   help=f"continue the run whose checkpoint is DIR; '{AUTO_RESUME}': the checkpoint in --save-dir "
+                        "where there is one, else start at step 1; nothing (exit 0) once it holds STEPS steps (one "
+                        "command for a job's start and its requeues)")
+    g.add_argument("--eval-every", metavar="N", type=non_negative_int, default=0,
+                   help="validation loss every N steps and at the end (default 0: at the end only)")
+    g.add_argument("--eval-batches", metavar="N", type=non_negative_int, default=20,
+                   help="held-out batches of BATCH x SEQ per evaluation; 0: none (default 20)")
+    g.add_argument("--val-corpus", metavar="PATH", type=non_empty_path, default=None,
+                   help="validate on this text or these token files, and train on all of CORPUS (default: hold "
+                        "out CORPUS's last 10%%)")
+    g.add_argument("--hellaswag", metavar="PATH", type=non_empty_path, default=None,
+                   help="also score an llm.c eval file (HellaSwag, made with TOKENIZER) at each evaluation: the "
+                        "share of examples whose lowest-loss completion is the right one")
+    g.add_argument("--metrics", metavar="PATH", type=non_empty_path, default=None,
+                   help="append one JSON line per step to PATH")
+    g.add_argument("--sample-every", metavar="N", type=non_negative_int, default=0,
+                   help="print text drawn from the model every N steps and at the end, as `python -m "
+                        "xtrain_dist.sample` would from a checkpoint of that step with --seed SEED (default 0: never)")
+    g.add_argument("--sample-tokens", metavar="N", type=positive_int, default=None, help="tokens per draw (default 64)")
+    g.add_argument("--sample-prompt", metavar="TEXT", type=utf8_text, default="",
+                   help="text the draws continue (default: start from <|endoftext|>)")
+    sync = p.add_argument_group("gradient synchronisation, ZeRO-1 and accumulation (see docs/ddp.md)")
+    sync.add_argument("--grad-sync", choices=list(ddp.STRATEGIES), default="bucketed",
+                      help="when and in what pieces gradients are reduced (default bucketed)")
+    sync.add_argument("--bucket-mb", type=positive_float, default=25.0, help="bucketed: MiB per bucket (default 25)")
+    sync.add_argument("--grad-compress", choices=ddp.COMPRESSIONS, default="none",
+                      help="bf16: round gradients to bfloat16 for the reduction")
+    sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
+    sync.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    prec = p.add_argument_group("precision and memory (see README: Precision)")
+    prec.add_argument("--attention", choices=ATTENTIONS, default="standard",
+                      help="flash: keep one log-sum-exp per row instead of the T x T probabilities and recompute "
+                           "them in backward (cuda: a fused kernel, --dtype bf16, 64-channel heads)")
+    prec.add_argument("--recompute", type=int, choices=RECOMPUTE_LEVELS, default=0,
+                      help="what backward computes again instead of forward keeping it: 1 each block's GELU "
+                           "output, 2 also its layernorm outputs (same bits, less memory; default 0: nothing)")
+    prec.add_argument("--dtype", choices=precision.DTYPES, default="fp32",
+                      help="bf16: bfloat16 activations and matmuls, float32 master weights, gradients and "
+                           "optimizer state (default fp32)")
+    return p
+
+
+def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
+    args = build_parser().parse_intermixed_args(argv)  # TOKENIZER CORPUS may come after options too
+    if (args.tokenizer is None) != (args.corpus is None):
+        raise XtrainError("give both TOKENIZER and CORPUS, or neither (for the shipped data)")
+    launch = launch or detect_launch()
+    world_size = launch.num_processes * local_world_for(launch, args.world_size)
+    if args.batch < world_size:
+        raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({world_size}): "
+                          "every rank needs a sequence")
+    for flag, value in (("--save-every", args.save_every), ("--keep-every", args.keep_every)):
+        if value and not args.save_dir:
+            raise XtrainError(f"{flag} needs --save-dir")
+    if args.min_lr is not None and args.lr_schedule == "constant":
+        raise XtrainError("--min-lr has no effect with --lr-schedule constant")
+    if args.lr_decay_steps is not None and args.lr_schedule == "constant":
+        # it would only move the warmup's default (a twentieth of it): say which option sets the warmup
+        raise XtrainError("--lr-decay-steps is for a schedule that decays, not --lr-schedule constant; "
+                          "the warmup is --warmup-steps (default STEPS/20)")
+    for flag, value in (("--sample-tokens", args.sample_tokens), ("--sample-prompt", args.sample_prompt)):
+        if value and not args.sample_every:
+            raise XtrainError(f"{flag} needs --sample-every")
+    for flag, value in (("--rdzv-bind", args.rdzv_bind), ("--rdzv-advertise", args.rdzv_advertise),
+                        ("--rdzv-timeout", args.rdzv_timeout)):
+        if value is not None and not launch.multi_process:  # it would be ignored: no other process to meet
+            raise XtrainError(f"{flag} is for a job of several processes (started by torchrun, srun or mpirun); "
+                              "this one runs alone")
+    return TrainConfig(
+        steps=args.steps, batch=args.batch, seq=args.seq,
+        tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
+        model=args.model, backend=args.backend, world_size=world_size, seed=args.seed, overfit_batch=args.overfit_batch,
+        lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
+        lr_schedule=args.lr_schedule, cooldown_steps=args.cooldown_steps,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
+        matmul=args.matmul,
+        report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
+        comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
+        rdzv_timeout_s=TrainConfig.rdzv_timeout_s if args.rdzv_timeout is None else args.rdzv_timeout,
+        save_dir=args.save_dir, save_every=args.save_every, keep_every=args.keep_every, resume=args.resume,
+        init_from=args.init_from,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
+        hellaswag=args.hellaswag or "", metrics=args.metrics, sample_every=args.sample_every,
+        sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
+        grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
+        grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
+    ).resolved()
+
+
+def profile_table(profile: dict) -> str:
+    """The profiled step's ops on rank 0, slowest first, and its collectives: the time between ops holds
+    the host's own work and the communication that backward did not hide."""
+    return (f"profile of step {profile['step']} (rank 0, {profile['step_ms']:.1f} ms):\n"
+            + rows_markdown(profile["ops"])
+            + f"collectives: {profile['comm_ms']:.2f} ms inside them (all of rank 0's threads), "
+              f"{profile['exposed_comm_ms']:.2f} ms waited for by rank 0's own thread (in the gaps above)")
+
+
+def main(argv=None) -> int:
+    code = run_command(PROG, lambda: _main(sys.argv[1:] if argv is None else argv))
+    if code and code != STOPPED:
+        # under mpirun a process that gives up must take the job with it, or its peers wait in MPI
+        from ..comm.mpi import abort_job
+        abort_job(code)
+    return code
+
+
+def _rendezvous_options(argv: list[str]) -> dict:
+    """--rdzv-bind, --rdzv-advertise and --rdzv-timeout from a command line that did not parse: where to tell
+    the other processes about it (behind NAT the default address may not reach rank 0) and for how long.
+    Their defaults where they are missing, or are what is wrong."""
+    p = OneLineParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--rdzv-bind", dest="bind")
+    p.add_argument("--rdzv-advertise", dest="advertise")
+    p.add_argument("--rdzv-timeout", dest="timeout_s", type=positive_float,
+                   default=TrainConfig.rdzv_timeout_s)
+    try:
+        options = vars(p.parse_known_args(argv)[0])
+    except XtrainError:
+        options = vars(p.parse_args([]))
+    return {**options, "timeout_s": min(options["timeout_s"], 30.0)}
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        cfg = parse_config(argv)
+    except XtrainError as err:  # a bad argument on one node: the other processes learn it now, not at their timeout
+        with contextlib.suppress(XtrainError):
+            report_failure_before_world(detect_launch(), str(err), **_rendezvous_options(argv))
+        raise
+    try:
+        report = train(cfg)
+    except RunComplete as done:
+        if detect_launch().process_rank == 0:
+            print(done)
+        return 0
+    except RankFailed as e:
+        if isinstance(e.error, CommAborted):  # every rank here only saw the abort: the line says whose failure it was
+            print(f"{PROG}: error: rank {e.rank} stopped: {e.error}", file=sys.stderr)
+        else:
+            detail = str(e.error) if isinstance(e.error, XtrainError) else f"{type(e.error).__name__}: {e.error}"
+            print(f"{PROG}: error: rank {e.rank} failed: {detail}", file=sys.stderr)
+        if os.environ.get("XTRAIN_TRACEBACK"):
+            import traceback
+            traceback.print_exception(e.error)
+        return 1
+    stopped = report["stopped"]
+    if report["process_rank"] != 0:  # one process writes and reports for the job
+        return STOPPED if stopped else 0
+    if cfg.report:
+        files.write_atomic(cfg.report, json.dumps(report, indent=1) + "\n", "--report")
+    if cfg.profile_step:
+        print(profile_table(report["profile"]))
+    val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
+    val += f", hellaswag {report['hellaswag'][-1][1]:.4f}" if report["hellaswag"] else ""
+    pools = list(report["memory"].get("gpu_pool_bytes", {}).values())
+    gpu = f", GPU memory held {'up to ' if len(pools) > 1 else ''}{memory.gib(max(pools))}" if pools else ""
+    utilisation = f", MFU {100 * report['mfu']:.1f}%" if report["mfu"] is not None else ""
+    head = f"stopped after step {stopped['step']} of {cfg.steps}" if stopped else "done"
+    print(f"{head}: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}{val}, "
+          f"{report['ms_per_step']:.1f} ms/step, {report['tokens_per_s']:.0f} tokens/s{utilisation}, "
+          f"peak RSS {memory.gib(report['memory']['peak_rss_bytes'])}{gpu}"
+          + (f", report {cfg.report}" if cfg.report else ""))
+    if stopped:
+        resume = "" if cfg.resume == AUTO_RESUME else f" with --resume {cfg.save_dir}"  # --resume auto has it
+        where = (f"checkpoint '{cfg.save_dir}' holds step {stopped['step']}: the same command{resume} goes on from "
+                 "there" if cfg.save_dir else "nothing was saved (no --save-dir)")
+        print(f"{PROG}: stopped by {stopped['signal'] or 'a signal to another process'}: {where}", file=sys.stderr)
+        return STOPPED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""A training job in this process: start its rank threads (train_rank each), catch the stop signals,
+and gather the report.
+
+train() runs this process's share of the job: the checks and loads of preflight.prepare, then the
+world of communicators (comm/world.py), then one thread per local rank through launch.run_thread_ranks,
+and last the report every rank's results make.
+"""
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from ..backend import numpy_ops
+from ..checkpoint import store as checkpoint
+from ..comm.launch_env import Launch, detect_launch, local_world_for
+from ..comm.rendezvous import report_failure_before_world
+from ..comm.world import open_world
+from ..config import TrainConfig, model_config
+from ..data.corpus import Corpus
+from ..errors import XtrainError
+from ..parallel import ddp
+from ..profile import mfu, peak_for
+from . import memory
+from .launch import RankFailed, run_thread_ranks
+from .loop import train_rank
+from .preflight import RunComplete, act_itemsize, prepare
+
+PROG = "train_ddp"
+
+
+# what schedulers send before they kill: Kubernetes, docker stop, torchrun and mpirun pass on SIGTERM, and
+# SLURM's `--signal=USR1@SECONDS` sends SIGUSR1 that long before a job's time limit
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+STOPPED = 128 + signal.SIGTERM  # the exit status of every process of a job a stop signal ended (143)
+
+
+def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None,
+          stop: "StopRequest | None" = None) -> dict:
+    """Run this process's share of a training job (all of it without a launcher); return the report
+    (a JSON-ready dict; `process_rank` says whether this process is the one that writes it). `stop`: what
+    ends the run early when set (by default, a StopRequest that SIGTERM and SIGUSR1 set)."""
+    launch = launch or detect_launch()
+    local_world = local_world_for(launch, cfg.world_size)
+    try:
+        ready = prepare(cfg, corpus, launch, local_world, log)
+    except RunComplete:  # no failure: every process finds the same checkpoint and ends without the others
+        raise
+    except Exception as err:
+        # this process cannot start: tell the others now, or they wait for it until --rdzv-timeout
+        reason = str(err) if isinstance(err, XtrainError) else f"{type(err).__name__}: {err}"
+        report_failure_before_world(launch, reason, bind=cfg.rdzv_bind, advertise=cfg.rdzv_advertise,
+                                    timeout_s=min(cfg.rdzv_timeout_s, 30.0))
+        raise
+    cfg, corpus, devices = ready.cfg, ready.corpus, ready.devices
+    world = open_world(ready.engine, launch=launch, local_world=local_world, timeout_s=cfg.comm_timeout_s,
+                       rdzv_bind=cfg.rdzv_bind, rdzv_advertise=cfg.rdzv_advertise, rdzv_timeout_s=cfg.rdzv_timeout_s,
+                       fingerprint=ready.fingerprint, devices=None if cfg.backend != "cuda" else devices,
+                       log=lambda line: print(f"{PROG}: {line}", file=sys.stderr))
+
+    # the checkpoint _prepare verified, bytes and all: the ranks restore from it without reading it again
+    shared_resume = checkpoint.shared_restore(cfg.resume, local_world, ready.resume_from) if cfg.resume else None
+    shared_init = checkpoint.Shared(local_world, ready.init_weights, path=cfg.init_from) if cfg.init_from else None
+    ready.init_weights = None  # the ranks' last load lets the host copy go
+
+    peak_flops = job_peak_flops(cfg, devices, launch)
+    stop = StopRequest(cfg.save_dir) if stop is None else stop
+
+    def rank_fn(local, comm):
+        result = train_rank(comm.rank, comm, cfg, corpus, device=devices[local], log=log, resume=shared_resume,
+                            init=shared_init, hellaswag=ready.hellaswag, peak_flops=peak_flops, stop=stop)
+        return result, every_ranks_facts(comm, result, cfg.backend)
+
+    t0 = time.perf_counter()
+    try:
+        with threadpool_limits(cfg.cpu_threads or numpy_ops.cpu_threads_per_rank(local_world * launch.local_processes),
+                               user_api="blas"), stop.on_signals():
+            outcomes = run_thread_ranks(local_world, rank_fn, timeout_s=cfg.comm_timeout_s, group=world)
+    except RankFailed as e:
+        world.abort("another process failed")  # peers learn at once (TCP: closed sockets; NCCL: aborted comms)
+        raise RankFailed(world.global_rank(e.rank), e.error) from None
+    except BaseException:
+        world.abort("another process failed")
+        raise
+    finally:
+        world.close()
+    wall = time.perf_counter() - t0
+    results = [result for result, _ in outcomes]
+    lead = results[0]
+    timed = lead.step_ms[1:] or lead.step_ms  # the first step pays for warm-up
+    ms = float(np.mean(timed))
+    mcfg = model_config(cfg.model, corpus.vocab_size)
+    return {
+        "config": cfg.to_dict(),
+        "dtype": cfg.dtype,
+        "model": {"preset": cfg.model, **vars(mcfg),
+                  "num_params": lead.num_params},
+        "launch": {"kind": launch.kind, "processes": launch.num_processes, "threads_per_process": local_world,
+                   "comm": ready.engine},
+        "process_rank": launch.process_rank,
+        "start_step": lead.start_step,  # losses[i] is the loss of step start_step + i + 1
+        # a stop signal ended the run after this step (the signal: None where it reached another process)
+        "stopped": {"step": lead.stopped_at, "signal": stop.signal_name} if lead.stopped_at else None,
+        "losses": lead.losses,
+        "val_losses": lead.val_losses,
+        "hellaswag": lead.hellaswag,
+        "samples": lead.samples,
+        "grad_norms": lead.grad_norms,
+        "lrs": lead.lrs,
+        "step_ms": lead.step_ms,
+        "ms_per_step": ms,
+        "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
+        "mfu": mfu(lead.step_flops, ms, peak_flops) if peak_flops else None,  # of the mean step
+        "wall_s": wall,
+        **ddp.report_fields(cfg, results),
+        # every rank of the job, in rank order, also those of other processes
+        **outcomes[0][1],
+        # memory: what rank 0 holds at least, by part (memory.py), and what this process took at its peak
+        "memory": {"rank0_bytes_at_least": asdict(memory.rank_memories(mcfg, cfg, act_itemsize(cfg))[0]),
+                   "peak_rss_bytes": memory.peak_rss_bytes(), **gpu_memory(cfg, devices)},
+        **({"profile": profile_of(lead, cfg.profile_step)} if cfg.profile_step else {}),
+    }
+
+
+class StopRequest(threading.Event):
+    """Set by the first SIGTERM or SIGUSR1 while the ranks train (`on_signals`); train_rank then ends the run
+    after the step every rank of the job is in, with a checkpoint in --save-dir. A second signal ends the
+    process at once, as the first would have without this."""
+
+    def __init__(self, save_dir: str | None):
+        super().__init__()
+        self.save_dir = save_dir
+        self.signal_name: str | None = None  # of the signal that set it
+
+    @contextlib.contextmanager
+    def on_signals(self):
+        """Catch the stop signals for the duration (only the main thread may: train() called from another
+        thread keeps the process's handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._caught) for s in STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _caught(self, signum, frame) -> None:
+        for s in STOP_SIGNALS:  # the next one ends the process
+            signal.signal(s, signal.SIG_DFL)
+        self.signal_name = signal.Signals(signum).name
+        self.set()
+        saving = f"saving a checkpoint in '{self.save_dir}'" if self.save_dir else "no --save-dir: nothing is saved"
+        print(f"{PROG}: {self.signal_name}: stopping after the step the ranks are in ({saving}); send it again to "
+              "end now", file=sys.stderr, flush=True)
+
+
+def job_peak_flops(cfg: TrainConfig, devices: list, launch: Launch) -> float | None:
+    """MFU's denominator: the dense peak FLOP/s, at the run's precision, of all the GPUs of the job (this
+    process's distinct GPUs, virtual ranks sharing one counting once, times the processes, which all hold
+    as many). None on the CPU, whose peak we do not know, and on a GPU profile.PEAK_TFLOPS does not list."""
+    if cfg.backend != "cuda":
+        return None
+    from ..backend.cuda.ops import device_name
+    peaks = [peak_for(device_name(device)) for device in sorted(set(devices))]
+    if not peaks or None in peaks:
+        return None
+    precision = "bf16" if cfg.dtype == "bf16" else "tf32" if cfg.tf32 else "fp32"
+    return sum(peak[precision] for peak in peaks) * 1e12 * launch.num_processes
+
+
+def gpu_memory(cfg: TrainConfig, devices: list) -> dict:
+    """On GPUs, what CuPy's pool held on each of this process's GPUs at the end of the run (cuda_ops.pool_bytes),
+    keyed by device; the ranks sharing a GPU share its pool."""
+    if cfg.backend != "cuda":
+        return {}
+    from ..backend.cuda.ops import pool_bytes
+    return {"gpu_pool_bytes": {str(device): pool_bytes(device) for device in sorted(set(devices))}}
+
+
+def profile_of(lead, step: int) -> dict:
+    """The report's --profile-step section: the step's time and collectives on local rank 0, and its ops."""
+    i = step - lead.start_step - 1
+    return {"step": step, "step_ms": lead.step_ms[i], "comm_ms": lead.comm_s[i] * 1e3,
+            "exposed_comm_ms": lead.exposed_comm_s[i] * 1e3, "ops": lead.profile}
+
+
+def every_ranks_facts(comm, result, backend: str) -> dict[str, list]:
+    """Every rank's parameter digest and byte counts, gathered through the communicator, so across
+    processes too: the report lists every rank of the job, not only this process's. Called on the rank's
+    thread: with CUDA, on its device and stream."""
+    if backend == "cuda":
+        import cupy as xp
+    else:
+        xp = np
+    counts = (result.optimizer_state_bytes, result.param_bytes, result.grad_bytes)
+    mine = bytes.fromhex(result.param_sha256) + np.array(counts, "<i8").tobytes()  # 32 + 3 x 8 bytes
+    everyone = xp.empty(len(mine) * comm.world_size, np.uint8)
+    comm.all_gather(xp.asarray(np.frombuffer(mine, np.uint8)), everyone)
+    raw = (everyone.get() if hasattr(everyone, "get") else everyone).tobytes()
+    records = [raw[i:i + len(mine)] for i in range(0, len(raw), len(mine))]
+    counts = [np.frombuffer(r[32:], "<i8").tolist() for r in records]
+    return {"param_sha256": [r[:32].hex() for r in records],
+            "optimizer_state_bytes": [c[0] for c in counts], "param_bytes": [c[1] for c in counts],
+            "grad_bytes": [c[2] for c in counts]}

@@ -1,0 +1,243 @@
+"""Everything a process checks and loads before its ranks start: the configuration against the corpus,
+the files a run reads and writes, --resume and --init-from, the memory the ranks need, and what every
+process of the job must agree on. Each problem is one XtrainError naming it, raised before any rank
+trains, so bad input never costs a rendezvous, a compile or a half-written checkpoint.
+"""
+
+from dataclasses import dataclass, replace
+
+from .. import files, precision
+from ..backend import numpy_ops, rank_device
+from ..checkpoint import store as checkpoint
+from ..comm.launch_env import Launch, gpu_for
+from ..comm.world import choose_engine, config_fingerprint
+from ..config import PRESETS, TrainConfig, model_config
+from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from ..errors import XtrainError
+from ..eval import evaluate, hellaswag, sample
+from ..model import check_recompute
+from ..optim import check_schedule
+from ..parallel import ddp
+from . import memory, metrics
+
+AUTO_RESUME = "auto"  # --resume auto
+
+
+def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
+    """What needs the corpus to check: the model fits the sequence, the text fits the batch."""
+    model = model_config(cfg.model, corpus.vocab_size)
+    if cfg.seq > model.n_ctx:
+        raise XtrainError(f"SEQ ({cfg.seq}) exceeds the context length of model '{cfg.model}' ({model.n_ctx})")
+    corpus.check_seq(cfg.seq)
+    if cfg.min_lr is not None and cfg.min_lr > cfg.lr:
+        raise XtrainError(f"--min-lr ({cfg.min_lr:g}) must not exceed --lr ({cfg.lr:g}): the schedule decays from "
+                          "the one to the other")
+    check_schedule(cfg)
+    ddp.check_config(cfg)
+    precision.check_config(cfg)
+    check_recompute(cfg.recompute)
+    if cfg.attention == "flash" and cfg.backend == "cuda":
+        from ..backend.cuda.ops import check_flash_attention
+        check_flash_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Refuse a run that would write over its own files: --report or --metrics on the tokenizer, the corpus
+    or each other, or inside the folder of --resume or --init-from (which it reads) or of --save-dir (which
+    every save replaces whole, so the corpus may not lie there either). Files are compared, not names, so a
+    relative path, a symlink or a hard link is caught too."""
+    outputs = [(flag, path) for flag, path in (("--report", cfg.report), ("--metrics", cfg.metrics)) if path]
+    inputs = [("the tokenizer", cfg.tokenizer), ("the corpus", cfg.corpus), ("the validation corpus", cfg.val_corpus),
+              ("the --hellaswag file", cfg.hellaswag)]
+    for flag, out in outputs:
+        files.refuse_output_on_inputs(out, flag, inputs, "the run would write into its own input")
+    if len(outputs) == 2 and files.same_file(cfg.report, cfg.metrics):
+        raise XtrainError(f"--report '{cfg.report}' and --metrics '{cfg.metrics}' are the same file: the report "
+                          "would replace the metrics")
+    for flag, folder in (("--resume", cfg.resume), ("--init-from", cfg.init_from)):
+        for name, path in outputs if folder else []:
+            if files.inside(path, folder):
+                raise XtrainError(f"{name} '{path}' is inside {flag} '{folder}': the run would write into the "
+                                  "checkpoint it reads")
+    inputs_in_run = [("corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus), ("--hellaswag", cfg.hellaswag)]
+    for name, path in [*outputs, *inputs_in_run] if cfg.save_dir else []:
+        if path and files.inside(path, cfg.save_dir):
+            raise XtrainError(f"{name} '{path}' is inside --save-dir '{cfg.save_dir}': every checkpoint save "
+                              "replaces that folder")
+
+
+# what every process of a run must agree on; paths and addresses may differ from node to node, and so may
+# --recompute (a node short of memory may recompute: the bits are the same) and the sampling options (only
+# the process of rank 0 draws)
+_PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_from", "report", "metrics", "log_every",
+                       "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "recompute", "sample_every",
+                       "sample_tokens", "sample_prompt", "extra"}
+
+
+@dataclass
+class Prepared:
+    """What a process checked and loaded before it meets the others."""
+    engine: str                 # the communicator it joins the world with
+    corpus: Corpus
+    devices: list               # each local rank's device
+    cfg: TrainConfig            # with what the checks settled (evaluation switched off for a short split)
+    fingerprint: bytes          # of what every process must agree on (config_fingerprint)
+    resume_from: object         # the verified checkpoint to resume from, or None
+    init_weights: dict | None   # the --init-from parameters
+    hellaswag: list | None      # the --hellaswag examples
+
+
+def prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log) -> Prepared:
+    """Everything a process checks and loads before it meets the others, or one XtrainError naming what
+    is wrong."""
+    if corpus is None:  # a TrainConfig made in code trains on the shipped data where it names none, as the CLI does
+        cfg = replace(cfg, tokenizer=cfg.tokenizer or str(DEFAULT_TOKENIZER), corpus=cfg.corpus or str(DEFAULT_CORPUS))
+    auto_resume = cfg.resume == AUTO_RESUME
+    cfg = resolve_auto_resume(cfg)
+    check_outputs(cfg)
+    gpus = 0
+    if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
+        from ..backend.cuda.ops import device_count
+        gpus = device_count()
+    engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
+    corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus, val_path=cfg.val_corpus or None)
+    check_config(cfg, corpus)
+    # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
+    # take a GPU each (the process's slice of its node's GPUs); thread ranks of one process take the
+    # visible GPUs in turn, several virtual ranks sharing one when the world is larger
+    if engine == "nccl":
+        devices = [gpu_for(launch, local_world, local, gpus) for local in range(local_world)]
+    else:
+        devices = [rank_device(cfg.backend, local) for local in range(local_world)]
+    # checkpoints, evaluation, metrics: fail before training rather than after it
+    if cfg.save_dir and launch.process_rank == 0:
+        if note := checkpoint.prepare_save_dir(cfg.save_dir):
+            log(note)
+        checkpoint.refuse_another_runs_checkpoint(cfg.save_dir, cfg.resume)
+        if auto_resume and not cfg.resume:  # said once --save-dir is known to take the run's checkpoints
+            log(f"--resume {AUTO_RESUME}: no checkpoint in '{cfg.save_dir}' yet: starting at step 1")
+    if cfg.metrics:
+        metrics.check_path(cfg.metrics)
+    if cfg.report and launch.process_rank == 0:
+        files.check_writable(cfg.report, "--report")
+    cfg = evaluate.check(cfg, corpus, log)
+    examples = hellaswag.load(cfg, corpus) if cfg.hellaswag else None
+    if cfg.sample_every and launch.process_rank == 0:  # where rank 0 will draw: a prompt it cannot encode fails now
+        sample.prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
+    if cfg.resume and cfg.init_from:
+        raise XtrainError("--init-from and --resume both say where the weights start: give one")
+    first, resume_from = 1, None
+    if cfg.resume:
+        try:
+            step, notes, resume_from = checkpoint.check_resume(cfg, corpus)
+        except checkpoint.AlreadyTrained as done:
+            if not auto_resume:  # an explicit --resume asks for more steps than it gave
+                raise
+            raise RunComplete(f"--resume {AUTO_RESUME}: checkpoint '{cfg.save_dir}' is at step {done.step} and "
+                              f"STEPS is {cfg.steps}: nothing left to train") from None
+        first = step + 1
+        if launch.process_rank == 0:
+            for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
+                log(line)
+    if cfg.keep_every and launch.process_rank == 0:
+        checkpoint.refuse_existing_kept_folders(cfg, first - 1)
+    init_weights = check_init_from(cfg, corpus) if cfg.init_from else None
+    if init_weights is not None and launch.process_rank == 0:
+        log(f"starting from the weights in '{cfg.init_from}'")
+    if cfg.profile_step and not first <= cfg.profile_step <= cfg.steps:
+        raise XtrainError(f"--profile-step {cfg.profile_step} is not a step of this run (it runs steps {first} "
+                          f"to {cfg.steps})")
+    for note in check_memory(cfg, model_config(cfg.model, corpus.vocab_size), local_world * launch.local_processes,
+                             devices):
+        if launch.local_rank == 0:  # one process a machine says it
+            log(note)
+    warn_oversubscribed(cfg, local_world * launch.local_processes, log)
+    if launch.process_rank == 0:
+        where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
+        processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
+        products = (" with TF32 products" if cfg.tf32 else "") + \
+            (", biases in cuBLASLt's epilogue" if cfg.matmul == "cublaslt" else "")
+        log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}"
+            f"{products}, {cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
+    # the files' paths may differ from node to node; the token ids read from them may not, or ranks would
+    # train on different data with nothing to say so
+    same_everywhere = {k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS}
+    if init_weights is not None:  # so are the weights every rank starts from
+        same_everywhere["init_params"] = checkpoint.params_sha256(init_weights,
+                                                                  model_config(cfg.model, corpus.vocab_size))
+    if examples is not None:
+        same_everywhere["hellaswag_examples"] = hellaswag.sha256(examples)
+    fingerprint = config_fingerprint({**same_everywhere, "train_tokens": corpus.train_sha256,
+                                      "val_tokens": corpus.val_sha256})
+    return Prepared(engine, corpus, devices, cfg, fingerprint, resume_from, init_weights, examples)
+
+
+class RunComplete(XtrainError):
+    """--resume auto found the run already trained to STEPS: a requeued job that ended after its last save
+    runs its command once more, and that is success (exit status 0), not bad input."""
+
+
+def resolve_auto_resume(cfg: TrainConfig) -> TrainConfig:
+    """--resume auto: from the checkpoint in --save-dir where there is one (the weights of --init-from were
+    the first start's, and the checkpoint has moved on from them), else a first start. So a job requeued
+    after a stop signal runs the very command it started with. Every process decides alone, and the
+    configuration they compare at the rendezvous holds the outcome: processes that see different
+    --save-dir contents are refused there. (train says which it was, once --save-dir has passed its checks.)"""
+    if cfg.resume != AUTO_RESUME:
+        return cfg
+    if not cfg.save_dir:
+        raise XtrainError(f"--resume {AUTO_RESUME} continues from the checkpoint in --save-dir: give --save-dir")
+    if checkpoint.is_checkpoint(cfg.save_dir):
+        return replace(cfg, resume=cfg.save_dir, init_from=None)
+    return replace(cfg, resume=None)
+
+
+def _shape(c) -> str:
+    return f"{c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, context {c.n_ctx}, vocabulary {c.vocab_size}"
+
+
+def check_init_from(cfg: TrainConfig, corpus: Corpus) -> dict:
+    """--init-from: the pretrained parameters, checked to be the model this run trains with this tokenizer."""
+    pretrained = checkpoint.open_pretrained(cfg.init_from)
+    theirs, ours = pretrained.gpt_config(), model_config(cfg.model, corpus.vocab_size)
+    if theirs != ours:
+        if theirs.vocab_size != corpus.vocab_size:
+            hint = f"train with the tokenizer it was trained with (its vocabulary of {theirs.vocab_size})"
+        elif preset := next((p for p in PRESETS if model_config(p, theirs.vocab_size) == theirs), None):
+            hint = f"pass --model {preset}"
+        else:
+            hint = "no --model preset has its shape"
+        raise XtrainError(f"--init-from '{cfg.init_from}' holds a GPT-2 of {_shape(theirs)}; --model {cfg.model} "
+                          f"with this tokenizer is {_shape(ours)}: {hint}")
+    return pretrained.pretrained_state(ours)
+
+
+def act_itemsize(cfg: TrainConfig) -> int:
+    """Bytes of an activation: bf16 on a GPU is 2, float32 and numpy's bf16 emulation (in float32) 4."""
+    return 2 if cfg.backend == "cuda" and cfg.dtype == "bf16" else 4
+
+
+def check_memory(cfg: TrainConfig, config, ranks_on_node: int, devices: list) -> list[str]:
+    """Refuse a run whose ranks cannot fit in the memory they share (memory.py): on the CPU, this machine's
+    for all the job's ranks on it; on GPUs, each GPU's for the ranks placed on it. The job's smallest
+    per-rank figures are used, so whichever ranks are here, the bound holds. Returns the notes for runs
+    that fit only if their ranks' steps do not overlap."""
+    needs = sorted(memory.rank_memories(config, cfg, act_itemsize(cfg)), key=lambda n: (n.persistent, n.activations))
+    if cfg.backend != "cuda":
+        note = memory.check_fits(needs[:ranks_on_node], memory.host_available_bytes(), "this machine", cfg)
+        return [note] if note else []
+    from ..backend.cuda.ops import device_free_bytes
+    notes = [memory.check_fits(needs[:devices.count(device)], device_free_bytes(device), f"GPU {device}", cfg)
+             for device in sorted(set(devices))]
+    return [note for note in notes if note]
+
+
+def warn_oversubscribed(cfg: TrainConfig, ranks_on_node: int, log) -> None:
+    """--cpu-threads asking for more BLAS threads than the cores is allowed (the user may know the machine
+    better than its affinity mask), but said: OpenBLAS threads past the cores spin against each other, and
+    a step on a 2-core machine ran 12x slower with 8 threads than with 2."""
+    cores = numpy_ops.available_cores()
+    if cfg.backend == "numpy" and cfg.cpu_threads and cfg.cpu_threads * ranks_on_node > cores:
+        log(f"note: --cpu-threads {cfg.cpu_threads} x {ranks_on_node} rank(s) on this machine is "
+            f"{cfg.cpu_threads * ranks_on_node} BLAS threads on {cores} cores: threads beyond the cores slow "
+            "the step down, often many times over (leave --cpu-threads out to share the cores)")
