@@ -17,8 +17,9 @@ from ..eval.hellaswag import HellaSwag
 from ..eval.hellaswag import load as load_hellaswag
 from ..eval.sample import continuation, prompt_ids
 from ..model import GPT2
-from ..optim import lr_at, make_optimizer
+from ..optim import lr_at
 from ..parallel.ddp import make_grad_sync
+from ..parallel.zero import make_optimizer
 from ..profile import OpProfiler, flops_per_token, mfu
 from . import metrics
 
