@@ -27,42 +27,20 @@ from . import metrics
 @dataclass
 class RankResult:
     rank: int
-    losses: list[float] = field(default_factory=list)       # global-batch mean loss of every step
-    grad_norms: list[float] = field(default_factory=list)   # before clipping
-    lrs: list[float] = field(default_factory=list)
-    step_ms: list[float] = field(default_factory=list)
-    val_losses: list[list] = field(default_factory=list)     # [step, validation loss] of every evaluation
-    hellaswag: list[list] = field(default_factory=list)      # [step, --hellaswag accuracy] of every evaluation
-    samples: list[list] = field(default_factory=list)        # [step, text] of every --sample-every draw (rank 0)
+    # every step's metrics record (metrics.py: loss, lr, grad_norm, ms, comm_ms, exposed_comm_ms, and val_loss,
+    # hellaswag, sample where the step had them), in step order: the report derives its lists from them
+    records: list[dict] = field(default_factory=list)
     start_step: int = 0                                     # steps done before this run (resumed from a checkpoint)
     stopped_at: int = 0                                     # the step a stop request ended the run after (0: none)
     param_sha256: str = ""                                  # of the flat parameter buffer after the last step
     num_params: int = 0
     step_flops: float = 0.0                                 # model flops of one step, all ranks (MFU's numerator)
     optimizer_state_bytes: int = 0
-    # communication (ddp.py): seconds per step in collectives, and the part the rank's thread waited for
-    comm_s: list[float] = field(default_factory=list)
-    exposed_comm_s: list[float] = field(default_factory=list)
-    comm_calls: int = 0                                     # collectives in the last step
+    comm_calls: int = 0                                     # collectives in the last step (ddp.py)
     param_bytes: int = 0
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
     profile: list | None = None      # --profile-step: OpProfiler.rows of that step
-
-    def add(self, record: dict) -> None:
-        """Keep one step's figures (a metrics record)."""
-        self.losses.append(record["loss"])
-        self.grad_norms.append(record["grad_norm"])
-        self.lrs.append(record["lr"])
-        self.step_ms.append(record["ms"])
-        self.comm_s.append(record["comm_ms"] / 1e3)
-        self.exposed_comm_s.append(record["exposed_comm_ms"] / 1e3)
-        if "val_loss" in record:
-            self.val_losses.append([record["step"], record["val_loss"]])
-        if "hellaswag" in record:
-            self.hellaswag.append([record["step"], record["hellaswag"]])
-        if "sample" in record:
-            self.samples.append([record["step"], record["sample"]])
 
 
 def param_sha256(model) -> str:
@@ -173,7 +151,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         if prompt is not None and (done % cfg.sample_every == 0 or done == cfg.steps):
             record["sample"] = continuation(model, corpus.tokenizer, prompt, cfg.sample_tokens, seed=cfg.seed,
                                             show_prompt=bool(cfg.sample_prompt))
-        result.add(record)
+        result.records.append(record)
         # the run's first step, then steps N, 2N, ... of --log-every N, and every step that has more to show
         if rank == 0 and (step == start or done % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)
                           or "sample" in record or stopping):
