@@ -12,7 +12,7 @@ from ..comm.timed import TimedCommunicator
 from ..config import TrainConfig, model_config
 from ..data.corpus import BatchSampler, Corpus
 from ..errors import XtrainError
-from ..eval.evaluate import Evaluator, is_eval_step
+from ..eval.evaluate import Evaluator
 from ..eval.hellaswag import HellaSwag
 from ..eval.hellaswag import load as load_hellaswag
 from ..eval.sample import continuation, prompt_ids
@@ -22,6 +22,7 @@ from ..parallel.ddp import make_grad_sync
 from ..parallel.zero import make_optimizer
 from ..profile import OpProfiler, flops_per_token, mfu
 from . import metrics
+from .cadence import Cadence
 
 
 @dataclass
@@ -100,9 +101,10 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                         start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
                         zero_shards=optimizer.shards,
                         step_flops=flops_per_token(model.config, model.num_params, cfg.seq) * cfg.batch * cfg.seq)
+    cadence = Cadence(cfg, start)
 
     for step in range(start, cfg.steps):
-        profiling = step + 1 == cfg.profile_step  # never with profile_step 0: steps count from 1
+        profiling = cadence.profiles(step + 1)
         if profiling:
             ops.active = True
         t0 = time.perf_counter()
@@ -129,7 +131,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             result.profile, ops.active = OpProfiler.rows(ops.report()), False
         comm_s, exposed_s, result.comm_calls = step_comm.take()
         done = step + 1
-        stopping = stops > 0 and done < cfg.steps
+        stopping = cadence.stops(done, stops > 0)
         record = {"step": done, "loss": float(loss_host), "lr": lr, "grad_norm": float(np.sqrt(norm_sq_host)),
                   "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
                   "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
@@ -143,24 +145,22 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             raise XtrainError(f"step {done}: training diverged (loss {record['loss']}, gradient norm "
                               f"{record['grad_norm']}): the parameters are no longer finite, so the run "
                               "stops here and saves nothing; lower --lr")
-        if is_eval_step(done, cfg):
+        if cadence.evaluates(done):
             if evaluator:
                 record["val_loss"] = evaluator.loss(model, comm)
             if multiple_choice:
                 record["hellaswag"] = multiple_choice.accuracy(model, comm)
-        if prompt is not None and (done % cfg.sample_every == 0 or done == cfg.steps):
+        if prompt is not None and cadence.samples(done):
             record["sample"] = continuation(model, corpus.tokenizer, prompt, cfg.sample_tokens, seed=cfg.seed,
                                             show_prompt=bool(cfg.sample_prompt))
         result.records.append(record)
-        # the run's first step, then steps N, 2N, ... of --log-every N, and every step that has more to show
-        if rank == 0 and (step == start or done % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)
-                          or "sample" in record or stopping):
+        if rank == 0 and cadence.logs(done, stopping):
             log(metrics.progress_line(record, cfg.steps))
         if "sample" in record:
             log(f"--- sample at step {done} ---\n{record['sample']}\n---")
         if rank == 0 and cfg.metrics:
             metrics.append(cfg.metrics, record)
-        for folder in checkpoint.folders_to_save(cfg, done, stopping):
+        for folder in cadence.saves(done, stopping):
             checkpoint.save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
                             model=model, optimizer=optimizer, sampler=sampler)
             if rank == 0:
