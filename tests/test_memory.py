@@ -18,7 +18,7 @@ from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSamp
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.eval.evaluate import Evaluator
 from xtrain_dist.model import GPT2
-from xtrain_dist.optim import make_optimizer
+from xtrain_dist.parallel.zero import make_optimizer
 from xtrain_dist.train import memory
 from xtrain_dist.train.loop import micro_batches
 

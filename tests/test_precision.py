@@ -18,7 +18,8 @@ from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.model import GPT2
-from xtrain_dist.optim import AdamW, ShardedAdamW
+from xtrain_dist.optim import AdamW
+from xtrain_dist.parallel.zero import ShardedAdamW
 from xtrain_dist.precision import BF16_EPS, bf16_ulp
 from xtrain_dist.train.job import train
 

@@ -8,7 +8,7 @@ import pytest
 from xtrain_dist.config import TrainConfig
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.model import ALIGN
-from xtrain_dist.optim import shard_bounds
+from xtrain_dist.parallel.zero import shard_bounds
 from xtrain_dist.train.job import train
 
 TINY_SIZE = 370432  # elements of the tiny model's flat buffer: 11576 x ALIGN, not a multiple of 3 x ALIGN

@@ -1,9 +1,10 @@
-"""AdamW over the flat buffers, its ZeRO-1 sharded form, and the learning-rate schedule.
+"""AdamW over the flat buffers, and the learning-rate schedule.
 
 The optimizer never loops over tensors: one adamw_update call covers the whole flat parameter
-buffer (or, sharded, one contiguous slice of it), with a per-element decay mask saying which
-entries get weight decay. Under mixed precision it updates the float32 master parameters and
-rewrites the bfloat16 copy that forward reads in the same pass (model.params_lowp).
+buffer (or, sharded, one contiguous slice of it: ZeRO-1, parallel/zero.py), with a per-element
+decay mask saying which entries get weight decay. Under mixed precision it updates the float32
+master parameters and rewrites the bfloat16 copy that forward reads in the same pass
+(model.params_lowp).
 """
 
 import math
@@ -12,7 +13,6 @@ import numpy as np
 
 from .config import TrainConfig
 from .errors import XtrainError
-from .model import ALIGN
 
 # the shapes the rate may take after warmup (--lr-schedule); llm.c's schedulers.h offers the same four
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
@@ -117,68 +117,3 @@ class AdamW:
         self.m[...] = self.ops.from_host(np.ascontiguousarray(m[take], dtype=self.m.dtype))
         self.v[...] = self.ops.from_host(np.ascontiguousarray(v[take], dtype=self.v.dtype))
         self.step_count = int(state["step_count"])
-
-def shard_bounds(size: int, world_size: int) -> list[tuple[int, int]]:
-    """ZeRO-1's shards: world_size contiguous slices of the flat buffer, cut on ALIGN boundaries (so
-    every shard is aligned for vector loads) and as equal as that allows: sizes differ by at most
-    ALIGN elements. Nothing is padded; the shards are simply not all the same size."""
-    units = -(-size // ALIGN)
-    cuts = [min(size, (r * units // world_size) * ALIGN) for r in range(world_size)] + [size]
-    return [(cuts[r], cuts[r + 1]) for r in range(world_size)]
-
-
-class ShardedAdamW(AdamW):
-    """ZeRO-1: the optimizer state is sharded over the ranks; parameters and gradients are not.
-
-    Rank r owns params[lo:hi] for its shard (lo, hi) = shards[r]. Gradient sync reduce-scatters the
-    gradients so that grads[lo:hi] holds the sum over ranks (the rest of grads is left unreduced and
-    is never read); the global norm is an all-reduce of each shard's sum of squares, in rank order,
-    so every rank clips with the same bits; AdamW updates the shard with m and v that exist for it
-    alone; an all-gather then gives every rank every updated shard. Per element the arithmetic is
-    AdamW's, so the run follows the unsharded one (up to the norm's summation order).
-
-    Mixed precision: the float32 shards are gathered, and every rank then rewrites its whole bf16
-    copy from them (model.refresh_lowp), rather than gathering the bf16 copies as well. Parameters
-    stay whole and bitwise equal on every rank here (checkpoints, digests and resume rely on it), so
-    the float32 gather is needed anyway; after it the copy is one local, memory-bound pass (6 bytes
-    per parameter of device memory traffic), where gathering the bf16 shards too would add half
-    again to the gather's bytes over the interconnect, the slower of the two by far. What would
-    halve the gather instead is ZeRO-1 as DeepSpeed runs mixed precision: float32 masters sharded
-    with m and v, only bf16 gathered; that changes what a rank's `params` means (a checkpoint then
-    gathers the masters) and is not done here."""
-
-    def __init__(self, model, cfg: TrainConfig, comm):
-        self.model = model
-        self.ops = model.ops
-        self.cfg = cfg
-        self.comm = comm
-        self.shards = shard_bounds(model.size, comm.world_size)
-        self.lo, self.hi = self.shards[comm.rank]
-        self.counts = [hi - lo for lo, hi in self.shards]
-        xp = self.ops.xp
-        self.m = xp.zeros(self.hi - self.lo, dtype=model.params.dtype)
-        self.v = xp.zeros(self.hi - self.lo, dtype=model.params.dtype)
-        self.step_count = 0
-
-    sharded = True  # checkpoints save each rank's optimizer state (checkpoint.py)
-
-    @property
-    def state_range(self) -> tuple[int, int]:
-        return self.lo, self.hi
-
-    def grad_norm_squared(self):
-        partial = self.ops.global_norm_squared(self.model.grads[self.lo:self.hi])
-        self.comm.all_reduce(partial)
-        return partial
-
-    def step(self, lr: float, grad_scale) -> None:
-        self.step_count += 1
-        c, m, lo, hi = self.cfg, self.model, self.lo, self.hi
-        self.ops.adamw_update(m.params[lo:hi], m.grads[lo:hi], self.m, self.v, m.decay_mask[lo:hi],
-                              self.step_count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, grad_scale)
-        self.comm.all_gather(m.params[lo:hi], m.params, self.counts)
-        m.refresh_lowp()  # the bf16 copy of every shard, from the gathered float32 (see above)
-
-
-def make_optimizer(model, cfg: TrainConfig, comm):
-    return ShardedAdamW(model, cfg, comm) if cfg.zero else AdamW(model, cfg)

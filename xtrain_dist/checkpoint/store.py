@@ -206,36 +206,6 @@ def refuse_another_runs_checkpoint(folder, resume) -> None:
                       f"'{folder}' to continue it, or a new folder; it is not replaced")
 
 
-def kept_folder(save_dir, step: int) -> Path:
-    """Where --keep-every keeps the checkpoint of `step`: DIR.step000300 beside DIR, never replaced by the
-    saves into DIR."""
-    folder = Path(save_dir)
-    if not folder.name:  # "." or "..": name it
-        folder = Path(os.path.abspath(save_dir))
-    return folder.with_name(f"{folder.name}.step{step:06d}")
-
-
-def folders_to_save(cfg: TrainConfig, step: int, stopping: bool = False) -> list[Path]:
-    """The checkpoints to write after `step`: DIR at every --save-every step, the last, and the one a stop
-    request ends the run after (`stopping`); a kept one of its own at every --keep-every step."""
-    folders = []
-    if cfg.save_dir and (step == cfg.steps or stopping or (cfg.save_every and step % cfg.save_every == 0)):
-        folders.append(Path(cfg.save_dir))
-    if cfg.save_dir and cfg.keep_every and step % cfg.keep_every == 0:
-        folders.append(kept_folder(cfg.save_dir, step))
-    return folders
-
-
-def refuse_existing_kept_folders(cfg: TrainConfig, start: int) -> None:
-    """A kept checkpoint is written once and never replaced: a folder already where this run (continuing
-    after step `start`) would keep one is refused before training, whatever it holds."""
-    first = (start // cfg.keep_every + 1) * cfg.keep_every
-    for step in range(first, cfg.steps + 1, cfg.keep_every):
-        if os.path.lexists(folder := kept_folder(cfg.save_dir, step)):
-            raise XtrainError(f"--keep-every {cfg.keep_every}: '{folder}' already exists, and this run would keep "
-                              f"its step {step} there; move it away or give another --save-dir")
-
-
 # ---------------------------------------------------------------------------------------------- save
 def hf_config(config: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) -> dict:
     """config.json as transformers' GPT2Config reads it (without a tokenizer, no bos/eos ids).

@@ -54,13 +54,6 @@ class Evaluator:
         return float(self.ops.to_host(total)[0]) / self.n_tokens
 
 
-def is_eval_step(done: int, cfg) -> bool:
-    """After `done` steps: every eval_every steps, and at the end of the run (where there is something to
-    evaluate: a validation loss or --hellaswag)."""
-    evaluates = cfg.eval_batches > 0 or bool(cfg.hellaswag)
-    return evaluates and (done == cfg.steps or (cfg.eval_every > 0 and done % cfg.eval_every == 0))
-
-
 def check(cfg, corpus, log):
     """Before the run: validation ids too few for SEQ are an error where the command line asked for them
     (--val-corpus, or --eval-every without --hellaswag), and skip only the default end-of-run evaluation on

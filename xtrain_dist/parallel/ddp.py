@@ -207,10 +207,12 @@ def report_fields(cfg, results) -> dict:
     """The report's communication and memory fields, from every rank's RankResult.
 
     comm_s and exposed_comm_s are means over this process's ranks and steps (the first step, which pays for
-    warm-up, left out when there are others)."""
+    warm-up, left out when there are others) of the seconds a step spent in collectives, and of the part of
+    them the rank's thread waited for (each step record's comm_ms and exposed_comm_ms)."""
 
-    def mean(per_rank_lists) -> float:
-        values = [v for steps in per_rank_lists for v in (steps[1:] or steps)]
+    def mean(key: str) -> float:
+        per_rank = [[record[key] / 1e3 for record in r.records] for r in results]
+        values = [v for steps in per_rank for v in (steps[1:] or steps)]
         return sum(values) / len(values)
 
     return {
@@ -219,8 +221,8 @@ def report_fields(cfg, results) -> dict:
         "grad_compress": cfg.grad_compress,
         "zero": cfg.zero,
         "grad_accum": cfg.grad_accum,
-        "comm_s": mean([r.comm_s for r in results]),
-        "exposed_comm_s": mean([r.exposed_comm_s for r in results]),
+        "comm_s": mean("comm_ms"),
+        "exposed_comm_s": mean("exposed_comm_ms"),
         "comm_calls_per_step": results[0].comm_calls,
         # every rank's shard, also those of other processes: each process cuts the same shards
         "zero_shards": [list(shard) for shard in results[0].zero_shards] if cfg.zero else None,

@@ -94,7 +94,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
     wall = time.perf_counter() - t0
     results = [result for result, _ in outcomes]
     lead = results[0]
-    timed = lead.step_ms[1:] or lead.step_ms  # the first step pays for warm-up
+    step_ms = figures(lead.records, "ms")
+    timed = step_ms[1:] or step_ms  # the first step pays for warm-up
     ms = float(np.mean(timed))
     mcfg = model_config(cfg.model, corpus.vocab_size)
     return {
@@ -108,13 +109,13 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "start_step": lead.start_step,  # losses[i] is the loss of step start_step + i + 1
         # a stop signal ended the run after this step (the signal: None where it reached another process)
         "stopped": {"step": lead.stopped_at, "signal": stop.signal_name} if lead.stopped_at else None,
-        "losses": lead.losses,
-        "val_losses": lead.val_losses,
-        "hellaswag": lead.hellaswag,
-        "samples": lead.samples,
-        "grad_norms": lead.grad_norms,
-        "lrs": lead.lrs,
-        "step_ms": lead.step_ms,
+        "losses": figures(lead.records, "loss"),  # the global batch's mean loss
+        "val_losses": figures_at(lead.records, "val_loss"),
+        "hellaswag": figures_at(lead.records, "hellaswag"),
+        "samples": figures_at(lead.records, "sample"),  # rank 0 draws them
+        "grad_norms": figures(lead.records, "grad_norm"),  # before clipping
+        "lrs": figures(lead.records, "lr"),
+        "step_ms": step_ms,
         "ms_per_step": ms,
         "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
         "mfu": mfu(lead.step_flops, ms, peak_flops) if peak_flops else None,  # of the mean step
@@ -186,11 +187,21 @@ def gpu_memory(cfg: TrainConfig, devices: list) -> dict:
     return {"gpu_pool_bytes": {str(device): pool_bytes(device) for device in sorted(set(devices))}}
 
 
+def figures(records: list[dict], key: str) -> list:
+    """`key` of every step record (the report's per-step lists: losses, lrs, step times)."""
+    return [record[key] for record in records]
+
+
+def figures_at(records: list[dict], key: str) -> list[list]:
+    """[step, `key`] of the step records that have it: the evaluations' figures, the samples drawn."""
+    return [[record["step"], record[key]] for record in records if key in record]
+
+
 def profile_of(lead, step: int) -> dict:
     """The report's --profile-step section: the step's time and collectives on local rank 0, and its ops."""
-    i = step - lead.start_step - 1
-    return {"step": step, "step_ms": lead.step_ms[i], "comm_ms": lead.comm_s[i] * 1e3,
-            "exposed_comm_ms": lead.exposed_comm_s[i] * 1e3, "ops": lead.profile}
+    record = lead.records[step - lead.start_step - 1]
+    return {"step": step, "step_ms": record["ms"], "comm_ms": record["comm_ms"],
+            "exposed_comm_ms": record["exposed_comm_ms"], "ops": lead.profile}
 
 
 def every_ranks_facts(comm, result, backend: str) -> dict[str, list]:

@@ -12,56 +12,36 @@ from ..comm.timed import TimedCommunicator
 from ..config import TrainConfig, model_config
 from ..data.corpus import BatchSampler, Corpus
 from ..errors import XtrainError
-from ..eval.evaluate import Evaluator, is_eval_step
+from ..eval.evaluate import Evaluator
 from ..eval.hellaswag import HellaSwag
 from ..eval.hellaswag import load as load_hellaswag
 from ..eval.sample import continuation, prompt_ids
 from ..model import GPT2
-from ..optim import lr_at, make_optimizer
+from ..optim import lr_at
 from ..parallel.ddp import make_grad_sync
+from ..parallel.zero import make_optimizer
 from ..profile import OpProfiler, flops_per_token, mfu
 from . import metrics
+from .cadence import Cadence
 
 
 @dataclass
 class RankResult:
     rank: int
-    losses: list[float] = field(default_factory=list)       # global-batch mean loss of every step
-    grad_norms: list[float] = field(default_factory=list)   # before clipping
-    lrs: list[float] = field(default_factory=list)
-    step_ms: list[float] = field(default_factory=list)
-    val_losses: list[list] = field(default_factory=list)     # [step, validation loss] of every evaluation
-    hellaswag: list[list] = field(default_factory=list)      # [step, --hellaswag accuracy] of every evaluation
-    samples: list[list] = field(default_factory=list)        # [step, text] of every --sample-every draw (rank 0)
+    # every step's metrics record (metrics.py: loss, lr, grad_norm, ms, comm_ms, exposed_comm_ms, and val_loss,
+    # hellaswag, sample where the step had them), in step order: the report derives its lists from them
+    records: list[dict] = field(default_factory=list)
     start_step: int = 0                                     # steps done before this run (resumed from a checkpoint)
     stopped_at: int = 0                                     # the step a stop request ended the run after (0: none)
     param_sha256: str = ""                                  # of the flat parameter buffer after the last step
     num_params: int = 0
     step_flops: float = 0.0                                 # model flops of one step, all ranks (MFU's numerator)
     optimizer_state_bytes: int = 0
-    # communication (ddp.py): seconds per step in collectives, and the part the rank's thread waited for
-    comm_s: list[float] = field(default_factory=list)
-    exposed_comm_s: list[float] = field(default_factory=list)
-    comm_calls: int = 0                                     # collectives in the last step
+    comm_calls: int = 0                                     # collectives in the last step (ddp.py)
     param_bytes: int = 0
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
     profile: list | None = None      # --profile-step: OpProfiler.rows of that step
-
-    def add(self, record: dict) -> None:
-        """Keep one step's figures (a metrics record)."""
-        self.losses.append(record["loss"])
-        self.grad_norms.append(record["grad_norm"])
-        self.lrs.append(record["lr"])
-        self.step_ms.append(record["ms"])
-        self.comm_s.append(record["comm_ms"] / 1e3)
-        self.exposed_comm_s.append(record["exposed_comm_ms"] / 1e3)
-        if "val_loss" in record:
-            self.val_losses.append([record["step"], record["val_loss"]])
-        if "hellaswag" in record:
-            self.hellaswag.append([record["step"], record["hellaswag"]])
-        if "sample" in record:
-            self.samples.append([record["step"], record["sample"]])
 
 
 def param_sha256(model) -> str:
@@ -121,9 +101,10 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                         start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
                         zero_shards=optimizer.shards,
                         step_flops=flops_per_token(model.config, model.num_params, cfg.seq) * cfg.batch * cfg.seq)
+    cadence = Cadence(cfg, start)
 
     for step in range(start, cfg.steps):
-        profiling = step + 1 == cfg.profile_step  # never with profile_step 0: steps count from 1
+        profiling = cadence.profiles(step + 1)
         if profiling:
             ops.active = True
         t0 = time.perf_counter()
@@ -150,7 +131,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             result.profile, ops.active = OpProfiler.rows(ops.report()), False
         comm_s, exposed_s, result.comm_calls = step_comm.take()
         done = step + 1
-        stopping = stops > 0 and done < cfg.steps
+        stopping = cadence.stops(done, stops > 0)
         record = {"step": done, "loss": float(loss_host), "lr": lr, "grad_norm": float(np.sqrt(norm_sq_host)),
                   "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
                   "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
@@ -164,24 +145,22 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             raise XtrainError(f"step {done}: training diverged (loss {record['loss']}, gradient norm "
                               f"{record['grad_norm']}): the parameters are no longer finite, so the run "
                               "stops here and saves nothing; lower --lr")
-        if is_eval_step(done, cfg):
+        if cadence.evaluates(done):
             if evaluator:
                 record["val_loss"] = evaluator.loss(model, comm)
             if multiple_choice:
                 record["hellaswag"] = multiple_choice.accuracy(model, comm)
-        if prompt is not None and (done % cfg.sample_every == 0 or done == cfg.steps):
+        if prompt is not None and cadence.samples(done):
             record["sample"] = continuation(model, corpus.tokenizer, prompt, cfg.sample_tokens, seed=cfg.seed,
                                             show_prompt=bool(cfg.sample_prompt))
-        result.add(record)
-        # the run's first step, then steps N, 2N, ... of --log-every N, and every step that has more to show
-        if rank == 0 and (step == start or done % cfg.log_every == 0 or done == cfg.steps or is_eval_step(done, cfg)
-                          or "sample" in record or stopping):
+        result.records.append(record)
+        if rank == 0 and cadence.logs(done, stopping):
             log(metrics.progress_line(record, cfg.steps))
         if "sample" in record:
             log(f"--- sample at step {done} ---\n{record['sample']}\n---")
         if rank == 0 and cfg.metrics:
             metrics.append(cfg.metrics, record)
-        for folder in checkpoint.folders_to_save(cfg, done, stopping):
+        for folder in cadence.saves(done, stopping):
             checkpoint.save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
                             model=model, optimizer=optimizer, sampler=sampler)
             if rank == 0:

@@ -20,7 +20,7 @@ from ..backend.cuda import cublaslt
 from ..config import GPTConfig
 from ..errors import XtrainError
 from ..model import param_layout
-from ..optim import shard_bounds
+from ..parallel.zero import shard_bounds
 
 GIB = float(1 << 30)
 ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}

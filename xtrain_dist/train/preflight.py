@@ -4,6 +4,7 @@ process of the job must agree on. Each problem is one XtrainError naming it, rai
 trains, so bad input never costs a rendezvous, a compile or a half-written checkpoint.
 """
 
+import os
 from dataclasses import dataclass, replace
 
 from .. import files, precision
@@ -19,6 +20,7 @@ from ..model import check_recompute
 from ..optim import check_schedule
 from ..parallel import ddp
 from . import memory, metrics
+from .cadence import Cadence, kept_folder
 
 AUTO_RESUME = "auto"  # --resume auto
 
@@ -140,7 +142,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world
             for line in [f"resuming '{cfg.resume}' after step {step}", *notes]:
                 log(line)
     if cfg.keep_every and launch.process_rank == 0:
-        checkpoint.refuse_existing_kept_folders(cfg, first - 1)
+        refuse_existing_kept_folders(cfg, first - 1)
     init_weights = check_init_from(cfg, corpus) if cfg.init_from else None
     if init_weights is not None and launch.process_rank == 0:
         log(f"starting from the weights in '{cfg.init_from}'")
@@ -190,6 +192,15 @@ def resolve_auto_resume(cfg: TrainConfig) -> TrainConfig:
     if checkpoint.is_checkpoint(cfg.save_dir):
         return replace(cfg, resume=cfg.save_dir, init_from=None)
     return replace(cfg, resume=None)
+
+
+def refuse_existing_kept_folders(cfg: TrainConfig, start: int) -> None:
+    """A kept checkpoint is written once and never replaced: a folder already where this run (continuing
+    after step `start`) would keep one is refused before training, whatever it holds."""
+    for step in Cadence(cfg, start).kept_steps:
+        if os.path.lexists(folder := kept_folder(cfg.save_dir, step)):
+            raise XtrainError(f"--keep-every {cfg.keep_every}: '{folder}' already exists, and this run would keep "
+                              f"its step {step} there; move it away or give another --save-dir")
 
 
 def _shape(c) -> str:
