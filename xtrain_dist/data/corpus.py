@@ -46,23 +46,8 @@ def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
     return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
-@contextlib.contextmanager
-def reading(what: str, path: Path):
-    """Turn an OSError raised while reading `path` into one XtrainError that names it as `what`."""
-    try:
-        yield
-    except FileNotFoundError:
-        raise XtrainError(f"{what} '{path}' not found") from None
-    except IsADirectoryError:
-        raise XtrainError(f"{what} '{path}' is a directory, not a file") from None
-    except PermissionError:
-        raise XtrainError(f"{what} '{path}' cannot be read (permission denied)") from None
-    except OSError as err:
-        raise XtrainError(f"{what} '{path}' cannot be read ({err.strerror or first_line(err)})") from None
-
-
 def _read_file(what: str, path: Path) -> bytes:
-    with reading(what, path):
+    with files.reading(what, path):
         return path.read_bytes()
 
 
@@ -306,7 +291,7 @@ def _is_token_file(path: Path) -> bool:
 
 
 def _open_token_file(what: str, path: Path) -> _Span:
-    with reading(what, path), open(path, "rb") as f:
+    with files.reading(what, path), open(path, "rb") as f:
         header, size = f.read(TOKEN_FILE_HEADER_BYTES), os.fstat(f.fileno()).st_size
     if len(header) < TOKEN_FILE_HEADER_BYTES:
         raise XtrainError(f"{what} '{path}' is not an llm.c token file (shorter than its "
