@@ -14,7 +14,8 @@ from xtrain_dist.backend import numpy_ops
 from xtrain_dist.checkpoint import store as checkpoint
 from xtrain_dist.checkpoint.safetensors_io import write_safetensors
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.sampler import BatchSampler
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.model import GPT2
 from xtrain_dist.train.cli import main

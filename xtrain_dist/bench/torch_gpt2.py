@@ -166,7 +166,8 @@ def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, 
 
     from .. import model as our_model
     from ..backend import numpy_ops
-    from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+    from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from ..data.sampler import BatchSampler
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank, world_size=world)

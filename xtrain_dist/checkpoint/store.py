@@ -44,7 +44,7 @@ import tokenizers
 
 from .. import __version__
 from ..config import GPTConfig, TrainConfig, model_config
-from ..data.corpus import BatchSampler
+from ..data.sampler import BatchSampler
 from ..errors import XtrainError
 from ..files import loads_json, probe_in
 from ..model import param_layout

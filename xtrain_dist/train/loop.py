@@ -10,7 +10,8 @@ from ..backend import get_backend
 from ..checkpoint import store as checkpoint
 from ..comm.timed import TimedCommunicator
 from ..config import TrainConfig, model_config
-from ..data.corpus import BatchSampler, Corpus
+from ..data.corpus import Corpus
+from ..data.sampler import BatchSampler
 from ..errors import XtrainError
 from ..eval.evaluate import Evaluator, is_eval_step
 from ..eval.hellaswag import HellaSwag
