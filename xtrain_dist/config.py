@@ -96,7 +96,7 @@ class TrainConfig:
     report: str | None = None
     log_every: int = 1
     profile_step: int = 0           # time every op of this step on each rank (profile.py); 0: none
-    # checkpoints, evaluation and metrics (checkpoint.py, evaluate.py, metrics.py)
+    # checkpoints, evaluation and metrics (checkpoint/, eval/evaluate.py, train/metrics.py)
     save_dir: str | None = None     # the latest checkpoint lives here, replaced atomically at each save
     save_every: int = 0             # also save every N steps; 0: only at the end
     keep_every: int = 0             # also save every N-th step into a folder of its own, DIR.stepNNNNNN

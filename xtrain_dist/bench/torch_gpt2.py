@@ -84,7 +84,7 @@ def hf_model(config: GPTConfig, state_dict: dict):
     import torch
     import transformers
 
-    from ..checkpoint.store import GPT2_MASK_BUFFER, hf_config
+    from ..checkpoint.hf import GPT2_MASK_BUFFER, hf_config
 
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(hf_config(config)))
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict.items()}
