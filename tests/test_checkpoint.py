@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from xtrain_dist.backend import numpy_ops
-from xtrain_dist.checkpoint import store as checkpoint
+from xtrain_dist.checkpoint import resume, store
 from xtrain_dist.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from xtrain_dist.comm.local import LocalGroup, _chunk
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.sampler import BatchSampler
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.eval.evaluate import Evaluator
 from xtrain_dist.model import GPT2
@@ -104,7 +105,7 @@ def test_transformers_computes_our_logits_for_weights_far_from_their_init(corpus
     transformers = pytest.importorskip("transformers")
     cfg = config(20)
     model, optimizer, sampler = objects(corpus, cfg)
-    used = checkpoint.layout_size(model.config)
+    used = store.layout_size(model.config)
     model.params[:used] = np.random.default_rng(0).standard_normal(used).astype(np.float32) * 0.3
     save_world1(tmp_path / "ck", corpus, cfg, model, optimizer, sampler)
     ids = corpus.val[:64].astype(np.int32).reshape(2, 32)
@@ -135,7 +136,7 @@ def test_the_folder_holds_the_files_the_manifest_vouches_for(saved):
              "trainer_state.json", "manifest.json"}
     assert {p.name for p in folder.iterdir()} == names
     assert not list(folder.parent.glob(".ck.*"))  # no temporary or aside left behind
-    ckpt = checkpoint.open_checkpoint(folder, read="*")
+    ckpt = store.open_checkpoint(folder, read="*")
     assert set(ckpt.manifest["files"]) == names - {"manifest.json"}
     state = ckpt.state
     assert state["step"] == 3 and state["world_size"] == 2 and state["optimizer"]["step_count"] == 3
@@ -259,7 +260,7 @@ def test_keep_every_keeps_each_nth_step_in_its_own_folder_and_a_branch_from_it_i
     assert [line for line in lines if line.startswith("saved")] == \
         [f"saved checkpoint '{kept[0]}' at step 2", f"saved checkpoint '{kept[1]}' at step 4",
          f"saved checkpoint '{tmp_path / 'ck'}' at step 6", f"saved checkpoint '{kept[2]}' at step 6"]
-    assert [checkpoint.open_checkpoint(k).state["step"] for k in kept] == [2, 4, 6]
+    assert [store.open_checkpoint(k).state["step"] for k in kept] == [2, 4, 6]
     assert digests(kept[2]) == digests(tmp_path / "ck")  # the same step, the same bytes
     branched = run(corpus, 6, world=2, resume=kept[0], save_dir=tmp_path / "branch")
     assert branched["losses"] == full["losses"][2:] and branched["param_sha256"] == full["param_sha256"]
@@ -360,7 +361,7 @@ def test_the_command_line_resumes_bitwise(tmp_path):
 
 
 def test_the_ranks_of_a_process_share_one_read_and_the_last_lets_it_go():
-    """Three rank threads restore from one read of a checkpoint (checkpoint.Shared): read once, on first
+    """Three rank threads restore from one read of a checkpoint (store.Shared): read once, on first
     use, the same object for all, and dropped once the last rank is done, also where one of them failed."""
     import threading
 
@@ -370,7 +371,7 @@ def test_the_ranks_of_a_process_share_one_read_and_the_last_lets_it_go():
         reads.append(1)
         return {"bytes": bytearray(8)}
 
-    shared = checkpoint.Shared(3, read=read, path="ck")
+    shared = store.Shared(3, read=read, path="ck")
     barrier = threading.Barrier(3)
 
     def rank(r):
@@ -390,7 +391,7 @@ def test_the_ranks_of_a_process_share_one_read_and_the_last_lets_it_go():
         t.join(10)
     assert len(reads) == 1 and len(seen) == 3 and all(v is seen[0] for v in seen)
     assert shared._value is None  # the process no longer holds the bytes
-    given = checkpoint.Shared(1, value={"w": 1}, read=lambda: pytest.fail("a given value is never read again"))
+    given = store.Shared(1, value={"w": 1}, read=lambda: pytest.fail("a given value is never read again"))
     with given.use() as value:
         assert value == {"w": 1}
 
@@ -405,7 +406,7 @@ def objects(corpus, cfg, pad=1, rank=0, world=1, optimizer_class=AdamW):
 def scramble(model, optimizer, sampler, seed):
     """Give every piece of state values that a restore could not get right by accident."""
     rng = np.random.default_rng(seed)
-    used = checkpoint.layout_size(model.config)
+    used = store.layout_size(model.config)
     model.params[:used] += rng.standard_normal(used).astype(np.float32) * 1e-3
     optimizer.m[:used] = rng.standard_normal(used).astype(np.float32)
     optimizer.v[:used] = rng.random(used).astype(np.float32)
@@ -415,8 +416,8 @@ def scramble(model, optimizer, sampler, seed):
 
 
 def save_world1(folder, corpus, cfg, model, optimizer, sampler, step=17):
-    checkpoint.save(folder, rank=0, comm=LocalGroup(1).communicator(0), step=step, cfg=cfg, corpus=corpus,
-                    model=model, optimizer=optimizer, sampler=sampler)
+    resume.save(folder, rank=0, comm=LocalGroup(1).communicator(0), step=step, cfg=cfg, corpus=corpus,
+                model=model, optimizer=optimizer, sampler=sampler)
 
 
 class ShardOfAdamW(AdamW):
@@ -452,7 +453,7 @@ def test_restore_gives_back_every_bit(corpus, tmp_path):
     scramble(model, optimizer, sampler, 3)
     save_world1(tmp_path / "ck", corpus, cfg, model, optimizer, sampler)
     again = objects(corpus, cfg)
-    assert checkpoint.restore(tmp_path / "ck", *again) == 17
+    assert resume.restore(tmp_path / "ck", *again) == 17
     assert again[0].params.tobytes() == model.params.tobytes()
     assert again[1].m.tobytes() == optimizer.m.tobytes() and again[1].v.tobytes() == optimizer.v.tobytes()
     assert again[1].step_count == 17
@@ -469,20 +470,20 @@ def test_the_optimizer_state_reassembles_across_shardings_and_paddings(corpus, t
         model, optimizer, sampler = objects(corpus, cfg, pad=7, rank=rank, world=2, optimizer_class=ShardOfAdamW)
         scramble(model, optimizer, sampler, 4)  # the same values on both ranks
         state[rank] = optimizer.m.copy(), optimizer.v.copy()
-        checkpoint.save(tmp_path / "ck", rank=rank, comm=comm, step=17, cfg=cfg, corpus=corpus, model=model,
-                        optimizer=optimizer, sampler=sampler)
+        resume.save(tmp_path / "ck", rank=rank, comm=comm, step=17, cfg=cfg, corpus=corpus, model=model,
+                    optimizer=optimizer, sampler=sampler)
 
     run_thread_ranks(2, save_rank)
     assert {p.name for p in (tmp_path / "ck").glob("optimizer*")} == \
         {"optimizer.rank0.safetensors", "optimizer.rank1.safetensors"}
     m, v = state[0]
-    used = checkpoint.layout_size(model_config("tiny", corpus.vocab_size))
+    used = store.layout_size(model_config("tiny", corpus.vocab_size))
     plain = objects(corpus, cfg)
-    checkpoint.restore(tmp_path / "ck", *plain)
+    resume.restore(tmp_path / "ck", *plain)
     assert plain[1].m.tobytes() == m[:used].tobytes() and plain[1].v.tobytes() == v[:used].tobytes()
     for rank in range(3):
         shard = objects(corpus, cfg, pad=3, rank=rank, world=3, optimizer_class=ShardOfAdamW)
-        checkpoint.restore(tmp_path / "ck", *shard)
+        resume.restore(tmp_path / "ck", *shard)
         lo, hi = shard[1].state_range
         expected = np.zeros(shard[1].m.size, dtype=np.float32)
         expected[:used] = m[:used]
@@ -520,12 +521,12 @@ def test_an_error_in_the_middle_of_a_save_leaves_the_previous_checkpoint(corpus,
     def disk_full(path, optimizer):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_optimizer", disk_full)
+    monkeypatch.setattr(resume, "_write_optimizer", disk_full)
     with pytest.raises(XtrainError) as info:
         save_world1(tmp_path / "ck", corpus, cfg, *later, step=30)
     assert str(info.value) == f"cannot write checkpoint '{tmp_path / 'ck'}' (No space left on device)"
     assert digests(tmp_path / "ck") == before
-    assert checkpoint.open_checkpoint(tmp_path / "ck").state["step"] == 17
+    assert store.open_checkpoint(tmp_path / "ck").state["step"] == 17
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
@@ -540,27 +541,27 @@ def test_a_crash_between_the_two_renames_leaves_a_complete_checkpoint_aside(corp
         real_rename(src, dst)
 
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint.os, "rename", power_cut)
+        patch.setattr(store.os, "rename", power_cut)
         with pytest.raises(KeyboardInterrupt):
             save_world1(tmp_path / "ck", corpus, cfg, *later, step=30)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ck.new", ".ck.old"]
     assert digests(tmp_path / ".ck.old") == before
     # readers take the newer complete sibling and change nothing
-    ckpt = checkpoint.open_checkpoint(tmp_path / "ck")
+    ckpt = store.open_checkpoint(tmp_path / "ck")
     assert ckpt.state["step"] == 30 and ckpt.folder == tmp_path / ".ck.new"
     assert ckpt.note == f"checkpoint '{tmp_path / 'ck'}' is missing after an interrupted save: reading '{ckpt.folder}'"
     # the next run with --save-dir puts it in place and cleans up
-    assert checkpoint.prepare_save_dir(tmp_path / "ck") == \
+    assert store.prepare_save_dir(tmp_path / "ck") == \
         f"checkpoint '{tmp_path / 'ck'}' recovered from '{tmp_path / '.ck.new'}' after an interrupted save"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
-    assert checkpoint.open_checkpoint(tmp_path / "ck").state["step"] == 30
+    assert store.open_checkpoint(tmp_path / "ck").state["step"] == 30
 
 
 def test_a_read_that_races_a_save_reads_the_checkpoint_the_save_put_in_place(corpus, tmp_path, two_states,
                                                                            monkeypatch):
     """A save that swaps the folder while a reader hashes its files is no corruption: the reader reads again."""
     cfg, later = two_states
-    real_read, reads = checkpoint._read_verified, []
+    real_read, reads = store._read_verified, []
 
     def racing(path, folder, manifest, read):
         reads.append(manifest)
@@ -568,8 +569,8 @@ def test_a_read_that_races_a_save_reads_the_checkpoint_the_save_put_in_place(cor
             save_world1(tmp_path / "ck", corpus, cfg, *later, step=30)
         return real_read(path, folder, manifest, read)
 
-    monkeypatch.setattr(checkpoint, "_read_verified", racing)
-    assert checkpoint.open_checkpoint(tmp_path / "ck").state["step"] == 30
+    monkeypatch.setattr(store, "_read_verified", racing)
+    assert store.open_checkpoint(tmp_path / "ck").state["step"] == 30
     assert len(reads) == 2 and reads[0] != reads[1]
 
 
@@ -578,10 +579,10 @@ def test_an_unfinished_new_folder_is_never_taken_for_a_checkpoint(corpus, tmp_pa
     os.rename(tmp_path / "ck", tmp_path / ".ck.old")        # as if cut between the renames ...
     shutil.copytree(tmp_path / ".ck.old", tmp_path / ".ck.new")
     (tmp_path / ".ck.new" / "manifest.json").unlink()          # ... of a save whose manifest was never written
-    assert checkpoint.open_checkpoint(tmp_path / "ck").folder == tmp_path / ".ck.old"
+    assert store.open_checkpoint(tmp_path / "ck").folder == tmp_path / ".ck.old"
     save_world1(tmp_path / "ck", corpus, cfg, *later, step=30)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
-    assert checkpoint.open_checkpoint(tmp_path / "ck").state["step"] == 30
+    assert store.open_checkpoint(tmp_path / "ck").state["step"] == 30
 
 
 def test_save_dir_never_replaces_a_folder_that_is_not_a_checkpoint(corpus, tmp_path):
@@ -601,7 +602,7 @@ def test_save_dir_never_replaces_a_folder_that_is_not_a_checkpoint(corpus, tmp_p
         run(corpus, 2, save_dir=precious / "thesis.tex")
     (tmp_path / "fresh").mkdir()  # an empty folder is what the refusal asks for: it takes the checkpoint
     run(corpus, 1, save_dir=tmp_path / "fresh", eval_batches=0)
-    assert checkpoint.open_checkpoint(tmp_path / "fresh").state["step"] == 1
+    assert store.open_checkpoint(tmp_path / "fresh").state["step"] == 1
 
 
 def test_save_dir_never_replaces_the_checkpoint_of_another_run(corpus, saved, tmp_path):
@@ -620,7 +621,7 @@ def test_save_dir_never_replaces_the_checkpoint_of_another_run(corpus, saved, tm
     assert str(info.value) == refusal
     assert digests(folder) == before
     run(corpus, 5, world=2, save_dir=folder, resume=tmp_path / "." / "ck")  # the same folder, spelled otherwise
-    assert checkpoint.open_checkpoint(folder).state["step"] == 5
+    assert store.open_checkpoint(folder).state["step"] == 5
 
 
 def test_a_save_dir_that_is_a_symbolic_link_saves_into_the_folder_it_points_to(corpus, saved, tmp_path):
@@ -632,7 +633,7 @@ def test_a_save_dir_that_is_a_symbolic_link_saves_into_the_folder_it_points_to(c
     run(corpus, 5, world=2, save_dir=link, resume=link)
     run(corpus, 6, world=2, save_dir=link, resume=target)
     assert link.is_symlink() and os.readlink(link) == target.name
-    assert checkpoint.open_checkpoint(target).state["step"] == 6
+    assert store.open_checkpoint(target).state["step"] == 6
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "latest"]  # no .new or .old left beside either
 
 
@@ -726,7 +727,7 @@ def test_evaluate_reads_a_checkpoint_from_before_val_corpus_and_names_a_corrupt_
     rewrite_state(older, lambda state: state.update(step="three"))
     with pytest.raises(XtrainError) as err:
         evaluate.evaluate_checkpoint([str(older)])
-    assert str(err.value) == (f"checkpoint '{older}' is corrupt: {checkpoint.STATE} lacks the step, model, optimizer, "
+    assert str(err.value) == (f"checkpoint '{older}' is corrupt: {store.STATE} lacks the step, model, optimizer, "
                               "sampler, data or config of a run")
 
 
@@ -807,7 +808,7 @@ def test_rehashed_but_wrong_tensors_are_refused_before_training(corpus, saved, t
     command line), not a rank failing after the run has started."""
     folder = copy_of(saved, tmp_path)
     rewrite_tensors(folder, name, change)
-    used = checkpoint.layout_size(model_config("tiny", corpus.vocab_size))
+    used = store.layout_size(model_config("tiny", corpus.vocab_size))
     expected = message.format(short=used - 64, used=used)
     assert resume_error(corpus, folder) == f"checkpoint '{folder}' {expected}"
 
@@ -816,14 +817,14 @@ def test_the_rank_threads_of_a_process_read_the_checkpoint_once(corpus, saved, m
     """Resuming 2 rank threads reads and verifies the checkpoint once in all, not once per rank nor again
     after check_resume, and every rank still resumes exactly."""
     reads = []
-    real_open = checkpoint.open_checkpoint
+    real_open = store.open_checkpoint
 
     def counting_open(path, read):
         reads.append(tuple(read))
         return real_open(path, read=read)
 
-    monkeypatch.setattr(checkpoint, "open_checkpoint", counting_open)
+    monkeypatch.setattr(resume, "open_checkpoint", counting_open)
     resumed = run(corpus, 5, world=2, resume=saved[0])
-    assert reads == [(checkpoint.MODEL, checkpoint.STATE, "optimizer*")]  # check_resume's read serves the ranks
+    assert reads == [(store.MODEL, store.STATE, "optimizer*")]  # check_resume's read serves the ranks
     full = run(corpus, 5, world=2)
     assert resumed["losses"] == full["losses"][3:] and resumed["param_sha256"] == full["param_sha256"]

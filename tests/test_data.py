@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from xtrain_dist.data import corpus as data
-from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.data import corpus as corpus_module
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.sampler import BatchSampler
 from xtrain_dist.errors import XtrainError
 
 # --- BatchSampler -------------------------------------------------------------------------------
@@ -197,7 +198,7 @@ def test_the_second_load_reads_the_cache_instead_of_encoding(small_corpus, tmp_p
     def no_encoding(*args):
         raise AssertionError("encoded although the ids were cached")
 
-    monkeypatch.setattr(data, "_encode_text", no_encoding)
+    monkeypatch.setattr(corpus_module, "_encode_text", no_encoding)
     second = Corpus.load(tokenizer_path, corpus_path, cache_dir=cache)
     np.testing.assert_array_equal(first.train, second.train)
     assert not second.train.flags.writeable
@@ -248,7 +249,7 @@ def test_a_damaged_cache_file_is_rebuilt(small_corpus, tmp_path):
         assert np.array_equal(rebuilt["ids"], ids)
     # the right ids with their digest, in another dtype than the vocabulary's (a cache of another version)
     wide = ids.astype(np.int64)
-    np.savez(cached, ids=wide, sha256=data._ids_digest(wide))
+    np.savez(cached, ids=wide, sha256=corpus_module._ids_digest(wide))
     reloaded = Corpus.load(*small_corpus, cache_dir=cache).train
     assert reloaded.dtype == np.uint16
     np.testing.assert_array_equal(reloaded, expected)
@@ -353,7 +354,7 @@ def test_the_shipped_corpus_is_1_to_5_mb_of_clean_text():
 
 
 def test_the_shipped_tokenizer_is_byte_level_bpe_with_4096_ids_and_round_trips_a_passage(monkeypatch):
-    monkeypatch.setattr(data, "_ENCODE_GROUP", 7)  # the passage's ~400 paragraphs go in many groups
+    monkeypatch.setattr(corpus_module, "_ENCODE_GROUP", 7)  # the passage's ~400 paragraphs go in many groups
     tokenizer = Tokenizer.from_file(str(DEFAULT_TOKENIZER))
     assert tokenizer.get_vocab_size(with_added_tokens=True) == 4096
     assert tokenizer.token_to_id("<|endoftext|>") == 4095
@@ -366,14 +367,14 @@ def test_the_shipped_tokenizer_is_byte_level_bpe_with_4096_ids_and_round_trips_a
             batch_sizes.append(len(texts))
             return tokenizer.encode_batch(texts, **options)
 
-    ids = data._encode_text(CountingTokenizer(), passage)
+    ids = corpus_module._encode_text(CountingTokenizer(), passage)
     assert max(batch_sizes) == 7 and len(batch_sizes) > 50, batch_sizes
     assert tokenizer.decode(ids.tolist(), skip_special_tokens=False) == passage
     # Encoding paragraph by paragraph, a group at a time, must give exactly the ids of one encode of the whole passage.
     assert ids.tolist() == tokenizer.encode(passage, add_special_tokens=False).ids
     # Bytes outside the corpus's ASCII still round-trip: that is what the 256 byte symbols are for.
     odd = "Ægir’s naïve café — 東京 🎭 <|endoftext|>"
-    assert tokenizer.decode(data._encode_text(tokenizer, odd).tolist(), skip_special_tokens=False) == odd
+    assert tokenizer.decode(corpus_module._encode_text(tokenizer, odd).tolist(), skip_special_tokens=False) == odd
 
 
 def test_the_shipped_corpus_loads_into_read_only_uint16_splits(tmp_path):

@@ -55,7 +55,7 @@ def test_two_ranks_train_as_pytorch_ddp_does(corpus, tmp_path):
     that steps on its own gradient or a wrong shard in the parameters."""
     pytest.importorskip("torch")
     from xtrain_dist.bench import torch_gpt2
-    from xtrain_dist.checkpoint import store as checkpoint
+    from xtrain_dist.checkpoint import store
 
     cfg = TrainConfig(steps=6, batch=4, seq=16, model="tiny", seed=1, world_size=2, lr=1e-2,
                       save_dir=str(tmp_path / "ours")).resolved()
@@ -64,7 +64,7 @@ def test_two_ranks_train_as_pytorch_ddp_does(corpus, tmp_path):
     assert theirs["ranks_equal"] and len(set(ours["param_sha256"])) == 1
     assert max_rel_diff(ours["losses"], theirs["losses"]) < 1e-5
     assert max_rel_diff(ours["grad_norms"], theirs["grad_norms"]) < 2e-4
-    params = checkpoint.open_checkpoint(tmp_path / "ours").model_state(model_config("tiny", corpus.vocab_size))
+    params = store.open_checkpoint(tmp_path / "ours").model_state(model_config("tiny", corpus.vocab_size))
     assert params.keys() == theirs["params"].keys()
     assert max(np.max(np.abs(params[k] - theirs["params"][k])) for k in params) < 5e-4
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from xtrain_dist.backend import numpy_ops
-from xtrain_dist.checkpoint import store as checkpoint
+from xtrain_dist.checkpoint import hf, store
 from xtrain_dist.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -180,10 +180,10 @@ def test_the_evaluate_command_gives_the_runs_own_validation_loss(corpus, tmp_pat
     float32 GEMM rounding from a world-2 one (its batches are split into other shapes). The checkpoint is
     read and verified once, its model and trainer state together."""
     report = run(corpus, 3, world=world, save_dir=tmp_path / "ck", eval_batches=3)
-    reads, real_open = [], checkpoint.open_checkpoint
-    monkeypatch.setattr(checkpoint, "open_checkpoint", lambda path, read: reads.append(read) or real_open(path, read))
+    reads, real_open = [], store.open_checkpoint
+    monkeypatch.setattr(hf, "open_checkpoint", lambda path, read: reads.append(read) or real_open(path, read))
     loss, line = evaluate.evaluate_checkpoint([str(tmp_path / "ck")])
-    assert reads == [(checkpoint.MODEL, checkpoint.CONFIG, checkpoint.TOKENIZER, checkpoint.STATE)]
+    assert reads == [(store.MODEL, store.CONFIG, store.TOKENIZER, store.STATE)]
     # a save cut short between its two renames leaves only .ck.new: evaluate reads all of it from there
     (tmp_path / "ck").rename(tmp_path / ".ck.new")
     assert evaluate.evaluate_checkpoint([str(tmp_path / "ck")]) == (loss, line)
@@ -214,10 +214,9 @@ def test_the_evaluate_command_on_a_corpus_is_transformers_loss_on_its_windows(tr
 
 
 def test_the_evaluate_command_says_what_it_cannot_do_in_one_line(corpus, trained, tmp_path):
-    from xtrain_dist.checkpoint import store as checkpoint
     hf_only = tmp_path / "hf"
     hf_only.mkdir()
-    for name in (checkpoint.CONFIG, checkpoint.MODEL, checkpoint.TOKENIZER):
+    for name in (store.CONFIG, store.MODEL, store.TOKENIZER):
         (hf_only / name).write_bytes((trained / name).read_bytes())
     text = tmp_path / "corpus.txt"
     text.write_text(Path(DEFAULT_CORPUS).read_text()[:50000])

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from xtrain_dist.backend import numpy_ops
-from xtrain_dist.checkpoint import store as checkpoint
+from xtrain_dist.checkpoint import store
 from xtrain_dist.checkpoint.safetensors_io import write_safetensors
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.sampler import BatchSampler
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.model import GPT2
 from xtrain_dist.train.cli import main
@@ -109,7 +110,7 @@ def test_fine_tuning_from_our_own_checkpoint(corpus, tmp_path):
     """A checkpoint of ours starts a new run (another seed, so another data order) from its weights, with
     a fresh optimizer; its files are verified against the manifest first."""
     run(corpus, steps=3, save_dir=str(tmp_path / "base"))
-    ckpt = checkpoint.open_checkpoint(tmp_path / "base")
+    ckpt = store.open_checkpoint(tmp_path / "base")
     mcfg = model_config("tiny", corpus.vocab_size)
     model = GPT2(mcfg, numpy_ops, seed=0)
     model.load_state_dict(ckpt.model_state(mcfg))

@@ -14,7 +14,8 @@ import pytest
 
 from xtrain_dist.backend.numpy_ops import NumpyBackend
 from xtrain_dist.config import TrainConfig, model_config
-from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.sampler import BatchSampler
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.eval.evaluate import Evaluator
 from xtrain_dist.model import GPT2
@@ -230,7 +231,7 @@ def test_the_report_sets_the_bound_beside_what_the_run_took(tmp_path):
     about 0.1 GiB before any array of the run), so the bound counts what matters. The peak is the
     kernel's count of the process's pages, not only of its arrays: on the 2-core development machine,
     0.77 GiB with the token cache written, 0.81 GiB when the corpus is encoded first (0.98 GiB before
-    data._encode_text went a group of paragraphs at a time), and once 1.07 GiB inside a full test run,
+    corpus._encode_text went a group of paragraphs at a time), and once 1.07 GiB inside a full test run,
     never explained, hence a margin of 2x."""
     report = tmp_path / "r.json"
     run = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "1", "32", "256", "--model", "mini",

@@ -12,7 +12,7 @@ from bf16_cases import SHAPES, assert_bf16_close, bf16_mismatch, cases, upload
 
 from xtrain_dist.backend import get_backend, numpy_ops
 from xtrain_dist.backend.numpy_ops import NumpyBackend, bf16_bits, from_bf16_bits
-from xtrain_dist.checkpoint import store as checkpoint
+from xtrain_dist.checkpoint import store
 from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -282,7 +282,7 @@ def test_a_bf16_checkpoint_resumes_bitwise_and_fp32_may_continue_it(corpus, tmp_
     run(corpus, steps=3, save_dir=str(tmp_path / "ck"), **common)
     state = json.loads((tmp_path / "ck" / "trainer_state.json").read_text())
     assert state["dtype"] == "bf16" and state["config"]["dtype"] == "bf16"
-    tensors, _ = checkpoint.open_checkpoint(tmp_path / "ck").tensors(checkpoint.MODEL)
+    tensors, _ = store.open_checkpoint(tmp_path / "ck").tensors(store.MODEL)
     assert all(t.dtype == np.float32 for t in tensors.values())  # the float32 masters, not the bf16 copy
     assert not all(is_bf16(t) for t in tensors.values())
     resumed = run(corpus, steps=6, resume=str(tmp_path / "ck"), **common)

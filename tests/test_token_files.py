@@ -11,8 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xtrain_dist.data import corpus as data
-from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus, TokenFiles
+from xtrain_dist.data import corpus as corpus_module
+from xtrain_dist.data import token_files
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.data.sampler import BatchSampler
+from xtrain_dist.data.token_files import TokenFiles
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.eval.evaluate import Evaluator
 
@@ -62,11 +65,11 @@ def test_a_token_file_made_of_a_text_is_that_text_to_the_trainer(text_and_tokens
 
 @pytest.mark.parametrize("block_chars", [1, 2, 3, 50, 1 << 20])
 def test_encoding_block_by_block_gives_the_ids_of_one_encode(block_chars):
-    tokenizer = data.read_tokenizer(DEFAULT_TOKENIZER)
+    tokenizer = corpus_module.read_tokenizer(DEFAULT_TOKENIZER)
     text = TEXT[-3000:]
-    blocks = data.text_blocks(io.StringIO(text, newline=""), block_chars)
-    streamed = np.concatenate([data._encode_text(tokenizer, block) for block in blocks])
-    np.testing.assert_array_equal(streamed, data._encode_text(tokenizer, text))
+    blocks = corpus_module.text_blocks(io.StringIO(text, newline=""), block_chars)
+    streamed = np.concatenate([corpus_module._encode_text(tokenizer, block) for block in blocks])
+    np.testing.assert_array_equal(streamed, corpus_module._encode_text(tokenizer, text))
 
 
 def test_the_header_is_llmc_s_and_llmc_s_files_read_back(text_and_tokens, tmp_path):
@@ -77,9 +80,9 @@ def test_the_header_is_llmc_s_and_llmc_s_files_read_back(text_and_tokens, tmp_pa
     assert header[:3].tolist() == [20240520, 1, len(ids)] and not header[3:].any()
     # uint32 ids (llm.c's magic 20240801, version 7) and an id past 65535 under a large vocabulary
     wide = llmc_file(tmp_path / "wide.bin", [3, 70_000, 5, 1], magic=20240801, version=7, dtype="<u4")
-    span = data._open_token_file("corpus", wide)
+    span = token_files._open_token_file("corpus", wide)
     assert span.dtype == np.dtype("<u4") and span.read(0, 4).tolist() == [3, 70_000, 5, 1]
-    header_bytes, body = data.token_file_chunks(np.array([3, 70_000, 5, 1]), vocab_size=100_000)
+    header_bytes, body = token_files.token_file_chunks(np.array([3, 70_000, 5, 1]), vocab_size=100_000)
     assert header_bytes + body.tobytes() == wide.read_bytes()
 
 
@@ -130,8 +133,8 @@ def test_a_corpus_that_is_its_own_validation_corpus_is_read_once(text_and_tokens
     _, tokens = text_and_tokens
     whole = Corpus.load(DEFAULT_TOKENIZER, tokens, val_fraction=0).train_sha256
     passes = []
-    real = data._stream_sha256
-    monkeypatch.setattr(data, "_stream_sha256", lambda ids, *rest: passes.append(ids) or real(ids, *rest))
+    real = corpus_module._stream_sha256
+    monkeypatch.setattr(corpus_module, "_stream_sha256", lambda ids, *rest: passes.append(ids) or real(ids, *rest))
     once = Corpus.load(DEFAULT_TOKENIZER, tokens, val_path=tokens)
     assert len(passes) == 1 and once.val is once.train
     assert once.train_sha256 == once.val_sha256 == whole

@@ -96,7 +96,7 @@ class TrainConfig:
     report: str | None = None
     log_every: int = 1
     profile_step: int = 0           # time every op of this step on each rank (profile.py); 0: none
-    # checkpoints, evaluation and metrics (checkpoint.py, evaluate.py, metrics.py)
+    # checkpoints, evaluation and metrics (checkpoint/, eval/evaluate.py, train/metrics.py)
     save_dir: str | None = None     # the latest checkpoint lives here, replaced atomically at each save
     save_every: int = 0             # also save every N steps; 0: only at the end
     keep_every: int = 0             # also save every N-th step into a folder of its own, DIR.stepNNNNNN
@@ -104,7 +104,7 @@ class TrainConfig:
     init_from: str | None = None    # a GPT-2 folder whose weights the run starts from (fine-tuning)
     eval_every: int = 0             # also evaluate every N steps; 0: only at the end
     eval_batches: int = 0           # held-out batches of BATCH x SEQ per evaluation; 0: none (the CLI's default: 20)
-    val_corpus: str = ""            # validation text or token files; "": the corpus's last 10% (data.Corpus.load)
+    val_corpus: str = ""            # validation text or token files; "": the corpus's last 10% (corpus.Corpus.load)
     hellaswag: str = ""             # an llm.c eval file: multiple-choice accuracy at each evaluation (hellaswag.py)
     metrics: str | None = None      # append one JSON line per step here
     sample_every: int = 0           # rank 0 draws text from the model every N steps and at the end; 0: never

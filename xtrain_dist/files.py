@@ -1,12 +1,13 @@
-"""Output files appear whole or not at all: the one way every command here writes a file it produces; and
-the JSON parse every reader of a project file uses (loads_json)."""
+"""Output files appear whole or not at all: the one way every command here writes a file it produces; the
+JSON parse every reader of a project file uses (loads_json); and the one line an input file that cannot be
+read gives (reading)."""
 
 import contextlib
 import json
 import os
 from pathlib import Path
 
-from .errors import XtrainError
+from .errors import XtrainError, first_line
 
 
 def loads_json(text):
@@ -17,6 +18,21 @@ def loads_json(text):
         return json.loads(text)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", text if isinstance(text, str) else "", 0) from None
+
+
+@contextlib.contextmanager
+def reading(what: str, path: Path):
+    """Turn an OSError raised while reading `path` into one XtrainError that names it as `what`."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise XtrainError(f"{what} '{path}' not found") from None
+    except IsADirectoryError:
+        raise XtrainError(f"{what} '{path}' is a directory, not a file") from None
+    except PermissionError:
+        raise XtrainError(f"{what} '{path}' cannot be read (permission denied)") from None
+    except OSError as err:
+        raise XtrainError(f"{what} '{path}' cannot be read ({err.strerror or first_line(err)})") from None
 
 
 def written_in_place(path: Path) -> bool:

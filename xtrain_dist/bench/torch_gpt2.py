@@ -84,7 +84,7 @@ def hf_model(config: GPTConfig, state_dict: dict):
     import torch
     import transformers
 
-    from ..checkpoint.store import GPT2_MASK_BUFFER, hf_config
+    from ..checkpoint.hf import GPT2_MASK_BUFFER, hf_config
 
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(hf_config(config)))
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict.items()}
@@ -166,7 +166,8 @@ def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, 
 
     from .. import model as our_model
     from ..backend import numpy_ops
-    from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, BatchSampler, Corpus
+    from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from ..data.sampler import BatchSampler
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank, world_size=world)

@@ -1,4 +1,7 @@
-"""Checkpoints: one folder that Hugging Face loads as a GPT-2 and that resumes training to the bit.
+"""Checkpoint folders: one folder that Hugging Face loads as a GPT-2 and that resumes training to the bit.
+This module owns the folder: the names of its files, writing it whole or not at all, and reading it back
+verified. What the files hold is hf.py's (the Hugging Face layout) and resume.py's (the run's state: save,
+check_resume, restore).
 
     DIR/model.safetensors      parameters under GPT2LMHeadModel's names, float32; no lm_head.weight
                                (tied to transformer.wte.weight, as save_pretrained writes it)
@@ -33,22 +36,19 @@ import fnmatch
 import hashlib
 import json
 import os
-import re
 import shutil
 import threading
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 
-from .. import __version__
-from ..config import GPTConfig, TrainConfig, model_config
-from ..data.corpus import BatchSampler
+from ..config import GPTConfig
 from ..errors import XtrainError
 from ..files import loads_json, probe_in
 from ..model import param_layout
-from .safetensors_io import parse_safetensors, write_safetensors
+from .safetensors_io import parse_safetensors
 
 FORMAT = "xtrain-dist checkpoint"
 VERSION = 1
@@ -59,15 +59,6 @@ TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
-EOS = "<|endoftext|>"
-# each block's causal-mask buffers in Hugging Face's GPT-2 (older files save them): not parameters
-GPT2_MASK_BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias")
-# the learning-rate schedule's settings (optim.lr_at), kept in trainer_state.json for the reader
-SCHEDULE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "lr_schedule", "cooldown_steps")
-# settings a resumed run may change (they take effect from its first step); anything that would
-# change the model, the data or the batches it draws must match the checkpoint
-CHANGEABLE = (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "backend", "grad_sync", "attention",
-              "recompute")
 
 
 def optimizer_file(rank: int | None) -> str:
@@ -139,7 +130,7 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, write) -> None:
+def write_file(path: Path, write) -> None:
     """Create `path`, fill it with write(file), and make it durable before returning."""
     with open(path, "xb") as file:
         write(file)
@@ -147,8 +138,8 @@ def _write_file(path: Path, write) -> None:
         os.fsync(file.fileno())
 
 
-def _write_json(path: Path, data: dict) -> None:
-    _write_file(path, lambda f: f.write((json.dumps(data, indent=2, default=str) + "\n").encode()))
+def write_json(path: Path, data: dict) -> None:
+    write_file(path, lambda f: f.write((json.dumps(data, indent=2, default=str) + "\n").encode()))
 
 
 def recover(folder) -> str | None:
@@ -207,79 +198,12 @@ def refuse_another_runs_checkpoint(folder, resume) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def hf_config(config: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) -> dict:
-    """config.json as transformers' GPT2Config reads it (without a tokenizer, no bos/eos ids).
+def write_folder(folder, *, rank: int, comm, write) -> None:
+    """Replace the folder at `folder` atomically with one that write(new) fills: new is the fresh .DIR.new,
+    and the manifest of what it holds is written last.
 
-    Dropout is 0: this trainer uses none, and the config describes the model as trained, so
-    GPT2LMHeadModel in train() mode computes the same function as ours (GPT-2's own 0.1 is one
-    assignment away for whoever fine-tunes with dropout)."""
-    eos = tokenizer.token_to_id(EOS) if tokenizer is not None else None
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": config.vocab_size,
-        "n_positions": config.n_ctx,
-        "n_ctx": config.n_ctx,
-        "n_embd": config.n_embd,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "n_inner": None,  # 4 * n_embd
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "summary_first_dropout": 0.0,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "bos_token_id": eos,
-        "eos_token_id": eos,
-        "use_cache": True,
-        "torch_dtype": "float32",
-    }
-
-
-def tokenizer_config(config: GPTConfig, tokenizer: tokenizers.Tokenizer) -> dict:
-    special = {"bos_token": EOS, "eos_token": EOS} if tokenizer.token_to_id(EOS) is not None else {}
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.n_ctx,
-            "clean_up_tokenization_spaces": False, **special}
-
-
-def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler, world_size: int) -> dict:
-    used = layout_size(model.config)
-    return {
-        "format": FORMAT, "version": VERSION, "xtrain_dist_version": __version__,
-        "step": step,
-        "world_size": world_size,
-        "dtype": cfg.dtype,
-        "model": {"preset": cfg.model, **asdict(model.config)},
-        "param_sha256": sha256_of(model.ops.to_host(model.params)[:used]),
-        "optimizer": {"sharded": bool(optimizer.sharded), "step_count": optimizer.step_count,
-                      "files": [optimizer_file(r) for r in range(world_size)] if optimizer.sharded
-                      else [optimizer_file(None)]},
-        "schedule": {name: getattr(cfg, name) for name in SCHEDULE},
-        "sampler": sampler.state(),
-        "data": {"tokenizer": str(corpus.tokenizer_path), "corpus": str(corpus.corpus_path),
-                 "val_corpus": str(corpus.val_path or ""),
-                 "train_tokens": len(corpus.train), "train_tokens_sha256": corpus.train_sha256},
-        "config": cfg.to_dict(),
-    }
-
-
-def _write_optimizer(path: Path, optimizer) -> None:
-    state = optimizer.state_dict()
-    meta = {"format": "xtrain-dist optimizer", "step_count": str(state["step_count"]), "start": str(state["start"])}
-    _write_file(path, lambda f: write_safetensors(f, {"m": state["m"], "v": state["v"]}, meta))
-
-
-def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model, optimizer, sampler) -> None:
-    """Write a checkpoint of the state after `step` steps to `folder`, replacing the one there atomically.
-
-    Every rank calls it: rank 0 writes the model and the run's state, the optimizer state is written
-    by rank 0 or, when it is sharded, by every rank for its shard; all ranks wait until it is in place."""
+    Every rank calls it, and write(new) writes that rank's files (rank 0's, or each shard's); all ranks
+    wait until the folder is in place."""
     folder = _followed(folder)
     new, _ = _siblings(folder)
     if rank == 0:
@@ -291,20 +215,12 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
             raise XtrainError(f"cannot write checkpoint '{folder}' ({err.strerror or err})") from None
     comm.barrier()
     try:
-        if rank == 0:
-            tensors = model.state_dict()
-            _write_file(new / MODEL, lambda f: write_safetensors(f, tensors, {"format": "pt"}))
-            _write_json(new / CONFIG, hf_config(model.config, corpus.tokenizer))
-            _write_file(new / TOKENIZER, lambda f: f.write(corpus.tokenizer.to_str().encode()))
-            _write_json(new / TOKENIZER_CONFIG, tokenizer_config(model.config, corpus.tokenizer))
-            _write_json(new / STATE, trainer_state(step, cfg, corpus, model, optimizer, sampler, comm.world_size))
-        if optimizer.sharded or rank == 0:
-            _write_optimizer(new / optimizer_file(rank if optimizer.sharded else None), optimizer)
+        write(new)
         comm.barrier()  # every file is written and synced
         if rank == 0:
             files = sorted(p.name for p in new.iterdir())
-            _write_json(new / MANIFEST, {"format": FORMAT, "version": VERSION,
-                                         "files": {name: _file_digest(new / name) for name in files}})
+            write_json(new / MANIFEST, {"format": FORMAT, "version": VERSION,
+                                        "files": {name: _file_digest(new / name) for name in files}})
             _fsync_dir(new)
             _swap_into_place(new, folder)
     except BaseException as err:
@@ -353,16 +269,16 @@ class Checkpoint:
             return None
         return f"checkpoint '{self.path}' is missing after an interrupted save: reading '{self.folder}'"
 
-    def _corrupt(self, what: str) -> XtrainError:
+    def corrupt(self, what: str) -> XtrainError:
         return XtrainError(f"checkpoint '{self.path}' is corrupt: {what}")
 
     def json(self, name: str) -> dict:
         try:
             data = loads_json(self.contents[name])
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise self._corrupt(f"{name} is not valid JSON ({err})") from None
+            raise self.corrupt(f"{name} is not valid JSON ({err})") from None
         if not isinstance(data, dict):
-            raise self._corrupt(f"{name} is not a JSON object")
+            raise self.corrupt(f"{name} is not a JSON object")
         return data
 
     def tensors(self, name: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -384,138 +300,32 @@ class Checkpoint:
         except (KeyError, TypeError):
             ok = False
         if not ok or state.get("format") != FORMAT:
-            raise self._corrupt(f"{STATE} lacks the step, model, optimizer, sampler, data or config of a run")
+            raise self.corrupt(f"{STATE} lacks the step, model, optimizer, sampler, data or config of a run")
         return state
-
-    def gpt_config(self) -> GPTConfig:
-        """The model's shape from config.json, refusing a GPT-2 variant this trainer does not implement."""
-        c = self.json(CONFIG)
-        expected = {"model_type": "gpt2", "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-                    "tie_word_embeddings": True, "n_inner": None, "scale_attn_weights": True,
-                    "scale_attn_by_inverse_layer_idx": False}
-        for key, value in expected.items():
-            if c.get(key, value) != value:
-                raise XtrainError(f"checkpoint '{self.path}': {CONFIG} has {key}={c[key]!r}; this trainer "
-                                  f"implements GPT-2 with {key}={value!r}")
-        try:
-            if c.get("n_ctx", c["n_positions"]) != c["n_positions"]:
-                raise self._corrupt(f"{CONFIG} has n_ctx {c['n_ctx']} != n_positions {c['n_positions']}")
-            return GPTConfig(vocab_size=int(c["vocab_size"]), n_ctx=int(c["n_positions"]), n_layer=int(c["n_layer"]),
-                             n_head=int(c["n_head"]), n_embd=int(c["n_embd"]))
-        except (KeyError, TypeError, ValueError) as err:
-            raise self._corrupt(f"{CONFIG} lacks a valid {err}") from None
 
     def model_state(self, config: GPTConfig) -> dict[str, np.ndarray]:
         """model.safetensors as name -> array, checked against the layout of `config`."""
-        return self._checked_model(self.tensors(MODEL)[0], config)
+        return self.checked_model(self.tensors(MODEL)[0], config)
 
-    def _checked_model(self, tensors: dict[str, np.ndarray], config: GPTConfig) -> dict[str, np.ndarray]:
+    def checked_model(self, tensors: dict[str, np.ndarray], config: GPTConfig) -> dict[str, np.ndarray]:
         specs, _ = param_layout(config)
         expected = {s.name: s.shape for s in specs}
         for name, shape in expected.items():
             if name not in tensors:
-                raise self._corrupt(f"{MODEL} has no tensor '{name}'")
+                raise self.corrupt(f"{MODEL} has no tensor '{name}'")
             if tensors[name].shape != shape or tensors[name].dtype != np.float32:
-                raise self._corrupt(f"{MODEL}: '{name}' is {tensors[name].dtype} {list(tensors[name].shape)}, "
-                                    f"expected float32 {list(shape)}")
+                raise self.corrupt(f"{MODEL}: '{name}' is {tensors[name].dtype} {list(tensors[name].shape)}, "
+                                   f"expected float32 {list(shape)}")
         extra = sorted(set(tensors) - set(expected))
         if extra:
-            raise self._corrupt(f"{MODEL} has tensors this model does not: {', '.join(extra[:3])}")
+            raise self.corrupt(f"{MODEL} has tensors this model does not: {', '.join(extra[:3])}")
         return tensors
-
-    def pretrained_state(self, config: GPTConfig) -> dict[str, np.ndarray]:
-        """model.safetensors of any GPT-2 folder as model_state's name -> float32 array.
-
-        Beside our names (GPT2LMHeadModel's, which save_pretrained writes) it reads the Hub's own GPT-2
-        files: GPT2Model's names without "transformer.", with each block's causal-mask buffers
-        (h.N.attn.bias, h.N.attn.masked_bias), which are not parameters and are dropped. A lm_head.weight
-        must be wte's (GPT-2 ties them, and so does this trainer); float16 widens to float32 exactly."""
-        tensors = {}
-        for name, array in self.tensors(MODEL)[0].items():
-            if name != "lm_head.weight" and not name.startswith("transformer."):
-                name = f"transformer.{name}"
-            if GPT2_MASK_BUFFER.fullmatch(name):
-                continue
-            tensors[name] = array.astype(np.float32) if array.dtype == np.float16 else array
-        head = tensors.pop("lm_head.weight", None)
-        if head is not None and not np.array_equal(head, tensors.get("transformer.wte.weight")):
-            raise XtrainError(f"'{self.path}': its lm_head.weight is not its transformer.wte.weight; this trainer's "
-                              "GPT-2 ties the output projection to the token embedding")
-        return self._checked_model(tensors, config)
 
     def tokenizer(self) -> tokenizers.Tokenizer:
         try:
             return tokenizers.Tokenizer.from_str(self.contents[TOKENIZER].decode("utf-8"))
         except Exception as err:  # the Rust side raises a bare Exception
-            raise self._corrupt(f"{TOKENIZER} is not a tokenizers JSON file ({str(err).splitlines()[0]})") from None
-
-    def _optimizer_pieces(self, used: int):
-        """(start, m, v) of every saved optimizer file in order, checked to continue one another from element 0
-        and to cover the model's `used` elements; what they hold past those (ZeRO's padding) must be zero, as
-        the flat buffer's padding is, or they are another model's state."""
-        info = self.state["optimizer"]
-        covered = 0
-        for name in info["files"]:
-            if not isinstance(name, str) or name not in self.contents:  # "../x", "config.json", 7
-                raise self._corrupt(f"{STATE} names {name!r} as an optimizer file, which the checkpoint does not hold")
-            tensors, meta = self.tensors(name)
-            try:
-                start, step_count = int(meta["start"]), int(meta["step_count"])
-                shard_m, shard_v = tensors["m"], tensors["v"]
-            except (KeyError, ValueError):
-                raise self._corrupt(f"{name} is not an optimizer state (no m, v, start, step_count)") from None
-            if start != covered or shard_m.shape != shard_v.shape or step_count != info["step_count"]:
-                raise self._corrupt(f"{name} does not continue the optimizer state at element {covered}")
-            past_used = slice(max(0, used - start), None)
-            if shard_m[past_used].any() or shard_v[past_used].any():
-                raise self._corrupt(f"{name} holds optimizer state past the model's {used} elements")
-            yield start, shard_m, shard_v
-            covered = start + shard_m.size
-        if covered < used:
-            raise self._corrupt(f"the optimizer files cover flat[0:{covered}], the model has {used} elements")
-
-    def optimizer_state(self, lo: int, hi: int, used: int) -> dict:
-        """An optimizer state for flat[lo:hi], assembled from the saved file or shards, whatever the
-        sharding they were saved under. Past `used` the flat buffer is padding: m and v are zero there."""
-        m, v = np.zeros(hi - lo, dtype=np.float32), np.zeros(hi - lo, dtype=np.float32)
-        for start, shard_m, shard_v in self._optimizer_pieces(used):
-            a, b = max(lo, start), min(hi, start + shard_m.size)
-            if a < b:
-                m[a - lo: b - lo], v[a - lo: b - lo] = shard_m[a - start: b - start], shard_v[a - start: b - start]
-        return {"step_count": self.state["optimizer"]["step_count"], "start": lo, "m": m, "v": v}
-
-    def check_contents(self, config: GPTConfig) -> None:
-        """What restore() will load, checked on the host before any rank starts: the model's tensors by
-        name, shape and dtype, their digest against param_sha256, and the optimizer files' coverage. The
-        manifest vouches only for the bytes; this catches a file that another writer (or a hand edit that
-        re-hashed the manifest) got wrong inside."""
-        if params_sha256(self.model_state(config), config) != self.state["param_sha256"]:
-            raise self._corrupt("its parameters do not hash to the saved param_sha256")
-        for _ in self._optimizer_pieces(layout_size(config)):
-            pass
-
-
-def open_pretrained(path, read=(MODEL, CONFIG), what: str = "--init-from") -> Checkpoint:
-    """The files `read` of a GPT-2 folder that a run starts from (--init-from) or `sample` draws from:
-    one of our checkpoints (verified against its manifest), or any folder with a Hugging Face GPT-2's
-    config.json and model.safetensors (and tokenizer.json where it is read), such as save_pretrained
-    writes and the Hub's "gpt2" holds. `what` names the folder in errors."""
-    path = Path(path)
-    if is_checkpoint(path):  # ours, also one cut short by a save: open_checkpoint reads both
-        return open_checkpoint(path, read=read)
-    if not path.is_dir():
-        raise XtrainError(f"{what} '{path}' " + ("not found" if not path.exists() else "is not a folder"))
-    contents = {}
-    for name in read:
-        try:
-            contents[name] = (path / name).read_bytes()
-        except FileNotFoundError:
-            needed = f"{', '.join(read[:-1])} and {read[-1]}"
-            raise XtrainError(f"{what} '{path}' has no {name}: give a folder with a Hugging Face GPT-2's "
-                              f"{needed} (or one of our checkpoints)") from None
-        except OSError as err:
-            raise XtrainError(f"{what} '{path}': cannot read {name} ({err.strerror})") from None
-    return Checkpoint(path, path, {}, contents)
+            raise self.corrupt(f"{TOKENIZER} is not a tokenizers JSON file ({str(err).splitlines()[0]})") from None
 
 
 class Shared:
@@ -542,14 +352,6 @@ class Shared:
                 self._ranks_left -= 1
                 if self._ranks_left <= 0:
                     self._value = None
-
-
-def load_pretrained(source, model) -> None:
-    """Start `model` from pretrained weights: a Shared of them, or a folder (open_pretrained)."""
-    if not isinstance(source, Shared):
-        source = Shared(1, open_pretrained(source).pretrained_state(model.config), path=source)
-    with source.use() as tensors:
-        model.load_state_dict(tensors)
 
 
 def open_checkpoint(path, read=(MODEL, CONFIG, TOKENIZER, STATE)) -> Checkpoint:
@@ -623,93 +425,3 @@ def _read_verified(path: Path, folder: Path, manifest: dict, read) -> Checkpoint
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in read):
             contents[name] = data
     return Checkpoint(path, folder, manifest, contents)
-
-
-# ---------------------------------------------------------------------------------------------- resume
-class AlreadyTrained(XtrainError):
-    """The checkpoint to resume holds STEPS steps or more: nothing is left to train."""
-
-    def __init__(self, where: str, step: int, steps: int):
-        super().__init__(f"{where} is already at step {step}: STEPS ({steps}) must be larger to train on")
-        self.step = step
-
-
-def _describe(model: dict) -> str:
-    return (f"'{model['preset']}' ({model['n_layer']} layers, {model['n_head']} heads, width {model['n_embd']}, "
-            f"context {model['n_ctx']}, vocabulary {model['vocab_size']})")
-
-
-def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
-    """Can this run continue the checkpoint cfg.resume? Returns (its step, notes for the log, the verified
-    checkpoint with the bytes restore() loads: a shared_restore of it reads nothing again), or raises
-    XtrainError naming what does not fit."""
-    ckpt = open_checkpoint(cfg.resume, read=(MODEL, STATE, "optimizer*"))
-    state, where = ckpt.state, f"checkpoint '{cfg.resume}'"
-    notes = [ckpt.note] if ckpt.note else []
-    model = {"preset": cfg.model, **asdict(model_config(cfg.model, corpus.vocab_size))}
-    if state["model"] != model:
-        raise XtrainError(f"{where} holds model {_describe(state['model'])}, this run trains {_describe(model)}")
-    if state["data"]["train_tokens_sha256"] != corpus.train_sha256:
-        raise XtrainError(f"{where} was trained on other token ids (corpus '{state['data']['corpus']}' with "
-                          f"tokenizer '{state['data']['tokenizer']}'): resume with the same files")
-    saved = state["config"]
-    for name, flag in (("batch", "BATCH"), ("seq", "SEQ"), ("seed", "--seed")):
-        if name not in saved:
-            raise XtrainError(f"{where} is corrupt: {STATE} has no {name} in its config")
-        if saved[name] != getattr(cfg, name):
-            raise XtrainError(f"{where} was trained with {flag} {saved[name]}, this run has {getattr(cfg, name)}: "
-                              "its data order cannot continue")
-    if saved.get("overfit_batch", False) != cfg.overfit_batch:
-        saved_with, run_with = ("without", "with") if cfg.overfit_batch else ("with", "without")
-        raise XtrainError(f"{where} was trained {saved_with} --overfit-batch and this run is {run_with} it: its "
-                          "data order cannot continue")
-    try:  # what restore() will load on every rank: a bad sampler state is bad input, found before any rank starts
-        BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed).load_state(state["sampler"])
-    except XtrainError as err:
-        raise XtrainError(f"{where} is corrupt: {err}") from None
-    ckpt.check_contents(model_config(cfg.model, corpus.vocab_size))
-    step = state["step"]
-    if cfg.steps <= step:
-        raise AlreadyTrained(where, step, cfg.steps)
-    # a checkpoint from before an option existed was trained with its default
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
-    changed = [f"{name} {saved.get(name, defaults[name])} -> {getattr(cfg, name)}" for name in CHANGEABLE
-               if saved.get(name, defaults[name]) != getattr(cfg, name)]
-    if changed:
-        notes.append(f"resume: from step {step + 1} on, this run changes {', '.join(changed)}")
-    saved_dtype = saved.get("dtype", "fp32")  # checkpoints from before --dtype were fp32 runs
-    if saved_dtype != cfg.dtype:
-        notes.append(f"resume: the checkpoint was trained with --dtype {saved_dtype}, this run uses {cfg.dtype}: "
-                     "it continues from the saved float32 master weights and optimizer state, and its losses "
-                     f"follow {cfg.dtype} arithmetic from step {step + 1} on")
-    if state["world_size"] != cfg.world_size:
-        notes.append(f"resume: the checkpoint was written by {state['world_size']} rank(s), this run has "
-                     f"{cfg.world_size}: the state resumes exactly, but gradient sums now round in another "
-                     "order, so losses follow the original world size to float rounding, not bitwise")
-    return step, notes, ckpt
-
-
-def shared_restore(path, ranks: int, opened: Checkpoint | None = None) -> Shared:
-    """The checkpoint at `path` for `ranks` rank threads to restore from: check_resume's verified read
-    where the caller has it (`opened`), else one read on first use."""
-    return Shared(ranks, opened, read=lambda: open_checkpoint(path, read=(MODEL, STATE, "optimizer*")), path=path)
-
-
-def restore(source, model, optimizer, sampler) -> int:
-    """Load the parameters, optimizer and sampler state of the checkpoint (a path, or a shared_restore of
-    it; checked by check_resume) into this rank's objects; returns the step to continue from."""
-    shared = source if isinstance(source, Shared) else shared_restore(source, 1)
-    with shared.use() as ckpt:
-        return _restore(ckpt, shared.path, model, optimizer, sampler)
-
-
-def _restore(ckpt: Checkpoint, path, model, optimizer, sampler) -> int:
-    state = ckpt.state
-    model.load_state_dict(ckpt.model_state(model.config))
-    used = layout_size(model.config)
-    if sha256_of(model.ops.to_host(model.params)[:used]) != state["param_sha256"]:
-        raise XtrainError(f"checkpoint '{path}' is corrupt: its parameters do not hash to the saved param_sha256")
-    lo, hi = optimizer.state_range
-    optimizer.load_state_dict(ckpt.optimizer_state(lo, hi, used))
-    sampler.load_state(state["sampler"])
-    return state["step"]

@@ -1,23 +1,21 @@
-"""Text to token ids, and token ids to the batches each data-parallel rank trains on.
+"""Text to token ids: a tokenizer read and checked, a text encoded (and its ids cached on disk), and the corpus
+a run trains on.
 
 `Corpus` encodes a UTF-8 text file with any `tokenizers` JSON file, caches the ids on disk and keeps
 the last part of the stream for validation; or it reads ids already made, from llm.c's token files
-(`TokenFiles`), without loading them into memory. `BatchSampler` cuts random windows from a stream: every
-rank draws the whole global batch from the same seeded RNG and keeps its own share, so the ranks
-agree on the batch without talking to each other.
+(token_files.TokenFiles), without loading them into memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import io
 import itertools
 import os
 import re
 import zipfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,8 @@ import tokenizers
 
 from xtrain_dist import files
 from xtrain_dist.errors import XtrainError, first_line
+
+from .token_files import TokenFiles, open_token_files
 
 REPO_DATA = Path(__file__).resolve().parents[2] / "data"
 DEFAULT_TOKENIZER = REPO_DATA / "tokenizer.json"
@@ -46,23 +46,8 @@ def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
     return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
-@contextlib.contextmanager
-def reading(what: str, path: Path):
-    """Turn an OSError raised while reading `path` into one XtrainError that names it as `what`."""
-    try:
-        yield
-    except FileNotFoundError:
-        raise XtrainError(f"{what} '{path}' not found") from None
-    except IsADirectoryError:
-        raise XtrainError(f"{what} '{path}' is a directory, not a file") from None
-    except PermissionError:
-        raise XtrainError(f"{what} '{path}' cannot be read (permission denied)") from None
-    except OSError as err:
-        raise XtrainError(f"{what} '{path}' cannot be read ({err.strerror or first_line(err)})") from None
-
-
 def _read_file(what: str, path: Path) -> bytes:
-    with reading(what, path):
+    with files.reading(what, path):
         return path.read_bytes()
 
 
@@ -186,100 +171,6 @@ def _encode_file(what: str, path: Path, tokenizer: tokenizers.Tokenizer, tokeniz
     return ids
 
 
-# ------------------------------------------------------------------ token files (llm.c's format)
-
-# llm.c (dev/data/data_common.py) keeps a tokenized dataset as files of a header of 256 little-endian
-# int32 (magic, version, number of ids, zeros) followed by the ids; FineWeb, TinyStories and its
-# tinyshakespeare come as such files, the large ones in shards of 100M ids. A run reads them as they are,
-# so it trains on the very tokens llm.c trains on, and on a dataset larger than memory: a batch reads only
-# the windows it draws, and the one pass over everything at the start (the vocabulary check and the
-# digest) reads block by block.
-TOKEN_FILE_HEADER_BYTES = 256 * 4
-TOKEN_FILE_FORMATS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}  # magic: (version, ids)
-MAX_TOKEN_FILE_IDS = 2**31 - 1  # the header holds the count as an int32
-_READ_BLOCK_IDS = 1 << 22
-
-
-@dataclass(frozen=True)
-class _Span:
-    """`count` ids of one token file, from its id `first` on."""
-
-    path: Path
-    dtype: np.dtype
-    first: int
-    count: int
-
-    def read(self, lo: int, n: int) -> np.ndarray:
-        """Ids lo .. lo + n - 1 of the span (a positioned read: no memory map grows with the run)."""
-        with open(self.path, "rb") as f:
-            f.seek(TOKEN_FILE_HEADER_BYTES + (self.first + lo) * self.dtype.itemsize)
-            ids = np.fromfile(f, dtype=self.dtype, count=n)
-        if len(ids) != n:
-            raise XtrainError(f"token file '{self.path}' was cut short while this run read it")
-        return ids
-
-    def blocks(self):
-        for lo in range(0, self.count, _READ_BLOCK_IDS):
-            yield self.read(lo, min(_READ_BLOCK_IDS, self.count - lo))
-
-
-class TokenFiles:
-    """One token stream stored in token files, one after another: the length, the windows a batch takes,
-    and a split into train and validation, none of which reads the stream into memory."""
-
-    def __init__(self, spans: list[_Span]):
-        self.spans = [s for s in spans if s.count]
-        self._ends = np.cumsum([s.count for s in self.spans], dtype=np.int64)
-
-    def __len__(self) -> int:
-        return int(self._ends[-1]) if self.spans else 0
-
-    def split(self, n: int) -> tuple[TokenFiles, TokenFiles]:
-        """The first n ids and the rest."""
-        head, tail, start = [], [], 0
-        for s in self.spans:
-            cut = min(max(n - start, 0), s.count)
-            head.append(replace(s, count=cut))
-            tail.append(replace(s, first=s.first + cut, count=s.count - cut))
-            start += s.count
-        return TokenFiles(head), TokenFiles(tail)
-
-    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """int32 (len(starts), length): ids s .. s + length - 1 for each s, across file ends where a window
-        straddles one."""
-        out = np.empty((len(starts), length), dtype=np.int32)
-        for row, start in enumerate(np.asarray(starts).tolist()):
-            k = int(np.searchsorted(self._ends, start, side="right"))
-            col = 0
-            while col < length:
-                span = self.spans[k]
-                lo = start + col - (int(self._ends[k]) - span.count)
-                n = min(length - col, span.count - lo)
-                out[row, col:col + n] = span.read(lo, n)
-                col, k = col + n, k + 1
-        return out
-
-
-def take_windows(tokens: np.ndarray | TokenFiles, starts: np.ndarray, length: int) -> np.ndarray:
-    """int32 (len(starts), length): the windows tokens[s : s + length] of a stream, in memory or in files."""
-    if isinstance(tokens, TokenFiles):
-        return tokens.windows(starts, length)
-    return tokens[np.asarray(starts)[:, None] + np.arange(length)].astype(np.int32)
-
-
-def token_file_chunks(ids: np.ndarray, vocab_size: int) -> list:
-    """The bytes of an llm.c token file holding `ids`, as [header, ids] for files.write_atomic: version 1
-    (uint16 ids, GPT-2's format) for a vocabulary of up to 65536 ids, else version 7 (uint32)."""
-    if len(ids) > MAX_TOKEN_FILE_IDS:
-        raise XtrainError(f"{len(ids)} ids are more than one llm.c token file counts ({MAX_TOKEN_FILE_IDS}): "
-                          "split the text")
-    magic = 20240520 if vocab_size <= 65536 else 20240801
-    version, dtype = TOKEN_FILE_FORMATS[magic]
-    header = np.zeros(TOKEN_FILE_HEADER_BYTES // 4, dtype="<i4")
-    header[:3] = magic, version, len(ids)
-    return [header.tobytes(), np.ascontiguousarray(ids, dtype=dtype)]
-
-
 def text_blocks(f, block_chars: int = 1 << 24):
     """The text read from `f` (opened with newline="", as Corpus.load reads bytes) in blocks of about
     `block_chars`, each cut at its last paragraph break, where _encode_text cuts the whole text anyway:
@@ -294,53 +185,6 @@ def text_blocks(f, block_chars: int = 1 << 24):
         rest = text[cut:]
     if rest:
         yield rest
-
-
-def _is_token_file(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError:  # unreadable: reading it as text says why
-        return False
-    return len(magic) == 4 and int.from_bytes(magic, "little", signed=True) in TOKEN_FILE_FORMATS
-
-
-def _open_token_file(what: str, path: Path) -> _Span:
-    with reading(what, path), open(path, "rb") as f:
-        header, size = f.read(TOKEN_FILE_HEADER_BYTES), os.fstat(f.fileno()).st_size
-    if len(header) < TOKEN_FILE_HEADER_BYTES:
-        raise XtrainError(f"{what} '{path}' is not an llm.c token file (shorter than its "
-                          f"{TOKEN_FILE_HEADER_BYTES}-byte header)")
-    magic, version, count = (int(v) for v in np.frombuffer(header, dtype="<i4", count=3))
-    if magic not in TOKEN_FILE_FORMATS:
-        known = " or ".join(str(m) for m in TOKEN_FILE_FORMATS)
-        raise XtrainError(f"{what} '{path}' is not an llm.c token file (magic {magic}, not {known})")
-    want, dtype = TOKEN_FILE_FORMATS[magic]
-    if version != want:
-        raise XtrainError(f"{what} '{path}' is an llm.c token file of version {version}; with magic {magic} this "
-                          f"trainer reads version {want}")
-    expected = TOKEN_FILE_HEADER_BYTES + count * dtype.itemsize
-    if count < 0 or size != expected:
-        raise XtrainError(f"{what} '{path}' is not a whole llm.c token file: its header counts {count} ids "
-                          f"({expected} bytes with the header), the file has {size} bytes")
-    return _Span(path, dtype, 0, count)
-
-
-def _token_files(what: str, given: Path) -> TokenFiles | None:
-    """The token files `given` names (one file, or a glob pattern of several, taken in name order), or
-    None where it names something else (a text file, or nothing: reading it as text says which)."""
-    if given.is_file():  # a file's own name is never a pattern, even with a * in it
-        return TokenFiles([_open_token_file(what, given)]) if _is_token_file(given) else None
-    if not glob.has_magic(str(given)):
-        return None
-    matches = sorted(Path(p) for p in glob.glob(str(given)))
-    if not matches:
-        raise XtrainError(f"{what} '{given}' matches no file")
-    for path in matches:
-        if not _is_token_file(path):
-            raise XtrainError(f"{what} '{given}' matches '{path}', which is not an llm.c token file (a pattern "
-                              "names token files only)")
-    return TokenFiles([_open_token_file(what, path) for path in matches])
 
 
 def _stream_sha256(tokens: np.ndarray | TokenFiles, dtype, vocab_size: int, tokenizer_path: Path) -> str:
@@ -398,7 +242,7 @@ class Corpus:
         cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
 
         def ids_of(what: str, path: Path) -> np.ndarray | TokenFiles:
-            ids = _token_files(what, path)
+            ids = open_token_files(what, path)
             if ids is None:
                 ids = _encode_file(what, path, tokenizer, tokenizer_path, tokenizer_bytes, cache_dir)
             if len(ids) == 0:
@@ -441,90 +285,3 @@ class Corpus:
                 f"corpus '{self.corpus_path}' is too short for SEQ={seq}: "
                 f"its train split has {len(self.train)} tokens, at least {seq + 1} are needed"
             )
-
-
-class BatchSampler:
-    """Draws global batches from one seeded RNG that every rank constructs identically; keeps this
-    rank's share.
-
-    Each `next()` draws `batch` start offsets, offsets = rng.integers(0, len(tokens) - seq, size=batch)
-    (each uniform in [0, len(tokens) - seq - 1]); sequence i is tokens[o_i : o_i + seq] with targets
-    tokens[o_i + 1 : o_i + seq + 1]. Rank r keeps the sequences with i % world == r. Every rank draws
-    all the offsets, so the RNGs stay in lockstep and the ranks' shares together are exactly the
-    batch that world 1 would train on. For the same reason the state is the same on every rank, and
-    a state saved at one world size resumes the same stream of global batches at another.
-
-    overfit (--overfit-batch, llm.c's -a): every `next()` is the first global batch again, drawn from a
-    fresh RNG of the same seed, so the saved state never moves and a resume draws that batch too.
-    """
-
-    def __init__(self, tokens: np.ndarray | TokenFiles, batch: int, seq: int, seed: int, rank: int = 0,
-                 world: int = 1, overfit: bool = False):
-        if not isinstance(tokens, TokenFiles):
-            tokens = np.asarray(tokens)
-            if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-                raise TypeError(f"tokens must be a 1-D array of integer ids, not {tokens.dtype} {tokens.shape}")
-        if batch < 1 or seq < 1:
-            raise XtrainError(f"BATCH and SEQ must be at least 1, got BATCH={batch}, SEQ={seq}")
-        if seed < 0:
-            raise XtrainError(f"the seed must be a non-negative integer, got {seed}")
-        if world < 1 or not 0 <= rank < world:
-            raise XtrainError(f"rank {rank} is not one of the {world} ranks of this world")
-        if len(tokens) < seq + 1:
-            raise XtrainError(
-                f"a stream of {len(tokens)} tokens is too short for SEQ={seq}: at least {seq + 1} are needed"
-            )
-        self.tokens, self.batch, self.seq, self.seed = tokens, batch, seq, seed
-        self.rank, self.world, self.overfit = rank, world, overfit
-        self.n_local = len(range(rank, batch, world))
-        self._rng = self._first_rng()
-        self._batches_drawn = 0
-
-    def _first_rng(self) -> np.random.Generator:
-        # [seed, 1] rather than seed: the model's init draws from PCG64(seed), and the data order
-        # must not be a replay of the initial weights' random stream.
-        return np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 1])))
-
-    def next(self) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's (inputs, targets) of the next global batch: int32 arrays of shape (n_local, seq)."""
-        rng = self._first_rng() if self.overfit else self._rng
-        offsets = rng.integers(0, len(self.tokens) - self.seq, size=self.batch)
-        self._batches_drawn += 1
-        windows = take_windows(self.tokens, offsets[self.rank :: self.world], self.seq + 1)
-        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
-
-    def _stream(self) -> dict:
-        """What fixes the stream of global batches; a state only fits a sampler with the same."""
-        return {"seed": self.seed, "batch": self.batch, "seq": self.seq, "n_tokens": len(self.tokens)}
-
-    def state(self) -> dict:
-        """A JSON-serialisable snapshot; `load_state` of it makes `next()` continue exactly from here."""
-        bits = self._rng.bit_generator.state
-        return {
-            **self._stream(),
-            "batches_drawn": self._batches_drawn,
-            # PCG64's state and increment are 128-bit: as strings they survive JSON readers that
-            # hold numbers in doubles.
-            "pcg64": {
-                "state": str(bits["state"]["state"]),
-                "inc": str(bits["state"]["inc"]),
-                "has_uint32": bits["has_uint32"],
-                "uinteger": bits["uinteger"],
-            },
-        }
-
-    def load_state(self, state: dict) -> None:
-        saved = {name: state.get(name) for name in self._stream()}
-        if saved != self._stream():
-            raise XtrainError(f"sampler state was saved for {saved}, but this sampler draws {self._stream()}")
-        try:
-            pcg64 = state["pcg64"]
-            self._rng.bit_generator.state = {
-                "bit_generator": "PCG64",
-                "state": {"state": int(pcg64["state"]), "inc": int(pcg64["inc"])},
-                "has_uint32": int(pcg64["has_uint32"]),
-                "uinteger": int(pcg64["uinteger"]),
-            }
-            self._batches_drawn = int(state["batches_drawn"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise XtrainError(f"sampler state is malformed ({type(err).__name__}: {err})") from None

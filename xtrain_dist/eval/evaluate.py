@@ -20,7 +20,8 @@ from threadpoolctl import threadpool_limits
 
 from ..backend import BACKENDS, numpy_ops
 from ..command import OneLineParser, non_empty_path, positive_int, run_command
-from ..data.corpus import Corpus, TokenFiles, take_windows
+from ..data.corpus import Corpus
+from ..data.token_files import TokenFiles, take_windows
 from ..errors import XtrainError
 
 PROG = "evaluate"

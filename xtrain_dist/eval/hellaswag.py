@@ -31,8 +31,9 @@ import numpy as np
 from ..backend import BACKENDS
 from ..command import OneLineParser, non_empty_path, positive_int, run_command
 from ..config import model_config
-from ..data.corpus import TOKEN_FILE_HEADER_BYTES, reading
+from ..data.token_files import TOKEN_FILE_HEADER_BYTES
 from ..errors import XtrainError
+from ..files import reading
 from .sample import load_for_command
 
 EVAL_FILE_MAGIC = 20240522

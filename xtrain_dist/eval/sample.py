@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import BACKENDS, get_backend
-from ..checkpoint.store import CONFIG, EOS, MODEL, STATE, TOKENIZER, is_checkpoint, open_pretrained
+from ..checkpoint.hf import EOS, gpt_config, open_pretrained, pretrained_state
+from ..checkpoint.store import CONFIG, MODEL, STATE, TOKENIZER, is_checkpoint
 from ..command import OneLineParser, non_negative_float, non_negative_int, positive_int, run_command, utf8_text
 from ..data.corpus import encode_checked
 from ..errors import XtrainError
@@ -33,14 +34,14 @@ def load(path, backend):
     wanted = (MODEL, CONFIG, TOKENIZER) + ((STATE,) if is_checkpoint(path) else ())  # only ours: our trainer state
     ckpt = open_pretrained(path, read=wanted, what="checkpoint")
     try:
-        config = ckpt.gpt_config()
+        config = gpt_config(ckpt)
     except XtrainError as err:
         # GPTConfig's own checks (n_embd divisible by n_head, ...) do not know which file they read
         if str(err).startswith(f"checkpoint '{ckpt.path}'"):
             raise
         raise XtrainError(f"checkpoint '{ckpt.path}': {CONFIG}: {err}") from None
     model = GPT2(config, backend)
-    model.load_state_dict(ckpt.pretrained_state(config))
+    model.load_state_dict(pretrained_state(ckpt, config))
     tokenizer = ckpt.tokenizer()
     if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
         raise XtrainError(f"checkpoint '{path}': its tokenizer has more ids than the model's vocabulary "

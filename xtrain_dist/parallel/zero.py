@@ -52,7 +52,7 @@ class ShardedAdamW(AdamW):
         self.v = xp.zeros(self.hi - self.lo, dtype=model.params.dtype)
         self.step_count = 0
 
-    sharded = True  # checkpoints save each rank's optimizer state (checkpoint.py)
+    sharded = True  # checkpoints save each rank's optimizer state (checkpoint/resume.py)
 
     @property
     def state_range(self) -> tuple[int, int]:

@@ -17,7 +17,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..backend import numpy_ops
-from ..checkpoint import store as checkpoint
+from ..checkpoint import resume, store
 from ..comm.launch_env import Launch, detect_launch, local_world_for
 from ..comm.rendezvous import report_failure_before_world
 from ..comm.world import open_world
@@ -66,8 +66,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
                        log=lambda line: print(f"{PROG}: {line}", file=sys.stderr))
 
     # the checkpoint _prepare verified, bytes and all: the ranks restore from it without reading it again
-    shared_resume = checkpoint.shared_restore(cfg.resume, local_world, ready.resume_from) if cfg.resume else None
-    shared_init = checkpoint.Shared(local_world, ready.init_weights, path=cfg.init_from) if cfg.init_from else None
+    shared_resume = resume.shared_restore(cfg.resume, local_world, ready.resume_from) if cfg.resume else None
+    shared_init = store.Shared(local_world, ready.init_weights, path=cfg.init_from) if cfg.init_from else None
     ready.init_weights = None  # the ranks' last load lets the host copy go
 
     peak_flops = job_peak_flops(cfg, devices, launch)

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backend import get_backend
-from ..checkpoint import store as checkpoint
+from ..checkpoint import hf
+from ..checkpoint.resume import restore, save
 from ..comm.timed import TimedCommunicator
 from ..config import TrainConfig, model_config
-from ..data.corpus import BatchSampler, Corpus
+from ..data.corpus import Corpus
+from ..data.sampler import BatchSampler
 from ..errors import XtrainError
 from ..eval.evaluate import Evaluator
 from ..eval.hellaswag import HellaSwag
@@ -60,9 +62,9 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 @np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
                log=print, resume=None, init=None, hellaswag=None, peak_flops=None, stop=None) -> RankResult:
-    """One rank's whole run. `resume`: what to restore from (a checkpoint.shared_restore that the process's
-    ranks share), by default cfg.resume; `init`: the pretrained weights to start from (a
-    checkpoint.Shared of them), by default cfg.init_from's; `hellaswag`: the examples of cfg.hellaswag,
+    """One rank's whole run. `resume`: what to restore from (a checkpoint.resume.shared_restore that the
+    process's ranks share), by default cfg.resume; `init`: the pretrained weights to start from (a
+    checkpoint.store.Shared of them), by default cfg.init_from's; `hellaswag`: the examples of cfg.hellaswag,
     by default read from it; `peak_flops`: the dense peak FLOP/s of all the job's GPUs together, where
     known (train_ddp.job_peak_flops): each step's record then has its MFU; `stop`: a threading.Event that,
     once set on any rank of the job (train_ddp.StopRequest: on SIGTERM or SIGUSR1), ends the run after the
@@ -79,9 +81,9 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size,
                            overfit=cfg.overfit_batch)
-    start = checkpoint.restore(resume or cfg.resume, model, optimizer, sampler) if cfg.resume else 0
+    start = restore(resume or cfg.resume, model, optimizer, sampler) if cfg.resume else 0
     if cfg.init_from:
-        checkpoint.load_pretrained(init or cfg.init_from, model)
+        hf.load_pretrained(init or cfg.init_from, model)
     evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
                  if cfg.eval_batches else None)
     multiple_choice = None
@@ -161,8 +163,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         if rank == 0 and cfg.metrics:
             metrics.append(cfg.metrics, record)
         for folder in cadence.saves(done, stopping):
-            checkpoint.save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
-                            model=model, optimizer=optimizer, sampler=sampler)
+            save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
+                 model=model, optimizer=optimizer, sampler=sampler)
             if rank == 0:
                 log(f"saved checkpoint '{folder}' at step {done}")
         if stopping:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from .. import files, precision
 from ..backend import numpy_ops, rank_device
-from ..checkpoint import store as checkpoint
+from ..checkpoint import hf, resume, store
 from ..comm.launch_env import Launch, gpu_for
 from ..comm.world import choose_engine, config_fingerprint
 from ..config import PRESETS, TrainConfig, model_config
@@ -113,9 +113,9 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world
         devices = [rank_device(cfg.backend, local) for local in range(local_world)]
     # checkpoints, evaluation, metrics: fail before training rather than after it
     if cfg.save_dir and launch.process_rank == 0:
-        if note := checkpoint.prepare_save_dir(cfg.save_dir):
+        if note := store.prepare_save_dir(cfg.save_dir):
             log(note)
-        checkpoint.refuse_another_runs_checkpoint(cfg.save_dir, cfg.resume)
+        store.refuse_another_runs_checkpoint(cfg.save_dir, cfg.resume)
         if auto_resume and not cfg.resume:  # said once --save-dir is known to take the run's checkpoints
             log(f"--resume {AUTO_RESUME}: no checkpoint in '{cfg.save_dir}' yet: starting at step 1")
     if cfg.metrics:
@@ -131,8 +131,8 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world
     first, resume_from = 1, None
     if cfg.resume:
         try:
-            step, notes, resume_from = checkpoint.check_resume(cfg, corpus)
-        except checkpoint.AlreadyTrained as done:
+            step, notes, resume_from = resume.check_resume(cfg, corpus)
+        except resume.AlreadyTrained as done:
             if not auto_resume:  # an explicit --resume asks for more steps than it gave
                 raise
             raise RunComplete(f"--resume {AUTO_RESUME}: checkpoint '{cfg.save_dir}' is at step {done.step} and "
@@ -165,8 +165,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world
     # train on different data with nothing to say so
     same_everywhere = {k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS}
     if init_weights is not None:  # so are the weights every rank starts from
-        same_everywhere["init_params"] = checkpoint.params_sha256(init_weights,
-                                                                  model_config(cfg.model, corpus.vocab_size))
+        same_everywhere["init_params"] = store.params_sha256(init_weights, model_config(cfg.model, corpus.vocab_size))
     if examples is not None:
         same_everywhere["hellaswag_examples"] = hellaswag.sha256(examples)
     fingerprint = config_fingerprint({**same_everywhere, "train_tokens": corpus.train_sha256,
@@ -189,7 +188,7 @@ def resolve_auto_resume(cfg: TrainConfig) -> TrainConfig:
         return cfg
     if not cfg.save_dir:
         raise XtrainError(f"--resume {AUTO_RESUME} continues from the checkpoint in --save-dir: give --save-dir")
-    if checkpoint.is_checkpoint(cfg.save_dir):
+    if store.is_checkpoint(cfg.save_dir):
         return replace(cfg, resume=cfg.save_dir, init_from=None)
     return replace(cfg, resume=None)
 
@@ -209,8 +208,8 @@ def _shape(c) -> str:
 
 def check_init_from(cfg: TrainConfig, corpus: Corpus) -> dict:
     """--init-from: the pretrained parameters, checked to be the model this run trains with this tokenizer."""
-    pretrained = checkpoint.open_pretrained(cfg.init_from)
-    theirs, ours = pretrained.gpt_config(), model_config(cfg.model, corpus.vocab_size)
+    pretrained = hf.open_pretrained(cfg.init_from)
+    theirs, ours = hf.gpt_config(pretrained), model_config(cfg.model, corpus.vocab_size)
     if theirs != ours:
         if theirs.vocab_size != corpus.vocab_size:
             hint = f"train with the tokenizer it was trained with (its vocabulary of {theirs.vocab_size})"
@@ -220,7 +219,7 @@ def check_init_from(cfg: TrainConfig, corpus: Corpus) -> dict:
             hint = "no --model preset has its shape"
         raise XtrainError(f"--init-from '{cfg.init_from}' holds a GPT-2 of {_shape(theirs)}; --model {cfg.model} "
                           f"with this tokenizer is {_shape(ours)}: {hint}")
-    return pretrained.pretrained_state(ours)
+    return hf.pretrained_state(pretrained, ours)
 
 
 def act_itemsize(cfg: TrainConfig) -> int:
