@@ -485,7 +485,7 @@ def test_bench_cpu_peer_trains_like_our_trainer():
 
 def test_fit_overhead_model_reads_the_newest_results_by_default(tmp_path, monkeypatch):
     fit = load_script("fit_overhead_model")
-    monkeypatch.setattr(fit.bench, "REPO", tmp_path)
+    monkeypatch.setattr(fit.results, "REPO", tmp_path)
     with pytest.raises(XtrainError, match=r"^no bench/cpu/\*/ddp.json: run bin/bench_ddp first, or pass the file$"):
         fit.newest("ddp.json", "bench_ddp")
     for day in ("2026-03-01", "2026-11-20", "2026-01-02"):
