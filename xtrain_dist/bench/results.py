@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 
 from .. import files
-from ..errors import XtrainError
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -108,17 +107,6 @@ def write_results(folder: Path, stem: str, data: dict, title: str, table: str, f
     for name, content in contents.items():
         files.write_atomic(folder / name, content, "results file")
     return [folder / name for name in contents]
-
-
-def pyplot():
-    """matplotlib's pyplot without a display; a missing matplotlib is one clear line."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise XtrainError("matplotlib is not installed (pip install 'xtrain-dist[bench]')") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 # ---------------------------------------------------------------------------- the GPU benchmarks
