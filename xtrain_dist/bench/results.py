@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,14 @@ def gpu_header(cupy) -> dict:
         "cuda_runtime": version(cupy.cuda.runtime.runtimeGetVersion()),
         "cupy": cupy.__version__,
     }
+
+
+def gpu_results_header(cupy, torch) -> dict:
+    """The fields every GPU benchmark's results start with: GPU 0 (gpu_header), the PyTorch it raced (None
+    where it raced none), Python, the date in UTC and the command line."""
+    return {**gpu_header(cupy), "torch": torch.__version__ if torch else None, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(sys.argv)}
 
 
 def cupy_timer(cupy, stream):
