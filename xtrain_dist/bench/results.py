@@ -34,6 +34,15 @@ def default_results_dir(kind: str = "cpu") -> Path:
     return REPO / "bench" / ("results" if kind == "gpu" else "cpu") / datetime.date.today().isoformat()
 
 
+def out_folder(out: Path | None, kind: str) -> Path:
+    """--out, or else the day's folder of this kind (default_results_dir), checked now: one that cannot be
+    written is one line before the benchmark runs, not a traceback after minutes of it, when the results
+    are written."""
+    folder = out or default_results_dir(kind)
+    files.check_out_dir(folder, "--out")
+    return folder
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
