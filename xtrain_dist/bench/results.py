@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import files
+from . import extras
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -101,6 +102,24 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def side_bars(rows: list[dict], sides, labels, figure: str, tick, ylabel: str, title: str, log: bool = False):
+    """The plot of a race between sides (ours against PyTorch's, ...): a group of bars for each row, one a
+    side, each bar the row's "<side>_<figure>"; tick(row) names the group."""
+    plt = extras.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x = np.arange(len(rows))
+    width = 0.27
+    for i, (side, label) in enumerate(zip(sides, labels, strict=True)):
+        ax.bar(x + (i - (len(sides) - 1) / 2) * width, [r[f"{side}_{figure}"] for r in rows], width, label=label)
+    ax.set_xticks(x, [tick(r) for r in rows])
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    return fig
 
 
 def write_results(folder: Path, stem: str, data: dict, title: str, table: str, figure) -> list[Path]:
