@@ -124,7 +124,7 @@ def side_bars(rows: list[dict], sides, labels, figure: str, tick, ylabel: str, t
 
 def write_results(folder: Path, stem: str, data: dict, title: str, table: str, figure) -> list[Path]:
     """Write <stem>.json, <stem>.md and <stem>.png into folder (made if missing); each file appears whole or
-    not at all, and a failure is one line. The scripts check the folder first (files.check_out_dir)."""
+    not at all, and a failure is one line. The scripts check the folder first (out_folder)."""
     m = data["machine"]
     if "loadavg_1m" in m:
         m["loadavg_1m_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
