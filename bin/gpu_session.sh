@@ -4,10 +4,11 @@
 # checks and the benchmarks travel together (docs/gpu_session.md).
 #
 # Device call: command "PACK_RESULTS=1 bash bin/gpu_session.sh", carry [".whl"], timeout_s 600.
+# The scripts it runs, each runnable alone as well, and what they share are in bin/gpu_session/.
 #
-#   1. bin/gpu_session_cuda.sh into $OUT/cuda, CUDA_BUDGET seconds (default 240): tests, the shipped
+#   1. bin/gpu_session/cuda.sh into $OUT/cuda, CUDA_BUDGET seconds (default 240): tests, the shipped
 #      corpus on the GPU, the per-op error tables, memcheck
-#   2. bin/gpu_session_bench.sh into $OUT/bench, with the rest of BUDGET (default 540): bench_gpu (gpt2-124m
+#   2. bin/gpu_session/bench.sh into $OUT/bench, with the rest of BUDGET (default 540): bench_gpu (gpt2-124m
 #      at 8 x 1024 in every precision with profiles, the bf16 batch x seq sweep), bench_gemm, racecheck
 #   3. with PACK_RESULTS=1, everything in $OUT/results.tar.gz, beside it only session.txt and the two
 #      summaries (a device call brings back 8 files; a session writes dozens)
@@ -20,14 +21,14 @@ OUT=${OUT:-bench/results/gpu_session}
 BUDGET=${BUDGET:-540}
 CUDA_BUDGET=${CUDA_BUDGET:-240}
 
-. bin/gpu_session_common.sh
+. bin/gpu_session/common.sh
 session_setup
 require_gpu
 
 # each half packs nothing itself (PACK_RESULTS=0) and has its own budget, the bench's what is left
-OUT="$OUT/cuda" BUDGET=$CUDA_BUDGET PACK_RESULTS=0 bash bin/gpu_session_cuda.sh
+OUT="$OUT/cuda" BUDGET=$CUDA_BUDGET PACK_RESULTS=0 bash bin/gpu_session/cuda.sh
 cuda_rc=$?
-OUT="$OUT/bench" BUDGET=$(( BUDGET - (SECONDS - START) )) PACK_RESULTS=0 bash bin/gpu_session_bench.sh
+OUT="$OUT/bench" BUDGET=$(( BUDGET - (SECONDS - START) )) PACK_RESULTS=0 bash bin/gpu_session/bench.sh
 bench_rc=$?
 
 echo "## gpu_session.sh: cuda exit $cuda_rc, bench exit $bench_rc, $(( SECONDS - START )) s in all" \

@@ -1,4 +1,4 @@
-"""One process of a multi-process NCCL check (run by test_nccl.py and bin/gpu_session_nccl.sh).
+"""One process of a multi-process NCCL check (run by test_nccl.py and bin/gpu_session/nccl.sh).
 
     python tests/nccl_worker.py probe | collectives | loop | bench [MAX_MIB]
 

@@ -186,7 +186,7 @@ def test_collectives_over_mpi_processes(tmp_path):
 def test_results_files_say_what_ran_where(results):
     """Every results file names the command, date, commit and machine (with the load average after the
     run too); the Markdown repeats them above the table."""
-    from xtrain_dist.bench import results as bench
+    from xtrain_dist.bench.results import default_results_dir, markdown_table
 
     out, _ = results
     data = json.loads((out / "ddp.json").read_text())
@@ -202,8 +202,8 @@ def test_results_files_say_what_ran_where(results):
     assert md.startswith("## DDP step, tiny (")
     assert f"`{data['command']}`, {data['date']}, commit {data['git_commit']}" in md
     assert f"Machine: {m['cpu']}, {m['cores']} cores, " in md
-    assert bench.markdown_table(["a", "b"], [[1, "x"]]) == "| a | b |\n| --- | --- |\n| 1 | x |\n"
-    assert bench.default_results_dir("gpu").parts[-3:-1] == ("bench", "results")
-    assert bench.default_results_dir("cpu").parts[-3:-1] == ("bench", "cpu")
+    assert markdown_table(["a", "b"], [[1, "x"]]) == "| a | b |\n| --- | --- |\n| 1 | x |\n"
+    assert default_results_dir("gpu").parts[-3:-1] == ("bench", "results")
+    assert default_results_dir("cpu").parts[-3:-1] == ("bench", "cpu")
     with pytest.raises(ValueError, match=r"^results kind must be 'cpu' or 'gpu', not 'tpu'$"):
-        bench.default_results_dir("tpu")
+        default_results_dir("tpu")

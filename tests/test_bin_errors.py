@@ -316,11 +316,11 @@ def test_fit_overhead_model_names_a_missing_file(tmp_path):
 
 
 def test_gpu_session_summary_bad_arguments(tmp_path):
-    usage = ("usage: gpu_session_summary OUT TESTS_RC CURVES_RC ERRORS_RC SANITIZER_RC ELAPSED_S (a results folder, "
+    usage = ("usage: gpu_session/summary OUT TESTS_RC CURVES_RC ERRORS_RC SANITIZER_RC ELAPSED_S (a results folder, "
              "then five integers)")
-    assert error("gpu_session_summary") == usage
-    assert error("gpu_session_summary", tmp_path, 0, 0, 0, "x", 5) == usage
-    assert error("gpu_session_summary", tmp_path, 0, 0, 0, 0, 5) == \
+    assert error("gpu_session/summary") == usage
+    assert error("gpu_session/summary", tmp_path, 0, 0, 0, "x", 5) == usage
+    assert error("gpu_session/summary", tmp_path, 0, 0, 0, 0, 5) == \
         f"'{tmp_path}' holds no environment.txt: not the results folder of a GPU session"
 
 

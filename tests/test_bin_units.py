@@ -294,7 +294,7 @@ def test_kernel_errors_counts_rounding_steps_where_rounding_sets_the_error():
     assert kernel_errors.rounding_steps(want, want) == (0.0, 0.0)
 
 
-# ------------------------------------------------------------------------------- gpu_session_summary
+# ------------------------------------------------------------------------------- gpu_session/summary
 def test_gpu_session_summary_reports_each_step(tmp_path):
     import subprocess
     import sys
@@ -313,7 +313,8 @@ def test_gpu_session_summary_reports_each_step(tmp_path):
         "param_sha256": ["ab" * 32, "ab" * 32]}))
     (tmp_path / "curve_cuda.json").write_text(json.dumps({
         "losses": losses[:120], "ms_per_step": 1.0, "tokens_per_s": 5.0, "param_sha256": ["cd" * 32, "ef" * 32]}))
-    out = subprocess.run([sys.executable, str(BIN / "gpu_session_summary"), *map(str, (tmp_path, 1, 0, 3, 0, 77))],
+    summary = BIN / "gpu_session" / "summary"
+    out = subprocess.run([sys.executable, str(summary), *map(str, (tmp_path, 1, 0, 3, 0, 77))],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     text = (tmp_path / "cuda_results.md").read_text()
@@ -329,9 +330,9 @@ def test_gpu_session_summary_reports_each_step(tmp_path):
            "| 150 |  | 8.5100 |\n| 200 |  | 8.0100 |" in text
     assert f"| numpy | 12.3 | 1000 | 6.2500 | {'ab' * 8} | True |" in text
     assert f"| cuda | 1.0 | 5 |  | {'cd' * 8} | False |" in text
-    usage = subprocess.run([sys.executable, str(BIN / "gpu_session_summary"), *map(str, (tmp_path, 1, 0, 3, 0, 77, 5))],
+    usage = subprocess.run([sys.executable, str(summary), *map(str, (tmp_path, 1, 0, 3, 0, 77, 5))],
                            capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 2 and usage.stderr.startswith("gpu_session_summary: error: usage:")
+    assert usage.returncode == 2 and usage.stderr.startswith("gpu_session/summary: error: usage:")
 
 
 # ------------------------------------------------------------------------------- prepare_corpus
@@ -484,7 +485,7 @@ def test_bench_cpu_peer_trains_like_our_trainer():
 
 def test_fit_overhead_model_reads_the_newest_results_by_default(tmp_path, monkeypatch):
     fit = load_script("fit_overhead_model")
-    monkeypatch.setattr(fit.bench, "REPO", tmp_path)
+    monkeypatch.setattr(fit.results, "REPO", tmp_path)
     with pytest.raises(XtrainError, match=r"^no bench/cpu/\*/ddp.json: run bin/bench_ddp first, or pass the file$"):
         fit.newest("ddp.json", "bench_ddp")
     for day in ("2026-03-01", "2026-11-20", "2026-01-02"):

@@ -605,7 +605,7 @@ def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
 
 
 def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
-    """bin/gpu_session_summary (the end of bin/gpu_session_cuda.sh) on a results folder like a session's:
+    """bin/gpu_session/summary (the end of bin/gpu_session/cuda.sh) on a results folder like a session's:
     a real training report, an error table, a test summary and a skipped step; the summary lists them all."""
     report = tmp_path / "curve_numpy_fp32_w2.json"
     run = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "3", "4", "32", "--model", "tiny",
@@ -617,7 +617,7 @@ def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
     (tmp_path / "skipped.txt").write_text("## compute-sanitizer racecheck: skipped, the time budget is spent\n")
     (tmp_path / "kernel_errors.md").write_text("| op | output |\n| --- | --- |\n| gelu_forward | out |\n")
     (tmp_path / "sanitizer_memcheck.txt").write_text("........\n========= ERROR SUMMARY: 0 errors\n")
-    result = subprocess.run([sys.executable, "bin/gpu_session_summary", str(tmp_path), "0", "0", "1", "124", "512"],
+    result = subprocess.run([sys.executable, "bin/gpu_session/summary", str(tmp_path), "0", "0", "1", "124", "512"],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     summary = (tmp_path / "cuda_results.md").read_text()
@@ -631,7 +631,7 @@ def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
 
 
 def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_path):
-    """bin/gpu_session.sh (gpu_session_cuda.sh, then gpu_session_bench.sh) and bin/gpu_session_nccl.sh,
+    """bin/gpu_session.sh (gpu_session/cuda.sh, then gpu_session/bench.sh) and bin/gpu_session/nccl.sh,
     unchanged, with every Python process they start on the simulator (tests/cudasim/site): each step runs
     or is skipped by the time budget, each script ends in its summary, and what a device call brings back
     (8 files at most) is the summaries, the benchmark tables and the packed rest. A small budget keeps it
@@ -680,7 +680,7 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     if shutil.which("compute-sanitizer") is None:  # a step that could not run fails the call
         assert "racecheck: exit 127 (last line: compute-sanitizer not on this image)" in summary, summary
         assert "bench exit 1," in verdict and session.returncode == 1, session.stderr[-2000:]
-    nccl = subprocess.run(["bash", "bin/gpu_session_nccl.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "nccl")),
+    nccl = subprocess.run(["bash", "bin/gpu_session/nccl.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "nccl")),
                           capture_output=True, text=True, timeout=300)
     summary = (tmp_path / "nccl" / "nccl_results.md").read_text()
     # one process's fake NCCL cannot reach another process: the probe fails there, the summary says so, and

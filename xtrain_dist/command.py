@@ -47,6 +47,25 @@ non_empty_path = _checked(str, bool, "a path")
 path_arg = _checked(lambda text: Path(text) if text else None, bool, "a path")
 
 
+def _comma_separated(item, what: str):
+    """An argparse type: comma-separated values, each checked by `item` (one of the types above); where it
+    refuses one, the message quotes the option's whole text."""
+
+    def check(text: str) -> list:
+        try:
+            return [item(part) for part in text.split(",")]
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"must be {what} separated by commas, got '{text}'") from None
+
+    check.__name__ = f"{what} separated by commas"
+    return check
+
+
+# the benchmarks' sweeps (bench_collectives --worlds, bench_ddp --buckets)
+positive_ints = _comma_separated(positive_int, "positive integers")
+positive_floats = _comma_separated(positive_float, "numbers > 0")
+
+
 def choice_list(flag: str, text: str, choices, allow_empty: bool = False) -> list[str]:
     """The items of a comma-separated option (the tools' --precisions, --matmuls, ...), in the order given,
     each one of `choices`; else one line naming the option, the item and the choices."""

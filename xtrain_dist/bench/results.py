@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import files
-from ..errors import XtrainError
+from . import extras
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -32,6 +33,15 @@ def default_results_dir(kind: str = "cpu") -> Path:
     if kind not in ("cpu", "gpu"):
         raise ValueError(f"results kind must be 'cpu' or 'gpu', not {kind!r}")
     return REPO / "bench" / ("results" if kind == "gpu" else "cpu") / datetime.date.today().isoformat()
+
+
+def out_folder(out: Path | None, kind: str) -> Path:
+    """--out, or else the day's folder of this kind (default_results_dir), checked now: one that cannot be
+    written is one line before the benchmark runs, not a traceback after minutes of it, when the results
+    are written."""
+    folder = out or default_results_dir(kind)
+    files.check_out_dir(folder, "--out")
+    return folder
 
 
 def _cpu_model() -> str:
@@ -94,9 +104,27 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def side_bars(rows: list[dict], sides, labels, figure: str, tick, ylabel: str, title: str, log: bool = False):
+    """The plot of a race between sides (ours against PyTorch's, ...): a group of bars for each row, one a
+    side, each bar the row's "<side>_<figure>"; tick(row) names the group."""
+    plt = extras.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x = np.arange(len(rows))
+    width = 0.27
+    for i, (side, label) in enumerate(zip(sides, labels, strict=True)):
+        ax.bar(x + (i - (len(sides) - 1) / 2) * width, [r[f"{side}_{figure}"] for r in rows], width, label=label)
+    ax.set_xticks(x, [tick(r) for r in rows])
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    return fig
+
+
 def write_results(folder: Path, stem: str, data: dict, title: str, table: str, figure) -> list[Path]:
     """Write <stem>.json, <stem>.md and <stem>.png into folder (made if missing); each file appears whole or
-    not at all, and a failure is one line. The scripts check the folder first (files.check_out_dir)."""
+    not at all, and a failure is one line. The scripts check the folder first (out_folder)."""
     m = data["machine"]
     if "loadavg_1m" in m:
         m["loadavg_1m_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -108,17 +136,6 @@ def write_results(folder: Path, stem: str, data: dict, title: str, table: str, f
     for name, content in contents.items():
         files.write_atomic(folder / name, content, "results file")
     return [folder / name for name in contents]
-
-
-def pyplot():
-    """matplotlib's pyplot without a display; a missing matplotlib is one clear line."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise XtrainError("matplotlib is not installed (pip install 'xtrain-dist[bench]')") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 # ---------------------------------------------------------------------------- the GPU benchmarks
@@ -145,6 +162,14 @@ def gpu_header(cupy) -> dict:
         "cuda_runtime": version(cupy.cuda.runtime.runtimeGetVersion()),
         "cupy": cupy.__version__,
     }
+
+
+def gpu_results_header(cupy, torch) -> dict:
+    """The fields every GPU benchmark's results start with: GPU 0 (gpu_header), the PyTorch it raced (None
+    where it raced none), Python, the date in UTC and the command line."""
+    return {**gpu_header(cupy), "torch": torch.__version__ if torch else None, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(sys.argv)}
 
 
 def cupy_timer(cupy, stream):

@@ -2,7 +2,7 @@
 train_ddp, bin/kernel_errors, the workers of a shell script) imports the simulator's cupy and nccl
 (tests/cudasim): how the GPU session's own scripts are dry-run on a CPU, unchanged:
 
-    XTRAIN_CUDASIM=1 PYTHONPATH=tests/cudasim/site BUDGET=120 OUT=/tmp/dry bash bin/gpu_session_cuda.sh
+    XTRAIN_CUDASIM=1 PYTHONPATH=tests/cudasim/site BUDGET=120 OUT=/tmp/dry bash bin/gpu_session/cuda.sh
 
 Without XTRAIN_CUDASIM=1 it does nothing.
 """

@@ -11,7 +11,7 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl/fallback \
 #       cuda-core==1.2.2 cuda-pathfinder==1.9.0
 #
-# then the device call: command "bash bin/gpu_session_nccl.sh", carry [".whl"], timeout_s 600 (10 MB).
+# then the device call: command "bash bin/gpu_session/nccl.sh", carry [".whl"], timeout_s 600 (10 MB).
 # nccl4py 0.6.0 needs cuda-core ~= 1.0 and cuda-pathfinder >= 1.5.4. The image's own are used when
 # nccl4py imports with them (CuPy shares them); only if it does not are the fallback wheels put first.
 #
@@ -25,7 +25,7 @@
 #      processes (NCCL's socket transport over loopback, not NVLink: a check of the path, not of the GPU)
 #   5. $OUT/nccl_results.md: device, commands, test summary, probe verdict, bandwidth table
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/gpu_session_nccl}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -42,7 +42,7 @@ if ! $PY -c "import nccl.core" 2>/dev/null && ls .whl/fallback/*.whl >/dev/null 
     .whl/fallback/*.whl && export PYTHONPATH="/tmp/site-first:$PYTHONPATH"
 fi
 
-. bin/gpu_session_common.sh
+. bin/gpu_session/common.sh
 require_gpu
 
 {
@@ -89,7 +89,7 @@ env = (out / "environment.txt").read_text()
 summary = [l for l in (out / "pytest_nccl.txt").read_text().splitlines() if " passed" in l or " failed" in l
            or "skipped" in l or l.startswith("SKIPPED")]
 lines = ["# NCCL through nccl4py: GPU session", "", "```", env.strip(), "```", "",
-         "Commands: `bash bin/gpu_session_nccl.sh` (tests: `python3 -m pytest -q -rs -s tests/test_nccl.py`; "
+         "Commands: `bash bin/gpu_session/nccl.sh` (tests: `python3 -m pytest -q -rs -s tests/test_nccl.py`; "
          "probe: two `tests/nccl_worker.py probe` processes with NCCL_HOSTID=xtrain-host-0/1 on GPU 0; "
          "bench: the same with `bench 256`).", "",
          f"- tests/test_nccl.py: exit {tests_rc}", *[f"  - {l}" for l in summary],

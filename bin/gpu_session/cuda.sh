@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the CUDA backend needs a GPU for, fp32 and bf16, in a few minutes; results land in $OUT for
-# bench/results/. bin/gpu_session.sh runs it first, then bin/gpu_session_bench.sh, in ONE device call
-# (docs/gpu_session.md); alone: command "PACK_RESULTS=1 bash bin/gpu_session_cuda.sh", carry [".whl"].
+# bench/results/. bin/gpu_session.sh runs it first, then bin/gpu_session/bench.sh, in ONE device call
+# (docs/gpu_session.md); alone: command "PACK_RESULTS=1 bash bin/gpu_session/cuda.sh", carry [".whl"].
 #
 # What it does, each step recorded even when an earlier one failed, most important first:
 #   1. device, driver, versions; the CPU-bound work starts in the background: the per-op error tables at
@@ -22,14 +22,14 @@
 # such. On the H100 (2026-11-26) the whole script took 123 s: the tests 54 s in 8 processes and 9 s for the
 # real_gpu ones, each cuda curve 3-8 s, the error tables and numpy curves (66-76 s) beside the tests.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/gpu_session_cuda}
 BUDGET=${BUDGET:-240}
 # what a dry run on the simulator shrinks (tests/test_cudasim.py): the error tables' shapes and the curves' run
 KERNEL_ERRORS_ARGS=${KERNEL_ERRORS_ARGS:-}
 CURVE=${CURVE:-200 8 128 --model mini --log-every 50}
 
-. bin/gpu_session_common.sh
+. bin/gpu_session/common.sh
 session_setup
 require_gpu
 ensure_crt_headers
@@ -103,11 +103,11 @@ step "kernel_errors tf32" 60 $PY bin/kernel_errors --tf32 $KERNEL_ERRORS_ARGS --
   --markdown "$OUT/kernel_errors_tf32.md" || errors_rc=$?
 
 sanitizer_rc=0
-for tool in ${SANITIZERS:-memcheck}; do  # racecheck: gpu_session_bench.sh, with what its budget leaves
+for tool in ${SANITIZERS:-memcheck}; do  # racecheck: gpu_session/bench.sh, with what its budget leaves
   sanitize "$tool" 120 || sanitizer_rc=$?
 done
 
-$PY bin/gpu_session_summary "$OUT" "$tests_rc" "$curves_rc" "$errors_rc" "$sanitizer_rc" "$(( SECONDS - START ))"
+$PY bin/gpu_session/summary "$OUT" "$tests_rc" "$curves_rc" "$errors_rc" "$sanitizer_rc" "$(( SECONDS - START ))"
 summary_rc=$?
 pack_results cuda_results.md pytest_cuda.txt
 exit $summary_rc

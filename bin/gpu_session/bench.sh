@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The CUDA backend's benchmarks, after bin/gpu_session_cuda.sh; results land in $OUT for bench/results/.
+# The CUDA backend's benchmarks, after bin/gpu_session/cuda.sh; results land in $OUT for bench/results/.
 # bin/gpu_session.sh runs both in ONE device call (docs/gpu_session.md); alone: command
-# "PACK_RESULTS=1 bash bin/gpu_session_bench.sh", carry [".whl"].
+# "PACK_RESULTS=1 bash bin/gpu_session/bench.sh", carry [".whl"].
 #
 # What it does, most important first, each step recorded even when an earlier one failed:
 #   1. the CUDA crt headers (a fresh machine lacks them, and the flash-attention rows need them)
@@ -18,10 +18,10 @@
 #      times are cuBLAS's or ours (BENCH_GEMM_ARGS, default gpt2-124m at 8192 rows)
 #   4. compute-sanitizer racecheck over the op tests with what is left of the budget
 #   5. $OUT/bench_results.md: each step's exit status and the tables' files
-# Time: BUDGET seconds (default 330) for all of it, as in gpu_session_cuda.sh; each bench_gpu run has its
+# Time: BUDGET seconds (default 330) for all of it, as in gpu_session/cuda.sh; each bench_gpu run has its
 # own cap as well (the number before its arguments).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/gpu_session_bench}
 BUDGET=${BUDGET:-330}
 # ';' between runs, each "MAX_SECONDS ARGUMENTS..."; the precisions in order of what issue 6 asks first
@@ -32,7 +32,7 @@ BENCH_GPU_RUNS=${BENCH_GPU_RUNS:-"150 --presets gpt2-124m --shapes 8x1024 --prec
 130 --presets gpt2-124m --shapes 8x1024 --precisions tf32,fp32 --torch-modes compile --matmuls cublas"}
 BENCH_GEMM_ARGS=${BENCH_GEMM_ARGS:---preset gpt2-124m --tokens 8192}
 
-. bin/gpu_session_common.sh
+. bin/gpu_session/common.sh
 session_setup
 require_gpu
 ensure_crt_headers
@@ -67,7 +67,7 @@ race_word=${race_word:-last line: $(tail -n 1 "$OUT/sanitizer_racecheck.txt" 2>/
 {
   echo "# CUDA backend benchmarks: GPU session"
   echo
-  echo "Command: \`bash bin/gpu_session_bench.sh\` ($(( SECONDS - START )) s in all)."
+  echo "Command: \`bash bin/gpu_session/bench.sh\` ($(( SECONDS - START )) s in all)."
   echo
   printf '%s\n' "${report[@]}"
   echo "- \`bin/bench_gemm $BENCH_GEMM_ARGS\`: exit $gemm_rc ($(cd "$OUT" && ls bench_gemm-*.md 2>/dev/null | tr '\n' ' '))"

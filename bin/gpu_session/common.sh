@@ -1,5 +1,5 @@
-# Sourced by the bin/gpu_session_*.sh scripts: what they need before their first step, their steps'
-# time budget, and the packing of their results for the trip back.
+# Sourced by bin/gpu_session.sh and the bin/gpu_session/*.sh scripts: what they need before their first
+# step, their steps' time budget, and the packing of their results for the trip back.
 
 # session_setup: once a script has set OUT and BUDGET, what each one with a time budget does first: $OUT made
 # and cleared of the last run's skip list, Python unbuffered with the repository importable, PY (the python
@@ -67,7 +67,8 @@ pack_results() {
 # step would fail slowly, one timeout after another. Needs $PY and $OUT.
 require_gpu() {
   if ! $PY -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" > "$OUT/no_gpu.txt" 2>&1; then
-    echo "$(basename "$0"): no GPU that CuPy can use: $(tail -n 1 "$OUT/no_gpu.txt")" >&2
+    # the script named by its path below bin/ (gpu_session/cuda.sh): "cuda.sh" alone would not say which
+    echo "${0##*bin/}: no GPU that CuPy can use: $(tail -n 1 "$OUT/no_gpu.txt")" >&2
     exit 2
   fi
   rm -f "$OUT/no_gpu.txt"
