@@ -304,14 +304,14 @@ class Conn:
 def test_a_process_of_several_takes_its_slice_of_the_gpus_and_rank0s_id(fake, monkeypatch):
     """Process 1 of 2 (local rank 1) with 2 threads on a node of 4 GPUs: GPUs 2 and 3; it makes no id of
     its own but takes rank 0's from the rendezvous, whose connections it then closes (NCCL makes its own)."""
-    from xtrain_dist.comm import world as world_mod
+    from xtrain_dist.comm import rendezvous as rendezvous_module
     conns, sent = [Conn()], []
 
     def rendezvous(launch, payload, **kw):
         sent.append((launch.process_rank, payload))
         return b"RZ" * 64, conns
 
-    monkeypatch.setattr(world_mod, "rendezvous", rendezvous)
+    monkeypatch.setattr(rendezvous_module, "rendezvous", rendezvous)
     launch = Launch("torchrun", process_rank=1, num_processes=2, local_rank=1)
     world = nccl_module.open_nccl_world(launch, 2, None)
     assert world.devices == [2, 3]
