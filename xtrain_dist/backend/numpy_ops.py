@@ -71,10 +71,9 @@ def keep_freed_arrays(mmap_above: int = 32 << 20, trim_above: int = 64 << 20) ->
     Every op returns new arrays, so a step frees and allocates the same few megabytes hundreds of times.
     By default glibc serves blocks that large with mmap (its threshold starts at 128 KiB and only grows
     after such a block is freed) and gives freed memory at the top of the heap back to the kernel, so
-    each array faulted in fresh pages that the kernel zeroed first: in `perf` of the shipped 2-rank run,
-    26% of the CPU time was the kernel's. With blocks up to 32 MiB served from the heap and up to 64 MiB
-    of free heap kept, the pages are reused: 6% in the kernel, and the step went from about 44 to 35 ms
-    on a 2-core machine, with the same bits. get_backend("numpy") calls it (importing this module does
+    each array faulted in fresh pages that the kernel zeroed first. With blocks up to 32 MiB served from
+    the heap and up to 64 MiB of free heap kept, the pages are reused, with the same bits (what that
+    saved: docs/ddp.md, "Page faults"). get_backend("numpy") calls it (importing this module does
     not change the process's malloc); it acts once per process, leaves it to the user when
     MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ is set, and is a no-op where there is no glibc mallopt."""
     global _heap_set

@@ -198,7 +198,7 @@ def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, 
             np.savez(tmp / "rank0.npz", step_ms=np.array(step_ms), losses=np.array(losses), grad_norms=np.array(norms),
                      **{f"param/{name}": value for name, value in params.items()})
         # no rank tears gloo down while another may still be talking to it: a peer's closed socket makes
-        # gloo abort the process (a SIGABRT seen once in a full test run on the 2-core machine)
+        # gloo abort the process (a SIGABRT seen once in a full test run)
         dist.barrier()
     finally:
         dist.destroy_process_group()

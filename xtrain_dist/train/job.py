@@ -44,9 +44,17 @@ STOPPED = 128 + signal.SIGTERM  # the exit status of every process of a job a st
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Launch | None = None,
           stop: "StopRequest | None" = None) -> dict:
-    """Run this process's share of a training job (all of it without a launcher); return the report
-    (a JSON-ready dict; `process_rank` says whether this process is the one that writes it). `stop`: what
-    ends the run early when set (by default, a StopRequest that SIGTERM and SIGUSR1 set)."""
+    """Run this process's share of a training job (all of it without a launcher) and return the report, a
+    JSON-ready dict whose `process_rank` says whether this process is the one that writes it.
+
+    Args:
+        cfg: the run's configuration (cli.parse_config, or one made in code).
+        corpus: the loaded corpus; by default read from cfg.tokenizer and cfg.corpus (the shipped data where
+            a configuration made in code names none).
+        log: where this process's lines go.
+        launch: which launcher started the process (comm.launch_env.detect_launch by default).
+        stop: what ends the run early when set; by default a StopRequest that SIGTERM and SIGUSR1 set.
+    """
     launch = launch or detect_launch()
     local_world = local_world_for(launch, cfg.world_size)
     try:

@@ -62,13 +62,25 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 @np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | None = None,
                log=print, resume=None, init=None, hellaswag=None, peak_flops=None, stop=None) -> RankResult:
-    """One rank's whole run. `resume`: what to restore from (a checkpoint.resume.shared_restore that the
-    process's ranks share), by default cfg.resume; `init`: the pretrained weights to start from (a
-    checkpoint.store.Shared of them), by default cfg.init_from's; `hellaswag`: the examples of cfg.hellaswag,
-    by default read from it; `peak_flops`: the dense peak FLOP/s of all the job's GPUs together, where
-    known (train_ddp.job_peak_flops): each step's record then has its MFU; `stop`: a threading.Event that,
-    once set on any rank of the job (train_ddp.StopRequest: on SIGTERM or SIGUSR1), ends the run after the
-    step every rank is in, with a checkpoint in cfg.save_dir."""
+    """One rank's whole run, from its first step (or the one after a checkpoint) to cfg.steps.
+
+    Args:
+        rank: this rank's place in the job (0 .. comm.world_size - 1); it picks the rank's sequences of
+            every global batch (i % world == rank).
+        comm: the rank's communicator (comm/): the gradient sync, the loss and the stop request use it.
+        cfg: the run's configuration; corpus: its loaded token ids and tokenizer.
+        device: the GPU the rank binds (cuda); None on the CPU.
+        log: where rank 0 writes its progress lines.
+        resume: what to restore from, a checkpoint.resume.shared_restore that the process's ranks share;
+            by default cfg.resume is read.
+        init: the pretrained weights to start from, a checkpoint.store.Shared of them; by default
+            cfg.init_from's are read.
+        hellaswag: the examples of cfg.hellaswag; by default read from it.
+        peak_flops: the dense peak FLOP/s of all the job's GPUs together, where known
+            (job.job_peak_flops): each step's record then has its MFU.
+        stop: a threading.Event that, once set on any rank of the job (job.StopRequest, on SIGTERM or
+            SIGUSR1), ends the run after the step every rank is in, with a checkpoint in cfg.save_dir.
+    """
     backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype, matmul=cfg.matmul)
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
