@@ -4,7 +4,7 @@ One BLAS thread per process. The tests run thread ranks on tiny matrices: severa
 machine-wide OpenBLAS pool oversubscribe the cores, and on a busy 2-core machine that made a 5-step run
 10-50x slower. The variable reaches the processes tests start; in this one numpy is imported above it
 (imports come first), and OpenBLAS sizes its pool when it loads, so here the limit is set through
-threadpoolctl. A training run sets its own share while it runs (train_ddp.cpu_threads_per_rank). No
+threadpoolctl. A training run sets its own share while it runs (numpy_ops.cpu_threads_per_rank). No
 test depends on the thread count: results are compared within one process.
 """
 

@@ -1,4 +1,4 @@
-"""The pre-flight memory check (memory.py): its figures are the arrays a rank really holds, and a run that
+"""The pre-flight memory check (train/memory.py): its figures are the arrays a rank really holds, and a run that
 cannot fit is refused in one line before anything is allocated."""
 
 import json

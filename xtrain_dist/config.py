@@ -76,13 +76,13 @@ class TrainConfig:
     cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default cores / ranks
     tf32: bool = False              # cuda backend: TF32 tensor-core matmuls (fp32 storage)
     matmul: str = "cublas"          # cuda backend: cublas | cublaslt, the library of products with a bias
-    # processes and launchers (see launch_env.py and comm/world.py); world_size above counts every rank
+    # processes and launchers (see comm/launch_env.py and comm/world.py); world_size above counts every rank
     # of the job: processes x rank threads per process
     comm: str = "auto"                  # auto | local | mpi | tcp | nccl
     rdzv_bind: str | None = None        # HOST[:PORT] rank 0's rendezvous listens on (default: the advertised one)
     rdzv_advertise: str | None = None   # HOST:PORT the other processes connect to (default MASTER_ADDR:MASTER_PORT)
     rdzv_timeout_s: float = 300.0       # how long processes wait for each other at the start
-    # ---- gradient sync strategies, compression, ZeRO-1, accumulation (ddp.py, optim.py) ----
+    # ---- gradient sync strategies, compression, ZeRO-1, accumulation (parallel/ddp.py, parallel/zero.py) ----
     grad_sync: str = "bucketed"     # per-param | flat | bucketed
     bucket_mb: float = 25.0         # bucketed: MiB per bucket, like torch DDP's bucket_cap_mb
     grad_compress: str = "none"     # none | bf16: round gradients to bfloat16 for the reduction
@@ -105,11 +105,11 @@ class TrainConfig:
     eval_every: int = 0             # also evaluate every N steps; 0: only at the end
     eval_batches: int = 0           # held-out batches of BATCH x SEQ per evaluation; 0: none (the CLI's default: 20)
     val_corpus: str = ""            # validation text or token files; "": the corpus's last 10% (corpus.Corpus.load)
-    hellaswag: str = ""             # an llm.c eval file: multiple-choice accuracy at each evaluation (hellaswag.py)
+    hellaswag: str = ""             # an llm.c eval file: multiple-choice accuracy at each evaluation (eval/hellaswag)
     metrics: str | None = None      # append one JSON line per step here
     sample_every: int = 0           # rank 0 draws text from the model every N steps and at the end; 0: never
     sample_tokens: int = 64         # tokens per draw
-    sample_prompt: str = ""         # what the draw continues; "": <|endoftext|> (sample.py)
+    sample_prompt: str = ""         # what the draw continues; "": <|endoftext|> (eval/sample.py)
     extra: dict = field(default_factory=dict)
 
     def resolved(self) -> "TrainConfig":

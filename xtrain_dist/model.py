@@ -145,7 +145,7 @@ class _LayerActs:
 
 class KVCache:
     """The keys and values of every position a generation has run, layer by layer, so that each new
-    token runs the blocks for itself alone, its query attending over the cached keys (sample.py).
+    token runs the blocks for itself alone, its query attending over the cached keys (eval/sample.py).
 
     Written with the backend's array module (numpy, or CuPy's cuBLAS products and elementwise kernels)
     rather than kernels of its own: it serves sampling, not the training step. Scores and softmax are

@@ -2,7 +2,7 @@
 buffer into (shard_bounds), and the choice between it and plain AdamW that --zero makes (make_optimizer).
 
 What is sharded is the optimizer's state and update; gradient synchronisation reduce-scatters into the
-same shards (ddp.py's PieceReducer), and the per-element arithmetic is optim.AdamW's.
+same shards (parallel/ddp.py's PieceReducer), and the per-element arithmetic is optim.AdamW's.
 """
 
 from ..config import TrainConfig

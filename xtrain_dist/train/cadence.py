@@ -5,7 +5,7 @@ is profiled (--profile-step), evaluates (--eval-every and the end of the run), d
 (--sample-every), which checkpoints it saves and where (--save-every, --keep-every, the end), and
 whether a stop request ends the run there; before training, preflight asks it where the run will keep
 checkpoints. What each of those does stays where it lives: evaluation in eval/, writing a checkpoint
-in checkpoint/, the progress line in metrics.py.
+in checkpoint/, the progress line in train/metrics.py.
 """
 
 import os

@@ -131,7 +131,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         **ddp.report_fields(cfg, results),
         # every rank of the job, in rank order, also those of other processes
         **outcomes[0][1],
-        # memory: what rank 0 holds at least, by part (memory.py), and what this process took at its peak
+        # memory: what rank 0 holds at least, by part (train/memory.py), and what this process took at its peak
         "memory": {"rank0_bytes_at_least": asdict(memory.rank_memories(mcfg, cfg, act_itemsize(cfg))[0]),
                    "peak_rss_bytes": memory.peak_rss_bytes(), **gpu_memory(cfg, devices)},
         **({"profile": profile_of(lead, cfg.profile_step)} if cfg.profile_step else {}),

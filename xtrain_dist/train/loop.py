@@ -30,7 +30,7 @@ from .cadence import Cadence
 @dataclass
 class RankResult:
     rank: int
-    # every step's metrics record (metrics.py: loss, lr, grad_norm, ms, comm_ms, exposed_comm_ms, and val_loss,
+    # every step's metrics record (train/metrics.py: loss, lr, grad_norm, ms, comm_ms, exposed_comm_ms, and val_loss,
     # hellaswag, sample where the step had them), in step order: the report derives its lists from them
     records: list[dict] = field(default_factory=list)
     start_step: int = 0                                     # steps done before this run (resumed from a checkpoint)
@@ -39,7 +39,7 @@ class RankResult:
     num_params: int = 0
     step_flops: float = 0.0                                 # model flops of one step, all ranks (MFU's numerator)
     optimizer_state_bytes: int = 0
-    comm_calls: int = 0                                     # collectives in the last step (ddp.py)
+    comm_calls: int = 0                                     # collectives in the last step (parallel/ddp.py)
     param_bytes: int = 0
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)

@@ -228,7 +228,7 @@ def act_itemsize(cfg: TrainConfig) -> int:
 
 
 def check_memory(cfg: TrainConfig, config, ranks_on_node: int, devices: list) -> list[str]:
-    """Refuse a run whose ranks cannot fit in the memory they share (memory.py): on the CPU, this machine's
+    """Refuse a run whose ranks cannot fit in the memory they share (train/memory.py): on the CPU, this machine's
     for all the job's ranks on it; on GPUs, each GPU's for the ranks placed on it. The job's smallest
     per-rank figures are used, so whichever ranks are here, the bound holds. Returns the notes for runs
     that fit only if their ranks' steps do not overlap."""
