@@ -60,6 +60,16 @@ def test_kernel_table_matches_the_sources():
         assert _entry_points(path.read_text()) == set(cuda_compile.KERNELS[path.stem]), path.name
 
 
+def test_the_kernel_table_is_read_from_the_files(tmp_path, monkeypatch):
+    """A kernel is an extern "C" definition starting a line, wherever it is (a mention in a comment is not)."""
+    (tmp_path / "demo.cu").write_text(
+        '// extern "C" __global__ void retired(int n) {}\n'
+        'extern "C" __global__ void first(int n) {}\n'
+        'extern "C" __global__ void __launch_bounds__(128) second(\n    int n) {}\n')
+    monkeypatch.setattr(cuda_compile, "KERNEL_DIR", tmp_path)
+    assert cuda_compile.kernel_table() == {"demo": ("first", "second")}
+
+
 def test_kernel_source_inlines_local_includes():
     for file in cuda_compile.KERNELS:
         text = cuda_compile.kernel_source(file)

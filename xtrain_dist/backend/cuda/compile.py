@@ -1,6 +1,9 @@
 """The kernel sources and their compilation: the text and the NVRTC options each kernels/<file>.cu is
 compiled with, for each --dtype, and the table of kernels a backend launches, each file compiled on
 first use.
+
+The kernels a file defines are read from the file itself (KERNELS, from its `extern "C" __global__`
+definitions), so a kernel added to a file can be launched without an edit here.
 """
 
 from __future__ import annotations
@@ -53,26 +56,17 @@ def nvrtc_options(dtype: str = "fp32") -> tuple[str, ...]:
     return NVRTC_OPTIONS + PRECISIONS[dtype]
 
 
-# ---------------------------------------------------------------------------- the kernel table
+# ---------------------------------------------------------------------------- what the files declare
 
-# file -> the kernels (extern "C" entry points) the backend launches from it
-KERNELS: dict[str, tuple[str, ...]] = {
-    "encoder": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte"),
-    "layernorm": ("layernorm_forward", "layernorm_backward_input", "layernorm_backward_params",
-                  "layernorm_backward_params_finish"),
-    "matmul": ("add_bias", "bias_backward", "bias_backward_finish"),
-    "attention": ("split_heads", "merge_heads", "causal_softmax_forward", "causal_softmax_backward"),
-    "gelu": ("gelu_forward", "gelu_backward"),
-    "residual": ("residual_forward",),
-    "classifier": ("fused_classifier", "crossentropy_forward"),
-    "adamw": ("adamw_update", "lowp_copy"),
-    "global_norm": ("sum_squares_partial", "sum_squares_finish", "clip_coefficient"),
-    "scale": ("scale_inplace",),
-    "bf16_round": ("bf16_round_inplace",),
-    "flash_attention": ("flash_attention_forward", "flash_attention_backward_dot", "flash_attention_backward_dkdv",
-                        "flash_attention_backward_dq"),
-}
+# A kernel: an extern "C" entry point whose definition starts a line (a mention in a comment does not)
+_KERNEL = re.compile(r'^extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(',
+                     re.MULTILINE)
+def kernel_table() -> dict[str, tuple[str, ...]]:
+    """kernels/<file>.cu -> the kernels (extern "C" entry points) it defines, in the file's order."""
+    return {path.stem: tuple(_KERNEL.findall(path.read_text())) for path in sorted(KERNEL_DIR.glob("*.cu"))}
 
+
+KERNELS = kernel_table()
 FILE_OF = {kernel: file for file, names in KERNELS.items() for kernel in names}
 
 # ---------------------------------------------------------------------------- compiling on first use
