@@ -60,14 +60,27 @@ def test_kernel_table_matches_the_sources():
         assert _entry_points(path.read_text()) == set(cuda_compile.KERNELS[path.stem]), path.name
 
 
-def test_the_kernel_table_is_read_from_the_files(tmp_path, monkeypatch):
-    """A kernel is an extern "C" definition starting a line, wherever it is (a mention in a comment is not)."""
+def test_the_kernel_table_and_launch_constants_are_read_from_the_files(tmp_path, monkeypatch):
+    """A kernel is an extern "C" definition starting a line, wherever it is (a mention in a comment is
+    not); a launch constant is a namespace-scope constexpr int, evaluated through the constants it names
+    and common.cuh's, and one that is missing, repeated or not plain arithmetic is an error naming it."""
+    (tmp_path / "common.cuh").write_text("constexpr int WARP_SIZE = 32;\n")
     (tmp_path / "demo.cu").write_text(
+        '#include "common.cuh"\n'
+        "constexpr int DEMO_ROWS = 4;\n"
+        "constexpr int DEMO_BLOCK = DEMO_ROWS * WARP_SIZE;\n"
+        "constexpr int DEMO_CAST = (int)sizeof(float);\n"
+        "template <int N> __device__ void impl() { constexpr int DEMO_ROWS = N; }\n"
         '// extern "C" __global__ void retired(int n) {}\n'
         'extern "C" __global__ void first(int n) {}\n'
-        'extern "C" __global__ void __launch_bounds__(128) second(\n    int n) {}\n')
+        'extern "C" __global__ void __launch_bounds__(DEMO_BLOCK) second(\n    int n) {}\n')
     monkeypatch.setattr(cuda_compile, "KERNEL_DIR", tmp_path)
     assert cuda_compile.kernel_table() == {"demo": ("first", "second")}
+    assert cuda_compile.kernel_constant("demo", "DEMO_BLOCK") == 128
+    with pytest.raises(ValueError, match=r"^kernels/demo\.cu defines constexpr int DEMO_COLS 0 times, not once$"):
+        cuda_compile.kernel_constant("demo", "DEMO_COLS")
+    with pytest.raises(ValueError, match=r"^kernels/demo\.cu: constexpr int DEMO_CAST = \(int\)sizeof\(float\): "):
+        cuda_compile.kernel_constant("demo", "DEMO_CAST")
 
 
 def test_kernel_source_inlines_local_includes():

@@ -2,12 +2,16 @@
 compiled with, for each --dtype, and the table of kernels a backend launches, each file compiled on
 first use.
 
-The kernels a file defines are read from the file itself (KERNELS, from its `extern "C" __global__`
-definitions), so a kernel added to a file can be launched without an edit here.
+What a kernel file declares is read from the file itself: the kernels it defines (KERNELS, from its
+`extern "C" __global__` definitions) and the block shape each kernel is written for (kernel_constant,
+from its `constexpr int` constants). So a kernel added to a file can be launched, and a block size
+changed beside a kernel is the one it is launched with, without an edit here.
 """
 
 from __future__ import annotations
 
+import ast
+import operator
 import re
 import threading
 from pathlib import Path
@@ -61,9 +65,48 @@ def nvrtc_options(dtype: str = "fp32") -> tuple[str, ...]:
 # A kernel: an extern "C" entry point whose definition starts a line (a mention in a comment does not)
 _KERNEL = re.compile(r'^extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(',
                      re.MULTILINE)
+# A constant of the file's launch geometry: a `constexpr int` at namespace scope, so at the start of a
+# line (a function's own constants are indented)
+_CONSTANT = re.compile(r"^constexpr\s+int\s+(\w+)\s*=\s*([^;]+);", re.MULTILINE)
+# What a constant's value may be built with; C's integer division truncates, which // does for the
+# non-negative sizes these are
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv}
+
+
 def kernel_table() -> dict[str, tuple[str, ...]]:
     """kernels/<file>.cu -> the kernels (extern "C" entry points) it defines, in the file's order."""
     return {path.stem: tuple(_KERNEL.findall(path.read_text())) for path in sorted(KERNEL_DIR.glob("*.cu"))}
+
+
+def kernel_constant(file: str, name: str) -> int:
+    """The value of `constexpr int <name>` as kernels/<file>.cu is compiled with it (common.cuh pasted in):
+    how the host launches a kernel with the block shape the kernel is written for. The value is an
+    integer literal, or +, -, * and / of literals and of the file's other such constants."""
+    definitions: dict[str, list[str]] = {}
+    for constant, value in _CONSTANT.findall(kernel_source(file)):
+        definitions.setdefault(constant, []).append(value.strip())
+
+    def value_of(constant: str) -> int:
+        found = definitions.get(constant, [])
+        if len(found) != 1:
+            raise ValueError(f"kernels/{file}.cu defines constexpr int {constant} {len(found)} times, not once")
+        try:
+            tree = ast.parse(found[0], mode="eval").body
+        except SyntaxError:  # a cast, a template, a suffixed literal: C++ that is not also Python
+            tree = None
+        return evaluate(tree, f"{constant} = {found[0]}")
+
+    def evaluate(node: ast.expr | None, definition: str) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name):
+            return value_of(node.id)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](evaluate(node.left, definition), evaluate(node.right, definition))
+        raise ValueError(f"kernels/{file}.cu: constexpr int {definition}: not built of integer literals and "
+                         "constants with + - * /")
+
+    return value_of(name)
 
 
 KERNELS = kernel_table()

@@ -51,7 +51,7 @@ import numpy as np
 from ...errors import XtrainError
 from ...precision import check_dtype, check_matmul
 from .. import numpy_ops
-from .compile import Kernels
+from .compile import Kernels, kernel_constant
 from .device import check_stream, cupy, device_count, on_stream
 from .gemm import CublasProducts, _matrix_layout
 
@@ -60,16 +60,31 @@ ACT_DTYPES: dict[str, np.dtype] = {"fp32": np.dtype(np.float32), "bf16": np.dtyp
 
 # ---------------------------------------------------------------------------- launch geometry
 
-BLOCK = 256            # elementwise and warp-per-row kernels: 8 warps
-ROWS_PER_BLOCK = 8     # warp-per-row kernels (layernorm, causal softmax): one row per warp
-CLASSIFIER_BLOCK = 512  # block-per-row classifier: ~25 16-byte loads per thread at V = 50257
+# The block shapes the kernels are written for, read from beside them in their files, so that a kernel
+# and its launch cannot disagree: warp-per-row kernels (a row per warp, so rows per block and threads),
+# block-per-row classifier, the norm's two stages, the column sums' (32, COL_ROWS) blocks, flash
+# attention's tiles.
+LAYERNORM_ROWS_PER_BLOCK = kernel_constant("layernorm", "LAYERNORM_ROWS_PER_BLOCK")
+LAYERNORM_BLOCK = kernel_constant("layernorm", "LAYERNORM_BLOCK")
+SOFTMAX_ROWS_PER_BLOCK = kernel_constant("attention", "SOFTMAX_ROWS_PER_BLOCK")
+SOFTMAX_BLOCK = kernel_constant("attention", "SOFTMAX_BLOCK")
+CLASSIFIER_BLOCK = kernel_constant("classifier", "CLASSIFIER_BLOCK")
+NORM_BLOCK = kernel_constant("global_norm", "NORM_BLOCK")
+NORM_MAX_BLOCKS = kernel_constant("global_norm", "NORM_MAX_BLOCKS")
+COLUMN_BLOCK = (kernel_constant("matmul", "WARP_SIZE"), kernel_constant("matmul", "COL_ROWS"))
+FLASH_HS = kernel_constant("flash_attention", "FLASH_HS")
+FLASH_TILE = kernel_constant("flash_attention", "FLASH_TILE")
+FLASH_WARPS = kernel_constant("flash_attention", "FLASH_WARPS")
+FLASH_THREADS = kernel_constant("flash_attention", "FLASH_THREADS")
+
+# Host choices, which no kernel assumes. The chunked kernels (elementwise, split and merge heads), the
+# column sums' second stage and encoder_backward_wte index by blockDim, so any multiple of 32 serves:
+# 256 threads, 8 warps.
+BLOCK = 256
 ROW_ALIGN = 64         # unbiased products' rows (the logits) start this many elements apart at least
-COL_ROWS = 8           # blockDim.y of the column-sum kernels (common.cuh)
 # Standard attention's products in chunks of this many query rows, each against only the keys it may see
 # (_causal_chunks): at T = 1024, 4 chunks compute 10/16 of the T x T products the mask would otherwise halve
 CAUSAL_CHUNK = 256
-NORM_BLOCK = 512
-NORM_MAX_BLOCKS = 1024
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -122,17 +137,14 @@ def _f32(*arrays) -> None:
 
 # ---------------------------------------------------------------------------- the backend
 
-FLASH_HEAD_SIZE, FLASH_TILE, FLASH_THREADS = 64, 64, 128  # kernels/flash_attention.cu (the dot kernel: a row per warp)
-
-
 def check_flash_attention(dtype: str, head_size: int, preset: str = "") -> None:
     """What kernels/flash_attention.cu computes: bf16 on tensor cores, 64-channel heads (every GPT-2 size)."""
     if dtype != "bf16":
         raise XtrainError("--attention flash on --backend cuda needs --dtype bf16 (its products run on bf16 "
                           "tensor cores; float32 runs use the standard attention)")
-    if head_size != FLASH_HEAD_SIZE:
+    if head_size != FLASH_HS:
         model = f"model '{preset}' has" if preset else "this model has"
-        raise XtrainError(f"--attention flash on --backend cuda needs {FLASH_HEAD_SIZE}-channel heads (GPT-2's); "
+        raise XtrainError(f"--attention flash on --backend cuda needs {FLASH_HS}-channel heads (GPT-2's); "
                           f"{model} {head_size}")
 
 
@@ -293,7 +305,7 @@ class CudaBackend(CublasProducts):
         mean = cupy.empty(inp.shape[:-1], dtype=cupy.float32)
         rstd = cupy.empty(inp.shape[:-1], dtype=cupy.float32)
         vec = _vec(self._vec_x, out, inp, weight, bias, row=C)
-        self._launch(self._k.layernorm_forward, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+        self._launch(self._k.layernorm_forward, (_cdiv(rows, LAYERNORM_ROWS_PER_BLOCK),), (LAYERNORM_BLOCK,),
                      out, mean, rstd, inp, weight, bias, np.int64(rows), np.int32(C), np.float32(self.LN_EPS),
                      np.int32(vec))
         return out, mean, rstd
@@ -306,14 +318,14 @@ class CudaBackend(CublasProducts):
         C = inp.shape[-1]
         rows = inp.size // C
         vec = _vec(self._vec_x, dinp, dout, inp, weight, row=C)
-        self._launch(self._k.layernorm_backward_input, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+        self._launch(self._k.layernorm_backward_input, (_cdiv(rows, LAYERNORM_ROWS_PER_BLOCK),), (LAYERNORM_BLOCK,),
                      dinp, dout, inp, weight, mean, rstd, np.int64(rows), np.int32(C), np.int32(vec))
         splits, rows_per_split = _column_splits(rows)
         partial_dw = cupy.empty((splits, C), dtype=cupy.float32)
         partial_db = cupy.empty((splits, C), dtype=cupy.float32)
         vec = _vec(self._vec_x, dout, inp, partial_dw, partial_db, row=C)
         width = self._vec_x if vec else 1
-        self._launch(self._k.layernorm_backward_params, (_cdiv(C, 32 * width), splits), (32, COL_ROWS),
+        self._launch(self._k.layernorm_backward_params, (_cdiv(C, COLUMN_BLOCK[0] * width), splits), COLUMN_BLOCK,
                      partial_dw, partial_db, dout, inp, mean, rstd, np.int64(rows), np.int32(C),
                      np.int32(rows_per_split), np.int32(vec))
         self._launch(self._k.layernorm_backward_params_finish, (_cdiv(C, BLOCK), 2), (BLOCK,),
@@ -360,7 +372,7 @@ class CudaBackend(CublasProducts):
             partial = cupy.empty((splits, OC), dtype=cupy.float32)
             vec = _vec(self._vec_x, dout2, partial, row=OC)
             width = self._vec_x if vec else 1
-            self._launch(self._k.bias_backward, (_cdiv(OC, 32 * width), splits), (32, COL_ROWS),
+            self._launch(self._k.bias_backward, (_cdiv(OC, COLUMN_BLOCK[0] * width), splits), COLUMN_BLOCK,
                          partial, dout2, np.int64(rows), np.int32(OC), np.int32(rows_per_split), np.int32(vec))
             self._launch(self._k.bias_backward_finish, (_cdiv(OC, BLOCK),), (BLOCK,),
                          _contiguous(dbias), partial, np.int32(splits), np.int32(OC))
@@ -391,13 +403,13 @@ class CudaBackend(CublasProducts):
     def _softmax(self, att, scores, T: int) -> None:
         rows = scores.size // T
         vec = _vec(self._vec_x, att, scores, row=T)
-        self._launch(self._k.causal_softmax_forward, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+        self._launch(self._k.causal_softmax_forward, (_cdiv(rows, SOFTMAX_ROWS_PER_BLOCK),), (SOFTMAX_BLOCK,),
                      att, scores, np.int64(rows), np.int32(T), np.int32(vec))
 
     def _softmax_backward(self, dscores, datt, att, T: int, scale: float) -> None:
         rows = att.size // T
         vec = _vec(self._vec_x, dscores, datt, att, row=T)
-        self._launch(self._k.causal_softmax_backward, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+        self._launch(self._k.causal_softmax_backward, (_cdiv(rows, SOFTMAX_ROWS_PER_BLOCK),), (SOFTMAX_BLOCK,),
                      dscores, datt, att, np.int64(rows), np.int32(T), np.float32(scale), np.int32(vec))
 
     def _split_qkv(self, qkv, n_head: int):
@@ -460,7 +472,7 @@ class CudaBackend(CublasProducts):
         self._flash_aligned(qkv, dout, out)
         D = cupy.empty((B, n_head, T), dtype=cupy.float32)
         rows = B * n_head * T
-        self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_THREADS // 32),), (FLASH_THREADS,),
+        self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_WARPS),), (FLASH_THREADS,),
                      D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))
         dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)  # every element written: q by dq, k and v by dkdv
         grid = (_cdiv(T, FLASH_TILE), n_head, B)
