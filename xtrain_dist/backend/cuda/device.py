@@ -65,8 +65,9 @@ def pool_bytes(device: int) -> int:
 
 def on_stream(stream, work):
     """work() with `stream` current, and the caller's current stream again after it. CuPy's get() would
-    copy a strided array under `with stream:` itself, and leaving such a block makes the null stream
-    current (CuPy 14.2 on the H100), not the stream that was: the next op then fails check_stream."""
+    copy a strided array under `with stream:` itself, and leaving such a block has been seen to make the
+    null stream current, not the stream that was (docs/cuda_backend.md): the next op then fails
+    check_stream."""
     previous = cupy.cuda.get_current_stream()
     stream.use()
     try:

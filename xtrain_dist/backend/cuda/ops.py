@@ -1,45 +1,8 @@
 """The CUDA backend: numpy_ops' ops, one for one, on one GPU, through kernels/*.cu and cuBLAS.
 
-`CudaBackend(device)` is made inside a rank's thread. It binds that device for the thread, creates
-the rank's own non-blocking stream and makes it the thread's current stream (CuPy keeps the current
-device and stream per thread), so every kernel launch, cuBLAS call and allocation of that rank is
-queued, in order, on its stream. Call a backend's ops only from the thread that made it.
-
-Each op has the name, signature and semantics of its numpy_ops twin, which is its oracle (the tests
-compare them op by op): forward ops return new arrays; backward ops accumulate into the parameter
-gradient views they are given (layernorm_backward into dinp too); fused_classifier overwrites the
-logits with dlogits. No op reads a device value on the host: there is no `.get()`, no float() of a
-device array and no branch on one, so the host only queues work and never waits inside an op.
-
-Kernels. Each kernels/<op>.cu is compiled by NVRTC through cupy.RawModule when one of its kernels is
-first launched, once per process and device (`Kernels`; CuPy also keeps compiled modules in its on-disk
-cache, keyed by the source text and options).
-`kernel_source` pastes kernels/common.cuh into the text in place of its #include, so a change to the
-header changes the cache key; `#line` directives keep compiler messages pointing at the real files.
-tests/test_kernels_compile.py compiles the same text with the same options under NVRTC, and the
-files themselves under nvcc, on machines without a GPU.
-
-Matrix products go through cublasGemmEx / cublasGemmStridedBatchedEx directly: they accumulate into
-a gradient with beta = 1 (no temporary), take the tied classifier's transposed views (wte.T, dwte.T)
-as they are, and choose TF32 per call (`allow_tf32`) instead of through CuPy's process-wide CUPY_TF32
-variable, which only affects cupy.matmul and friends. An unbiased product (the logits) is written
-into rows padded to ROW_ALIGN elements and returned as a view of their first columns: GPT-2's 50257
-logits would otherwise start every row off the 16-byte alignment cuBLAS's fast paths need, in the
-forward product and in both backward ones, which read the logits' gradient in place. llm.c pads the
-vocabulary itself to 50304; padding the buffer instead leaves the model, its checkpoints and the
-numpy oracle as they are. The classifier kernels take the row stride.
-
-Precision (`dtype`, precision.py). The kernels are written over an activation type `floatX`
-(common.cuh) and each backend loads the variant its dtype names (PRECISIONS): float32, or bfloat16
-with -DXTRAIN_BF16. CuPy has no bfloat16 dtype of its own (v14 accepts `ml_dtypes.bfloat16`, marked
-experimental), and nothing here needs one: every op on an activation is one of our kernels or a
-cuBLAS call, which take a pointer and a type tag. So bf16 activations are uint16 arrays holding the
-bits (`act_dtype`), which work with any CuPy; to_host widens them to float32 (exact), and
-from_host_act rounds float32 host data to them. Products take bf16 operands (CUDA_R_16BF) with
-float32 compute (CUBLAS_COMPUTE_32F); a weight gradient is accumulated straight into the float32
-gradient buffer (C float32, beta = 1), and the attention scores and their gradient are written as
-float32 for the softmax kernels. cuBLAS supports bf16 A/B with a float32 C under CUBLAS_COMPUTE_32F
-(its cublasGemmEx table; PyTorch's bf16-in, float32-out bgemm uses the same call) on sm_80 and newer.
+How it works (streams, kernels and their compilation, products, bf16 storage): docs/cuda_backend.md.
+This module owns CudaBackend and its ops: checking their arguments, each kernel's launch (geometry,
+vector or scalar path) and the order of the calls. Call a backend's ops only from the thread that made it.
 """
 
 from __future__ import annotations
@@ -55,7 +18,7 @@ from .compile import Kernels, kernel_constant
 from .device import check_stream, cupy, device_count, on_stream
 from .gemm import CublasProducts, _matrix_layout
 
-# --dtype -> how activations are stored: bf16 as uint16 arrays holding the bits (see the docstring)
+# --dtype -> how activations are stored: bf16 as uint16 arrays holding the bits (docs/cuda_backend.md)
 ACT_DTYPES: dict[str, np.dtype] = {"fp32": np.dtype(np.float32), "bf16": np.dtype(np.uint16)}
 
 # ---------------------------------------------------------------------------- launch geometry
