@@ -2,7 +2,7 @@
 // Oracles: numpy_ops.attention_forward / attention_backward (the permutes), numpy_ops.causal_softmax,
 // numpy_ops.causal_softmax_backward.
 //
-// The step, as cuda_ops.attention_forward runs it:
+// The step, as CudaBackend.attention_forward (backend/cuda/ops.py) runs it:
 //   split_heads:  qkv (B, T, 3, NH, hs) -> q, k, v (B, NH, T, hs)
 //   cuBLAS:       scores = q @ k^T * (1/sqrt(hs))            batched over B*NH, (T, T) each, float32
 //   causal_softmax_forward: att = softmax over keys j <= i, 0 above the diagonal (floatX; in place
@@ -11,7 +11,7 @@
 //   merge_heads:  y (B, NH, T, hs) -> (B, T, C)
 // and backward runs the mirror image (split dout, four products, softmax backward, merge into dqkv).
 //
-// cuda_ops runs each product in chunks of query rows (_causal_chunks: 256 rows against the keys they may
+// The backend runs each product in chunks of query rows (_causal_chunks: 256 rows against the keys they may
 // see), so of the T x T blocks the mask would zero only the diagonal chunks' upper halves are computed
 // (at T = 1024, 10/16 of the full products). What is faster still is flash_attention.cu: the scores never
 // reach memory and att is not stored but recomputed in backward. Here att is kept because the model's
@@ -85,12 +85,17 @@ extern "C" __global__ void merge_heads(floatX* out, const floatX* in0, const flo
 
 // ---------------------------------------------------------------------------------------- softmax
 
+// The softmax kernels' blocks: 256 threads, a warp per row, so 8 rows a block. The host reads both from
+// here: SOFTMAX_BLOCK threads a block, and a grid of rows / SOFTMAX_ROWS_PER_BLOCK blocks rounded up.
+constexpr int SOFTMAX_BLOCK = 256;
+constexpr int SOFTMAX_ROWS_PER_BLOCK = SOFTMAX_BLOCK / WARP_SIZE;
+
 // att[r, j] = exp(s[r, j] - max) / sum_{j' <= i} exp(s[r, j'] - max) for j <= i, and 0 for j > i,
 // where row r of the (rows, T) scores is query i = r % T   (numpy_ops.causal_softmax).
 // The scores are float in both precisions: the product q k^T writes them in float32 (cuBLAS with a
 // float output), so exp() sees unrounded scores; a bf16 score of magnitude 8 would already be off by
 // up to 0.03, i.e. 3% in its probability. Only att, which backward keeps, is floatX.
-// One warp per row, eight rows per 256-thread block (rows are at most a few KB). Pass 1 folds the
+// One warp per row, SOFTMAX_ROWS_PER_BLOCK rows a block (rows are at most a few KB). Pass 1 folds the
 // row's unmasked entries into a running (max, sum) per lane and merges the lanes; pass 2 writes the
 // whole row, zeros included, so att is complete without a separate memset. May run in place when
 // floatX is float (att == scores): each lane reads a chunk before writing it, and pass 1 ends in a
@@ -128,7 +133,7 @@ __device__ void causal_softmax_row(floatX* att, const float* scores, int T, long
 
 extern "C" __global__ void causal_softmax_forward(floatX* att, const float* scores, long long rows, int T,
                                                   int vec) {
-    const long long row = (long long)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const long long row = (long long)blockIdx.x * SOFTMAX_ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (row >= rows) return;  // whole warps leave together
     if (vec) causal_softmax_row<VEC_X>(att, scores, T, row);
     else causal_softmax_row<1>(att, scores, T, row);
@@ -178,7 +183,7 @@ __device__ void causal_softmax_backward_row(floatX* dscores, const float* datt, 
 
 extern "C" __global__ void causal_softmax_backward(floatX* dscores, const float* datt, const floatX* att,
                                                    long long rows, int T, float scale, int vec) {
-    const long long row = (long long)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const long long row = (long long)blockIdx.x * SOFTMAX_ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (row >= rows) return;
     if (vec) causal_softmax_backward_row<VEC_X>(dscores, datt, att, T, scale, row);
     else causal_softmax_backward_row<1>(dscores, datt, att, T, scale, row);

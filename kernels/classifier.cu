@@ -5,12 +5,17 @@
 // thread's share of the row into a running softmax state (max, sum of exp(x - max)), one exp per
 // element, and merges the states over the block, so max and sum take one read of the row instead of
 // two. Pass 2 (training only) reads the row again and overwrites it with dlogits. Rows start ld
-// elements apart: cuda_ops pads the logits' rows to a multiple of 64 (50257 -> 50304, as llm.c pads
+// elements apart: the backend pads the logits' rows to a multiple of 64 (50257 -> 50304, as llm.c pads
 // the vocabulary, but in the buffer only, not in the model), so each row starts aligned for the
 // cuBLAS products around this kernel; the V..ld-1 padding is never read. Rows are read with 16-byte
 // loads whatever their alignment (block_row_read in common.cuh), so an unpadded caller works too.
-// The block size (host: 512 threads, a multiple of 32) keeps 25 vectors per thread at V = 50257.
 #include "common.cuh"
+
+// Threads of a row's block (the host reads it from here): 25 vectors per thread at V = 50257.
+constexpr int CLASSIFIER_BLOCK = 512;
+// block_softmax_merge parks a state per warp in a scratch of WARP_SIZE states
+static_assert(CLASSIFIER_BLOCK % WARP_SIZE == 0 && CLASSIFIER_BLOCK <= WARP_SIZE * WARP_SIZE,
+              "CLASSIFIER_BLOCK: whole warps, at most WARP_SIZE of them");
 
 // losses[r] = log(sum_j exp(x_j - max)) - (x_target - max), and the row becomes
 // dlogits = softmax(x) * dloss - dloss * onehot(target)   (numpy_ops.fused_classifier).

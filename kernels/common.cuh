@@ -1,14 +1,15 @@
 // common.cuh: the types and building blocks every kernel file shares.
 //
-// How these sources are compiled. cuda_ops.py reads kernels/<op>.cu, pastes this header in place of
-// its #include line (so that CuPy's on-disk cache, which hashes the source text, sees a change here),
-// and compiles it with NVRTC through cupy.RawModule. tests/test_kernels_compile.py compiles the same
-// files with nvcc, both with and without -DXTRAIN_BF16. Nothing here may include a host header: NVRTC
-// has none.
+// How these sources are compiled. backend/cuda/compile.py reads kernels/<op>.cu, pastes this header in
+// place of its #include line (so that CuPy's on-disk cache, which hashes the source text, sees a change
+// here), and compiles it with NVRTC through cupy.RawModule. tests/test_kernels_compile.py compiles the
+// same files with nvcc, both with and without -DXTRAIN_BF16. Nothing here may include a host header:
+// NVRTC has none. The host reads a kernel's launch geometry from the `constexpr int` constants beside
+// it (compile.py's kernel_constant), so a block size lives in one place: where the kernel is.
 //
 // Precision. Activations, activation gradients and the copy of the weights that forward reads are
 // `floatX`; parameter gradients, master weights, optimizer state, layernorm statistics, attention
-// scores and losses are always float, and all arithmetic is float. cuda_ops loads the variant the run
+// scores and losses are always float, and all arithmetic is float. The backend loads the variant the run
 // asks for (--dtype): floatX = float, or with -DXTRAIN_BF16 floatX = __nv_bfloat16. The kernels read
 // through to_float and write through from_float (round to nearest even) so both variants are the same
 // code; every from_float<floatX> is a rounding that numpy_ops' bf16 emulation makes too (its store()).
@@ -209,12 +210,13 @@ __device__ __forceinline__ void block_row_update(T* row, int n, F&& f) {
 // ------------------------------------------------------------------------------------ column sums
 
 // Deterministic column sums of a (rows, n) matrix happen in two launches (bias gradients, layernorm
-// weight and bias gradients). Stage 1, per op: block (32, COL_ROWS) covers 32*N columns and one
+// weight and bias gradients). Stage 1, per op: block (WARP_SIZE, COL_ROWS) covers 32*N columns and one
 // contiguous split of the rows; thread (x, y) adds rows y, y + COL_ROWS, ... of its split for its N
 // columns, then the COL_ROWS row lanes are added in order y = 0, 1, ... and written to
 // partial[split, column]. Stage 2, below: one thread per column adds the splits in order.
 // Compared with one kernel that atomically adds into the gradient this costs a small extra pass
 // over partial (splits x n floats) and gives the same bits every run.
+// The host launches stage 1 with blocks of (WARP_SIZE, COL_ROWS) threads, reading both from here.
 constexpr int COL_ROWS = 8;
 
 // Adds the COL_ROWS per-row-lane partials of a stage-1 block in a fixed order and stores them.

@@ -30,13 +30,15 @@
 // lane has read that (a __syncwarp), the one or two bf16 operands made from it.
 //
 // The float32 build (floatX = float) has no bf16 tensor-core product, nor has a GPU before sm_80: their
-// entry points trap, and cuda_ops refuses --attention flash without --dtype bf16 before anything runs.
+// entry points trap, and the backend refuses --attention flash without --dtype bf16 before anything runs.
 #include "common.cuh"
 
-// bf16 tensor-core fragments exist from sm_80 on (cuda_ops' bf16 cuBLAS path needs sm_80 as well)
+// bf16 tensor-core fragments exist from sm_80 on (the backend's bf16 cuBLAS path needs sm_80 as well)
 #if defined(XTRAIN_BF16) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
 #include <mma.h>
 
+// The tiles and blocks, which the host reads from here: the head size it checks, the grid of tiles,
+// FLASH_THREADS threads a block, and FLASH_WARPS rows a block for the dot kernel (a row per warp).
 constexpr int FLASH_HS = 64;     // channels per head
 constexpr int FLASH_TILE = 64;   // query rows and key columns per tile
 constexpr int FLASH_WARPS = 4;   // 16 rows of a tile each
@@ -424,12 +426,13 @@ __device__ void backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const
 }  // namespace flash
 #define FLASH_CALL(call) flash::call
 #else
-#define FLASH_CALL(call) __trap()  // cuda_ops never launches these in float32 (check_flash_attention)
+#define FLASH_CALL(call) __trap()  // the backend never launches these in float32 (check_flash_attention)
 #endif
 
-// Entry points. Grids: forward and dq (T / 64 rounded up, NH, B); dkdv the same; dot (B * NH * T / 4).
-// All take 128 threads (FLASH_THREADS). qkv and dqkv are (B, T, 3C), out and dout (B, T, C), lse and D
-// (B, NH, T) float; C = NH * 64, and every row of qkv, out and dout starts on a 16-byte boundary.
+// Entry points. Grids: forward and dq (T / FLASH_TILE rounded up, NH, B); dkdv the same; dot
+// (B * NH * T / FLASH_WARPS rounded up). All take FLASH_THREADS threads. qkv and dqkv are (B, T, 3C),
+// out and dout (B, T, C), lse and D (B, NH, T) float; C = NH * 64, and every row of qkv, out and dout
+// starts on a 16-byte boundary.
 extern "C" __global__ void flash_attention_forward(floatX* out, float* lse, const floatX* qkv, int T, int NH) {
     FLASH_CALL(forward(out, lse, qkv, T, NH));
 }

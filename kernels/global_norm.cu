@@ -11,6 +11,17 @@
 // Float64 adds cost nothing here: one per 4 bytes read, far under any GPU's float64 rate.
 #include "common.cuh"
 
+// The launch (the host reads these from here): sum_squares_partial runs blocks of NORM_BLOCK threads,
+// as many as n / (4 NORM_BLOCK) rounded up but at most NORM_MAX_BLOCKS; sum_squares_finish one block of
+// NORM_MAX_BLOCKS threads, a partial each at most.
+constexpr int NORM_BLOCK = 512;
+constexpr int NORM_MAX_BLOCKS = 1024;
+// block_sum parks a value per warp in a scratch of WARP_SIZE values
+static_assert(NORM_BLOCK % WARP_SIZE == 0 && NORM_BLOCK <= WARP_SIZE * WARP_SIZE,
+              "NORM_BLOCK: whole warps, at most WARP_SIZE of them");
+static_assert(NORM_MAX_BLOCKS % WARP_SIZE == 0 && NORM_MAX_BLOCKS <= WARP_SIZE * WARP_SIZE,
+              "NORM_MAX_BLOCKS: whole warps, at most WARP_SIZE of them");
+
 template <int N>
 __device__ double sum_squares_thread(const float* buf, long long n) {
     double acc = 0.0;
@@ -27,8 +38,8 @@ __device__ double sum_squares_thread(const float* buf, long long n) {
     return acc;
 }
 
-// Stage 1: partial[block] = sum of squares of this block's grid-stride share. 1-D blocks, a multiple
-// of 32 threads; chunks of 4 floats when `buf` is 16-byte aligned, else 1.
+// Stage 1: partial[block] = sum of squares of this block's grid-stride share. Blocks of NORM_BLOCK
+// threads; chunks of 4 floats when `buf` is 16-byte aligned, else 1.
 extern "C" __global__ void sum_squares_partial(double* partial, const float* buf, long long n, int vec) {
     __shared__ double scratch[WARP_SIZE];
     double acc = vec ? sum_squares_thread<VEC_F>(buf, n) : sum_squares_thread<1>(buf, n);
@@ -36,7 +47,7 @@ extern "C" __global__ void sum_squares_partial(double* partial, const float* buf
     if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
-// Stage 2: out[0] = float(sum of partial[0 .. n_partial)), one block.
+// Stage 2: out[0] = float(sum of partial[0 .. n_partial)), one block of NORM_MAX_BLOCKS threads.
 extern "C" __global__ void sum_squares_finish(float* out, const double* partial, int n_partial) {
     __shared__ double scratch[WARP_SIZE];
     double acc = 0.0;

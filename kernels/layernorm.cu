@@ -1,15 +1,20 @@
 // layernorm.cu: LayerNorm over the channels of each (b, t) row, forward and backward.
 // Oracles: numpy_ops.layernorm_forward, numpy_ops.layernorm_backward.
 //
-// Row kernels use one warp per row, eight rows per 256-thread block. A GPT-2 row is 768 to 1600
+// Row kernels use one warp per row, LAYERNORM_ROWS_PER_BLOCK rows per block. A GPT-2 row is 768 to 1600
 // floats (3 to 6 KB): one warp streams it with 16-byte loads, the statistics are warp shuffles with
 // no shared memory or __syncthreads, and the second and third passes over the row hit L1. A block
 // per row would leave most of its threads idle at these widths.
 #include "common.cuh"
 
-// The row of the calling warp: blockDim.x / 32 rows per block (the host launches 256 threads).
+// The row kernels' blocks: 256 threads, a warp per row, so 8 rows a block. The host reads both from
+// here: LAYERNORM_BLOCK threads a block, and a grid of rows / LAYERNORM_ROWS_PER_BLOCK blocks rounded up.
+constexpr int LAYERNORM_BLOCK = 256;
+constexpr int LAYERNORM_ROWS_PER_BLOCK = LAYERNORM_BLOCK / WARP_SIZE;
+
+// The row of the calling warp.
 __device__ __forceinline__ long long warp_row() {
-    return (long long)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    return (long long)blockIdx.x * LAYERNORM_ROWS_PER_BLOCK + threadIdx.x / WARP_SIZE;
 }
 
 // ---------------------------------------------------------------------------------------- forward

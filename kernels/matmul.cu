@@ -1,16 +1,15 @@
 // matmul.cu: the bias halves of a linear layer. The products themselves go through cuBLAS
-// (cuda_ops.py); these kernels supply the bias to the forward product and reduce the bias gradient.
+// (backend/cuda/gemm.py); these kernels supply the bias to the forward product and reduce the bias gradient.
 // Oracles: the bias terms of numpy_ops.matmul_forward and numpy_ops.matmul_backward.
 //
 // Forward: cuBLAS writes the product inp @ weight in float32 (into out itself when floatX is float),
 // then add_bias adds the bias and rounds to floatX once. Why not let the GEMM add the bias (bias
-// broadcast into a bf16 out, beta = 1)? On an H100 with cuBLAS 13 that rounds the product to bf16
-// before adding C, a second rounding that numpy_ops does not make: 26% of the outputs of GPT-2's
-// products came out a rounding step away from the oracle, up to 255 ulps where the bias cancels
-// the product (bench/results/2026-11-24-h100/cuda-rerun). The float32 product costs a bf16 output
-// 4 more bytes per element of traffic than that did (10 against 6); float32 costs the same (12).
+// broadcast into a bf16 out, beta = 1)? cuBLAS rounds the product to bf16 before adding C, a second
+// rounding that numpy_ops does not make (docs/cuda_backend.md, "Products", has what it cost on a GPU).
+// The float32 product costs a bf16 output 4 more bytes per element of traffic than that did (10
+// against 6); float32 costs the same (12).
 // --matmul cublaslt skips add_bias: cuBLASLt's BIAS epilogue adds the bias to the float32 accumulator
-// and rounds once (backend/cublaslt.py, bound with ctypes since CuPy does not expose cuBLASLt). Its
+// and rounds once (backend/cuda/cublaslt.py, bound with ctypes since CuPy does not expose cuBLASLt). Its
 // BGRADB epilogue could fold bias_backward into the weight-gradient product the same way; not done.
 #include "common.cuh"
 

@@ -67,14 +67,14 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` skip, each with the reason, where no CUDA device is usable."""
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_tests and CUDASIM:
-        from xtrain_dist.backend.cuda import ops as cuda_ops
+        from xtrain_dist.backend.cuda import compile as cuda_compile
 
         for item in gpu_tests:
             if item.get_closest_marker("real_gpu"):
                 item.add_marker(pytest.mark.skip(reason="needs a real GPU, not the CPU simulator"))
 
-        fake_cupy.prebuild([(cuda_ops.kernel_source(f), cuda_ops.nvrtc_options(dtype))
-                            for dtype in cuda_ops.PRECISIONS for f in cuda_ops.KERNELS])
+        fake_cupy.prebuild([(cuda_compile.kernel_source(f), cuda_compile.nvrtc_options(dtype))
+                            for dtype in cuda_compile.PRECISIONS for f in cuda_compile.KERNELS])
     if gpu_tests and not _gpu_usable():
         for item in gpu_tests:
             item.add_marker(pytest.mark.skip(reason="no usable CUDA device"))

@@ -1,4 +1,4 @@
-"""xtrain_dist/backend/cublaslt.py without a GPU: its constants and struct layouts against cublasLt.h, its
+"""xtrain_dist/backend/cuda/cublaslt.py without a GPU: its constants and struct layouts against cublasLt.h, its
 argument sizes against the library itself, and its errors.
 
 The [test] extra installs NVIDIA's cuBLAS wheel (header and library) where cuda.pathfinder finds them, as

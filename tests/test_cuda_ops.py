@@ -21,7 +21,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
-from xtrain_dist.backend.cuda import cublaslt  # noqa: E402
+from xtrain_dist.backend.cuda import cublaslt, gemm  # noqa: E402
 from xtrain_dist.backend.cuda import ops as cuda_ops  # noqa: E402
 from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
 from xtrain_dist.config import model_config  # noqa: E402
@@ -298,9 +298,9 @@ def test_batched_products_take_slices_with_contiguous_rows_only(be):
     """_gemm_batched reads each matrix's row stride from the view (a chunk of the T x T scores); a view whose
     rows are not contiguous is refused, not multiplied as if they were."""
     x = be.from_host(np.zeros((2, 4, 6), np.float32))
-    assert cuda_ops._batched_layout(x[:, 1:3, :5]) == (6, 24)
+    assert gemm._batched_layout(x[:, 1:3, :5]) == (6, 24)
     with pytest.raises(ValueError, match=r"^cuda_ops batched gemm: expected contiguous rows, got shape \(2, 4, 3\)"):
-        cuda_ops._batched_layout(x[:, :, ::2])
+        gemm._batched_layout(x[:, :, ::2])
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 16, 16), (5, 1, 1), (2, 33, 33)])
@@ -643,7 +643,7 @@ def test_a_cuda_run_gives_each_steps_mfu_against_its_gpus_peak(tmp_path, monkeyp
     it, at the run's precision; every step's record and progress line and the report carry the MFU of the
     job's model flops (profile.flops_per_token) in that step's time. The peak is made up, so the figures
     mean nothing here but their arithmetic; bin/bench_gpu measures the real MFU."""
-    from xtrain_dist.backend.cuda.ops import device_name
+    from xtrain_dist.backend.cuda.device import device_name
     from xtrain_dist.config import TrainConfig, model_config
     from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
     from xtrain_dist.profile import flops_per_token

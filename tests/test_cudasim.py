@@ -736,7 +736,7 @@ def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch, re
     simulator calls nothing that the real library lacks or orders otherwise."""
     import importlib.util
 
-    from xtrain_dist.backend.cuda import ops as cuda_ops
+    from xtrain_dist.backend.cuda import gemm
 
     real = real_cupy
     binding = Path(importlib.util.find_spec("cupy_backends.cuda.libs.cublas").origin).read_bytes()
@@ -744,7 +744,7 @@ def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch, re
     for name in ("ndarray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "asarray", "array",
                  "argsort", "concatenate", "matmul", "RawModule", "get_default_memory_pool"):
         assert hasattr(real, name), name
-    assert "kind" in inspect.signature(real.argsort).parameters  # cuda_ops sorts token ids with kind="stable"
+    assert "kind" in inspect.signature(real.argsort).parameters  # the backend sorts token ids with kind="stable"
 
     for name, value in vars(fake_cublas).items():
         if callable(value) and not name.startswith("_") and not isinstance(value, type):
@@ -758,7 +758,7 @@ def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch, re
             assert real_value == value, name
         elif callable(value) and not isinstance(value, type):
             assert _parameters(value) == _documented_parameters(real_value), name
-    assert real.cuda.runtime.CUDA_R_16BF == cuda_ops.CUDA_R_16BF
+    assert real.cuda.runtime.CUDA_R_16BF == gemm.CUDA_R_16BF
 
     for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "set_allocator"):
         assert hasattr(real.cuda, name), name

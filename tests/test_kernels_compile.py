@@ -1,8 +1,8 @@
 """Every kernels/*.cu compiles, without a GPU: under nvcc (PTX for sm_80 and sm_90, warnings as errors)
-and under NVRTC exactly as cuda_ops.py compiles it at run time.
+and under NVRTC exactly as the backend compiles it at run time (backend/cuda/compile.py).
 
 Both precisions are compiled, for sm_80 and sm_90, with the options CudaBackend loads them with for
-each --dtype (cuda_ops.PRECISIONS: float32, and bfloat16 with -DXTRAIN_BF16), warnings as errors.
+each --dtype (compile.PRECISIONS: float32, and bfloat16 with -DXTRAIN_BF16), warnings as errors.
 nvcc and NVRTC differ (NVRTC has no host headers, its own defaults and the options CuPy adds), so
 passing one says little about the other.
 
@@ -13,7 +13,7 @@ from PyPI, no GPU or driver; the bf16 variant also needs the CUDA runtime header
 the same packages. Each part skips when its tool is missing; the [test] extra installs them all, with
 the CUDA headers as pip wheels, the layout a `pip install 'xtrain-dist[cuda]'` gives.
 
-Then how cuda_ops loads them: a file is compiled when one of its kernels is first used, and a missing
+Then how the backend loads them: a file is compiled when one of its kernels is first used, and a missing
 CUDA header is one line naming the package to install.
 """
 
@@ -28,11 +28,12 @@ from typing import ClassVar
 
 import pytest
 
+from xtrain_dist.backend.cuda import compile as cuda_compile
 from xtrain_dist.backend.cuda import ops as cuda_ops
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.precision import DTYPES
 
-KERNEL_DIR = cuda_ops.KERNEL_DIR
+KERNEL_DIR = cuda_compile.KERNEL_DIR
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
 ARCHS = ("sm_80", "sm_90")
 WORKERS = 4  # nvcc is mostly one process per file; 4 threads keep 2 cores busy through I/O waits
@@ -46,22 +47,45 @@ def _entry_points(text: str) -> set[str]:
 
 
 def test_every_dtype_has_a_kernel_variant():
-    """--dtype's choices are exactly the variants cuda_ops compiles; bf16's define reaches the source."""
-    assert set(cuda_ops.PRECISIONS) == set(DTYPES) == set(cuda_ops.ACT_DTYPES)
-    assert cuda_ops.nvrtc_options("bf16") == (*cuda_ops.NVRTC_OPTIONS, "-DXTRAIN_BF16")
-    assert "#if defined(XTRAIN_BF16)" in cuda_ops.kernel_source("gelu")
+    """--dtype's choices are exactly the variants the backend compiles; bf16's define reaches the source."""
+    assert set(cuda_compile.PRECISIONS) == set(DTYPES) == set(cuda_ops.ACT_DTYPES)
+    assert cuda_compile.nvrtc_options("bf16") == (*cuda_compile.NVRTC_OPTIONS, "-DXTRAIN_BF16")
+    assert "#if defined(XTRAIN_BF16)" in cuda_compile.kernel_source("gelu")
 
 
 def test_kernel_table_matches_the_sources():
-    """cuda_ops.KERNELS names every .cu file and exactly the extern "C" kernels each defines."""
-    assert {p.stem for p in SOURCES} == set(cuda_ops.KERNELS)
+    """compile.KERNELS names every .cu file and exactly the extern "C" kernels each defines."""
+    assert {p.stem for p in SOURCES} == set(cuda_compile.KERNELS)
     for path in SOURCES:
-        assert _entry_points(path.read_text()) == set(cuda_ops.KERNELS[path.stem]), path.name
+        assert _entry_points(path.read_text()) == set(cuda_compile.KERNELS[path.stem]), path.name
+
+
+def test_the_kernel_table_and_launch_constants_are_read_from_the_files(tmp_path, monkeypatch):
+    """A kernel is an extern "C" definition starting a line, wherever it is (a mention in a comment is
+    not); a launch constant is a namespace-scope constexpr int, evaluated through the constants it names
+    and common.cuh's, and one that is missing, repeated or not plain arithmetic is an error naming it."""
+    (tmp_path / "common.cuh").write_text("constexpr int WARP_SIZE = 32;\n")
+    (tmp_path / "demo.cu").write_text(
+        '#include "common.cuh"\n'
+        "constexpr int DEMO_ROWS = 4;\n"
+        "constexpr int DEMO_BLOCK = DEMO_ROWS * WARP_SIZE;\n"
+        "constexpr int DEMO_CAST = (int)sizeof(float);\n"
+        "template <int N> __device__ void impl() { constexpr int DEMO_ROWS = N; }\n"
+        '// extern "C" __global__ void retired(int n) {}\n'
+        'extern "C" __global__ void first(int n) {}\n'
+        'extern "C" __global__ void __launch_bounds__(DEMO_BLOCK) second(\n    int n) {}\n')
+    monkeypatch.setattr(cuda_compile, "KERNEL_DIR", tmp_path)
+    assert cuda_compile.kernel_table() == {"demo": ("first", "second")}
+    assert cuda_compile.kernel_constant("demo", "DEMO_BLOCK") == 128
+    with pytest.raises(ValueError, match=r"^kernels/demo\.cu defines constexpr int DEMO_COLS 0 times, not once$"):
+        cuda_compile.kernel_constant("demo", "DEMO_COLS")
+    with pytest.raises(ValueError, match=r"^kernels/demo\.cu: constexpr int DEMO_CAST = \(int\)sizeof\(float\): "):
+        cuda_compile.kernel_constant("demo", "DEMO_CAST")
 
 
 def test_kernel_source_inlines_local_includes():
-    for file in cuda_ops.KERNELS:
-        text = cuda_ops.kernel_source(file)
+    for file in cuda_compile.KERNELS:
+        text = cuda_compile.kernel_source(file)
         assert '#include "' not in text, file
         assert "constexpr int WARP_SIZE" in text, file  # common.cuh is in
         assert f'#line 1 "{file}.cu"' in text
@@ -72,7 +96,7 @@ def test_kernel_source_inlines_local_includes():
 def _nvcc(path: Path, arch: str, dtype: str, out_dir: str) -> tuple[str, int, str, str]:
     out = Path(out_dir) / f"{path.stem}-{arch}-{dtype}.ptx"
     cmd = [NVCC, "-std=c++17", "--ptx", f"-arch={arch}", "-Werror", "all-warnings", f"-I{KERNEL_DIR}",
-           *cuda_ops.PRECISIONS[dtype], "-o", str(out), str(path)]
+           *cuda_compile.PRECISIONS[dtype], "-o", str(out), str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     ptx = out.read_text() if proc.returncode == 0 else ""
     return " ".join(cmd), proc.returncode, proc.stdout + proc.stderr, ptx
@@ -80,14 +104,14 @@ def _nvcc(path: Path, arch: str, dtype: str, out_dir: str) -> tuple[str, int, st
 
 @needs_nvcc
 def test_every_kernel_compiles_with_nvcc():
-    jobs = [(path, arch, dtype) for path in SOURCES for arch in ARCHS for dtype in cuda_ops.PRECISIONS]
+    jobs = [(path, arch, dtype) for path in SOURCES for arch in ARCHS for dtype in cuda_compile.PRECISIONS]
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(WORKERS) as pool:
         results = list(pool.map(lambda job: _nvcc(*job, tmp), jobs))
     failures = [f"$ {cmd}\n{log}" for cmd, rc, log, _ in results if rc != 0 or log.strip()]
     assert not failures, "\n\n".join(failures)
     for (path, _, dtype), (cmd, _, _, ptx) in zip(jobs, results, strict=True):
         entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
-        assert entries == set(cuda_ops.KERNELS[path.stem]), f"{cmd}: entry points {sorted(entries)}"
+        assert entries == set(cuda_compile.KERNELS[path.stem]), f"{cmd}: entry points {sorted(entries)}"
         # the bf16 variant stores bf16 (round-to-nearest conversions); the fp32 one never converts
         if path.stem in ("gelu", "adamw", "attention"):
             assert ("cvt.rn.bf16.f32" in ptx) == (dtype == "bf16"), cmd
@@ -101,13 +125,13 @@ def test_kernels_do_not_spill_on_sm90():
         path, dtype = job
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [NVCC, "-std=c++17", "--cubin", "-arch=sm_90", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
-                   *cuda_ops.PRECISIONS[dtype], "-o", str(Path(tmp) / "k.cubin"), str(path)]
+                   *cuda_compile.PRECISIONS[dtype], "-o", str(Path(tmp) / "k.cubin"), str(path)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             assert proc.returncode == 0, proc.stderr
             return f"{path.name} ({dtype})", proc.stderr
 
     with ThreadPoolExecutor(WORKERS) as pool:
-        reports = list(pool.map(report, [(path, dtype) for path in SOURCES for dtype in cuda_ops.PRECISIONS]))
+        reports = list(pool.map(report, [(path, dtype) for path in SOURCES for dtype in cuda_compile.PRECISIONS]))
     bad = []
     for name, text in reports:
         for frame, stores, loads in re.findall(
@@ -139,7 +163,7 @@ def _cuda_include() -> str | None:
 
 
 def _nvrtc_compile(nvrtc, file: str, options: tuple[str, ...]) -> tuple[bool, str]:
-    source = cuda_ops.kernel_source(file).encode()
+    source = cuda_compile.kernel_source(file).encode()
     err, prog = nvrtc.nvrtcCreateProgram(source, f"{file}.cu".encode(), 0, [], [])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
     try:
@@ -158,7 +182,7 @@ def _nvrtc_compile(nvrtc, file: str, options: tuple[str, ...]) -> tuple[bool, st
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_kernel_compiles_with_nvrtc_as_cupy_does(dtype):
-    """What CudaBackend(dtype=...) loads: cuda_ops' source text and options for that dtype, plus what
+    """What CudaBackend(dtype=...) loads: compile.py's source text and options for that dtype, plus what
     CuPy's RawModule appends (-ftz=true, --device-as-default-execution-space, -arch=sm_XX for a cubin,
     the CUDA include path). Any warning fails it: NVRTC prints nothing for a clean compile. (NVRTC 13.0,
     the GPU image's, has no warnings-as-errors option: -Werror=all-warnings came later, and 13.0 refuses
@@ -168,11 +192,11 @@ def test_every_kernel_compiles_with_nvrtc_as_cupy_does(dtype):
     if dtype == "bf16" and include is None:
         pytest.skip("the bf16 variant includes cuda_bf16.h and no CUDA headers were found")
     extra = (f"-I{include}",) if include else ()
-    jobs = [(file, arch) for file in cuda_ops.KERNELS for arch in ARCHS]
+    jobs = [(file, arch) for file in cuda_compile.KERNELS for arch in ARCHS]
 
     def compile_one(job):
         file, arch = job
-        options = (cuda_ops.nvrtc_options(dtype) + cuda_ops.CUPY_ADDED_OPTIONS
+        options = (cuda_compile.nvrtc_options(dtype) + cuda_compile.CUPY_ADDED_OPTIONS
                    + (f"-arch={arch}", *extra))
         ok, log = _nvrtc_compile(nvrtc, file, options)
         return file, arch, options, ok, log
@@ -200,7 +224,7 @@ def test_every_kernel_compiles_through_cupys_own_nvrtc_pipeline(dtype, monkeypat
 
     monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
     try:
-        options = (*core.assemble_cupy_compiler_options(cuda_ops.nvrtc_options(dtype)), "-ftz=true")
+        options = (*core.assemble_cupy_compiler_options(cuda_compile.nvrtc_options(dtype)), "-ftz=true")
     except Exception as e:  # no CUDA headers or NVRTC where CuPy looks
         pytest.skip(f"CuPy cannot assemble its NVRTC options here: {e}")
 
@@ -208,7 +232,7 @@ def test_every_kernel_compiles_through_cupys_own_nvrtc_pipeline(dtype, monkeypat
         file, arch = job
         log = io.StringIO()
         try:
-            binary, _ = compiler.compile_using_nvrtc(cuda_ops.kernel_source(file), options=options, arch=arch[3:],
+            binary, _ = compiler.compile_using_nvrtc(cuda_compile.kernel_source(file), options=options, arch=arch[3:],
                                                      filename=f"{file}.cu", log_stream=log, cache_in_memory=True)
         except Exception as e:
             return f"{file} {arch}: {type(e).__name__}: {e}"
@@ -217,7 +241,7 @@ def test_every_kernel_compiles_through_cupys_own_nvrtc_pipeline(dtype, monkeypat
         return None if binary else f"{file} {arch}: empty cubin"
 
     with ThreadPoolExecutor(WORKERS) as pool:
-        failures = [f for f in pool.map(compile_one, [(f, a) for f in cuda_ops.KERNELS for a in ARCHS]) if f]
+        failures = [f for f in pool.map(compile_one, [(f, a) for f in cuda_compile.KERNELS for a in ARCHS]) if f]
     assert not failures, "\n\n".join(failures)
 
 
@@ -241,22 +265,22 @@ def recording_cupy(monkeypatch):
     from types import SimpleNamespace
 
     _RecordingModule.made, _RecordingModule.fail_with = [], None
-    monkeypatch.setattr(cuda_ops, "cupy", SimpleNamespace(RawModule=_RecordingModule))
-    monkeypatch.setattr(cuda_ops, "_modules", {})
+    monkeypatch.setattr(cuda_compile, "cupy", SimpleNamespace(RawModule=_RecordingModule))
+    monkeypatch.setattr(cuda_compile, "_modules", {})
     return _RecordingModule
 
 
 def test_kernels_compile_a_file_when_one_of_its_kernels_is_first_used(recording_cupy):
     """A backend compiles only the files it launches (a run without --attention flash never compiles
     flash_attention.cu), each once per process and dtype, shared by every rank's table."""
-    rank0, rank1 = cuda_ops.Kernels("bf16"), cuda_ops.Kernels("bf16")
+    rank0, rank1 = cuda_compile.Kernels("bf16"), cuda_compile.Kernels("bf16")
     assert recording_cupy.made == []
     assert rank0.gelu_forward == ("gelu", "gelu_forward")
     assert rank1.gelu_backward == ("gelu", "gelu_backward")
     assert rank0.gelu_forward == ("gelu", "gelu_forward")
-    assert recording_cupy.made == [("gelu", cuda_ops.nvrtc_options("bf16"))]
-    assert cuda_ops.Kernels("fp32").gelu_forward == ("gelu", "gelu_forward")
-    assert recording_cupy.made[1] == ("gelu", cuda_ops.nvrtc_options("fp32"))
+    assert recording_cupy.made == [("gelu", cuda_compile.nvrtc_options("bf16"))]
+    assert cuda_compile.Kernels("fp32").gelu_forward == ("gelu", "gelu_forward")
+    assert recording_cupy.made[1] == ("gelu", cuda_compile.nvrtc_options("fp32"))
     with pytest.raises(AttributeError):
         rank0.no_such_kernel  # noqa: B018
 
@@ -267,10 +291,10 @@ def test_missing_crt_headers_are_one_line_naming_the_fix(recording_cupy):
     recording_cupy.fail_with = ('site-packages/nvidia/cu13/include/mma.h(55): catastrophic error: cannot open '
                                 'source file "crt/mma.h"\n  #include "crt/mma.h"\n')
     with pytest.raises(XtrainError) as e:
-        cuda_ops.Kernels("bf16").flash_attention_forward  # noqa: B018
+        cuda_compile.Kernels("bf16").flash_attention_forward  # noqa: B018
     assert str(e.value) == ("kernels/flash_attention.cu does not compile: the CUDA headers CuPy uses lack "
                             "crt/mma.h; pip install 'cuda-toolkit[crt]==13.*' (the nvidia-cuda-crt wheel, of the "
                             "nvidia-cuda-runtime version installed)")
     recording_cupy.fail_with = "gelu.cu(12): error: identifier \"x\" is undefined"
     with pytest.raises(RuntimeError, match="is undefined"):
-        cuda_ops.Kernels("fp32").gelu_forward  # noqa: B018
+        cuda_compile.Kernels("fp32").gelu_forward  # noqa: B018

@@ -160,7 +160,7 @@ def test_rank_threads_on_several_gpus():
     assert all(o.tobytes() == out[0].tobytes() for o in out)
 
 
-@pytest.mark.skipif(not has_cuda_backend(), reason="the CUDA backend (backend/cuda_ops.py) is not in this tree")
+@pytest.mark.skipif(not has_cuda_backend(), reason="the CUDA backend (backend/cuda/ops.py) is not in this tree")
 def test_world1_training_over_nccl_has_the_bits_of_the_in_process_communicator():
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.train.job import train
@@ -232,7 +232,7 @@ def test_two_process_collectives_fp32_and_bf16(hostid_probe):
     assert received[0] == received[1]  # identical bits on both ranks
 
 
-@pytest.mark.skipif(not has_cuda_backend(), reason="the CUDA backend (backend/cuda_ops.py) is not in this tree")
+@pytest.mark.skipif(not has_cuda_backend(), reason="the CUDA backend (backend/cuda/ops.py) is not in this tree")
 @pytest.mark.real_gpu
 def test_two_process_ddp_matches_world1_with_bitwise_ranks(hostid_probe, tmp_path):
     needs_hostid(hostid_probe)

@@ -176,12 +176,13 @@ def test_the_module_is_the_fp32_backend_and_cuda_has_every_op():
 
 
 def test_cuda_products_take_bf16_operands_into_bf16_or_float32():
-    """cuda_ops' type choice for cublasGemmEx (no GPU needed): bf16 x bf16 may write bf16 (activations) or
+    """The CUDA backend's type choice for cublasGemmEx (no GPU needed): bf16 x bf16 may write bf16 (activations) or
     float32 (scores, weight gradients) and always accumulates in float32; TF32 applies to float32 operands
     only; mixed operands or a float32 product into bf16 are refused."""
     from types import SimpleNamespace
 
-    from xtrain_dist.backend.cuda.ops import CUDA_R_16BF, CudaBackend
+    from xtrain_dist.backend.cuda.gemm import CUDA_R_16BF
+    from xtrain_dist.backend.cuda.ops import CudaBackend
 
     f32, u16 = np.dtype(np.float32), np.dtype(np.uint16)
     fake = SimpleNamespace(_cuda_type={f32: 0, u16: CUDA_R_16BF}, _compute={f32: "32F_FAST_TF32", u16: "32F"})

@@ -230,11 +230,11 @@ def test_the_jobs_peak_counts_each_gpu_once_at_the_runs_precision(monkeypatch):
     """MFU's denominator: virtual ranks sharing a GPU count it once; every process holds as many GPUs."""
     from dataclasses import replace
 
-    from xtrain_dist.backend.cuda import ops as cuda_ops
+    from xtrain_dist.backend.cuda import device
     from xtrain_dist.comm.launch_env import Launch
     from xtrain_dist.train.job import job_peak_flops
 
-    monkeypatch.setattr(cuda_ops, "device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "Some GPU"].__getitem__)
+    monkeypatch.setattr(device, "device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "Some GPU"].__getitem__)
     cfg = TrainConfig(steps=1, batch=4, seq=8, backend="cuda")
     single, two_processes = Launch("single"), Launch("torchrun", num_processes=2)
     assert job_peak_flops(cfg, [0, 0, 0], single) == pytest.approx(66.9e12)  # three virtual ranks on one GPU, fp32

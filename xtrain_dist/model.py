@@ -2,7 +2,7 @@
 
 Learned positions, pre-LayerNorm blocks, tanh GELU, biases everywhere, output projection tied to the
 token embedding. The forward and backward passes are written out op by op against a backend
-(numpy_ops or cuda_ops), so the same code runs on both and never branches on which it has.
+(numpy_ops or cuda/ops.py), so the same code runs on both and never branches on which it has.
 
 Flat layout. Every parameter is a named view into `params`, its gradient the same view into `grads`.
 They are laid out in the order backward *finishes* them: ln_f, then the blocks from last to first,

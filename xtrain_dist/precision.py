@@ -9,7 +9,7 @@ bf16: mixed precision as llm.c does it. Activations, and a copy of the parameter
 bfloat16 is float32's upper 16 bits: the same 8-bit exponent (so the same range: no loss scaling is
 needed, unlike float16) with 7 mantissa bits instead of 23, i.e. 2-3 significant decimal digits
 (unit roundoff 2^-8 ~ 0.4%). The CUDA backend stores it as real 16-bit values (uint16 arrays holding
-the bits, see cuda_ops); the numpy backend emulates it in float32 storage by rounding every value
+the bits, see docs/cuda_backend.md); the numpy backend emulates it in float32 storage by rounding every value
 the GPU would store in bfloat16 (numpy_ops.NumpyBackend.store). numpy_ops also converts between the
 two on the host (bf16_bits, from_bf16_bits), beside the rounding that is their oracle.
 """

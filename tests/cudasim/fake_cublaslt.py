@@ -1,4 +1,4 @@
-"""A stand-in for libcublasLt: the functions xtrain_dist/backend/cublaslt.py calls, on fake_cupy's memory.
+"""A stand-in for libcublasLt: the functions xtrain_dist/backend/cuda/cublaslt.py calls, on fake_cupy's memory.
 
 `install()` makes `xtrain_dist.backend.cuda.cublaslt` find this object as its loaded library (when that module
 is imported, not now: the checkout's xtrain_dist may not be on the path yet). Then:
@@ -85,7 +85,7 @@ class FakeCublasLt:
         if count < 1:
             return INVALID_VALUE
         # the library has answered INVALID_VALUE for an A of one row or column (PyTorch's addmm keeps such
-        # products off cuBLASLt for it); cuda_ops must not ask
+        # products off cuBLASLt for it); the backend must not ask
         layout_a = self._get(a)
         if 1 in (layout_a["rows"], layout_a["cols"]):
             return INVALID_VALUE

@@ -1,9 +1,9 @@
-"""A stand-in for CuPy under which xtrain_dist.backend.cuda_ops runs its real kernels on the CPU.
+"""A stand-in for CuPy under which xtrain_dist.backend.cuda runs its real kernels on the CPU.
 
 `install()` puts modules named `cupy`, `cupy.cuda` and `cupy_backends.cuda.libs.cublas` in
 sys.modules (tests/conftest.py does so when XTRAIN_CUDASIM=1). Then:
 
-- Kernels. `RawModule(code=..., options=...)` compiles the text cuda_ops hands to NVRTC with g++ and
+- Kernels. `RawModule(code=..., options=...)` compiles the text the backend hands to NVRTC with g++ and
   cudasim.h force-included (one fiber per CUDA thread, see there), once per text and options (cached on
   disk). A launch checks what CuPy and the driver cannot: the number of arguments and each one's kind
   against the kernel's parameters (a pointer for an array or None, int32 for `int`, int64 for

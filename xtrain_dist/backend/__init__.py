@@ -1,10 +1,10 @@
-"""Backends: the numpy reference (numpy_ops) and the CUDA kernels (cuda_ops), with the same op names.
+"""Backends: the numpy reference (numpy_ops) and the CUDA kernels (cuda/ops.py), with the same op names.
 
 get_backend returns an object whose attributes are the ops plus `xp` (the array module), `name`,
 `dtype` (the activation precision, precision.DTYPES), `act_dtype` (the array dtype activations are
 stored in), `to_host`, `from_host`, `from_host_act` and `synchronize`. Asking for CUDA where it is
-missing is an error, never a quiet CPU run (cuda_ops raises XtrainError with the reason: no CuPy, no
-device, a bad device id).
+missing is an error, never a quiet CPU run (the CUDA backend raises XtrainError with the reason: no
+CuPy, no device, a bad device id).
 """
 
 from ..errors import XtrainError
@@ -32,5 +32,5 @@ def rank_device(name: str, local_rank: int) -> int | None:
     than the GPU count puts several virtual ranks (each with its own stream) on one GPU."""
     if name != "cuda":
         return None
-    from .cuda import ops as cuda_ops
-    return local_rank % cuda_ops.device_count()
+    from .cuda.device import device_count
+    return local_rank % device_count()

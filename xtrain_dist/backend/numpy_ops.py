@@ -1,6 +1,6 @@
 """The numpy reference backend: every op of a GPT-2 training step, forward and backward, by hand.
 
-This file is the oracle. `cuda_ops.py` has a method of the same name and signature for each op
+This file is the oracle. `cuda/ops.py` has a method of the same name and signature for each op
 below, implemented by the kernel in `kernels/<op>.cu` named in its docstring, and the GPU tests
 compare the two op by op.
 
@@ -201,7 +201,7 @@ class NumpyBackend:
         """Wait for queued work (nothing is queued on the CPU)."""
 
     # Ordering work across a rank's threads (gradient sync's communication thread). On the CPU an op has
-    # finished when it returns, so there is nothing to order; cuda_ops records and waits on CUDA events.
+    # finished when it returns, so there is nothing to order; the CUDA backend records and waits on CUDA events.
 
     @staticmethod
     def bind_side_thread() -> None:
@@ -216,8 +216,8 @@ class NumpyBackend:
         """Make the calling thread's later work wait for a fence."""
 
     # Timing communication (comm/timed.py): a timestamp where the calling thread's work has got to. On the
-    # CPU that is now; cuda_ops records a timing event on the thread's stream, since a GPU collective has
-    # only been queued when its call returns.
+    # CPU that is now; the CUDA backend records a timing event on the thread's stream, since a GPU
+    # collective has only been queued when its call returns.
 
     @staticmethod
     def timestamp() -> float:
@@ -540,7 +540,7 @@ class NumpyBackend:
 
 # ------------------------------------------------------------------ the module as the float32 backend
 
-# Every op and plumbing function a backend has; cuda_ops.CudaBackend has the same (a test checks it).
+# Every op and plumbing function a backend has; cuda/ops.py's CudaBackend has the same (a test checks it).
 OPS = ("to_host", "from_host", "from_host_act", "synchronize", "bind_side_thread", "fence", "wait",
        "timestamp", "elapsed",
        "encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",

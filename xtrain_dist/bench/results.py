@@ -142,7 +142,7 @@ def write_results(folder: Path, stem: str, data: dict, title: str, table: str, f
 
 def gpu_header(cupy) -> dict:
     """GPU 0 as a GPU benchmark's results state it: name, SMs, memory, driver, CUDA versions, CuPy."""
-    from ..backend.cuda.ops import device_name
+    from ..backend.cuda.device import device_name
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     driver = "unknown"

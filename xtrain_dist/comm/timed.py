@@ -9,9 +9,9 @@ backward is in the first and not in the second.
 
 The clock is the backend's: `timestamp()` marks where the calling thread's work has got to, and
 `elapsed(start, end)` turns two marks into seconds. On the CPU a mark is the time now. On a GPU a
-collective returns as soon as it is queued, so host time would measure only the queueing: cuda_ops'
-marks are timing events on the thread's stream, and a collective's span is what the GPU spent
-between them, waiting for peers included. Marks are kept until `take()` (once a step, after the
+collective returns as soon as it is queued, so host time would measure only the queueing: the CUDA
+backend's marks are timing events on the thread's stream, and a collective's span is what the GPU
+spent between them, waiting for peers included. Marks are kept until `take()` (once a step, after the
 step's one device-to-host read) turns them into seconds, so timing adds no synchronisation.
 """
 

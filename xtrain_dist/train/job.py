@@ -178,7 +178,7 @@ def job_peak_flops(cfg: TrainConfig, devices: list, launch: Launch) -> float | N
     as many). None on the CPU, whose peak we do not know, and on a GPU profile.PEAK_TFLOPS does not list."""
     if cfg.backend != "cuda":
         return None
-    from ..backend.cuda.ops import device_name
+    from ..backend.cuda.device import device_name
     peaks = [peak_for(device_name(device)) for device in sorted(set(devices))]
     if not peaks or None in peaks:
         return None
@@ -187,11 +187,11 @@ def job_peak_flops(cfg: TrainConfig, devices: list, launch: Launch) -> float | N
 
 
 def gpu_memory(cfg: TrainConfig, devices: list) -> dict:
-    """On GPUs, what CuPy's pool held on each of this process's GPUs at the end of the run (cuda_ops.pool_bytes),
+    """On GPUs, what CuPy's pool held on each of this process's GPUs at the end of the run (device.pool_bytes),
     keyed by device; the ranks sharing a GPU share its pool."""
     if cfg.backend != "cuda":
         return {}
-    from ..backend.cuda.ops import pool_bytes
+    from ..backend.cuda.device import pool_bytes
     return {"gpu_pool_bytes": {str(device): pool_bytes(device) for device in sorted(set(devices))}}
 
 

@@ -99,7 +99,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world
     check_outputs(cfg)
     gpus = 0
     if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
-        from ..backend.cuda.ops import device_count
+        from ..backend.cuda.device import device_count
         gpus = device_count()
     engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus, val_path=cfg.val_corpus or None)
@@ -236,7 +236,7 @@ def check_memory(cfg: TrainConfig, config, ranks_on_node: int, devices: list) ->
     if cfg.backend != "cuda":
         note = memory.check_fits(needs[:ranks_on_node], memory.host_available_bytes(), "this machine", cfg)
         return [note] if note else []
-    from ..backend.cuda.ops import device_free_bytes
+    from ..backend.cuda.device import device_free_bytes
     notes = [memory.check_fits(needs[:devices.count(device)], device_free_bytes(device), f"GPU {device}", cfg)
              for device in sorted(set(devices))]
     return [note for note in notes if note]

@@ -1,189 +1,53 @@
 """The CUDA backend: numpy_ops' ops, one for one, on one GPU, through kernels/*.cu and cuBLAS.
 
-`CudaBackend(device)` is made inside a rank's thread. It binds that device for the thread, creates
-the rank's own non-blocking stream and makes it the thread's current stream (CuPy keeps the current
-device and stream per thread), so every kernel launch, cuBLAS call and allocation of that rank is
-queued, in order, on its stream. Call a backend's ops only from the thread that made it.
-
-Each op has the name, signature and semantics of its numpy_ops twin, which is its oracle (the tests
-compare them op by op): forward ops return new arrays; backward ops accumulate into the parameter
-gradient views they are given (layernorm_backward into dinp too); fused_classifier overwrites the
-logits with dlogits. No op reads a device value on the host: there is no `.get()`, no float() of a
-device array and no branch on one, so the host only queues work and never waits inside an op.
-
-Kernels. Each kernels/<op>.cu is compiled by NVRTC through cupy.RawModule when one of its kernels is
-first launched, once per process and device (`Kernels`; CuPy also keeps compiled modules in its on-disk
-cache, keyed by the source text and options).
-`kernel_source` pastes kernels/common.cuh into the text in place of its #include, so a change to the
-header changes the cache key; `#line` directives keep compiler messages pointing at the real files.
-tests/test_kernels_compile.py compiles the same text with the same options under NVRTC, and the
-files themselves under nvcc, on machines without a GPU.
-
-Matrix products go through cublasGemmEx / cublasGemmStridedBatchedEx directly: they accumulate into
-a gradient with beta = 1 (no temporary), take the tied classifier's transposed views (wte.T, dwte.T)
-as they are, and choose TF32 per call (`allow_tf32`) instead of through CuPy's process-wide CUPY_TF32
-variable, which only affects cupy.matmul and friends. An unbiased product (the logits) is written
-into rows padded to ROW_ALIGN elements and returned as a view of their first columns: GPT-2's 50257
-logits would otherwise start every row off the 16-byte alignment cuBLAS's fast paths need, in the
-forward product and in both backward ones, which read the logits' gradient in place. llm.c pads the
-vocabulary itself to 50304; padding the buffer instead leaves the model, its checkpoints and the
-numpy oracle as they are. The classifier kernels take the row stride.
-
-Precision (`dtype`, precision.py). The kernels are written over an activation type `floatX`
-(common.cuh) and each backend loads the variant its dtype names (PRECISIONS): float32, or bfloat16
-with -DXTRAIN_BF16. CuPy has no bfloat16 dtype of its own (v14 accepts `ml_dtypes.bfloat16`, marked
-experimental), and nothing here needs one: every op on an activation is one of our kernels or a
-cuBLAS call, which take a pointer and a type tag. So bf16 activations are uint16 arrays holding the
-bits (`act_dtype`), which work with any CuPy; to_host widens them to float32 (exact), and
-from_host_act rounds float32 host data to them. Products take bf16 operands (CUDA_R_16BF) with
-float32 compute (CUBLAS_COMPUTE_32F); a weight gradient is accumulated straight into the float32
-gradient buffer (C float32, beta = 1), and the attention scores and their gradient are written as
-float32 for the softmax kernels. cuBLAS supports bf16 A/B with a float32 C under CUBLAS_COMPUTE_32F
-(its cublasGemmEx table; PyTorch's bf16-in, float32-out bgemm uses the same call) on sm_80 and newer.
+How it works (streams, kernels and their compilation, products, bf16 storage): docs/cuda_backend.md.
+This module owns CudaBackend and its ops: checking their arguments, each kernel's launch (geometry,
+vector or scalar path) and the order of the calls. Call a backend's ops only from the thread that made it.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
-import threading
-from pathlib import Path
 
 import numpy as np
 
 from ...errors import XtrainError
 from ...precision import check_dtype, check_matmul
 from .. import numpy_ops
+from .compile import Kernels, kernel_constant
+from .device import check_stream, cupy, device_count, on_stream
+from .gemm import CublasProducts, _matrix_layout
 
-try:  # the module imports without CuPy, so the kernel sources and options can be checked anywhere
-    import cupy
-except ImportError as _e:
-    cupy = None
-    _CUPY_IMPORT_ERROR: ImportError | None = _e
-else:
-    _CUPY_IMPORT_ERROR = None
-
-# ---------------------------------------------------------------------------- kernel sources
-
-KERNEL_DIR = Path(__file__).resolve().parents[3] / "kernels"
-
-# file -> the kernels (extern "C" entry points) cuda_ops launches from it
-KERNELS: dict[str, tuple[str, ...]] = {
-    "encoder": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte"),
-    "layernorm": ("layernorm_forward", "layernorm_backward_input", "layernorm_backward_params",
-                  "layernorm_backward_params_finish"),
-    "matmul": ("add_bias", "bias_backward", "bias_backward_finish"),
-    "attention": ("split_heads", "merge_heads", "causal_softmax_forward", "causal_softmax_backward"),
-    "gelu": ("gelu_forward", "gelu_backward"),
-    "residual": ("residual_forward",),
-    "classifier": ("fused_classifier", "crossentropy_forward"),
-    "adamw": ("adamw_update", "lowp_copy"),
-    "global_norm": ("sum_squares_partial", "sum_squares_finish", "clip_coefficient"),
-    "scale": ("scale_inplace",),
-    "bf16_round": ("bf16_round_inplace",),
-    "flash_attention": ("flash_attention_forward", "flash_attention_backward_dot", "flash_attention_backward_dkdv",
-                        "flash_attention_backward_dq"),
-}
-
-# --dtype -> the extra NVRTC options of the kernel variant a backend of that dtype loads
-PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("-DXTRAIN_BF16",)}
-# --dtype -> how activations are stored: bf16 as uint16 arrays holding the bits (see the docstring)
+# --dtype -> how activations are stored: bf16 as uint16 arrays holding the bits (docs/cuda_backend.md)
 ACT_DTYPES: dict[str, np.dtype] = {"fp32": np.dtype(np.float32), "bf16": np.dtype(np.uint16)}
-
-# Our options. CuPy adds its own when it compiles: -ftz=true, --device-as-default-execution-space,
-# -arch=sm_XX (a cubin for the device it runs on), and include paths for its headers, CCCL and the
-# CUDA runtime headers (only the bf16 variant includes one: cuda_bf16.h).
-NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
-
-# The options CuPy appends, for tests that compile with NVRTC directly exactly as CuPy would.
-CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
-
-CUDA_R_16BF = 14  # cudaDataType_t, library_types.h (CUDA_R_32F is 0)
-
-_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
-
-
-def kernel_source(file: str) -> str:
-    """kernels/<file>.cu with local includes pasted in (each once), as NVRTC receives it."""
-    seen: set[str] = set()
-
-    def expand(path: Path) -> list[str]:
-        out = [f'#line 1 "{path.name}"']
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            match = _INCLUDE.match(line)
-            if match is None:
-                out.append(line)
-                continue
-            if match.group(1) not in seen:
-                seen.add(match.group(1))
-                out += expand(KERNEL_DIR / match.group(1))
-            out.append(f'#line {number + 1} "{path.name}"')
-        return out
-
-    return "\n".join(expand(KERNEL_DIR / f"{file}.cu")) + "\n"
-
-
-def nvrtc_options(dtype: str = "fp32") -> tuple[str, ...]:
-    """The options CudaBackend(dtype=...) compiles every kernel file with (CuPy adds its own)."""
-    return NVRTC_OPTIONS + PRECISIONS[dtype]
-
-
-_modules: dict[tuple[str, str], object] = {}
-_modules_lock = threading.Lock()
-FILE_OF = {kernel: file for file, names in KERNELS.items() for kernel in names}
-
-# The one header a pip-installed CUDA may lack: flash_attention.cu's tensor-core fragments come from
-# <mma.h>, which includes crt/mma.h. The nvidia-cuda-runtime wheel ships mma.h but not crt/ (that is the
-# nvidia-cuda-crt wheel, which CuPy's [ctk] extra does not pull in), and CuPy compiles against the
-# headers beside the libnvrtc it loads.
-_MISSING_CRT = re.compile(r'cannot open source file "(crt/[^"]+)"')
-
-
-class Kernels:
-    """The kernels of one --dtype variant, each kernels/<file>.cu compiled on first use of one of its
-    kernels (once per process, shared by every rank). So a run compiles only the files it launches:
-    one without --attention flash never compiles flash_attention.cu, and a machine without the headers
-    that file needs trains everything else."""
-
-    def __init__(self, dtype: str):
-        self.dtype = dtype
-
-    def __getattr__(self, kernel: str):
-        if kernel not in FILE_OF:
-            raise AttributeError(kernel)
-        file = FILE_OF[kernel]
-        key = (file, self.dtype)
-        # One lock for all ranks: the first thread compiles (or loads CuPy's disk cache) while the others
-        # wait, instead of several threads compiling the same source at once.
-        with _modules_lock:
-            if key not in _modules:
-                _modules[key] = cupy.RawModule(code=kernel_source(file), options=nvrtc_options(self.dtype))
-            try:
-                function = _modules[key].get_function(kernel)  # CuPy compiles the module here
-            except Exception as e:
-                missing = _MISSING_CRT.search(str(e))
-                if missing is None:
-                    raise
-                raise XtrainError(f"kernels/{file}.cu does not compile: the CUDA headers CuPy uses lack "
-                                  f"{missing.group(1)}; pip install 'cuda-toolkit[crt]==13.*' (the "
-                                  f"nvidia-cuda-crt wheel, of the nvidia-cuda-runtime version installed)") from None
-        setattr(self, kernel, function)  # found as an attribute from now on: __getattr__ is not called again
-        return function
-
 
 # ---------------------------------------------------------------------------- launch geometry
 
-BLOCK = 256            # elementwise and warp-per-row kernels: 8 warps
-ROWS_PER_BLOCK = 8     # warp-per-row kernels (layernorm, causal softmax): one row per warp
-CLASSIFIER_BLOCK = 512  # block-per-row classifier: ~25 16-byte loads per thread at V = 50257
+# The block shapes the kernels are written for, read from beside them in their files, so that a kernel
+# and its launch cannot disagree: warp-per-row kernels (a row per warp, so rows per block and threads),
+# block-per-row classifier, the norm's two stages, the column sums' (32, COL_ROWS) blocks, flash
+# attention's tiles.
+LAYERNORM_ROWS_PER_BLOCK = kernel_constant("layernorm", "LAYERNORM_ROWS_PER_BLOCK")
+LAYERNORM_BLOCK = kernel_constant("layernorm", "LAYERNORM_BLOCK")
+SOFTMAX_ROWS_PER_BLOCK = kernel_constant("attention", "SOFTMAX_ROWS_PER_BLOCK")
+SOFTMAX_BLOCK = kernel_constant("attention", "SOFTMAX_BLOCK")
+CLASSIFIER_BLOCK = kernel_constant("classifier", "CLASSIFIER_BLOCK")
+NORM_BLOCK = kernel_constant("global_norm", "NORM_BLOCK")
+NORM_MAX_BLOCKS = kernel_constant("global_norm", "NORM_MAX_BLOCKS")
+COLUMN_BLOCK = (kernel_constant("matmul", "WARP_SIZE"), kernel_constant("matmul", "COL_ROWS"))
+FLASH_HS = kernel_constant("flash_attention", "FLASH_HS")
+FLASH_TILE = kernel_constant("flash_attention", "FLASH_TILE")
+FLASH_WARPS = kernel_constant("flash_attention", "FLASH_WARPS")
+FLASH_THREADS = kernel_constant("flash_attention", "FLASH_THREADS")
+
+# Host choices, which no kernel assumes. The chunked kernels (elementwise, split and merge heads), the
+# column sums' second stage and encoder_backward_wte index by blockDim, so any multiple of 32 serves:
+# 256 threads, 8 warps.
+BLOCK = 256
 ROW_ALIGN = 64         # unbiased products' rows (the logits) start this many elements apart at least
-COL_ROWS = 8           # blockDim.y of the column-sum kernels (common.cuh)
 # Standard attention's products in chunks of this many query rows, each against only the keys it may see
 # (_causal_chunks): at T = 1024, 4 chunks compute 10/16 of the T x T products the mask would otherwise halve
 CAUSAL_CHUNK = 256
-NORM_BLOCK = 512
-NORM_MAX_BLOCKS = 1024
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -221,16 +85,6 @@ def _causal_chunks(T: int) -> list[tuple[int, int]]:
     return [(r0, min(r0 + CAUSAL_CHUNK, T)) for r0 in range(0, T, CAUSAL_CHUNK)]
 
 
-def _batched_layout(x) -> tuple[int, int]:
-    """(row stride, matrix stride) in elements of a (batch, rows, cols) array whose rows are contiguous: a
-    C-contiguous array or a slice of one along its last two axes (a chunk of causal attention's T x T)."""
-    item = x.itemsize
-    row, matrix = x.strides[1], x.strides[0]
-    if x.strides[2] != item or row % item or matrix % item or row < x.shape[2] * item:
-        raise ValueError(f"cuda_ops batched gemm: expected contiguous rows, got shape {x.shape} strides {x.strides}")
-    return row // item, matrix // item
-
-
 def _contiguous(a):
     if not a.flags.c_contiguous:
         raise ValueError(f"cuda_ops: expected a C-contiguous array, got shape {a.shape} strides {a.strides}")
@@ -246,59 +100,18 @@ def _f32(*arrays) -> None:
 
 # ---------------------------------------------------------------------------- the backend
 
-FLASH_HEAD_SIZE, FLASH_TILE, FLASH_THREADS = 64, 64, 128  # kernels/flash_attention.cu (the dot kernel: a row per warp)
-
-
 def check_flash_attention(dtype: str, head_size: int, preset: str = "") -> None:
     """What kernels/flash_attention.cu computes: bf16 on tensor cores, 64-channel heads (every GPT-2 size)."""
     if dtype != "bf16":
         raise XtrainError("--attention flash on --backend cuda needs --dtype bf16 (its products run on bf16 "
                           "tensor cores; float32 runs use the standard attention)")
-    if head_size != FLASH_HEAD_SIZE:
+    if head_size != FLASH_HS:
         model = f"model '{preset}' has" if preset else "this model has"
-        raise XtrainError(f"--attention flash on --backend cuda needs {FLASH_HEAD_SIZE}-channel heads (GPT-2's); "
+        raise XtrainError(f"--attention flash on --backend cuda needs {FLASH_HS}-channel heads (GPT-2's); "
                           f"{model} {head_size}")
 
 
-def device_count() -> int:
-    """How many CUDA devices this process sees; XtrainError if CuPy or a device is missing."""
-    if cupy is None:
-        raise XtrainError(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} (pip install 'xtrain-dist[cuda]')")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as e:
-        raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible}): {e}") \
-            from None
-    if count == 0:
-        raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible})")
-    return count
-
-
-def device_free_bytes(device: int) -> int:
-    """Memory free on `device` now (cudaMemGetInfo): what the run's pre-flight check (memory.py) compares
-    the ranks sharing that GPU against, before any of them allocates."""
-    with cupy.cuda.Device(device):
-        free, _total = cupy.cuda.runtime.memGetInfo()
-    return int(free)
-
-
-def device_name(device: int) -> str:
-    """The device's name as the driver gives it ("NVIDIA H100 80GB HBM3"): profile.peak_for reads it."""
-    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
-def pool_bytes(device: int) -> int:
-    """Bytes CuPy's memory pool holds on `device` from the driver. The pool keeps every freed block for
-    reuse, so after a run this is the most its arrays held at once, plus the pool's rounding and what its
-    blocks could not be split into: the GPU's peer of the host's peak RSS. cuBLAS's workspace, NCCL's
-    buffers and the CUDA context are outside it."""
-    with cupy.cuda.Device(device):
-        return int(cupy.get_default_memory_pool().total_bytes())
-
-
-class CudaBackend:
+class CudaBackend(CublasProducts):
     """numpy_ops on one CUDA device, on one stream owned by the calling (rank) thread."""
 
     name = "cuda"
@@ -312,29 +125,19 @@ class CudaBackend:
         if not 0 <= device < count:
             raise XtrainError(f"--backend cuda: device {device} does not exist ({count} visible)")
 
-        from cupy_backends.cuda.libs import cublas  # loads libcublas: only once a device is known
-
         self.xp = cupy
         self.device = device
         cupy.cuda.Device(device).use()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.stream.use()
         self.allow_tf32 = allow_tf32
-        self._cublas = cublas
-        # float32 operands: TF32 tensor cores if asked; bf16 operands: always float32 accumulation
-        self._compute = {np.dtype(np.float32): cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32
-                         else cublas.CUBLAS_COMPUTE_32F, np.dtype(np.uint16): cublas.CUBLAS_COMPUTE_32F}
-        self._cuda_type = {np.dtype(np.float32): cupy.cuda.runtime.CUDA_R_32F, np.dtype(np.uint16): CUDA_R_16BF}
         self.dtype = dtype
         self.act_dtype = ACT_DTYPES[dtype]
         self._k = Kernels(dtype)
         self._side_streams: set[int] = set()
         self._keep_alive: list = []
         self._vec_x = 16 // self.act_dtype.itemsize  # elements of floatX per 16 bytes: 4 (fp32) or 8 (bf16)
-        self._lt = None
-        if matmul == "cublaslt":
-            from . import cublaslt
-            self._lt = cublaslt.LtMatmul(cupy)  # this device's handle and workspace, made on the rank's thread
+        self._init_products(allow_tf32, matmul)  # cuBLAS, and cuBLASLt's handle and workspace if asked
 
     # ------------------------------------------------------------------ host/device plumbing
     def to_host(self, a) -> np.ndarray:
@@ -342,21 +145,10 @@ class CudaBackend:
         which holds every bf16 value exactly: the values numpy_ops' bf16 emulation holds."""
         if isinstance(a, cupy.ndarray):
             if not a.flags.c_contiguous:  # the classifier's padded logits rows, a transposed view
-                a = self._on_own_stream(a.copy)
+                a = on_stream(self.stream, a.copy)
             host = a.get(stream=self.stream)
             return numpy_ops.from_bf16_bits(host) if host.dtype == np.uint16 else host
         return np.asarray(a)
-
-    def _on_own_stream(self, work):
-        """work() with this backend's stream current, and the caller's current again after it. CuPy's get()
-        would copy a strided array under `with stream:` itself, and leaving such a block makes the null
-        stream current (CuPy 14.2 on the H100), not the stream that was: the next op then fails _check_stream."""
-        previous = cupy.cuda.get_current_stream()
-        self.stream.use()
-        try:
-            return work()
-        finally:
-            previous.use()
 
     def from_host(self, a: np.ndarray):
         a = np.ascontiguousarray(a)
@@ -389,15 +181,9 @@ class CudaBackend:
         kernel(tuple(grid), tuple(block), args, stream=cupy.cuda.get_current_stream())
 
     def _check_stream(self) -> None:
-        """cuBLAS calls and CuPy's allocations and array functions (the model's xp.zeros) go to the
-        calling thread's current stream, so an op called from another thread would race with this
-        rank's work. Fail loudly instead; the check costs well under a microsecond. A side thread of
-        the rank (its communication thread) that called bind_side_thread() runs ops on its own stream,
-        ordered against the rank's by fence()/wait()."""
-        current = cupy.cuda.get_current_stream().ptr
-        if current != self.stream.ptr and current not in self._side_streams:
-            raise RuntimeError("CudaBackend op called from a thread whose current CuPy stream is not the "
-                               "backend's: call a backend's ops only from the thread that created it")
+        """RuntimeError unless the calling thread's current stream is this backend's or a side thread's
+        (bind_side_thread): kernels, products and allocations go to the current stream (check_stream)."""
+        check_stream(self.stream, self._side_streams)
 
     # ------------------------------------------------------------------ ordering across a rank's threads
     def bind_side_thread(self):
@@ -434,65 +220,6 @@ class CudaBackend:
         """Seconds between two timestamps on the GPU (waits on the host for the later one)."""
         end.synchronize()
         return cupy.cuda.get_elapsed_time(start, end) / 1e3
-
-    # ------------------------------------------------------------------ cuBLAS
-    def _types(self, a, b, out) -> tuple[int, int, int]:
-        """(operand type, output type, compute type) for a product of a and b into out: the operands share
-        a dtype (float32, or bf16 bits); the output is float32 or that dtype; alpha and beta are float32."""
-        if a.dtype != b.dtype or out.dtype not in (a.dtype, np.float32):
-            raise TypeError(f"cuda_ops gemm: {a.dtype} @ {b.dtype} -> {out.dtype} is not a supported product")
-        return self._cuda_type[a.dtype], self._cuda_type[out.dtype], self._compute[a.dtype]
-
-    def _gemm(self, a, b, out, alpha: float = 1.0, beta: float = 0.0) -> None:
-        """out = alpha * a @ b + beta * out, for 2-D arrays each either row-major (C-contiguous) or the
-        transpose of a row-major array (F-contiguous, like numpy's `.T` views); see _gemm_plan."""
-        self._check_stream()
-        if beta != 0.0 and out.dtype != np.float32:  # see matmul.cu
-            raise TypeError(f"cuda_ops gemm: beta = {beta} into a bf16 output would round twice: cuBLAS rounds "
-                            "the product to bf16 before it adds C")
-        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
-        ab_type, c_type, compute = self._types(a, b, out)
-        alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
-        cublas = self._cublas
-        handle = _cublas_handle()
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        cublas.gemmEx(handle, op1, op2, rows, cols, k, alpha_h.ctypes.data,
-                      first.data.ptr, ab_type, ld1, second.data.ptr, ab_type, ld2,
-                      beta_h.ctypes.data, out.data.ptr, c_type, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
-
-    def _gemm_bias(self, a, b, bias, out) -> None:
-        """out = a @ b + bias (bias broadcast over rows), rounded once to out's type: cuBLASLt's bias
-        epilogue. out is row-major, so cuBLAS computes out^T = b^T a^T, whose rows are bias's elements."""
-        self._check_stream()
-        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
-        if _matrix_layout(out, "output")[0] != "C" or bias.shape != (rows,) or not bias.flags.c_contiguous:
-            raise ValueError(f"cuda_ops gemm: a bias {bias.shape} for an output {out.shape} with strides {out.strides}")
-        ab_type, c_type, compute = self._types(a, b, out)
-        self._lt.matmul_bias(op1, op2, rows, cols, k, first.data.ptr, ab_type, ld1, second.data.ptr, ld2,
-                             out.data.ptr, c_type, ldc, bias.data.ptr, self._cuda_type[bias.dtype], compute,
-                             cupy.cuda.get_current_stream().ptr)
-
-    def _gemm_batched(self, a, b, out, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0) -> None:
-        """out[i] = alpha * op(a[i]) @ op(b[i]) for (batch, rows, cols) arrays with contiguous rows (C-contiguous,
-        or slices of such along the last two axes: _batched_layout), op = transpose where asked. Column-major:
-        out[i]^T = op(b[i])^T op(a[i])^T, and a row-major X with row stride ld is X^T with leading dimension ld."""
-        self._check_stream()
-        batch, m, n = out.shape
-        k = a.shape[1] if trans_a else a.shape[2]
-        (ld_a, stride_a), (ld_b, stride_b), (ld_out, stride_out) = (_batched_layout(x) for x in (a, b, out))
-        cublas = self._cublas
-        op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
-        op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
-        ab_type, c_type, compute = self._types(a, b, out)
-        alpha_h, beta_h = np.array(alpha, np.float32), np.array(0.0, np.float32)
-        handle = _cublas_handle()
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        cublas.gemmStridedBatchedEx(
-            handle, op_b, op_a, n, m, k, alpha_h.ctypes.data,
-            b.data.ptr, ab_type, ld_b, stride_b,
-            a.data.ptr, ab_type, ld_a, stride_a,
-            beta_h.ctypes.data, out.data.ptr, c_type, ld_out, stride_out,
-            batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
     # ------------------------------------------------------------------ encoder (kernels/encoder.cu)
     def encoder_forward(self, ids, wte, wpe):
@@ -541,7 +268,7 @@ class CudaBackend:
         mean = cupy.empty(inp.shape[:-1], dtype=cupy.float32)
         rstd = cupy.empty(inp.shape[:-1], dtype=cupy.float32)
         vec = _vec(self._vec_x, out, inp, weight, bias, row=C)
-        self._launch(self._k.layernorm_forward, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+        self._launch(self._k.layernorm_forward, (_cdiv(rows, LAYERNORM_ROWS_PER_BLOCK),), (LAYERNORM_BLOCK,),
                      out, mean, rstd, inp, weight, bias, np.int64(rows), np.int32(C), np.float32(self.LN_EPS),
                      np.int32(vec))
         return out, mean, rstd
@@ -554,14 +281,14 @@ class CudaBackend:
         C = inp.shape[-1]
         rows = inp.size // C
         vec = _vec(self._vec_x, dinp, dout, inp, weight, row=C)
-        self._launch(self._k.layernorm_backward_input, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+        self._launch(self._k.layernorm_backward_input, (_cdiv(rows, LAYERNORM_ROWS_PER_BLOCK),), (LAYERNORM_BLOCK,),
                      dinp, dout, inp, weight, mean, rstd, np.int64(rows), np.int32(C), np.int32(vec))
         splits, rows_per_split = _column_splits(rows)
         partial_dw = cupy.empty((splits, C), dtype=cupy.float32)
         partial_db = cupy.empty((splits, C), dtype=cupy.float32)
         vec = _vec(self._vec_x, dout, inp, partial_dw, partial_db, row=C)
         width = self._vec_x if vec else 1
-        self._launch(self._k.layernorm_backward_params, (_cdiv(C, 32 * width), splits), (32, COL_ROWS),
+        self._launch(self._k.layernorm_backward_params, (_cdiv(C, COLUMN_BLOCK[0] * width), splits), COLUMN_BLOCK,
                      partial_dw, partial_db, dout, inp, mean, rstd, np.int64(rows), np.int32(C),
                      np.int32(rows_per_split), np.int32(vec))
         self._launch(self._k.layernorm_backward_params_finish, (_cdiv(C, BLOCK), 2), (BLOCK,),
@@ -608,7 +335,7 @@ class CudaBackend:
             partial = cupy.empty((splits, OC), dtype=cupy.float32)
             vec = _vec(self._vec_x, dout2, partial, row=OC)
             width = self._vec_x if vec else 1
-            self._launch(self._k.bias_backward, (_cdiv(OC, 32 * width), splits), (32, COL_ROWS),
+            self._launch(self._k.bias_backward, (_cdiv(OC, COLUMN_BLOCK[0] * width), splits), COLUMN_BLOCK,
                          partial, dout2, np.int64(rows), np.int32(OC), np.int32(rows_per_split), np.int32(vec))
             self._launch(self._k.bias_backward_finish, (_cdiv(OC, BLOCK),), (BLOCK,),
                          _contiguous(dbias), partial, np.int32(splits), np.int32(OC))
@@ -639,13 +366,13 @@ class CudaBackend:
     def _softmax(self, att, scores, T: int) -> None:
         rows = scores.size // T
         vec = _vec(self._vec_x, att, scores, row=T)
-        self._launch(self._k.causal_softmax_forward, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+        self._launch(self._k.causal_softmax_forward, (_cdiv(rows, SOFTMAX_ROWS_PER_BLOCK),), (SOFTMAX_BLOCK,),
                      att, scores, np.int64(rows), np.int32(T), np.int32(vec))
 
     def _softmax_backward(self, dscores, datt, att, T: int, scale: float) -> None:
         rows = att.size // T
         vec = _vec(self._vec_x, dscores, datt, att, row=T)
-        self._launch(self._k.causal_softmax_backward, (_cdiv(rows, ROWS_PER_BLOCK),), (BLOCK,),
+        self._launch(self._k.causal_softmax_backward, (_cdiv(rows, SOFTMAX_ROWS_PER_BLOCK),), (SOFTMAX_BLOCK,),
                      dscores, datt, att, np.int64(rows), np.int32(T), np.float32(scale), np.int32(vec))
 
     def _split_qkv(self, qkv, n_head: int):
@@ -708,7 +435,7 @@ class CudaBackend:
         self._flash_aligned(qkv, dout, out)
         D = cupy.empty((B, n_head, T), dtype=cupy.float32)
         rows = B * n_head * T
-        self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_THREADS // 32),), (FLASH_THREADS,),
+        self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_WARPS),), (FLASH_THREADS,),
                      D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))
         dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)  # every element written: q by dq, k and v by dkdv
         grid = (_cdiv(T, FLASH_TILE), n_head, B)
@@ -890,57 +617,6 @@ class CudaBackend:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-def _cublas_handle():
-    """CuPy's cuBLAS handle of the calling thread and device. Taken per call, not cached by the backend:
-    a cached handle used from a side thread would have its stream repointed under the rank's thread."""
-    return cupy.cuda.device.get_cublas_handle()
-
-
-def _gemm_plan(a, b, out, cublas):
-    """The cublasGemmEx arguments for out = a @ b: (first, second, op1, op2, rows, cols, k, ld1, ld2, ldc).
-
-    cuBLAS is column-major. A row-major X (rows ld elements apart: C-contiguous, ld = X.shape[1], or
-    the first columns of a wider array, like the classifier's padded logits) sits in memory as the
-    column-major X^T with leading dimension ld; the transpose of such an array (an F-ordered `.T` view)
-    as X itself. For a row-major out we ask cuBLAS for out^T = b^T a^T, for an F-ordered out (dwte.T)
-    for out = a b; each operand then needs a transpose or not depending on which of the two ways it is
-    stored. Pure: takes anything with .shape, .strides and .itemsize."""
-    m, k = a.shape
-    n = b.shape[1]
-    if b.shape[0] != k or out.shape != (m, n):
-        raise ValueError(f"cuda_ops gemm: {a.shape} @ {b.shape} -> {out.shape}")
-    order, ldc = _matrix_layout(out, "output")
-    if order == "C":
-        first, second, rows, cols, transposed = b, a, n, m, True
-    else:
-        first, second, rows, cols, transposed = a, b, m, n, False
-    op1, ld1 = _cublas_operand(first, transposed, cublas)
-    op2, ld2 = _cublas_operand(second, transposed, cublas)
-    return first, second, op1, op2, rows, cols, k, ld1, ld2, ldc
-
-
-def _matrix_layout(x, what: str = "operand") -> tuple[str, int]:
-    """("C", ld) for a 2-D x whose rows are ld elements apart, each contiguous; ("F", ld) for one whose
-    columns are. ld is at least the row's (column's) length and 1; a size-1 dimension's stride does not
-    matter (CuPy may set it to anything)."""
-    rows, cols = x.shape
-    item = x.itemsize
-    row_step, col_step = x.strides
-    if (col_step == item or cols <= 1) and row_step % item == 0 and (rows <= 1 or row_step >= cols * item):
-        return "C", max(row_step // item if rows > 1 else cols, 1)
-    if (row_step == item or rows <= 1) and col_step % item == 0 and (cols <= 1 or col_step >= rows * item):
-        return "F", max(col_step // item if cols > 1 else rows, 1)
-    raise ValueError(f"cuda_ops gemm: {what} strides {x.strides} are neither C nor F order")
-
-
-def _cublas_operand(x, transposed: bool, cublas) -> tuple[int, int]:
-    """(op, ld) that make cuBLAS read x (transposed=False) or x^T (transposed=True) from x's memory."""
-    order, ld = _matrix_layout(x)
-    if order == "C":  # memory holds x^T column-major
-        return (cublas.CUBLAS_OP_N if transposed else cublas.CUBLAS_OP_T), ld
-    return (cublas.CUBLAS_OP_T if transposed else cublas.CUBLAS_OP_N), ld  # memory holds x column-major
-
 
 def _rows(a, cols: int):
     """(view, ld): a (..., cols) as a 2-D (rows, cols) view whose rows are ld >= cols elements apart (the

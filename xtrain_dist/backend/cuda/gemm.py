@@ -1,0 +1,156 @@
+"""Matrix products through cuBLAS (cublasGemmEx, cublasGemmStridedBatchedEx) and cuBLASLt (a product
+with its bias, cublaslt.py): the calls, the type tags of their operands, the per-thread cuBLAS handle,
+and the plans that hand row-major arrays and their transposed views to a column-major library.
+
+The products are methods of CudaBackend (CublasProducts is a mixin of it): they run on the rank's
+stream and are checked against it like its kernels, take their types from the backend's precision and
+its TF32 choice, and the cuBLASLt handle and workspace they use are the rank's own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .device import cupy
+
+CUDA_R_16BF = 14  # cudaDataType_t, library_types.h (CUDA_R_32F is 0)
+
+
+class CublasProducts:
+    """CudaBackend's products. The class that mixes it in provides _check_stream (the calling thread's
+    stream is the backend's) and calls _init_products from its __init__, on the rank's thread and with the
+    rank's device and stream current."""
+
+    def _init_products(self, allow_tf32: bool, matmul: str) -> None:
+        from cupy_backends.cuda.libs import cublas  # loads libcublas: only once a device is known
+
+        self._cublas = cublas
+        # float32 operands: TF32 tensor cores if asked; bf16 operands: always float32 accumulation
+        self._compute = {np.dtype(np.float32): cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32
+                         else cublas.CUBLAS_COMPUTE_32F, np.dtype(np.uint16): cublas.CUBLAS_COMPUTE_32F}
+        self._cuda_type = {np.dtype(np.float32): cupy.cuda.runtime.CUDA_R_32F, np.dtype(np.uint16): CUDA_R_16BF}
+        self._lt = None
+        if matmul == "cublaslt":
+            from . import cublaslt
+            self._lt = cublaslt.LtMatmul(cupy)  # this device's handle and workspace, made on the rank's thread
+
+    def _types(self, a, b, out) -> tuple[int, int, int]:
+        """(operand type, output type, compute type) for a product of a and b into out: the operands share
+        a dtype (float32, or bf16 bits); the output is float32 or that dtype; alpha and beta are float32."""
+        if a.dtype != b.dtype or out.dtype not in (a.dtype, np.float32):
+            raise TypeError(f"cuda_ops gemm: {a.dtype} @ {b.dtype} -> {out.dtype} is not a supported product")
+        return self._cuda_type[a.dtype], self._cuda_type[out.dtype], self._compute[a.dtype]
+
+    def _gemm(self, a, b, out, alpha: float = 1.0, beta: float = 0.0) -> None:
+        """out = alpha * a @ b + beta * out, for 2-D arrays each either row-major (C-contiguous) or the
+        transpose of a row-major array (F-contiguous, like numpy's `.T` views); see _gemm_plan."""
+        self._check_stream()
+        if beta != 0.0 and out.dtype != np.float32:  # see matmul.cu
+            raise TypeError(f"cuda_ops gemm: beta = {beta} into a bf16 output would round twice: cuBLAS rounds "
+                            "the product to bf16 before it adds C")
+        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
+        ab_type, c_type, compute = self._types(a, b, out)
+        alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
+        cublas = self._cublas
+        handle = _cublas_handle()
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        cublas.gemmEx(handle, op1, op2, rows, cols, k, alpha_h.ctypes.data,
+                      first.data.ptr, ab_type, ld1, second.data.ptr, ab_type, ld2,
+                      beta_h.ctypes.data, out.data.ptr, c_type, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
+
+    def _gemm_bias(self, a, b, bias, out) -> None:
+        """out = a @ b + bias (bias broadcast over rows), rounded once to out's type: cuBLASLt's bias
+        epilogue. out is row-major, so cuBLAS computes out^T = b^T a^T, whose rows are bias's elements."""
+        self._check_stream()
+        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
+        if _matrix_layout(out, "output")[0] != "C" or bias.shape != (rows,) or not bias.flags.c_contiguous:
+            raise ValueError(f"cuda_ops gemm: a bias {bias.shape} for an output {out.shape} with strides {out.strides}")
+        ab_type, c_type, compute = self._types(a, b, out)
+        self._lt.matmul_bias(op1, op2, rows, cols, k, first.data.ptr, ab_type, ld1, second.data.ptr, ld2,
+                             out.data.ptr, c_type, ldc, bias.data.ptr, self._cuda_type[bias.dtype], compute,
+                             cupy.cuda.get_current_stream().ptr)
+
+    def _gemm_batched(self, a, b, out, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0) -> None:
+        """out[i] = alpha * op(a[i]) @ op(b[i]) for (batch, rows, cols) arrays with contiguous rows (C-contiguous,
+        or slices of such along the last two axes: _batched_layout), op = transpose where asked. Column-major:
+        out[i]^T = op(b[i])^T op(a[i])^T, and a row-major X with row stride ld is X^T with leading dimension ld."""
+        self._check_stream()
+        batch, m, n = out.shape
+        k = a.shape[1] if trans_a else a.shape[2]
+        (ld_a, stride_a), (ld_b, stride_b), (ld_out, stride_out) = (_batched_layout(x) for x in (a, b, out))
+        cublas = self._cublas
+        op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
+        op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
+        ab_type, c_type, compute = self._types(a, b, out)
+        alpha_h, beta_h = np.array(alpha, np.float32), np.array(0.0, np.float32)
+        handle = _cublas_handle()
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        cublas.gemmStridedBatchedEx(
+            handle, op_b, op_a, n, m, k, alpha_h.ctypes.data,
+            b.data.ptr, ab_type, ld_b, stride_b,
+            a.data.ptr, ab_type, ld_a, stride_a,
+            beta_h.ctypes.data, out.data.ptr, c_type, ld_out, stride_out,
+            batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+# ---------------------------------------------------------------------------- handles and operand layouts
+
+def _cublas_handle():
+    """CuPy's cuBLAS handle of the calling thread and device. Taken per call, not cached by the backend:
+    a cached handle used from a side thread would have its stream repointed under the rank's thread."""
+    return cupy.cuda.device.get_cublas_handle()
+
+
+def _gemm_plan(a, b, out, cublas):
+    """The cublasGemmEx arguments for out = a @ b: (first, second, op1, op2, rows, cols, k, ld1, ld2, ldc).
+
+    cuBLAS is column-major. A row-major X (rows ld elements apart: C-contiguous, ld = X.shape[1], or
+    the first columns of a wider array, like the classifier's padded logits) sits in memory as the
+    column-major X^T with leading dimension ld; the transpose of such an array (an F-ordered `.T` view)
+    as X itself. For a row-major out we ask cuBLAS for out^T = b^T a^T, for an F-ordered out (dwte.T)
+    for out = a b; each operand then needs a transpose or not depending on which of the two ways it is
+    stored. Pure: takes anything with .shape, .strides and .itemsize."""
+    m, k = a.shape
+    n = b.shape[1]
+    if b.shape[0] != k or out.shape != (m, n):
+        raise ValueError(f"cuda_ops gemm: {a.shape} @ {b.shape} -> {out.shape}")
+    order, ldc = _matrix_layout(out, "output")
+    if order == "C":
+        first, second, rows, cols, transposed = b, a, n, m, True
+    else:
+        first, second, rows, cols, transposed = a, b, m, n, False
+    op1, ld1 = _cublas_operand(first, transposed, cublas)
+    op2, ld2 = _cublas_operand(second, transposed, cublas)
+    return first, second, op1, op2, rows, cols, k, ld1, ld2, ldc
+
+
+def _matrix_layout(x, what: str = "operand") -> tuple[str, int]:
+    """("C", ld) for a 2-D x whose rows are ld elements apart, each contiguous; ("F", ld) for one whose
+    columns are. ld is at least the row's (column's) length and 1; a size-1 dimension's stride does not
+    matter (CuPy may set it to anything)."""
+    rows, cols = x.shape
+    item = x.itemsize
+    row_step, col_step = x.strides
+    if (col_step == item or cols <= 1) and row_step % item == 0 and (rows <= 1 or row_step >= cols * item):
+        return "C", max(row_step // item if rows > 1 else cols, 1)
+    if (row_step == item or rows <= 1) and col_step % item == 0 and (cols <= 1 or col_step >= rows * item):
+        return "F", max(col_step // item if cols > 1 else rows, 1)
+    raise ValueError(f"cuda_ops gemm: {what} strides {x.strides} are neither C nor F order")
+
+
+def _cublas_operand(x, transposed: bool, cublas) -> tuple[int, int]:
+    """(op, ld) that make cuBLAS read x (transposed=False) or x^T (transposed=True) from x's memory."""
+    order, ld = _matrix_layout(x)
+    if order == "C":  # memory holds x^T column-major
+        return (cublas.CUBLAS_OP_N if transposed else cublas.CUBLAS_OP_T), ld
+    return (cublas.CUBLAS_OP_T if transposed else cublas.CUBLAS_OP_N), ld  # memory holds x column-major
+
+
+def _batched_layout(x) -> tuple[int, int]:
+    """(row stride, matrix stride) in elements of a (batch, rows, cols) array whose rows are contiguous: a
+    C-contiguous array or a slice of one along its last two axes (a chunk of causal attention's T x T)."""
+    item = x.itemsize
+    row, matrix = x.strides[1], x.strides[0]
+    if x.strides[2] != item or row % item or matrix % item or row < x.shape[2] * item:
+        raise ValueError(f"cuda_ops batched gemm: expected contiguous rows, got shape {x.shape} strides {x.strides}")
+    return row // item, matrix // item
