@@ -641,12 +641,12 @@ def test_a_training_step_copies_the_batch_in_and_one_array_out():
 def test_a_cuda_run_gives_each_steps_mfu_against_its_gpus_peak(tmp_path, monkeypatch):
     """Two virtual ranks share one GPU: the job's peak is that GPU's, read from the name the driver gives
     it, at the run's precision; every step's record and progress line and the report carry the MFU of the
-    job's model flops (profile.flops_per_token) in that step's time. The peak is made up, so the figures
+    job's model flops (profile.nanogpt_flops_per_token) in that step's time. The peak is made up, so the figures
     mean nothing here but their arithmetic; bin/bench_gpu measures the real MFU."""
     from xtrain_dist.backend.cuda.device import device_name
     from xtrain_dist.config import TrainConfig, model_config
     from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-    from xtrain_dist.profile import flops_per_token
+    from xtrain_dist.profile import nanogpt_flops_per_token
     from xtrain_dist.train import job
     from xtrain_dist.train.metrics import read
 
@@ -657,7 +657,7 @@ def test_a_cuda_run_gives_each_steps_mfu_against_its_gpus_peak(tmp_path, monkeyp
                       metrics=str(tmp_path / "m.jsonl")).resolved()
     report = job.train(cfg, corpus, log=lines.append)
     assert asked == [device_name(0)]
-    step_flops = flops_per_token(model_config("tiny", corpus.vocab_size), report["model"]["num_params"], 64) * 8 * 64
+    step_flops = nanogpt_flops_per_token(model_config("tiny", corpus.vocab_size), 64) * 8 * 64
     records = read(tmp_path / "m.jsonl")
     assert [r["mfu"] for r in records] == pytest.approx([step_flops / (r["ms"] * 1e-3) / 1e8 for r in records])
     assert report["mfu"] == pytest.approx(step_flops / (report["ms_per_step"] * 1e-3) / 1e8)

@@ -6,10 +6,19 @@ import pytest
 from bin_scripts import BENCH_GPU_HEADER, load_script
 
 from xtrain_dist.backend import numpy_ops
-from xtrain_dist.config import TrainConfig, model_config
+from xtrain_dist.config import GPTConfig, TrainConfig, model_config
 from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
-from xtrain_dist.profile import OpProfiler, flops_per_token, mfu, op_bytes, peak_bandwidth_for, peak_for
+from xtrain_dist.profile import (
+    OpProfiler,
+    gpt2_num_params,
+    llmc_flops_per_token,
+    mfu,
+    nanogpt_flops_per_token,
+    op_bytes,
+    peak_bandwidth_for,
+    peak_for,
+)
 
 
 def one_step(backend, config, ids, targets, attention="standard"):
@@ -197,16 +206,38 @@ def test_peak_bandwidth_for_the_parts():
 
 
 # ------------------------------------------------------------------------------- MFU
-def test_flops_per_token_is_nanogpts_count():
+def test_nanogpt_flops_per_token_is_nanogpts_count():
     """nanoGPT's estimate_mfu for GPT-2 124M at T = 1024: 6 N (N = 124,439,808 parameters less wpe's
-    1024 x 768) plus 12 L C T for attention; the model's own parameter count is the published one."""
-    from xtrain_dist.checkpoint.store import layout_size
-
+    1024 x 768) plus 12 L C T for attention; the parameter count is the published one, and the Hugging Face
+    export's (whatever rows the layout pads)."""
     mcfg = model_config("gpt2-124m", 50257)
-    n = layout_size(mcfg)
-    assert n == 124_439_808
-    assert flops_per_token(mcfg, n, 1024) == 6 * (124_439_808 - 786_432) + 12 * 12 * 768 * 1024
-    assert flops_per_token(mcfg, n, 1024) == 855_166_464
+    assert gpt2_num_params(mcfg, 50257) == 124_439_808
+    assert nanogpt_flops_per_token(mcfg, 1024) == 6 * (124_439_808 - 786_432) + 12 * 12 * 768 * 1024
+    assert nanogpt_flops_per_token(mcfg, 1024) == 855_166_464
+
+
+def test_llmc_flops_per_token_counts_the_padded_vocabulary_and_half_the_attention_square():
+    """llm.c's gpt2_estimate_mfu: 6 N with N its num_parameters (wte at 50304 rows, wpe included:
+    124,475,904 for GPT-2 124M) plus 6 L C T."""
+    mcfg = model_config("gpt2-124m", 50257)
+    assert gpt2_num_params(mcfg, 50304) == 124_475_904
+    assert llmc_flops_per_token(mcfg, 1024) == 6 * 124_475_904 + 6 * 12 * 768 * 1024 == 803_478_528
+    # a small config by hand: V = 1000 pads to 1024; C = 8, L = 2, n_ctx = 16, T = 4
+    small = GPTConfig(vocab_size=1000, n_ctx=16, n_layer=2, n_head=2, n_embd=8)
+    per_layer = 12 * 64 + 13 * 8  # 872
+    assert gpt2_num_params(small, 1000) == 8000 + 128 + 2 * per_layer + 16 == 9888
+    assert nanogpt_flops_per_token(small, 4) == 6 * (9888 - 128) + 12 * 2 * 8 * 4 == 59_328
+    assert llmc_flops_per_token(small, 4) == 6 * (1024 * 8 + 128 + 2 * per_layer + 16) + 6 * 2 * 8 * 4 == 60_864
+    # V already a multiple of 128: llm.c pads nothing
+    assert llmc_flops_per_token(GPTConfig(vocab_size=1024, n_ctx=16, n_layer=2, n_head=2, n_embd=8), 4) == 60_864
+
+
+def test_the_parameter_count_is_the_exported_models():
+    """gpt2_num_params counts from the shape; the model's state_dict (the Hugging Face export, V rows) holds
+    as many numbers, for a vocabulary that is not a multiple of 128 too."""
+    mcfg = model_config("tiny", 1000)
+    exported = GPT2(mcfg, numpy_ops, seed=1).state_dict()
+    assert sum(v.size for v in exported.values()) == gpt2_num_params(mcfg, 1000)
 
 
 def test_mfu_is_the_share_of_the_peak_a_step_reaches():

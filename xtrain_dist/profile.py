@@ -9,11 +9,11 @@ waiting for the host to launch the next op: the launch-bound part of a step.
 
 Matrix products and attention also get their arithmetic rate: matmul_forward does 2·rows·in·out flops,
 matmul_backward twice that (dinp and dweight); attention (standard or flash) counts the full T×T
-square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same counts as flops_per_token below, which gives
-the MFU of training runs on GPUs and of bin/bench_gpu. Every op also gets the rate at which it moved the
-bytes it cannot avoid moving (op_bytes): for the ops bound by memory, not arithmetic (layernorm, GELU,
-the residual, the classifier's softmax, AdamW), that GB/s against the GPU's (PEAK_GBPS) says how far each
-is from its bound.
+square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same counts as nanogpt_flops_per_token below,
+which gives the MFU of training runs on GPUs and of bin/bench_gpu (which also gives llm.c's count,
+llmc_flops_per_token). Every op also gets the rate at which it moved the bytes it cannot avoid moving
+(op_bytes): for the ops bound by memory, not arithmetic (layernorm, GELU, the residual, the classifier's
+softmax, AdamW), that GB/s against the GPU's (PEAK_GBPS) says how far each is from its bound.
 
     profiler = OpProfiler(backend)
     model = GPT2(config, profiler, seed=1)      # every op the model or AdamW calls is timed
@@ -118,12 +118,34 @@ def peak_bandwidth_for(gpu_name: str) -> float | None:
     return PEAK_GBPS[part] if part else None
 
 
-def flops_per_token(mcfg, num_params: int, seq: int) -> float:
-    """Model flops of one token's forward and backward (nanoGPT's and llm.c's MFU count): 6 per parameter
-    that enters a matrix product (all but wpe, a lookup; wte once, through the tied classifier) plus
-    12 L C T for attention's two T x T products (forward 4 L C T, backward twice that)."""
-    matmul_params = num_params - mcfg.n_ctx * mcfg.n_embd
+def gpt2_num_params(mcfg, vocab: int) -> int:
+    """GPT-2's parameters with `vocab` rows in wte (tied to the classifier, counted once), wpe included:
+    per layer 12 C^2 + 13 C (four products' weights and biases, two layernorms), and ln_f. Counted from the
+    shape, not from a model's layout, so that both MFU counts below hold whatever the layout pads."""
+    C, L = mcfg.n_embd, mcfg.n_layer
+    return vocab * C + mcfg.n_ctx * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+# llm.c pads the vocabulary to a multiple of 128 (50257 -> 50304) and counts wte at that size
+LLMC_VOCAB_MULTIPLE = 128
+
+
+def nanogpt_flops_per_token(mcfg, seq: int) -> float:
+    """Model flops of one token's forward and backward as nanoGPT's estimate_mfu counts them: 6 per parameter
+    that enters a matrix product (N less wpe, a lookup; wte once, through the tied classifier), at the
+    model's vocabulary, plus 12 L C T for attention's two T x T products over the full square (forward
+    4 L C T, backward twice that). The count the trainer's MFU and the issue's targets use."""
+    matmul_params = gpt2_num_params(mcfg, mcfg.vocab_size) - mcfg.n_ctx * mcfg.n_embd
     return 6.0 * matmul_params + 12.0 * mcfg.n_layer * mcfg.n_embd * seq
+
+
+def llmc_flops_per_token(mcfg, seq: int) -> float:
+    """Model flops of one token as llm.c's gpt2_estimate_mfu counts them: 6 N with N every parameter at the
+    padded vocabulary (wpe included, wte at ceil(V / 128) * 128 rows), plus 6 L C T for attention (half of
+    nanoGPT's 12: the causal half of the square). Below nanoGPT's count at long sequences, a little above
+    it at short ones: for GPT-2 124M at T = 1024, 803.5 against 855.2 MFLOP a token."""
+    padded = -(-mcfg.vocab_size // LLMC_VOCAB_MULTIPLE) * LLMC_VOCAB_MULTIPLE
+    return 6.0 * gpt2_num_params(mcfg, padded) + 6.0 * mcfg.n_layer * mcfg.n_embd * seq
 
 
 def mfu(step_flops: float, ms: float, peak_flops: float) -> float:

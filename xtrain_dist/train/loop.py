@@ -22,7 +22,7 @@ from ..model import GPT2
 from ..optim import lr_at
 from ..parallel.ddp import make_grad_sync
 from ..parallel.zero import make_optimizer
-from ..profile import OpProfiler, flops_per_token, mfu
+from ..profile import OpProfiler, mfu, nanogpt_flops_per_token
 from . import metrics
 from .cadence import Cadence
 
@@ -114,7 +114,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
                         start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
                         zero_shards=optimizer.shards,
-                        step_flops=flops_per_token(model.config, model.num_params, cfg.seq) * cfg.batch * cfg.seq)
+                        step_flops=nanogpt_flops_per_token(model.config, cfg.seq) * cfg.batch * cfg.seq)
     cadence = Cadence(cfg, start)
 
     for step in range(start, cfg.steps):
