@@ -207,3 +207,33 @@ def test_results_files_say_what_ran_where(results):
     assert default_results_dir("cpu").parts[-3:-1] == ("bench", "cpu")
     with pytest.raises(ValueError, match=r"^results kind must be 'cpu' or 'gpu', not 'tpu'$"):
         default_results_dir("tpu")
+
+
+def test_the_padded_pytorch_peer_trains_the_same_model():
+    """bench_gpu's padded PyTorch rows (wte at Vp rows, as nanoGPT runs GPT-2) compute the unpadded model's
+    function: the same losses step after step (float64, to rounding), the first V rows of wte the same, and
+    the padded rows zero before and after AdamW, as they get no gradient and weight decay keeps zero at zero."""
+    torch = pytest.importorskip("torch")
+    from xtrain_dist.backend import numpy_ops
+    from xtrain_dist.bench import torch_gpt2
+    from xtrain_dist.config import TrainConfig, model_config
+    from xtrain_dist.model import GPT2
+
+    mcfg = model_config("tiny", 1000)  # pads to 1024
+    state = GPT2(mcfg, numpy_ops, seed=1).state_dict()
+    plain, padded = (torch_gpt2.build(mcfg, state, vocab_rows=rows).double() for rows in (None, 1024))
+    assert tuple(padded.transformer["wte"].weight.shape) == (1024, mcfg.n_embd)
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    targets = ids.roll(-1, dims=1)
+    cfg = TrainConfig(steps=3, batch=2, seq=16, lr=1e-2, warmup_steps=1).resolved()
+    optimizers = [torch_gpt2.adamw(m, cfg) for m in (plain, padded)]
+    for step in range(3):
+        (loss, norm), (padded_loss, padded_norm) = (torch_gpt2.train_step(m, o, ids, targets, step, cfg)
+                                                    for m, o in zip((plain, padded), optimizers, strict=True))
+        assert padded_loss.item() == pytest.approx(loss.item(), rel=1e-12)
+        assert padded_norm.item() == pytest.approx(norm.item(), rel=1e-12)
+    wte, padded_wte = plain.transformer["wte"].weight.detach(), padded.transformer["wte"].weight.detach()
+    assert torch.count_nonzero(padded_wte[1000:]) == 0
+    assert torch.allclose(padded_wte[:1000], wte, rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match=r"^vocab_rows 999 is below the vocabulary \(1000\)$"):
+        torch_gpt2.build(mcfg, state, vocab_rows=999)

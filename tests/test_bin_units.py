@@ -14,7 +14,7 @@ import pytest
 from bin_scripts import BENCH_GPU_HEADER, BIN, load_script
 
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.profile import flops_per_token
+from xtrain_dist.profile import llmc_flops_per_token, nanogpt_flops_per_token
 
 
 # ------------------------------------------------------------------------------- bench_gpu
@@ -65,12 +65,23 @@ def test_bench_gpu_timed_steps_times_only_the_timed_steps(monkeypatch):
 def test_bench_gpu_markdown_rows():
     bench_gpu = load_script("bench_gpu")
     base = {"preset": "tiny", "batch": 2, "seq": 16, "precision": "bf16"}
-    rows = [{**base, "impl": "ours", "ms": 10.0, "ms_events": 9.5, "tokens_per_s": 3200.0, "mfu": 0.4567,
-             "ours_over_this": 1.0, "first_loss": 6.25, "peak_mem_gib": 0.5, "wall_s": 12.3},
-            {**base, "impl": "torch compile", "error": "OutOfMemoryError: no", "wall_s": 61.0}]
+    rows = [{**base, "impl": "ours", "vocab": 512, "ms": 10.0, "ms_events": 9.5, "tokens_per_s": 3200.0,
+             "mfu": 0.4567, "mfu_llmc": 0.4321, "ours_over_this": 1.0, "first_loss": 6.25, "peak_mem_gib": 0.5,
+             "wall_s": 12.3},
+            {**base, "impl": "torch compile-default", "vocab": 512, "error": "OutOfMemoryError: no", "wall_s": 61.0}]
     text = bench_gpu.markdown(BENCH_GPU_HEADER, rows)
-    assert "| tiny | 2 x 16 | bf16 | ours | 10.0 | 9.5 | 3,200 | 45.7% | 1.00x | 6.25000 | 0.5 | 12.3 |\n" in text
-    assert "| tiny | 2 x 16 | bf16 | torch compile | OutOfMemoryError: no | | | | | | | 61.0 |\n" in text
+    assert ("| tiny | 2 x 16 | bf16 | ours | 512 | 10.0 | 9.5 | 3,200 | 45.7% | 43.2% | 1.00x | 6.25000 | 0.5 | "
+            "12.3 |\n") in text
+    assert "| tiny | 2 x 16 | bf16 | torch compile-default | 512 | OutOfMemoryError: no | | | | | | | | 61.0 |\n" \
+        in text
+    # the best-against-best summary: our one row that ran, and no PyTorch row that did
+    assert "| tiny | 2 x 16 | bf16 | ours | 512 | 3,200 | 45.7% / 43.2% | no row | | | | |\n" in text
+    # the header says what the compiled rows ran with
+    settings = {"modes": {"default": {}, "max-autotune": {"max_autotune": True, "triton.cudagraphs": True}},
+                "inductor": {"max_autotune": False}}
+    text = bench_gpu.markdown({**BENCH_GPU_HEADER, "torch_compile": settings}, rows)
+    assert ("- torch.compile: mode default: no changes; mode max-autotune: {'max_autotune': True, 'triton.cudagraphs'"
+            ": True}; torch._inductor.config: {'max_autotune': False}\n") in text
 
 
 def test_bench_gpu_writes_each_row_as_it_ends():
@@ -86,8 +97,10 @@ def test_bench_gpu_writes_each_row_as_it_ends():
     def fails():
         raise RuntimeError("no kernel image\nsecond line")
 
-    groups = [(key, 1.6e10, 1e12, [("ours", timed(4.0)), ("ours flash", timed(2.0)), ("torch eager", fails)]),
-              ({**key, "batch": 4}, 3.2e10, None, [("ours", timed(8.0)), ("torch compile", timed(16.0))])]
+    groups = [(key, {"mfu": 1.6e10, "mfu_llmc": 1.2e10}, 1e12,
+               [("ours", 512, timed(4.0)), ("ours flash", 512, timed(2.0)), ("torch eager", 512, fails)]),
+              ({**key, "batch": 4}, {"mfu": 3.2e10, "mfu_llmc": 2.4e10}, None,
+               [("ours", 512, timed(8.0)), ("torch compile-default", 512, timed(16.0))])]
     written, freed = [], []
 
     def write(rows, complete):
@@ -100,14 +113,51 @@ def test_bench_gpu_writes_each_row_as_it_ends():
     first = written[0][0][0]
     assert first["impl"] == "ours" and first["tokens_per_s"] == 16 / 4.0 * 1e3 and "ours_over_this" not in first
     assert first["mfu"] == pytest.approx(1.6e10 / 4e-3 / 1e12)
+    assert first["mfu_llmc"] == pytest.approx(1.2e10 / 4e-3 / 1e12) and first["vocab"] == 512
     assert [r.get("ours_over_this") for r in rows] == [2.0, 1.0, None, 1.0, 2.0]
     assert rows[2]["error"] == "RuntimeError: no kernel image"
-    assert rows[3]["mfu"] is None and rows[4]["batch"] == 4
+    assert rows[3]["mfu"] is None and rows[3]["mfu_llmc"] is None and rows[4]["batch"] == 4
     assert all(r["wall_s"] >= 0 for r in rows)
     header = {**BENCH_GPU_HEADER, "complete": False, "rows_planned": 5}
     text = bench_gpu.markdown(header, written[1][0])
     assert "**Incomplete: 2 of the 5 rows planned.**" in text
     assert "Incomplete" not in bench_gpu.markdown({**header, "complete": True}, rows)
+
+
+def test_bench_gpu_summary_is_our_best_row_against_pytorchs_best():
+    """The ratio the targets read: per shape and precision, our fastest row over PyTorch's fastest, whichever
+    mode or vocabulary that is (here compile max-autotune at the padded vocabulary, though an unpadded row
+    comes first), from rows of one run or of several; rows that did not run take no part, and a shape with
+    one side only has no ratio."""
+    from xtrain_dist.bench.results import best_against_peer, best_against_peer_markdown
+
+    def row(impl, vocab, tokens_per_s, batch=16, **extra):
+        return {"preset": "gpt2-124m", "batch": batch, "seq": 1024, "precision": "bf16", "impl": impl, "vocab": vocab,
+                "ms": batch * 1024 / tokens_per_s * 1e3, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s / 1e6,
+                "mfu_llmc": tokens_per_s / 2e6, **extra}
+
+    rows = [row("ours flash", 50304, 400e3), row("ours flash lt", 50304, 420e3),
+            row("torch compile-default", 50257, 380e3), row("torch compile-default", 50304, 430e3),
+            row("torch compile-max-autotune", 50304, 500e3), row("torch eager", 50304, 250e3),
+            {**row("torch compile-max-autotune", 50257, 1.0), "error": "OutOfMemoryError"},
+            row("ours flash", 50304, 300e3, batch=64),
+            {"preset": "gpt2-124m", "batch": 64, "seq": 1024, "precision": "bf16", "impl": "torch eager",
+             "vocab": 50304, "skipped": "no time"}]
+    for key in ("ms", "tokens_per_s", "mfu", "mfu_llmc"):  # an error row has no figures
+        del rows[6][key]
+    rows.append(row("ours flash", 50304, 200e3, batch=8))  # another shape; first in no order but its own
+    rows.append(row("torch eager", 50257, 210e3, batch=8, loss_mismatch="first loss 9.1 vs ours 10.9"))
+    summary = best_against_peer(rows)
+    assert [(s["batch"], s["ours"]["impl"], s["torch"] and (s["torch"]["impl"], s["torch"]["vocab"]))
+            for s in summary] == [(16, "ours flash lt", ("torch compile-max-autotune", 50304)),
+                                  (64, "ours flash", None), (8, "ours flash", ("torch eager", 50257))]
+    assert summary[0]["ours_over_torch"] == pytest.approx(420 / 500)
+    assert summary[1]["ours_over_torch"] is None and summary[2]["ours_over_torch"] == pytest.approx(200 / 210)
+    table = best_against_peer_markdown(summary)
+    assert ("| gpt2-124m | 16 x 1024 | bf16 | ours flash lt | 50304 | 420,000 | 42.0% / 21.0% | "
+            "torch compile-max-autotune | 50304 | 500,000 | 50.0% / 25.0% | 0.84x |\n") in table
+    assert "| gpt2-124m | 64 x 1024 | bf16 | ours flash | 50304 | 300,000 | 30.0% / 15.0% | no row | | | | |\n" in table
+    assert "| torch eager (MISMATCH) | 50257 | 210,000 |" in table  # quoted with its flag, not dropped
 
 
 # ------------------------------------------------------------------------------- bench_collectives
@@ -457,9 +507,11 @@ def test_bench_gpu_rows_on_the_cuda_simulator(tmp_path):
     (row,) = data["rows"]
     mcfg = model_config("tiny", 512)
     model = GPT2(mcfg, numpy_ops, seed=1)
-    flops = flops_per_token(mcfg, model.num_params, 32) * 64
+    flops = nanogpt_flops_per_token(mcfg, 32) * 64
     assert row["tokens_per_s"] == pytest.approx(64 / row["ms"] * 1e3)
     assert row["mfu"] == pytest.approx(flops / (row["ms"] * 1e-3) / 2e12)
+    assert row["mfu_llmc"] == pytest.approx(llmc_flops_per_token(mcfg, 32) * 64 / (row["ms"] * 1e-3) / 2e12)
+    assert row["vocab"] == getattr(mcfg, "padded_vocab_size", 512)
     assert row["ours_over_this"] == 1.0
     ids = np.random.default_rng(1).integers(0, 512, (2, 32)).astype(np.int32)
     assert row["first_loss"] == pytest.approx(float(model.forward(ids, np.roll(ids, -1, axis=1)).mean()), rel=1e-5)

@@ -211,3 +211,47 @@ def write_gpu_results(out: Path, prefix: str, header: dict, rows: list[dict], ma
                        "results file")
     files.write_atomic(stem.with_suffix(".md"), markdown, "results file")
     return stem
+
+
+def best_against_peer(rows: list[dict]) -> list[dict]:
+    """For each (preset, batch, seq, precision) of bin/bench_gpu's `rows` (one run's, or several runs' put
+    together), our fastest row against PyTorch's fastest by tokens/s, over every row of each side there:
+    attention, --matmul, eager or either torch.compile mode, padded or unpadded vocabulary. Best against
+    best, so that no choice of ours can have weakened the peer. A row that did not run (skipped, an error)
+    takes no part; a shape where a side has no row has no ratio. In the order the shapes first appear."""
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        if "tokens_per_s" not in row:
+            continue
+        sides = best.setdefault((row["preset"], row["batch"], row["seq"], row["precision"]), {})
+        side = "ours" if row["impl"].startswith("ours") else "torch"
+        if side not in sides or row["tokens_per_s"] > sides[side]["tokens_per_s"]:
+            sides[side] = row
+    fields = ("impl", "vocab", "ms", "tokens_per_s", "mfu", "mfu_llmc", "loss_mismatch")
+    summary = []
+    for (preset, batch, seq, precision), sides in best.items():
+        ours, torch = sides.get("ours"), sides.get("torch")
+        summary.append({"preset": preset, "batch": batch, "seq": seq, "precision": precision,
+                        **{side: {k: row[k] for k in fields if k in row} if row else None
+                           for side, row in (("ours", ours), ("torch", torch))},
+                        "ours_over_torch": ours["tokens_per_s"] / torch["tokens_per_s"] if ours and torch else None})
+    return summary
+
+
+def best_against_peer_markdown(summary: list[dict]) -> str:
+    """best_against_peer's rows as a Markdown table (MFU: nanoGPT's count, then llm.c's)."""
+    def side(row):
+        if row is None:
+            return "no row | | |"
+        shares = " / ".join(f"{100 * row[k]:.1f}%" if row.get(k) is not None else "n/a" for k in ("mfu", "mfu_llmc"))
+        return (f"{row['impl']}{' (MISMATCH)' if 'loss_mismatch' in row else ''} | {row.get('vocab', '')} | "
+                f"{row['tokens_per_s']:,.0f} | {shares}")
+
+    lines = ["| preset | B x T | precision | ours (best) | V | tokens/s | MFU nanoGPT / llm.c | PyTorch (best) | V | "
+             "tokens/s | MFU nanoGPT / llm.c | ours / PyTorch |",
+             "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for s in summary:
+        ratio = f" {s['ours_over_torch']:.2f}x |" if s["ours_over_torch"] is not None else " |"
+        lines.append(f"| {s['preset']} | {s['batch']} x {s['seq']} | {s['precision']} | {side(s['ours'])} | "
+                     f"{side(s['torch'])} |{ratio}")
+    return "\n".join(lines) + "\n"

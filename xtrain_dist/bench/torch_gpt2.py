@@ -17,16 +17,27 @@ from ..config import GPTConfig, TrainConfig, model_config
 from ..errors import XtrainError
 
 
-def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu", sdpa: bool = True):
+def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu", sdpa: bool = True,
+          vocab_rows: int | None = None):
     """A torch.nn.Module computing GPT-2's mean cross-entropy: module(ids, targets) -> loss.
 
     sdpa=True uses torch's fused scaled_dot_product_attention (what a PyTorch user would run);
-    False writes attention out like our backends do (scores, causal softmax, weighted sum)."""
+    False writes attention out like our backends do (scores, causal softmax, weighted sum).
+
+    vocab_rows (at least config.vocab_size) pads the tied embedding to that many rows, as nanoGPT and
+    llm.c pad GPT-2's 50257 to 50304 so that the classifier's products have a shape cuBLAS runs at full
+    rate. The rows past V start at zero and the loss reads the first V logits only, as our padded layout
+    does, so the module computes the same function as the unpadded one (same first loss; the padded rows
+    get no gradient and stay zero). nanoGPT instead trains all 50304 logits, which only changes the
+    softmax's sum by the padded columns' exp(logit): the products, where padding pays, are the same."""
     import torch
     from torch import nn
     from torch.nn import functional as F
 
-    C, NH = config.n_embd, config.n_head
+    C, NH, V = config.n_embd, config.n_head, config.vocab_size
+    rows = vocab_rows or V
+    if rows < V:
+        raise ValueError(f"vocab_rows {rows} is below the vocabulary ({V})")
 
     def conv1d(n_in, n_out):
         return nn.ParameterDict({"weight": nn.Parameter(torch.zeros(n_in, n_out)),
@@ -60,7 +71,7 @@ def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu"
         def __init__(self):
             super().__init__()
             self.transformer = nn.ModuleDict({
-                "wte": nn.Embedding(config.vocab_size, C), "wpe": nn.Embedding(config.n_ctx, C),
+                "wte": nn.Embedding(rows, C), "wpe": nn.Embedding(config.n_ctx, C),
                 "h": nn.ModuleList(Block() for _ in range(config.n_layer)), "ln_f": nn.LayerNorm(C, eps=1e-5)})
 
         def forward(self, ids, targets):
@@ -68,13 +79,18 @@ def build(config: GPTConfig, state_dict: dict | None = None, device: str = "cpu"
             x = t["wte"](ids) + t["wpe"].weight[: ids.shape[1]]
             for block in t["h"]:
                 x = block(x)
-            logits = t["ln_f"](x) @ t["wte"].weight.T  # tied output projection
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            logits = t["ln_f"](x) @ t["wte"].weight.T  # tied output projection, (B, T, rows)
+            if rows > V:
+                logits = logits[..., :V]  # the padded columns are no token's: not in the softmax
+            return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
 
     module = GPT2Torch()
     if state_dict is not None:
         # ParameterDict entries are named "...c_attn.weight" like Hugging Face's, so names match as they are
-        module.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()}, strict=True)
+        tensors = {k: torch.from_numpy(v) for k, v in state_dict.items()}
+        wte = tensors["transformer.wte.weight"][:V]  # a layout padded already gives its real rows
+        tensors["transformer.wte.weight"] = torch.cat([wte, wte.new_zeros(rows - V, C)])
+        module.load_state_dict(tensors, strict=True)
     return module.to(device)
 
 
