@@ -400,3 +400,14 @@ def test_kernel_errors_checks_its_output_files_before_measuring(tmp_path):
     assert error("kernel_errors", "--json", tmp_path / "e.json", "--markdown", tmp_path, env=env) == \
         f"--markdown '{tmp_path}' is a folder, not a file"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_session_bench_summary_bad_arguments(tmp_path):
+    usage = "usage: gpu_session/bench_summary OUT (the bench half's results folder)"
+    assert error("gpu_session/bench_summary") == usage
+    assert error("gpu_session/bench_summary", tmp_path, tmp_path) == usage
+    assert error("gpu_session/bench_summary", tmp_path / "none") == f"'{tmp_path / 'none'}' is not a folder"
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "run1" / "bench_gpu-x.json").write_text('{"header": {}}')
+    assert error("gpu_session/bench_summary", tmp_path) == \
+        f"'{tmp_path / 'run1' / 'bench_gpu-x.json'}' is not a bench_gpu results file (KeyError)"

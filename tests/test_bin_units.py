@@ -344,6 +344,38 @@ def test_kernel_errors_counts_rounding_steps_where_rounding_sets_the_error():
     assert kernel_errors.rounding_steps(want, want) == (0.0, 0.0)
 
 
+# ------------------------------------------------------------------------------- gpu_session/bench_summary
+def test_gpu_session_bench_summary_puts_every_runs_rows_together(tmp_path):
+    """The bench half's runs each hold part of a shape's rows (ours and compile default in one, max-autotune
+    in another, a run cut short by its cap): the summary takes the best of each side over all of them."""
+    import subprocess
+    import sys
+
+    def row(impl, vocab, tokens_per_s, **extra):
+        return {"preset": "gpt2-124m", "batch": 16, "seq": 1024, "precision": "bf16", "impl": impl, "vocab": vocab,
+                "ms": 16384 / tokens_per_s * 1e3, "tokens_per_s": tokens_per_s, "mfu": 0.4, "mfu_llmc": 0.38,
+                **extra}
+
+    runs = {"run1": [row("ours flash lt", 50304, 600e3), row("torch compile-default", 50304, 550e3)],
+            "run2": [row("torch compile-max-autotune", 50304, 640e3)],
+            "run3": []}  # started, its first row cut by the cap: a file with no rows
+    for name, rows in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench_gpu-2026-11-27T000000-gpu.json").write_text(json.dumps({"header": {}, "rows": rows}))
+    (tmp_path / "run4").mkdir()  # the budget skipped it: no file
+    out = subprocess.run([sys.executable, str(BIN / "gpu_session" / "bench_summary"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert ("| gpt2-124m | 16 x 1024 | bf16 | ours flash lt | 50304 | 600,000 | 40.0% / 38.0% | "
+            "torch compile-max-autotune | 50304 | 640,000 | 40.0% / 38.0% | 0.94x |\n") in out.stdout, out.stdout
+    for name in runs:
+        for path in (tmp_path / name).iterdir():
+            path.unlink()
+    out = subprocess.run([sys.executable, str(BIN / "gpu_session" / "bench_summary"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, f"No bench_gpu rows under {tmp_path}: nothing to compare.\n")
+
+
 # ------------------------------------------------------------------------------- gpu_session/summary
 def test_gpu_session_summary_reports_each_step(tmp_path):
     import subprocess
@@ -515,7 +547,7 @@ def test_bench_gpu_rows_on_the_cuda_simulator(tmp_path):
     assert row["ours_over_this"] == 1.0
     ids = np.random.default_rng(1).integers(0, 512, (2, 32)).astype(np.int32)
     assert row["first_loss"] == pytest.approx(float(model.forward(ids, np.roll(ids, -1, axis=1)).mean()), rel=1e-5)
-    assert f"| tiny | 2 x 32 | fp32 | ours | {row['ms']:.1f} |" in path.with_suffix(".md").read_text()
+    assert f"| tiny | 2 x 32 | fp32 | ours | {row['vocab']} | {row['ms']:.1f} |" in path.with_suffix(".md").read_text()
 
 
 def test_bench_cpu_peer_trains_like_our_trainer():

@@ -666,8 +666,13 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     assert "## cuBLASLt (--matmul cublaslt)\ntests/cudasim/fake_cublaslt.py (the simulator's stand-in), version 0" \
         in environment, environment
     summary = (out / "bench" / "bench_results.md").read_text()
-    assert f"- `bin/bench_gpu --presets small --shapes 1x64 {small}`: exit 0 (run1/bench_gpu-" in summary, summary
-    assert "- `bin/bench_gpu --presets tiny --shapes 1x32" in summary and "`: exit 0 (run2/bench_gpu-" in summary
+    assert f"- run 1: `bin/bench_gpu --presets small --shapes 1x64 {small}`: exit 0 (run1/bench_gpu-" in summary, \
+        summary
+    assert "- run 2: `bin/bench_gpu --presets tiny --shapes 1x32" in summary and "`: exit 0 (run2/bench_gpu-" in summary
+    # first, the best row of each side over both runs (here ours only: the dry run races no PyTorch)
+    assert summary.index("## Our best row against PyTorch's best") < summary.index("- run 1:"), summary
+    assert re.search(r"\| small \| 1 x 64 \| bf16 \| ours\S* \| 512 \| [\d,]+ \| n/a / n/a \| no row \| \| \| \| \|\n"
+                     r"\| tiny \| 1 x 32 \| bf16 \| ours", summary), summary
     assert "- `bin/bench_gemm --preset tiny" in summary and "`: exit 0 (bench_gemm-" in summary, summary
     assert "- compute-sanitizer racecheck: exit " in summary, summary
     # each run's table of rows, for a first look without the archive
@@ -689,6 +694,23 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     for expected in ("- tests/test_nccl.py: exit 0", "passed", "two processes on one GPU with distinct NCCL_HOSTID: "
                      "FAILED", "No bandwidth table"):
         assert expected in summary, (expected, summary)
+
+
+def test_the_bench_half_goes_on_from_the_run_it_is_told(tmp_path):
+    """A second device call goes on where the first one's budget stopped (BENCH_GPU_FROM=2): the runs before
+    it are not run, and the one it starts at keeps its number, so the two calls' folders sit side by side."""
+    env = dict(os.environ, XTRAIN_CUDASIM="1", PYTHONPATH=str(ROOT / "tests" / "cudasim" / "site"),
+               PYTHONDONTWRITEBYTECODE="1", PY=sys.executable, OUT=str(tmp_path), BUDGET="120", BENCH_GPU_FROM="2",
+               BENCH_GPU_RUNS="60 --presets tiny --shapes 1x16 --bogus;60 --presets tiny --shapes 1x16 --precisions "
+               "fp32 --torch-modes= --steps 1 --warmup 0 --vocab 256 --no-profile --matmuls cublas",
+               BENCH_GEMM_ARGS="--preset tiny --tokens 16 --no-torch --reps 1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    subprocess.run(["bash", "bin/gpu_session/bench.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                   timeout=300)
+    summary = (tmp_path / "bench_results.md").read_text()
+    assert "run 1:" not in summary and not (tmp_path / "run1").exists(), summary
+    assert "- run 2: `bin/bench_gpu --presets tiny --shapes 1x16 --precisions fp32" in summary, summary
+    assert "| tiny | 1 x 16 | fp32 | ours | 256 |" in summary, summary
 
 
 def test_bench_collectives_over_nccl_on_two_simulated_gpus(tmp_path):
