@@ -95,7 +95,7 @@ best=$($PY bin/gpu_session/bench_summary "$OUT" 2>&1)
   for table in "$OUT"/run*/bench_gpu-*.md; do  # each run's table of rows, its profiles left in the archive
     [ -f "$table" ] || continue
     echo; echo "## ${table#"$OUT"/}"; echo
-    sed -n '/^\*\*Incomplete/p; /^| preset |/,/^$/p' "$table"
+    sed -n '/^\*\*Incomplete/p; /^| preset | B x T | precision | impl |/,/^$/p' "$table"
   done
 } > "$OUT/bench_results.md"
 cat "$OUT/bench_results.md"
