@@ -200,10 +200,10 @@ def test_peak_bandwidth_for_the_parts():
 def test_flops_per_token_is_nanogpts_count():
     """nanoGPT's estimate_mfu for GPT-2 124M at T = 1024: 6 N (N = 124,439,808 parameters less wpe's
     1024 x 768) plus 12 L C T for attention; the model's own parameter count is the published one."""
-    from xtrain_dist.checkpoint.store import layout_size
+    from xtrain_dist.model import count_params
 
     mcfg = model_config("gpt2-124m", 50257)
-    n = layout_size(mcfg)
+    n = count_params(mcfg)  # the model's parameters (GPT2.num_params), wte's padded rows not among them
     assert n == 124_439_808
     assert flops_per_token(mcfg, n, 1024) == 6 * (124_439_808 - 786_432) + 12 * 12 * 768 * 1024
     assert flops_per_token(mcfg, n, 1024) == 855_166_464
