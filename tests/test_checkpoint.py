@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from padded_vocab import ODD_VOCAB, odd_vocab_files
 
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.checkpoint import resume, store
@@ -30,8 +31,6 @@ from xtrain_dist.train import loop as train_module
 from xtrain_dist.train.job import StopRequest, train
 from xtrain_dist.train.launch import RankFailed, run_thread_ranks
 from xtrain_dist.train.preflight import RunComplete, resolve_auto_resume
-
-from padded_vocab import ODD_VOCAB, odd_vocab_files
 
 
 @pytest.fixture(scope="module")

@@ -301,9 +301,10 @@ class GPT2:
         """ids, targets: (B, T) int32 on the backend.
 
         No targets: returns the logits of the V tokens (B, T, V), a view of the (B, T, Vp) product that leaves
-        out the padded columns, so a caller never sees an id that is no token's. Targets but no dloss: returns per-token losses (B, T)
-        (evaluation). Targets and dloss: returns the losses and keeps what backward() needs, with the
-        logits already turned into their gradient for dloss * sum(losses) by the fused classifier.
+        out the padded columns, so a caller never sees an id that is no token's. Targets but no dloss: returns
+        per-token losses (B, T) (evaluation). Targets and dloss: returns the losses and keeps what backward()
+        needs, with the logits already turned into their gradient for dloss * sum(losses) by the fused
+        classifier.
         A cache (generation): ids are the positions after those it holds, and attention reads it."""
         ops, p, n_head = self.ops, self.p, self.config.n_head
         x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
