@@ -157,6 +157,12 @@ def cases(B: int, T: int, C: int, NH: int, V: int) -> list[Case]:
         losses = be.fused_classifier(a["logits"], a["targets"], 1.0 / (B * T))
         return {"losses": losses, "dlogits": a["logits"]}
 
+    Vp = -(-(V + 1) // 128) * 128  # a padded vocabulary (model.py) of at least one padded column
+
+    def padded_classifier(be, a):
+        losses = be.fused_classifier(a["logits"], a["targets"], 1.0 / (B * T), V)
+        return {"losses": losses, "dlogits": a["logits"]}
+
     out = [
         Case("encoder_forward", draw(ids=ids(), wte=act(V, C, scale=0.02), wpe=act(T + 3, C, scale=0.02)),
              lambda be, a: {"out": be.encoder_forward(a["ids"], a["wte"], a["wpe"])}, {"out": "act"}),
@@ -194,6 +200,10 @@ def cases(B: int, T: int, C: int, NH: int, V: int) -> list[Case]:
              {"losses": "f32", "dlogits": "act"}),
         Case("crossentropy_forward", draw(logits=act(B, T, V, scale=3.0), targets=ids()),
              lambda be, a: {"losses": be.crossentropy_forward(a["logits"], a["targets"])}, {"losses": "f32"}),
+        Case("fused_classifier padded vocabulary", draw(logits=act(B, T, Vp, scale=3.0), targets=ids()),
+             padded_classifier, {"losses": "f32", "dlogits": "act"}),
+        Case("crossentropy_forward padded vocabulary", draw(logits=act(B, T, Vp, scale=3.0), targets=ids()),
+             lambda be, a: {"losses": be.crossentropy_forward(a["logits"], a["targets"], V)}, {"losses": "f32"}),
     ]
     return out
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from padded_vocab import ODD_VOCAB, odd_vocab_files
 
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.checkpoint import resume, store
@@ -24,7 +25,7 @@ from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.data.sampler import BatchSampler
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.eval.evaluate import Evaluator
-from xtrain_dist.model import GPT2
+from xtrain_dist.model import GPT2, param_layout
 from xtrain_dist.optim import AdamW
 from xtrain_dist.train import loop as train_module
 from xtrain_dist.train.job import StopRequest, train
@@ -828,3 +829,100 @@ def test_the_rank_threads_of_a_process_read_the_checkpoint_once(corpus, saved, m
     assert reads == [(store.MODEL, store.STATE, "optimizer*")]  # check_resume's read serves the ranks
     full = run(corpus, 5, world=2)
     assert resumed["losses"] == full["losses"][3:] and resumed["param_sha256"] == full["param_sha256"]
+
+
+# ------------------------------------------------------------------------------- padded vocabulary
+@pytest.fixture(scope="module")
+def odd_corpus(tmp_path_factory):
+    """A corpus whose tokenizer has 1000 ids: the model's wte pads them to 1024 rows."""
+    return Corpus.load(*odd_vocab_files(tmp_path_factory.mktemp("odd")))
+
+
+def test_a_padded_vocabulary_saves_its_v_rows_as_save_pretrained_writes_them(odd_corpus, tmp_path):
+    """The layout holds 1024 rows of wte; model.safetensors and config.json hold the tokenizer's 1000, and
+    transformers loads the folder, computes our logits, and writes the same model.safetensors back."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "ck"
+    run(odd_corpus, 2, save_dir=folder)
+    tensors, _ = read_safetensors(folder / "model.safetensors")
+    assert tensors["transformer.wte.weight"].shape == (ODD_VOCAB, 64)
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == ODD_VOCAB
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    model = GPT2(model_config("tiny", ODD_VOCAB), numpy_ops)
+    model.load_state_dict(tensors)
+    ids = odd_corpus.val[:64].astype(np.int32).reshape(2, 32)
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
+    assert theirs.shape == (2, 32, ODD_VOCAB)
+    np.testing.assert_allclose(theirs, model.forward(ids), rtol=1e-4, atol=1e-4)
+
+
+def as_version_1(folder: Path, config) -> None:
+    """Rewrite a version 2 checkpoint (one optimizer file) as the code before the padded vocabulary wrote it:
+    the same model.safetensors (V rows), m and v over a layout whose wte has V rows, param_sha256 over that
+    layout, and version 1 in trainer_state.json and the manifest."""
+    old = store.layout_size(config, 1)
+    assert old < store.layout_size(config)
+    tensors, meta = read_safetensors(folder / "optimizer.safetensors")
+    assert not tensors["m"][old:].any() and not tensors["v"][old:].any()  # wte's padded rows: zero
+    with open(folder / "optimizer.safetensors", "wb") as f:
+        write_safetensors(f, {"m": tensors["m"][:old].copy(), "v": tensors["v"][:old].copy()}, meta)
+    rehash(folder, "optimizer.safetensors")
+    model, _ = read_safetensors(folder / "model.safetensors")
+    flat = np.zeros(old, dtype=np.float32)  # the old layout, built by hand: wte last, its V rows then alignment
+    for spec in param_layout(config)[0]:
+        flat[spec.offset: spec.offset + spec.hf_size] = model[spec.name].reshape(-1)
+
+    def old_state(state):
+        state["version"] = 1
+        state["param_sha256"] = store.sha256_of(flat)
+    rewrite_state(folder, old_state)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["version"] = 1
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_from_before_the_padded_vocabulary_resumes_bitwise(odd_corpus, tmp_path):
+    """A version 1 checkpoint (wte's V rows in the flat layout) is converted on load: its optimizer state and
+    parameters are this layout's prefix, wte's padded rows start at zero, and the resumed run ends where an
+    uninterrupted one does, bit for bit. Its next save is version 2. A version this code does not know is
+    one line."""
+    mcfg = model_config("tiny", ODD_VOCAB)
+    full = run(odd_corpus, 6)
+    first = run(odd_corpus, 3, save_dir=tmp_path / "ck")
+    as_version_1(tmp_path / "ck", mcfg)
+    assert store.open_checkpoint(tmp_path / "ck").version == 1
+    resumed = run(odd_corpus, 6, resume=tmp_path / "ck", save_dir=tmp_path / "ck")
+    assert first["losses"] == full["losses"][:3]
+    assert resumed["start_step"] == 3 and resumed["losses"] == full["losses"][3:]
+    assert resumed["param_sha256"] == full["param_sha256"]
+    ckpt = store.open_checkpoint(tmp_path / "ck")
+    assert ckpt.version == store.VERSION == 2 and ckpt.state["version"] == 2
+    assert read_safetensors(tmp_path / "ck" / "optimizer.safetensors")[0]["m"].size == store.layout_size(mcfg)
+
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    manifest["version"] = 3
+    (tmp_path / "ck" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(XtrainError) as info:
+        run(odd_corpus, 8, resume=tmp_path / "ck")
+    assert str(info.value) == (f"checkpoint '{tmp_path / 'ck'}' has format version 3; this xtrain-dist reads "
+                               "versions 1, 2")
+
+
+def test_param_sha256_follows_the_padded_layout(odd_corpus, tmp_path):
+    """param_sha256 is the digest of the flat layout's parameters, wte's padded zero rows included; params_sha256
+    computes it from the V-row tensors, and for a version 1 checkpoint over the layout it was written in."""
+    cfg = config(20)
+    model, optimizer, sampler = objects(odd_corpus, cfg)
+    used = store.layout_size(model.config)
+    assert used == param_layout(model.config)[1]
+    save_world1(tmp_path / "ck", odd_corpus, cfg, model, optimizer, sampler)
+    state = json.loads((tmp_path / "ck" / "trainer_state.json").read_text())
+    assert state["param_sha256"] == store.sha256_of(model.params[:used])
+    assert store.params_sha256(model.state_dict(), model.config) == state["param_sha256"]
+    old = store.layout_size(model.config, 1)
+    assert store.params_sha256(model.state_dict(), model.config, 1) == store.sha256_of(model.params[:old])
+    assert old < used and store.sha256_of(model.params[:old]) != state["param_sha256"]

@@ -350,6 +350,33 @@ def test_classifier(be, rng, b, t, v):
     check(be.to_host(dlogits), want_dlogits, 1e-5, "dlogits")
 
 
+@pytest.mark.parametrize("b,t,v,vp", [(3, 1, 1001, 1024), (2, 3, 50257, 50304), (1, 5, 7, 128)])
+def test_classifier_of_a_padded_vocabulary(be, rng, b, t, v, vp):
+    """Logits Vp wide (model.py's padded vocabulary) of which the first V are tokens: losses and dlogits as
+    numpy's over the first V, whatever the padded columns hold (values that would win the softmax), and
+    the padded columns' dlogits exactly +0.0, so wte's padded rows get no gradient."""
+    logits = np.concatenate([randn(rng, b, t, v, scale=4.0), np.full((b, t, vp - v), 50.0, np.float32)], axis=-1)
+    targets = token_ids(rng, (b, t), v)
+    dloss = float(rng.uniform(0.1, 2.0)) / (b * t)
+    got_eval = be.crossentropy_forward(be.from_host(logits), be.from_host(targets), v)
+    check(be.to_host(got_eval), ref.crossentropy_forward(logits, targets, v), 1e-6, "crossentropy_forward")
+    want_dlogits = logits.copy()
+    want_losses = ref.fused_classifier(want_dlogits, targets, dloss, v)
+    dlogits = be.from_host(logits)
+    check(be.to_host(be.fused_classifier(dlogits, be.from_host(targets), dloss, v)), want_losses, 1e-6, "losses")
+    got = be.to_host(dlogits)
+    check(got[..., :v], want_dlogits[..., :v], 1e-5, "dlogits")
+    assert not got[..., v:].view(np.uint32).any(), "the padded columns' dlogits are not +0.0"
+
+
+def test_padded_vocabulary_rows_stay_zero_through_training(be):
+    """V = 1000 (wte 1024 rows) on the GPU: after AdamW steps the padded rows, their gradient, m and v are
+    +0.0 bit for bit (tests/test_model.py holds numpy to the same)."""
+    from padded_vocab import assert_padded_rows_stay_zero
+
+    assert_padded_rows_stay_zero(GPT2(model_config("tiny", 1000), be, seed=1))
+
+
 def test_out_of_range_targets_give_nan_losses(be, rng):
     """A target outside [0, V) gives a NaN loss (numpy raises IndexError instead) and its row of dlogits is
     plain softmax * dloss, with no one-hot term; the other rows are unaffected. Both ends are tried, -1 and

@@ -318,6 +318,32 @@ def test_draws_follow_the_tempered_top_k_distribution(temperature, top_k, expect
         assert set(draws) == set(range(top_k))
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_sampling_never_draws_a_padded_id(cache):
+    """V = 100 pads wte to 128 rows. With every real logit far below 0 and the padded rows at zero, the padded
+    columns' logits (0) would win every draw if sampling saw them: greedy, tempered and top-k draws are all
+    token ids, and greedy is the argmax of the real logits."""
+    from xtrain_dist.config import GPTConfig
+
+    cfg = GPTConfig(vocab_size=100, n_ctx=16, n_layer=1, n_head=2, n_embd=8)
+    model = GPT2(cfg, numpy_ops, seed=0)
+    rng = np.random.default_rng(5)
+    state = model.state_dict()
+    bias = rng.standard_normal(8).astype(np.float32)
+    state["transformer.ln_f.weight"][:] = 0  # ln_f's output is its bias at every position
+    state["transformer.ln_f.bias"][:] = bias
+    # every token's logit is -(40..60) * |bias|^2: all far below the padded columns' 0
+    state["transformer.wte.weight"][:] = -rng.uniform(40, 60, (100, 1)).astype(np.float32) * bias
+    model.load_state_dict(state)
+    logits = model.forward(np.zeros((1, 1), dtype=np.int32))
+    assert logits.shape == (1, 1, 100) and logits.max() < -10
+    greedy = generate(model, [0], 8, 0, None, np.random.default_rng(0), cache=cache)
+    assert greedy == [int(np.argmax(logits[0, 0]))] * 8
+    for temperature, top_k in ((1.0, None), (5.0, None), (1.0, 3)):
+        draws = generate(model, [0], 15, temperature, top_k, np.random.default_rng(1), cache=cache)
+        assert max(draws) < 100, (temperature, top_k)
+
+
 def test_each_draw_sees_the_last_n_ctx_tokens():
     model = FixedLogits([0.1, 0.6, 0.3], n_ctx=8)
     prompt = list(range(100, 105))

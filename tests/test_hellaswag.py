@@ -156,11 +156,11 @@ def tiny_model(seed: int = 0, scale: float = 0.3) -> GPT2:
     """The tiny GPT-2 with random weights of std `scale`: far from the initialisation, every part of the
     model changes the losses, and the completions' scores lie far apart."""
     model = GPT2(model_config("tiny", VOCAB), numpy_ops, seed=seed)
-    used = sum(s.size for s in model.layout)
+    used = sum(s.hf_size for s in model.layout)
     model.params[:] = 0
     rng = np.random.default_rng(seed)
-    for s in model.layout:
-        model.params[s.offset: s.offset + s.size] = rng.standard_normal(s.size).astype(np.float32) * scale
+    for s in model.layout:  # wte's padded rows stay zero
+        model.params[s.offset: s.offset + s.hf_size] = rng.standard_normal(s.hf_size).astype(np.float32) * scale
     assert used == model.num_params
     return model
 

@@ -246,3 +246,88 @@ def test_sample_draws_from_a_hugging_face_folder(hf_gpt2, tmp_path):
     assert ours == theirs
     assert sample_text([str(tmp_path / "with-tokenizer"), "--prompt", "ROMEO:", "--tokens", "12",
                         "--temperature", "0"]) == tokenizer.decode(prompt + ours, skip_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def odd_hf_gpt2(tmp_path_factory):
+    """A save_pretrained GPT-2 of the tiny shape whose vocabulary (1000 ids) is not a multiple of 128, with
+    random weights and the tokenizer it pairs with: (folder, model, corpus)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from padded_vocab import ODD_VOCAB, odd_vocab_files
+
+    tokenizer, text = odd_vocab_files(tmp_path_factory.mktemp("odd"))
+    mcfg = model_config("tiny", ODD_VOCAB)
+    torch.manual_seed(1)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(bos_token_id=ODD_VOCAB - 1, eos_token_id=ODD_VOCAB - 1,
+        vocab_size=mcfg.vocab_size, n_positions=mcfg.n_ctx, n_embd=mcfg.n_embd, n_layer=mcfg.n_layer,
+        n_head=mcfg.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    folder = tmp_path_factory.mktemp("hf-odd") / "gpt2-tiny-1000"
+    hf.save_pretrained(folder, safe_serialization=True)
+    shutil.copy(tokenizer, folder / "tokenizer.json")
+    return folder, hf, Corpus.load(tokenizer, text)
+
+
+def test_a_hugging_face_folder_of_an_unpadded_vocabulary_is_padded_on_load(odd_hf_gpt2, tmp_path):
+    """Its 1000 rows of wte become the first 1000 of the layout's 1024, the rest zero; --init-from, sample,
+    evaluate and hellaswag all compute what transformers computes from the folder."""
+    import torch
+
+    from xtrain_dist.eval import evaluate, hellaswag
+    from xtrain_dist.eval.sample import generate, load
+
+    folder, hf, corpus = odd_hf_gpt2
+    model, tokenizer, _ = load(folder, numpy_ops)
+    wte = next(s for s in model.layout if s.name == "transformer.wte.weight")
+    assert wte.shape == (1024, 64) and wte.hf_shape == (1000, 64)
+    assert not model.params[wte.offset + wte.hf_size: wte.offset + wte.size].view(np.uint32).any()
+    assert np.array_equal(model.p.wte[:1000], hf.transformer.wte.weight.detach().numpy())
+
+    # sample: greedy draws are transformers' own
+    prompt = tokenizer.encode("ROMEO:", add_special_tokens=False).ids
+    ours = generate(model, prompt, 10, temperature=0, top_k=None, rng=np.random.default_rng(0))
+    ids = torch.tensor([prompt])
+    assert ours == hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+
+    # --init-from: the first loss is transformers' on the first batch
+    report = run(corpus, init_from=str(folder))
+    with torch.no_grad():
+        expected = first_batch_loss(lambda ids: hf(torch.from_numpy(ids.astype(np.int64))).logits.numpy(), corpus)
+    assert report["losses"][0] == pytest.approx(expected, rel=1e-5)
+
+    # evaluate: the loss of windows of a corpus
+    text = tmp_path / "text.txt"
+    text.write_text(corpus.corpus_path.read_text()[:20000])
+    loss, _ = evaluate.evaluate_checkpoint([str(folder), str(text), "--batch", "2", "--seq", "32", "--batches", "1"])
+    windows = np.asarray(tokenizer.encode(text.read_text(), add_special_tokens=False).ids)
+    starts = np.arange(2) * (len(windows) - 33) // 1
+    windows = torch.from_numpy(np.stack([windows[s:s + 33] for s in starts]).astype(np.int64))
+    with torch.no_grad():
+        logits = hf.double()(windows[:, :-1]).logits
+        hf.float()
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 1000), windows[:, 1:].reshape(-1)).item()
+    assert loss == pytest.approx(want, rel=1e-5)
+
+    # hellaswag: each completion's loss is transformers'; the command counts the examples it gets right
+    rng = np.random.default_rng(3)
+    examples = [hellaswag.Example(i, int(rng.integers(0, 4)), rng.integers(0, 1000, 6, dtype=np.int32),
+                                  tuple(rng.integers(0, 1000, 3, dtype=np.int32) for _ in range(4)))
+                for i in range(8)]
+    path = tmp_path / "eval.bin"
+    path.write_bytes(b"".join(hellaswag.eval_file_chunks(examples)))
+    evaluator = hellaswag.HellaSwag(examples, 1000, 0, 1, numpy_ops)
+    with torch.no_grad():
+        rows = torch.from_numpy(np.stack([np.concatenate([ex.context, c]) for ex in examples
+                                          for c in ex.completions]).astype(np.int64))
+        logp = torch.log_softmax(hf(rows).logits.double(), dim=-1)
+    picked = torch.gather(logp[:, 5:-1], 2, rows[:, 6:, None])[..., 0]
+    theirs = (-picked.mean(dim=1)).numpy().reshape(8, 4)
+    np.testing.assert_allclose(evaluator.completion_losses(model), theirs, rtol=2e-5)
+    right = int((theirs.argmin(axis=1) == [ex.label for ex in examples]).sum())
+    assert hellaswag.evaluate([str(folder), str(path)]) == f"hellaswag: {right}/8 = {right / 8:.4f}"

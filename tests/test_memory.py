@@ -61,6 +61,22 @@ def test_the_saved_activations_are_what_forward_keeps(corpus, attention, dtype, 
     assert saved_arrays(model) == expected_arrays(config, B, T, attention, backend.act_dtype, recompute)
 
 
+def test_the_figures_count_the_padded_vocabulary():
+    """V = 1000: wte holds 1024 rows and the logits are 1024 wide, and the bound counts them so: the
+    parameters, gradients and AdamW state are the model's layout, and the saved dlogits are (B, T, 1024)."""
+    config = model_config("tiny", 1000)
+    B, T = 2, 16
+    cfg = TrainConfig(steps=1, batch=B, seq=T, model="tiny")
+    got = memory.rank_memories(config, cfg, act_itemsize=4)[0]
+    model = GPT2(config, NumpyBackend("fp32"), seed=1)
+    ids = np.random.default_rng(0).integers(0, 1000, (B, T + 1)).astype(np.int32)
+    model.forward(ids[:, :-1], ids[:, 1:], dloss=1.0)
+    assert saved_arrays(model)[-1] == ("dlogits", (B, T, 1024), np.dtype(np.float32))
+    assert saved_arrays(model) == expected_arrays(config, B, T, "standard", np.float32)
+    assert got.parameters == model.params.nbytes + model.decay_mask.nbytes and got.gradients == model.grads.nbytes
+    assert model.params.size >= model.num_params + 24 * config.n_embd  # the layout holds the padded rows
+
+
 def test_recompute_saves_what_it_leaves_out(corpus):
     """Per layer at 4 x 32 on tiny (C 64): level 1 drops GELU's B*T*4C float32s, level 2 also the two
     layernorm outputs (2 B*T*C)."""

@@ -5,10 +5,11 @@ from itertools import pairwise
 
 import numpy as np
 import pytest
+from padded_vocab import assert_padded_rows_stay_zero
 
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.config import GPTConfig, model_config
-from xtrain_dist.model import ALIGN, GPT2, init_weights, param_layout
+from xtrain_dist.model import ALIGN, GPT2, count_params, init_weights, param_layout
 
 SMALL = GPTConfig(vocab_size=13, n_ctx=8, n_layer=2, n_head=2, n_embd=8)
 
@@ -41,7 +42,11 @@ def test_layout_is_aligned_disjoint_and_in_backward_order():
     shapes = {s.name: s.shape for s in specs}
     assert shapes["transformer.h.0.attn.c_attn.weight"] == (C, 3 * C)  # Conv1D: (in, out)
     assert shapes["transformer.h.0.mlp.c_proj.weight"] == (4 * C, C)
-    assert shapes["transformer.wte.weight"] == (1000, C)
+    # wte's layout holds the padded vocabulary (1000 -> 1024 rows), its Hugging Face shape the 1000 tokens
+    wte = next(s for s in specs if s.name == "transformer.wte.weight")
+    assert cfg.padded_vocab_size == 1024 and wte.shape == (1024, C) and wte.hf_shape == (1000, C)
+    assert {s.name: s.hf_shape for s in specs if s.name != wte.name} == {
+        name: shape for name, shape in shapes.items() if name != wte.name}
     # weight decay on the matrices and both embeddings (nanoGPT's rule), never on biases or layernorm
     decayed = {s.name for s in specs if s.decay}
     assert decayed == {"transformer.wte.weight", "transformer.wpe.weight"} | {
@@ -110,8 +115,8 @@ def randomised_model(seed=0, attention="standard", recompute=0):
     model = GPT2(SMALL, numpy_ops, seed=seed, dtype=np.float64, attention=attention, recompute=recompute)
     rng = np.random.default_rng(seed)
     used = np.zeros(model.size, dtype=bool)
-    for s in model.layout:
-        used[s.offset: s.offset + s.size] = True
+    for s in model.layout:  # wte's padded rows are padding too: zero, and no gradient may reach them
+        used[s.offset: s.offset + s.hf_size] = True
     model.params[used] = rng.standard_normal(used.sum()) * 0.3
     return model, used
 
@@ -133,7 +138,7 @@ def test_whole_model_gradient_matches_finite_differences(attention, recompute):
         return float(model.forward(ids, targets).sum() * dloss)
 
     eps = 1e-6
-    probe = [s.offset + rng.integers(0, s.size) for s in model.layout for _ in range(2)]
+    probe = [s.offset + rng.integers(0, s.hf_size) for s in model.layout for _ in range(2)]
     for i in probe:
         keep = model.params[i]
         model.params[i] = keep + eps
@@ -170,7 +175,7 @@ def test_forward_matches_hugging_face_gpt2():
     cfg = SMALL
     model = GPT2(cfg, numpy_ops, seed=5, dtype=np.float64)
     rng = np.random.default_rng(2)
-    model.params[:] = rng.standard_normal(model.size) * 0.3
+    model.load_state_dict({name: rng.standard_normal(w.shape) * 0.3 for name, w in model.state_dict().items()})
     hf_cfg = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.n_ctx, n_embd=cfg.n_embd,
                                      n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu_new",
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
@@ -194,7 +199,7 @@ def test_forward_matches_hugging_face_gpt2():
     hf_loss.backward()
     assert losses.mean() == pytest.approx(hf_loss.item(), rel=1e-10)
     hf_grads = {k: p.grad.numpy() for k, p in hf.named_parameters()}
-    grads = {s.name: model.grads[s.offset: s.offset + s.size].reshape(s.shape) for s in model.layout}
+    grads = {s.name: model.grads[s.offset: s.offset + s.hf_size].reshape(s.hf_shape) for s in model.layout}
     for name, g in grads.items():
         np.testing.assert_allclose(g, hf_grads[name], rtol=1e-7, atol=1e-10, err_msg=name)
 
@@ -211,7 +216,8 @@ def test_the_torch_peer_is_our_model(sdpa):
     cfg = SMALL
     model = GPT2(cfg, numpy_ops, seed=5, dtype=np.float64)
     rng = np.random.default_rng(4)
-    model.params[:] = (rng.standard_normal(model.size) * 0.3).astype(np.float32)  # the peer's are float32
+    model.load_state_dict({name: (rng.standard_normal(w.shape) * 0.3).astype(np.float32)  # the peer's are float32
+                           for name, w in model.state_dict().items()})
     peer = torch_gpt2.build(cfg, model.state_dict(), sdpa=sdpa).double()
     assert sorted(peer.state_dict()) == sorted(model.state_dict())  # tied: no separate classifier weight
     ids = rng.integers(0, cfg.vocab_size, (2, cfg.n_ctx)).astype(np.int32)
@@ -224,20 +230,21 @@ def test_the_torch_peer_is_our_model(sdpa):
     assert loss.item() == pytest.approx(losses.mean(), rel=1e-12)
     peer_grads = {k: p.grad.numpy() for k, p in peer.named_parameters()}
     for s in model.layout:
-        np.testing.assert_allclose(peer_grads[s.name], model.grads[s.offset: s.offset + s.size].reshape(s.shape),
+        np.testing.assert_allclose(peer_grads[s.name], model.grads[s.offset: s.offset + s.hf_size].reshape(s.hf_shape),
                                    rtol=1e-9, atol=1e-12, err_msg=s.name)
 
 
 def test_presets_are_openai_gpt2_sizes_and_shapes_are_checked():
     """The gpt2-* presets have the parameter counts of OpenAI's GPT-2 (Hugging Face's gpt2, gpt2-medium,
     gpt2-large, tied classifier) at its vocabulary of 50257; a bad shape is one clear error."""
-    from xtrain_dist.checkpoint.store import layout_size
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.errors import XtrainError
 
     for preset, count in (("gpt2-124m", 124_439_808), ("gpt2-350m", 354_823_168), ("gpt2-774m", 774_030_080)):
         cfg = model_config(preset, 50257)
-        assert (layout_size(cfg), cfg.n_ctx) == (count, 1024), preset
+        assert (count_params(cfg), cfg.n_ctx) == (count, 1024), preset
+        # the layout pads wte to 50304 rows: 47 x C more elements, zero, that are not parameters
+        assert param_layout(cfg)[1] == count + 47 * cfg.n_embd, preset
     with pytest.raises(XtrainError, match=r"^n_embd \(10\) must be divisible by n_head \(4\)$"):
         GPTConfig(vocab_size=8, n_head=4, n_embd=10)
     for name, bad in (("n_layer", 0), ("vocab_size", True), ("n_ctx", 2.0)):
@@ -245,3 +252,30 @@ def test_presets_are_openai_gpt2_sizes_and_shapes_are_checked():
             GPTConfig(**{"vocab_size": 8, "n_head": 2, "n_embd": 8, name: bad})
     cfg = TrainConfig(steps=200, batch=1, seq=1, lr=3e-3).resolved()
     assert (cfg.min_lr, cfg.warmup_steps, cfg.lr_decay_steps) == (pytest.approx(3e-4), 10, 200)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_padded_vocabulary_rows_stay_bitwise_zero_through_training(dtype):
+    """V = 1000 pads wte to 1024 rows: after AdamW steps with weight decay the padded rows, their gradient and
+    AdamW's m and v there (and the bf16 copy's) are all +0.0, bit for bit; the Hugging Face tensors hold the
+    1000 rows alone. tests/test_cuda_ops.py and test_cuda_bf16.py hold the CUDA backend to the same."""
+    model = GPT2(model_config("tiny", 1000), numpy_ops.NumpyBackend(dtype), seed=1)
+    assert_padded_rows_stay_zero(model, steps=4)
+    assert model.state_dict()["transformer.wte.weight"].shape == (1000, model.config.n_embd)
+
+
+def test_padded_logit_columns_are_no_token():
+    """forward without targets gives the V real logits (a view of the Vp-wide product), and its losses are
+    those of the V columns alone even where a padded column would dominate the softmax."""
+    cfg = GPTConfig(vocab_size=100, n_ctx=8, n_layer=1, n_head=2, n_embd=8)
+    model = GPT2(cfg, numpy_ops, seed=2)
+    ids = np.arange(8, dtype=np.int32).reshape(1, 8)
+    logits = model.forward(ids)
+    assert logits.shape == (1, 8, 100) and cfg.padded_vocab_size == 128
+    want = numpy_ops.crossentropy_forward(np.ascontiguousarray(logits), ids)
+    np.testing.assert_array_equal(model.forward(ids, ids), want)
+    # a padded row that is not zero (only a broken update could make one) would win every softmax if read
+    wte = next(s for s in model.layout if s.name == "transformer.wte.weight")
+    model.params[wte.offset + wte.hf_size: wte.offset + wte.size] = 1e3
+    np.testing.assert_array_equal(model.forward(ids, ids), want)
+    assert model.forward(ids).shape == (1, 8, 100)

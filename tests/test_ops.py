@@ -207,6 +207,26 @@ def test_fused_classifier_loss_and_gradient(rng):
     assert_grad_close(work, numeric)  # the logits buffer now holds dlogits
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_classifier_reads_only_the_first_v_columns_and_zeroes_the_padded_gradient(rng, dtype):
+    """Logits of a padded vocabulary (V = 1000 of Vp = 1024, model.py): the losses and dlogits of the first V
+    columns are, bit for bit, those of a V-wide buffer, whatever the padded columns hold (here values that
+    would dominate the softmax), and the padded columns' dlogits are exactly +0.0."""
+    V, Vp = 1000, 1024
+    real = (rng.standard_normal((2, 3, V)) * 4).astype(dtype)
+    targets = rng.integers(0, V, (2, 3))
+    padded = np.concatenate([real, np.full((2, 3, Vp - V), 50.0, dtype=dtype)], axis=-1)
+    np.testing.assert_array_equal(ops.crossentropy_forward(padded, targets, V), ops.crossentropy_forward(real, targets))
+    want_dlogits = real.copy()
+    want = ops.fused_classifier(want_dlogits, targets, 0.37)
+    losses = ops.fused_classifier(padded, targets, 0.37, V)
+    np.testing.assert_array_equal(losses, want)
+    np.testing.assert_array_equal(padded[..., :V], want_dlogits)
+    assert not padded[..., V:].view(np.uint32 if dtype == np.float32 else np.uint64).any()
+    with pytest.raises(IndexError):  # a target among the padded columns is no token: numpy refuses it
+        ops.fused_classifier(padded, np.full((2, 3), V + 3), 0.37, V)
+
+
 def test_fused_classifier_survives_extreme_logits():
     logits = np.array([[[1000.0, -1000.0, 0.0]]], dtype=np.float32)
     losses = ops.fused_classifier(logits, np.array([[1]]), 1.0)

@@ -4,6 +4,11 @@ from dataclasses import asdict, dataclass, field
 
 from .errors import XtrainError
 
+# The classifier's rows (wte's rows in the parameter layout) are padded to a multiple of this, as nanoGPT and
+# llm.c pad GPT-2's 50257 to 50304: the logits' products then run at a width cuBLAS tiles whole, about 4x
+# faster on an H100 for 0.09% more columns. The padded rows are no token's: they start at zero and stay zero.
+VOCAB_ALIGN = 128
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -22,6 +27,12 @@ class GPTConfig:
                 raise XtrainError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise XtrainError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """wte's rows in the parameter layout and the logits' width: vocab_size rounded up to VOCAB_ALIGN. Only
+        the first vocab_size are tokens; the Hugging Face files hold those alone."""
+        return -(-self.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
 
 
 # name -> (n_layer, n_head, n_embd, n_ctx). gpt2-124m and up are OpenAI's GPT-2 sizes.

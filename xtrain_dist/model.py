@@ -12,6 +12,13 @@ grads[:ready] that grows as backward runs, and every bucket of an overlapped all
 contiguous slice. Offsets are aligned to ALIGN elements (zero padding between parameters), which
 keeps every float32 view 128-byte aligned (the bf16 copy's views 64-byte) for vectorised kernels and cuBLAS.
 
+Padded vocabulary. wte holds config.padded_vocab_size rows (50304 for GPT-2's 50257), so the logits are
+(B, T, Vp) and the classifier's products run at a width cuBLAS tiles whole. Rows V..Vp-1 are no token's:
+they start at zero, the classifier gives their logit columns exactly zero gradient and no token id reaches
+them in the embedding, so their gradient is zero, AdamW's m and v stay zero and the update (weight decay
+included) leaves them at zero, bit for bit. They are the last rows of the last parameter, so the Hugging Face
+tensors (V rows: `state_dict`) are a prefix of wte's view and the layout before them is unchanged.
+
 Precision. `params` holds the float32 master weights, which the optimizer updates and checkpoints
 save. Forward and backward read `params_lowp`, the same layout in the backend's activation dtype:
 `params` itself under fp32, a bfloat16 copy under bf16 that AdamW rewrites in the pass that updates
@@ -38,10 +45,26 @@ class ParamSpec:
     offset: int               # first element in the flat buffer
     init_std: float | None    # normal(0, std); None: ones for a layernorm weight, zeros otherwise
     decay: bool               # AdamW weight decay applies (matrices and embeddings only)
+    rows: int = 0             # the rows that are parameters (wte: V of Vp); the rest, if any, stay zero. 0: all
+
+    def __post_init__(self):
+        if not self.rows:
+            object.__setattr__(self, "rows", self.shape[0])
 
     @property
     def size(self) -> int:
+        """Elements in the layout, padded rows included."""
         return int(np.prod(self.shape))
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        """The shape in the Hugging Face files: the rows that are parameters."""
+        return (self.rows, *self.shape[1:])
+
+    @property
+    def hf_size(self) -> int:
+        """Elements that are parameters: the first hf_size of the view (padded rows come last)."""
+        return int(np.prod(self.hf_shape))
 
 
 def _block_params(config: GPTConfig):
@@ -65,13 +88,20 @@ def param_layout(config: GPTConfig) -> tuple[list[ParamSpec], int]:
     entries = [("transformer.ln_f.weight", (C,), None), ("transformer.ln_f.bias", (C,), None)]
     for layer in reversed(range(config.n_layer)):
         entries += [(f"transformer.h.{layer}.{suffix}", shape, std) for suffix, shape, std in _block_params(config)]
-    entries += [("transformer.wpe.weight", (config.n_ctx, C), INIT_STD),
-                ("transformer.wte.weight", (config.vocab_size, C), INIT_STD)]
+    entries = [(name, shape, std, 0) for name, shape, std in entries]
+    entries += [("transformer.wpe.weight", (config.n_ctx, C), INIT_STD, 0),
+                ("transformer.wte.weight", (config.padded_vocab_size, C), INIT_STD, config.vocab_size)]
     specs, offset = [], 0
-    for name, shape, std in entries:
-        specs.append(ParamSpec(name, shape, offset, std, decay=len(shape) == 2))
+    for name, shape, std, rows in entries:
+        specs.append(ParamSpec(name, shape, offset, std, decay=len(shape) == 2, rows=rows))
         offset += -(-int(np.prod(shape)) // ALIGN) * ALIGN
     return specs, offset
+
+
+def count_params(config: GPTConfig) -> int:
+    """The model's parameters, as Hugging Face counts them (124,439,808 at GPT-2 124M): wte's padded rows are
+    zero and no token's, so they are not counted; the layout (param_layout's total, what memory holds) is larger."""
+    return sum(s.hf_size for s in param_layout(config)[0])
 
 
 def _named_views(flat, specs: list[ParamSpec], n_layer: int) -> SimpleNamespace:
@@ -90,14 +120,15 @@ def _named_views(flat, specs: list[ParamSpec], n_layer: int) -> SimpleNamespace:
 def init_weights(config: GPTConfig, seed: int) -> np.ndarray:
     """The initial flat parameters on the host: normal draws from PCG64(seed) in layout order.
 
-    Same seed, same bits, on every rank and for every backend (the device gets a copy of this)."""
+    Same seed, same bits, on every rank and for every backend (the device gets a copy of this). wte's
+    padded rows are not drawn: they start at zero, and the draws are those of an unpadded layout."""
     specs, total = param_layout(config)
     flat = np.zeros(total, dtype=np.float32)
     rng = np.random.Generator(np.random.PCG64(seed))
     for s in specs:
-        view = flat[s.offset: s.offset + s.size]
+        view = flat[s.offset: s.offset + s.hf_size]
         if s.init_std is not None:
-            view[:] = rng.standard_normal(s.size, dtype=np.float32) * np.float32(s.init_std)
+            view[:] = rng.standard_normal(s.hf_size, dtype=np.float32) * np.float32(s.init_std)
         elif s.name.endswith(".weight"):  # the only weights without a std are layernorm gains
             view[:] = 1.0
     return flat
@@ -198,7 +229,7 @@ class GPT2:
         self.layout, used = param_layout(config)
         # a caller that shards the buffers (ZeRO) may ask for a total divisible by the world size
         self.size = -(-used // pad_to_multiple) * pad_to_multiple
-        self.num_params = sum(s.size for s in self.layout)
+        self.num_params = count_params(config)  # without wte's padded rows; self.size counts them
         xp = backend.xp
         # dtype float64 is for the numpy gradient checks; training is float32
         host = np.zeros(self.size, dtype=dtype)
@@ -249,14 +280,16 @@ class GPT2:
 
     # ---------------------------------------------------------------- state in Hugging Face names
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Host copies of the parameters under GPT2LMHeadModel's names and shapes (lm_head is tied to wte)."""
+        """Host copies of the parameters under GPT2LMHeadModel's names and shapes (lm_head is tied to wte):
+        wte's V rows, without the padded ones."""
         flat = self.ops.to_host(self.params)
-        return {s.name: flat[s.offset: s.offset + s.size].reshape(s.shape).copy() for s in self.layout}
+        return {s.name: flat[s.offset: s.offset + s.hf_size].reshape(s.hf_shape).copy() for s in self.layout}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Parameters in state_dict's names and shapes (V rows of wte): the padded rows become zero."""
         host = np.zeros(self.size, dtype=self.params.dtype)
         for s in self.layout:
-            host[s.offset: s.offset + s.size] = np.asarray(state[s.name]).reshape(-1)
+            host[s.offset: s.offset + s.hf_size] = np.asarray(state[s.name]).reshape(-1)
         self.params[...] = self.ops.from_host(host)
         self.refresh_lowp()
 
@@ -267,9 +300,11 @@ class GPT2:
     def forward(self, ids, targets=None, dloss: float | None = None, cache: KVCache | None = None):
         """ids, targets: (B, T) int32 on the backend.
 
-        No targets: returns the logits (B, T, V). Targets but no dloss: returns per-token losses (B, T)
-        (evaluation). Targets and dloss: returns the losses and keeps what backward() needs, with the
-        logits already turned into their gradient for dloss * sum(losses) by the fused classifier.
+        No targets: returns the logits of the V tokens (B, T, V), a view of the (B, T, Vp) product that leaves
+        out the padded columns, so a caller never sees an id that is no token's. Targets but no dloss: returns
+        per-token losses (B, T) (evaluation). Targets and dloss: returns the losses and keeps what backward()
+        needs, with the logits already turned into their gradient for dloss * sum(losses) by the fused
+        classifier.
         A cache (generation): ids are the positions after those it holds, and attention reads it."""
         ops, p, n_head = self.ops, self.p, self.config.n_head
         x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
@@ -296,12 +331,13 @@ class GPT2:
         if cache is not None:
             cache.length += ids.shape[1]
         lnf, lnf_mean, lnf_rstd = ops.layernorm_forward(x, p.ln_f_weight, p.ln_f_bias)
-        logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection
+        logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection: (B, T, Vp)
+        V = self.config.vocab_size
         if targets is None:
-            return logits
+            return logits[..., :V]
         if dloss is None:
-            return ops.crossentropy_forward(logits, targets)
-        losses = ops.fused_classifier(logits, targets, dloss)  # logits now hold dlogits
+            return ops.crossentropy_forward(logits, targets, V)
+        losses = ops.fused_classifier(logits, targets, dloss, V)  # logits now hold dlogits, 0 past V
         self._saved = (ids, acts, x, lnf, lnf_mean, lnf_rstd, logits)
         return losses
 

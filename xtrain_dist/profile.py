@@ -126,15 +126,6 @@ def gpt2_num_params(mcfg, vocab: int) -> int:
     return vocab * C + mcfg.n_ctx * C + L * (12 * C * C + 13 * C) + 2 * C
 
 
-# llm.c and nanoGPT pad the vocabulary to a multiple of 128 (50257 -> 50304); llm.c counts wte at that size
-VOCAB_MULTIPLE = 128
-
-
-def padded_vocab(vocab: int) -> int:
-    """The vocabulary llm.c and nanoGPT run GPT-2 at: `vocab` rounded up to a multiple of 128."""
-    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
 def nanogpt_flops_per_token(mcfg, seq: int) -> float:
     """Model flops of one token's forward and backward as nanoGPT's estimate_mfu counts them: 6 per parameter
     that enters a matrix product (N less wpe, a lookup; wte once, through the tied classifier), at the
@@ -149,7 +140,7 @@ def llmc_flops_per_token(mcfg, seq: int) -> float:
     padded vocabulary (wpe included, wte at ceil(V / 128) * 128 rows), plus 6 L C T for attention (half of
     nanoGPT's 12: the causal half of the square). Below nanoGPT's count at long sequences, a little above
     it at short ones: for GPT-2 124M at T = 1024, 803.5 against 855.2 MFLOP a token."""
-    return 6.0 * gpt2_num_params(mcfg, padded_vocab(mcfg.vocab_size)) + 6.0 * mcfg.n_layer * mcfg.n_embd * seq
+    return 6.0 * gpt2_num_params(mcfg, mcfg.padded_vocab_size) + 6.0 * mcfg.n_layer * mcfg.n_embd * seq
 
 
 def mfu(step_flops: float, ms: float, peak_flops: float) -> float:

@@ -450,19 +450,28 @@ class NumpyBackend:
     # ------------------------------------------------------------------ classifier (kernels/classifier.cu)
 
     @staticmethod
-    def crossentropy_forward(logits, targets):
-        """losses[b, t] = -log softmax(logits[b, t])[targets[b, t]]  (evaluation: no gradient; float32)."""
+    def crossentropy_forward(logits, targets, vocab_size: int | None = None):
+        """losses[b, t] = -log softmax(logits[b, t, :V])[targets[b, t]]  (evaluation: no gradient; float32).
+
+        logits (B, T, Vp): only the first V = vocab_size columns (default all) are read; the rest are the
+        padded vocabulary's, no token's (model.py)."""
+        logits = logits[..., :vocab_size]
         m = logits.max(axis=-1, keepdims=True)
         lse = np.log(np.exp(logits - m).sum(axis=-1)) + m[..., 0]
         picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         return lse - picked
 
-    def fused_classifier(self, logits, targets, dloss: float):
+    def fused_classifier(self, logits, targets, dloss: float, vocab_size: int | None = None):
         """Softmax + cross-entropy and its backward in one pass over the logits.
 
         Returns losses (B, T), float32, and overwrites `logits` with dlogits = (softmax(logits) -
         onehot(targets)) * dloss, the gradient of dloss * sum(losses): the logits are the largest
-        activation and are not needed again."""
+        activation and are not needed again. logits (B, T, Vp): the softmax is over the first V =
+        vocab_size columns (default all); the padded ones past V are read by nothing and get dlogits
+        exactly 0, so the padded rows of wte get exactly zero gradient."""
+        padded = logits
+        logits = logits[..., :vocab_size]
+        padded[..., logits.shape[-1]:] = 0
         m = logits.max(axis=-1, keepdims=True)
         np.subtract(logits, m, out=logits)  # shifted logits: the largest is 0, so exp cannot overflow
         picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -471,9 +480,9 @@ class NumpyBackend:
         losses = np.log(total[..., 0]) - picked
         d = logits.dtype.type(dloss)
         np.multiply(logits, d / total, out=logits)  # probabilities * dloss
-        rows = logits.reshape(-1, logits.shape[-1])
+        rows = padded.reshape(-1, padded.shape[-1])  # targets < V: take_along_axis above raised otherwise
         rows[np.arange(rows.shape[0]), targets.reshape(-1)] -= d
-        self.store(logits)
+        self.store(padded)
         return losses
 
     # ------------------------------------------------------------------ optimizer (kernels/adamw.cu, global_norm.cu)

@@ -5,7 +5,8 @@ GPT2LMHeadModel.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR) load
 In: the GPT-2 folder a run starts from (--init-from) or `sample`, `evaluate` and `hellaswag` read: one of
 our checkpoints, or any folder with a Hugging Face GPT-2's config.json and model.safetensors
 (save_pretrained's, the Hub's "gpt2"), its config checked to be a GPT-2 this trainer implements and its
-weights taken under our names.
+weights taken under our names. Both ways wte has the tokenizer's V rows: the model pads them to its layout's
+padded_vocab_size on load (GPT2.load_state_dict) and leaves the padding out on save (GPT2.state_dict).
 """
 
 import re

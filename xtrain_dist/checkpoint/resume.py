@@ -151,9 +151,9 @@ def check_contents(ckpt: Checkpoint, config: GPTConfig) -> None:
     name, shape and dtype, their digest against param_sha256, and the optimizer files' coverage. The
     manifest vouches only for the bytes; this catches a file that another writer (or a hand edit that
     re-hashed the manifest) got wrong inside."""
-    if params_sha256(ckpt.model_state(config), config) != ckpt.state["param_sha256"]:
+    if params_sha256(ckpt.model_state(config), config, ckpt.version) != ckpt.state["param_sha256"]:
         raise ckpt.corrupt("its parameters do not hash to the saved param_sha256")
-    for _ in _optimizer_pieces(ckpt, layout_size(config)):
+    for _ in _optimizer_pieces(ckpt, layout_size(config, ckpt.version)):
         pass
 
 
@@ -224,7 +224,9 @@ def restore(source, model, optimizer, sampler) -> int:
 def _restore(ckpt: Checkpoint, path, model, optimizer, sampler) -> int:
     state = ckpt.state
     model.load_state_dict(ckpt.model_state(model.config))
-    used = layout_size(model.config)
+    # a version 1 checkpoint (wte's V rows) is this layout's first `used` elements: the rest, wte's padded
+    # rows, is zero in the parameters load_state_dict wrote and in the m and v optimizer_state assembles
+    used = layout_size(model.config, ckpt.version)
     if sha256_of(model.ops.to_host(model.params)[:used]) != state["param_sha256"]:
         raise XtrainError(f"checkpoint '{path}' is corrupt: its parameters do not hash to the saved param_sha256")
     lo, hi = optimizer.state_range

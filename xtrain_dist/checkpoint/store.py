@@ -8,7 +8,8 @@ check_resume, restore).
        config.json             a GPT2Config: GPT2LMHeadModel.from_pretrained(DIR) works as is
        tokenizer.json          the tokenizer the model was trained with, and a tokenizer_config.json
                                so that AutoTokenizer.from_pretrained(DIR) works too
-       optimizer.safetensors   AdamW's m and v as flat float32 buffers in model.py's layout, and the
+       optimizer.safetensors   AdamW's m and v as flat float32 buffers in model.py's layout (wte's padded
+                               rows included: version 2; version 1's layout had V rows), and the
                                step count; a sharded (ZeRO-1) optimizer writes one
                                optimizer.rank<R>.safetensors per rank, each holding its range
        trainer_state.json      the step, model shape, schedule, sampler (RNG) state, run config, world size,
@@ -47,11 +48,15 @@ import tokenizers
 from ..config import GPTConfig
 from ..errors import XtrainError
 from ..files import loads_json, probe_in
-from ..model import param_layout
+from ..model import ALIGN, param_layout
 from .safetensors_io import parse_safetensors
 
 FORMAT = "xtrain-dist checkpoint"
-VERSION = 1
+# 2: the flat layout pads wte to config.padded_vocab_size rows. A version 1 checkpoint (wte's V rows) still
+# resumes: its layout is the same up to wte's last real row, then alignment zeros where version 2 has padded
+# rows, zero too, so its optimizer state and param_sha256 are version 2's prefix (layout_size)
+VERSION = 2
+READS = (1, 2)
 MANIFEST = "manifest.json"
 MODEL = "model.safetensors"
 CONFIG = "config.json"
@@ -69,23 +74,30 @@ def sha256_of(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
-def params_sha256(tensors: dict[str, np.ndarray], config: GPTConfig) -> str:
-    """sha256_of the flat float32 buffer that `tensors` fill (zeros between them, up to layout_size), fed
-    to the hash tensor by tensor: the digest a model holding them has, without building the buffer."""
+def params_sha256(tensors: dict[str, np.ndarray], config: GPTConfig, version: int = VERSION) -> str:
+    """sha256_of the flat float32 buffer that `tensors` (Hugging Face shapes: wte's V rows) fill, with zeros
+    between them and in wte's padded rows, up to layout_size(config, version), fed to the hash tensor by
+    tensor: the digest a model holding them has, without building the buffer."""
     digest = hashlib.sha256()
-    specs, used = param_layout(config)
+    specs, _ = param_layout(config)
     end = 0
     for s in sorted(specs, key=lambda spec: spec.offset):
         digest.update(bytes(4 * (s.offset - end)))
         digest.update(np.ascontiguousarray(tensors[s.name], dtype="<f4"))
-        end = s.offset + s.size
-    digest.update(bytes(4 * (used - end)))
+        end = s.offset + s.hf_size
+    digest.update(bytes(4 * (layout_size(config, version) - end)))
     return digest.hexdigest()
 
 
-def layout_size(config: GPTConfig) -> int:
-    """Elements of the flat buffer that hold parameters: the rest (ZeRO's padding) is always zero."""
-    return param_layout(config)[1]
+def layout_size(config: GPTConfig, version: int = VERSION) -> int:
+    """Elements of the flat buffer that hold parameters: the rest (ZeRO's padding) is always zero. A
+    version 1 checkpoint's layout ends after wte's V rows (aligned); its flat buffers are this version's
+    first layout_size(config, 1) elements, and the rest of this version's (wte's padded rows) is zero."""
+    specs, used = param_layout(config)
+    if version == 1:
+        last = max(specs, key=lambda spec: spec.offset)
+        return last.offset + -(-last.hf_size // ALIGN) * ALIGN
+    return used
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -272,6 +284,11 @@ class Checkpoint:
     def corrupt(self, what: str) -> XtrainError:
         return XtrainError(f"checkpoint '{self.path}' is corrupt: {what}")
 
+    @property
+    def version(self) -> int:
+        """The format version it was written in (READS); a Hugging Face folder's layout is this version's."""
+        return self.manifest.get("version", VERSION)
+
     def json(self, name: str) -> dict:
         try:
             data = loads_json(self.contents[name])
@@ -309,7 +326,7 @@ class Checkpoint:
 
     def checked_model(self, tensors: dict[str, np.ndarray], config: GPTConfig) -> dict[str, np.ndarray]:
         specs, _ = param_layout(config)
-        expected = {s.name: s.shape for s in specs}
+        expected = {s.name: s.hf_shape for s in specs}
         for name, shape in expected.items():
             if name not in tensors:
                 raise self.corrupt(f"{MODEL} has no tensor '{name}'")
@@ -397,9 +414,9 @@ def _read_manifest(path: Path, folder: Path) -> dict:
         ok = False
     if not ok:
         raise XtrainError(f"checkpoint '{path}' is corrupt: {MANIFEST} is not an xtrain-dist manifest")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READS:
         raise XtrainError(f"checkpoint '{path}' has format version {manifest.get('version')}; "
-                          f"this xtrain-dist reads version {VERSION}")
+                          f"this xtrain-dist reads versions {', '.join(map(str, READS))}")
     for required in (MODEL, CONFIG, TOKENIZER):
         if required not in manifest["files"]:
             raise XtrainError(f"checkpoint '{path}' is corrupt: its manifest lists no {required}")

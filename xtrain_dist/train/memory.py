@@ -32,7 +32,7 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
     activation dtype, "f32" or "i32" for arrays of that type whatever the precision. Its order and names
     follow GPT2.forward's `_saved` and `_LayerActs` (less what --recompute leaves to backward), which
     tests/test_memory.py holds it to."""
-    C, NH, V = config.n_embd, config.n_head, config.vocab_size
+    C, NH, V = config.n_embd, config.n_head, config.padded_vocab_size  # the logits are Vp wide (model.py)
     arrays = [("ids", (B, T), "i32")]
     for layer in range(config.n_layer):
         def named(field, shape, kind, layer=layer):

@@ -300,9 +300,10 @@ class CudaBackend(CublasProducts):
         IC, OC = weight.shape
         inp2 = _contiguous(inp).reshape(-1, IC)
         if bias is None:
-            # rows padded to ROW_ALIGN elements: GPT-2's 50257 logits make every row but the first start
-            # off cuBLAS's aligned paths, in this product and both of its backward ones (llm.c pads the
-            # vocabulary to 50304 for this); the padding is never read
+            # rows padded to ROW_ALIGN elements: an odd width (bin/bench_gemm's unpadded V = 50257) makes every
+            # row but the first start off cuBLAS's aligned paths, in this product and both of its backward
+            # ones; the padding is never read. The model's logits are Vp wide, a multiple of VOCAB_ALIGN
+            # (config.py) and so of ROW_ALIGN: their rows come back contiguous
             out = cupy.empty((inp2.shape[0], _round_up(OC, ROW_ALIGN)), dtype=self.act_dtype)[:, :OC]
             self._gemm(inp2, weight, out)
         else:
@@ -523,24 +524,26 @@ class CudaBackend(CublasProducts):
         return out
 
     # ------------------------------------------------------------------ classifier (kernels/classifier.cu)
-    def crossentropy_forward(self, logits, targets):
+    def crossentropy_forward(self, logits, targets, vocab_size: int | None = None):
         self._act(logits)
         targets = _ids(targets)
-        V = logits.shape[-1]
-        rows, ld = _rows(logits, V)  # rows ld apart: matmul_forward pads them
+        Vp = logits.shape[-1]
+        V = _vocab(vocab_size, Vp)
+        rows, ld = _rows(logits, Vp)
         losses = cupy.empty(targets.shape, dtype=cupy.float32)
         self._launch(self._k.crossentropy_forward, (targets.size,), (CLASSIFIER_BLOCK,),
                      losses, rows, targets, np.int32(V), np.int64(ld))
         return losses
 
-    def fused_classifier(self, logits, targets, dloss: float):
+    def fused_classifier(self, logits, targets, dloss: float, vocab_size: int | None = None):
         self._act(logits)
         targets = _ids(targets)
-        V = logits.shape[-1]
-        rows, ld = _rows(logits, V)
+        Vp = logits.shape[-1]
+        V = _vocab(vocab_size, Vp)
+        rows, ld = _rows(logits, Vp)
         losses = cupy.empty(targets.shape, dtype=cupy.float32)
         self._launch(self._k.fused_classifier, (targets.size,), (CLASSIFIER_BLOCK,),
-                     rows, losses, targets, np.int32(V), np.int64(ld), np.float32(dloss))
+                     rows, losses, targets, np.int32(V), np.int32(Vp), np.int64(ld), np.float32(dloss))
         return losses
 
     # ------------------------------------------------------------------ optimizer (adamw.cu, global_norm.cu, scale.cu)
@@ -630,6 +633,14 @@ def _rows(a, cols: int):
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _vocab(vocab_size: int | None, padded: int) -> int:
+    """The classifier's token columns: vocab_size of the logits' `padded` (numpy_ops: all by default)."""
+    V = padded if vocab_size is None else vocab_size
+    if not 1 <= V <= padded:
+        raise ValueError(f"cuda_ops classifier: vocab_size {vocab_size} of {padded} logit columns")
+    return V
 
 
 def _ids(ids):
