@@ -438,6 +438,29 @@ def test_adamw_steps_match(be, rng, n):
         check(be.to_host(got), want, 1e-6, what)
 
 
+def test_adamw_schedule_from_device_memory_is_bitwise_the_arguments(be, rng):
+    """lr and the bias corrections read by the kernel from a device array that upload() rewrites each step
+    (what a captured step does) give the bits the same values passed as arguments give."""
+    n = 10_007
+    start = randn(rng, n, scale=0.02)
+    mask = be.from_host((rng.random(n) < 0.7).astype(np.uint8))
+    grads = [be.from_host(randn(rng, n, scale=0.1)) for _ in range(3)]
+    schedule = be.xp.zeros(3, dtype=be.xp.float32)
+    finals = []
+    for from_memory in (False, True):
+        p, m, v = be.from_host(start), be.from_host(np.zeros(n, np.float32)), be.from_host(np.zeros(n, np.float32))
+        for step, g in enumerate(grads, start=1):
+            fixed = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.8)
+            if from_memory:
+                be.upload(schedule, ref.adamw_schedule(step, 1e-3 * step, 0.9, 0.95))
+                be.adamw_update(p, g, m, v, mask, None, None, schedule=schedule, **fixed)
+            else:
+                be.adamw_update(p, g, m, v, mask, step, 1e-3 * step, **fixed)
+        finals.append([be.to_host(a).view(np.uint32) for a in (p, m, v)])
+    for a, b in zip(*finals, strict=True):
+        assert np.array_equal(a, b)
+
+
 def test_tf32_products_run_in_their_own_thread(rng):
     """A second backend belongs to its own thread (streams are per thread), as ranks do."""
     a, w = randn(rng, 256, 128), randn(rng, 128, 384, scale=0.1)
