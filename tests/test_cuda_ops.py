@@ -646,9 +646,10 @@ def test_ddp_with_cublaslt_matches_numpy_and_keeps_ranks_equal():
 @pytest.mark.training
 def test_a_training_step_copies_the_batch_in_and_one_array_out():
     """No hidden host<->device traffic in the step: per optimizer step the host uploads each
-    micro-batch's ids and targets, downloads one array (the loss and the squared grad norm together),
-    and never waits for the device before that read (the event waits after it only turn the step's
-    timing marks into seconds). The simulator logs every copy and wait (CuPy has no hook for them), so
+    micro-batch's ids and targets, the readout array's [0, stop, 0] and AdamW's schedule, queues one
+    download (the loss, the stop request and the squared grad norm together), and waits for it only
+    after queuing the next step (the event waits after it only turn the step's timing marks into
+    seconds). The simulator logs every copy and wait (CuPy has no hook for them), so
     this runs there only."""
     if not getattr(cupy, "cudasim", False):
         pytest.skip("the host traffic log is the CUDA simulator's (tests/cudasim)")
@@ -657,7 +658,7 @@ def test_a_training_step_copies_the_batch_in_and_one_array_out():
     fake_cupy.host_traffic_by_thread.clear()
     _train(backend="cuda", world_size=1, steps=3, grad_accum=2, eval_batches=0)
     log = " ".join(fake_cupy.host_traffic_by_thread["rank0"])
-    assert re.fullmatch(fake_cupy.training_traffic(steps=3, uploads=4), log), log  # 2 micro-batches x (ids, targets)
+    assert re.fullmatch(fake_cupy.training_traffic(steps=3, uploads=6), log), log  # 2 x (ids, targets), 2 more
 
 
 @pytest.mark.training
@@ -708,9 +709,10 @@ def test_a_cuda_run_resumes_bitwise(tmp_path, world, options):
 
 @pytest.mark.training
 def test_a_stop_request_on_the_gpu_ends_after_a_step_and_resumes_bitwise(tmp_path):
-    """SIGTERM's path on the GPU (job.StopRequest): the request is a 1 written into the device array
-    the step's loss is all-reduced in, so both virtual ranks stop after step 2 (it is set while step 1 is
-    logged), save that step, and the resumed run ends on the uninterrupted run's bits."""
+    """SIGTERM's path on the GPU (job.StopRequest): the request is a 1 uploaded into the device array the
+    step's loss is all-reduced in. Set while step 1 is logged (once step 2 is queued: a step is read after
+    the next is queued), it goes in with step 3, is read once step 4 is queued, and both virtual ranks stop
+    after step 4, save that step, and the resumed run ends on the uninterrupted run's bits."""
     from xtrain_dist.train.job import StopRequest
 
     kw = dict(backend="cuda", world_size=2, lr_decay_steps=5, eval_batches=0)
@@ -722,9 +724,9 @@ def test_a_stop_request_on_the_gpu_ends_after_a_step_and_resumes_bitwise(tmp_pat
             stop.set()
 
     stopped = _train(steps=5, save_dir=str(tmp_path / "ck"), log=log, stop=stop, **kw)
-    assert stopped["stopped"] == {"step": 2, "signal": None} and stopped["losses"] == full["losses"][:2]
+    assert stopped["stopped"] == {"step": 4, "signal": None} and stopped["losses"] == full["losses"][:4]
     resumed = _train(steps=5, resume=str(tmp_path / "ck"), **kw)
-    assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    assert resumed["start_step"] == 4 and resumed["losses"] == full["losses"][4:]
     assert resumed["param_sha256"] == full["param_sha256"]
 
 

@@ -212,7 +212,7 @@ def test_a_step_over_nccl_copies_the_batch_in_and_one_array_out():
         assert train(cfg, shipped_corpus(), log=lambda line: None)["launch"]["comm"] == "nccl"
         for rank in ("rank0", "rank1"):
             log = " ".join(fake_cupy.host_traffic_by_thread[rank])
-            assert re.fullmatch(fake_cupy.training_traffic(steps=3, uploads=4), log), (options, rank, log)
+            assert re.fullmatch(fake_cupy.training_traffic(steps=3, uploads=6), log), (options, rank, log)
 
 
 # ---------------------------------------------------------------------------------------------- two processes

@@ -100,11 +100,14 @@ def host_traffic() -> list[str]:
 
 def training_traffic(steps: int, uploads: int) -> str:
     """A rank thread's whole log, joined by spaces, as a regular expression of what a training run may do:
-    setup uploads; per optimizer step `uploads` uploads and then the step's one download, after which
-    only event waits (the step's timing marks becoming seconds); then the end of the run, which starts
-    with a download (the parameter digest)."""
-    step = rf"(?:upload ){{{uploads}}}download(?: event_sync)* "
-    return rf"(?:upload )*(?:{step}){{{steps}}}download(?: .*)?"
+    setup uploads; per optimizer step `uploads` uploads and then the step's one download, queued on the
+    stream (the host does not wait for it there); from the second step on, after that, the waits for the
+    previous step's download and timing marks (the host reads a step once the next one is queued, so it
+    never waits for the step it has just queued); then the last step's own waits and the end of the run,
+    which starts with a download (the parameter digest)."""
+    first = rf"(?:upload ){{{uploads}}}download_queued "
+    step = rf"(?:upload ){{{uploads}}}download_queued(?: event_sync)+ "
+    return rf"(?:upload )*{first}(?:{step}){{{steps - 1}}}(?:event_sync )*download(?: .*)?"
 
 
 # ---------------------------------------------------------------------------- memory
@@ -814,7 +817,14 @@ def _memset_async(ptr, value, size, stream):
 
 def _memcpy_async(dst, src, size, kind, stream):
     raw_operation(stream, "cudaMemcpyAsync", [(src, src + size, False), (dst, dst + size, True)])
+    if kind == 2:  # device to host: queued, so the host has seen nothing finish (an event's wait does that)
+        host_traffic().append("download_queued")
     ctypes.memmove(dst, src, size)
+
+
+def _alloc_pinned_memory(size):
+    """Page-locked host memory: here ordinary memory (np.frombuffer takes it)."""
+    return bytearray(size)
 
 
 # ---------------------------------------------------------------------------- the modules
@@ -847,6 +857,7 @@ def install() -> types.ModuleType:
     cuda.get_current_stream, cuda.get_elapsed_time = get_current_stream, get_elapsed_time
     cuda.device = types.SimpleNamespace(get_cublas_handle=get_cublas_handle)
     cuda.set_allocator = lambda allocator=None: None
+    cuda.alloc_pinned_memory = _alloc_pinned_memory
     cupy.cuda = cuda
 
     backends = types.ModuleType("cupy_backends")

@@ -164,6 +164,16 @@ def adamw_schedule(step: int, lr: float, beta1: float, beta2: float) -> np.ndarr
     return np.array([lr, 1 - beta1 ** step, 1 - beta2 ** step], dtype=np.float32)
 
 
+class Ready:
+    """A host value that to_host_later has already: result() returns it."""
+
+    def __init__(self, value: np.ndarray):
+        self.value = value
+
+    def result(self) -> np.ndarray:
+        return self.value
+
+
 class NumpyBackend:
     """The ops on the CPU, with activations stored in `dtype` ("fp32", or "bf16" emulated in float32)."""
 
@@ -197,6 +207,13 @@ class NumpyBackend:
     @staticmethod
     def from_host(a: np.ndarray) -> np.ndarray:
         return np.asarray(a)
+
+    @staticmethod
+    def to_host_later(a):
+        """A host copy of `a` as it is once the work queued so far has run, without waiting for it now: the
+        returned object's result() gives it (a device-to-host copy queued on the rank's stream and an event
+        on CUDA; here the copy is made at once). How the loop reads a step's loss after queuing the next."""
+        return Ready(np.array(a))
 
     @staticmethod
     def upload(dst, a) -> None:
@@ -561,8 +578,8 @@ class NumpyBackend:
 # ------------------------------------------------------------------ the module as the float32 backend
 
 # Every op and plumbing function a backend has; cuda/ops.py's CudaBackend has the same (a test checks it).
-OPS = ("to_host", "from_host", "upload", "from_host_act", "synchronize", "bind_side_thread", "fence", "wait",
-       "timestamp", "elapsed",
+OPS = ("to_host", "to_host_later", "from_host", "upload", "from_host_act", "synchronize", "bind_side_thread",
+       "fence", "wait", "timestamp", "elapsed",
        "encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
        "matmul_backward", "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
        "flash_attention_forward", "flash_attention_backward",

@@ -156,6 +156,15 @@ class CudaBackend(CublasProducts):
         out.set(a, stream=self.stream)
         return out
 
+    def to_host_later(self, a):
+        a = _contiguous(a)
+        # page-locked memory: the copy runs on the stream like a kernel, and the host waits only in result()
+        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(a.nbytes), dtype=a.dtype, count=a.size).reshape(a.shape)
+        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, a.nbytes, 2, self.stream.ptr)  # 2: to the host
+        copied = cupy.cuda.Event(disable_timing=True)
+        copied.record(self.stream)
+        return _Copied(copied, host)
+
     def upload(self, dst, a) -> None:
         a = np.ascontiguousarray(a, dtype=dst.dtype)
         if a.shape != dst.shape:
@@ -633,6 +642,16 @@ class CudaBackend(CublasProducts):
 
 
 # ---------------------------------------------------------------------------- helpers
+
+class _Copied:
+    """to_host_later's answer: the host array, once the event after its copy has passed."""
+
+    def __init__(self, copied, host: np.ndarray):
+        self.copied, self.host = copied, host
+
+    def result(self) -> np.ndarray:
+        self.copied.synchronize()
+        return numpy_ops.from_bf16_bits(self.host) if self.host.dtype == np.uint16 else self.host
 
 def _rows(a, cols: int):
     """(view, ld): a (..., cols) as a 2-D (rows, cols) view whose rows are ld >= cols elements apart (the
