@@ -208,12 +208,13 @@ def report_fields(cfg, results) -> dict:
 
     comm_s and exposed_comm_s are means over this process's ranks and steps (the first step, which pays for
     warm-up, left out when there are others) of the seconds a step spent in collectives, and of the part of
-    them the rank's thread waited for (each step record's comm_ms and exposed_comm_ms)."""
+    them the rank's thread waited for (each step record's comm_ms and exposed_comm_ms). Steps replayed from a
+    CUDA graph (train/graph.py) have no such times: they are left out, and the mean is None if no step has."""
 
-    def mean(key: str) -> float:
-        per_rank = [[record[key] / 1e3 for record in r.records] for r in results]
+    def mean(key: str) -> float | None:
+        per_rank = [[record[key] / 1e3 for record in r.records if key in record] for r in results]
         values = [v for steps in per_rank for v in (steps[1:] or steps)]
-        return sum(values) / len(values)
+        return sum(values) / len(values) if values else None
 
     return {
         "grad_sync": cfg.grad_sync,

@@ -25,6 +25,7 @@ from ..parallel.zero import make_optimizer
 from ..profile import OpProfiler, flops_per_token, mfu
 from . import metrics
 from .cadence import Cadence
+from .graph import StepGraph, unsupported
 
 
 @dataclass
@@ -44,6 +45,8 @@ class RankResult:
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
     profile: list | None = None      # --profile-step: OpProfiler.rows of that step
+    # --cuda-graph: the mode, the steps run from the captured graph, and why none were where that is so
+    cuda_graph: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -152,6 +155,22 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         optimizer.update(ops.clip_coefficient(norm_squared, cfg.grad_clip))
         readout[2:] = norm_squared
 
+    # --cuda-graph auto: device_step captured once and replayed (train/graph.py)
+    result.cuda_graph = {"mode": cfg.cuda_graph, "replayed_steps": 0, "without": None}
+    step_graph = None
+    if cfg.cuda_graph == "auto":
+        why_not = "the numpy backend queues nothing to capture" if cfg.backend != "cuda" else unsupported(cfg, comm)
+        if why_not is None:
+            step_graph = StepGraph(device_step, backend.stream, on_failure=lambda why: without_graphs(why, True))
+
+    def without_graphs(why: str, show: bool) -> None:
+        result.cuda_graph["without"] = why
+        if show:
+            log(f"--cuda-graph auto: rank {rank} runs without CUDA graphs: {why}")
+
+    if cfg.cuda_graph == "auto" and step_graph is None:
+        without_graphs(why_not, rank == 0 and cfg.backend == "cuda")
+
     last_read = 0.0  # when the previous step's values reached the host
 
     def complete(queued: QueuedStep, can_stop_here: bool, stop_forced: bool = False) -> tuple[bool, bool]:
@@ -168,12 +187,14 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         last_read = now
         if queued.profiling:
             result.profile, ops.active = OpProfiler.rows(ops.report()), False
-        comm_s, exposed_s, result.comm_calls = step_comm.tally(queued.comm_marks)
         done = queued.done
         stopping = cadence.stops(done, stop_forced or (can_stop_here and stops > 0))
         record = {"step": done, "loss": float(loss_host), "lr": queued.lr, "grad_norm": float(np.sqrt(norm_sq_host)),
-                  "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
-                  "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
+                  "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3}
+        if queued.comm_marks is not None:
+            # a step run from a graph has no timing marks of its own: its collectives' times are not known
+            comm_s, exposed_s, result.comm_calls = step_comm.tally(queued.comm_marks)
+            record.update(comm_ms=comm_s * 1e3, exposed_comm_ms=exposed_s * 1e3)
         if peak_flops:
             record["mfu"] = mfu(result.step_flops, ms, peak_flops)
         if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
@@ -227,8 +248,21 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         backend.upload(readout, np.array([0, stop is not None and stop.is_set(), 0], dtype=np.float32))
         lr = lr_at(step, cfg)
         optimizer.prepare(lr)
-        device_step()
-        queued = QueuedStep(done, lr, t0, profiling, backend.to_host_later(readout), step_comm.detach())
+        if step_graph is not None and not profiling:  # a profiled step times each op: outside the graph
+            capturing = step_graph.graph is None and step_graph.warm and not step_graph.failed
+            replayed = step_graph()
+            marks = step_comm.detach()
+            if capturing and replayed:
+                # the capture's marks were never timed on the device (events recorded in a capture are not)
+                result.comm_calls = step_comm.calls(marks)
+                marks = None
+            elif replayed:
+                marks = None
+            result.cuda_graph["replayed_steps"] += replayed
+        else:
+            device_step()
+            marks = step_comm.detach()
+        queued = QueuedStep(done, lr, t0, profiling, backend.to_host_later(readout), marks)
         if behind is not None:
             asked, _ = complete(behind, can_stop_here=False)
             behind = None
