@@ -633,6 +633,36 @@ def test_ddp_two_virtual_ranks_match_single_rank_and_numpy():
 
 
 @pytest.mark.training
+@pytest.mark.parametrize("options", [
+    {"grad_sync": "bucketed", "bucket_mb": 0.05}, {"grad_sync": "flat", "dtype": "bf16", "grad_accum": 2},
+    {"grad_sync": "per-param", "grad_compress": "bf16"}, {"zero": 1, "matmul": "cublaslt"}])
+def test_a_step_replayed_from_a_cuda_graph_gives_the_same_bits(options):
+    """--cuda-graph auto on one rank: the first step runs as usual, the second is captured and launched,
+    the rest are launches, and losses and parameters are bitwise those of --cuda-graph off. The graph holds
+    the step's collectives (the count is the capture's); replayed steps have no timings of their own."""
+    kw = dict(backend="cuda", world_size=1, steps=4, eval_batches=0, **options)
+    off, graph = _train(cuda_graph="off", **kw), _train(cuda_graph="auto", **kw)
+    assert off["cuda_graph"] == {"mode": "off", "replayed_steps": 0, "without": None}
+    assert graph["cuda_graph"] == {"mode": "auto", "replayed_steps": 3, "without": None}
+    assert graph["losses"] == off["losses"] and graph["param_sha256"] == off["param_sha256"]
+    assert graph["comm_calls_per_step"] == off["comm_calls_per_step"]
+
+
+@pytest.mark.training
+def test_virtual_ranks_say_in_one_line_that_they_run_without_cuda_graphs():
+    """Two virtual ranks exchange through the in-process communicator, which synchronizes the rank
+    threads on the host: no graph, one line saying why, and the bits of --cuda-graph off."""
+    lines = []
+    kw = dict(backend="cuda", world_size=2, steps=3, eval_batches=0)
+    graph, off = _train(cuda_graph="auto", log=lines.append, **kw), _train(cuda_graph="off", **kw)
+    why = ("the in-process communicator of virtual ranks synchronizes the rank threads on the host, which a "
+           "captured step cannot do")
+    assert [line for line in lines if "graph" in line] == [f"--cuda-graph auto: rank 0 runs without CUDA graphs: {why}"]
+    assert graph["cuda_graph"] == {"mode": "auto", "replayed_steps": 0, "without": why}
+    assert graph["param_sha256"] == off["param_sha256"] and graph["losses"] == off["losses"]
+
+
+@pytest.mark.training
 def test_ddp_with_cublaslt_matches_numpy_and_keeps_ranks_equal():
     """--matmul cublaslt through the trainer: two virtual ranks, each with its own cuBLASLt handle and
     workspace on the shared device, follow the numpy run and end with identical bits."""
