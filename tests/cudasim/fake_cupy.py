@@ -108,13 +108,14 @@ def host_traffic() -> list[str]:
 
 def training_traffic(steps: int, uploads: int) -> str:
     """A rank thread's whole log, joined by spaces, as a regular expression of what a training run may do:
-    setup uploads; per optimizer step `uploads` uploads and then the step's one download, queued on the
-    stream (the host does not wait for it there); from the second step on, after that, the waits for the
-    previous step's download and timing marks (the host reads a step once the next one is queued, so it
-    never waits for the step it has just queued); then the last step's own waits and the end of the run,
-    which starts with a download (the parameter digest)."""
-    first = rf"(?:upload ){{{uploads}}}download_queued "
-    step = rf"(?:upload ){{{uploads}}}download_queued(?: event_sync)+ "
+    setup uploads; per optimizer step `uploads` uploads, the launch of the step's graph where it runs from
+    one (--cuda-graph), and the step's one download, queued on the stream (the host does not wait for it
+    there); from the second step on, after that, the waits for the previous step's download and timing
+    marks (the host reads a step once the next one is queued, so it never waits for the step it has just
+    queued); then the last step's own waits and the end of the run, which starts with a download (the
+    parameter digest)."""
+    first = rf"(?:upload ){{{uploads}}}(?:graph_launch )?download_queued "
+    step = rf"(?:upload ){{{uploads}}}(?:graph_launch )?download_queued(?: event_sync)+ "
     return rf"(?:upload )*{first}(?:{step}){{{steps - 1}}}(?:event_sync )*download(?: .*)?"
 
 
