@@ -649,6 +649,32 @@ def test_a_step_replayed_from_a_cuda_graph_gives_the_same_bits(options):
 
 
 @pytest.mark.training
+def test_a_capture_that_fails_is_one_line_and_the_run_goes_on_without_graphs(monkeypatch):
+    """A step that reads a device value on the host cannot be captured (the simulator refuses it, as a GPU
+    does): the capture is abandoned, the run says so in one line, runs that step and the rest without a
+    graph, and ends on the bits of --cuda-graph off."""
+    if not getattr(cupy, "cudasim", False):
+        pytest.skip("the host read is planted through the simulator's refusal")
+    norm = CudaBackend.global_norm_squared
+
+    def with_a_host_read(self, buf):
+        out = norm(self, buf)
+        float(out.sum())  # a host read: fine eagerly, refused in a capture
+        return out
+
+    kw = dict(backend="cuda", world_size=1, steps=3, eval_batches=0, grad_sync="bucketed", bucket_mb=0.05)
+    off = _train(cuda_graph="off", **kw)
+    monkeypatch.setattr(CudaBackend, "global_norm_squared", with_a_host_read)
+    lines = []
+    graph = _train(cuda_graph="auto", log=lines.append, **kw)
+    [line] = [line for line in lines if "graph" in line]
+    assert re.fullmatch(r"--cuda-graph auto: rank 0 runs without CUDA graphs: the capture failed: "
+                        r"cudaErrorStreamCaptureUnsupported: cudasim: a copy to the host .*", line), line
+    assert graph["cuda_graph"]["replayed_steps"] == 0
+    assert graph["losses"] == off["losses"] and graph["param_sha256"] == off["param_sha256"]
+
+
+@pytest.mark.training
 def test_virtual_ranks_say_in_one_line_that_they_run_without_cuda_graphs():
     """Two virtual ranks exchange through the in-process communicator, which synchronizes the rank
     threads on the host: no graph, one line saying why, and the bits of --cuda-graph off."""

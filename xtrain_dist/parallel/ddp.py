@@ -81,6 +81,9 @@ class _AfterBackward:
         for lo, hi in self.pieces:
             self.reduce_piece(lo, hi)
 
+    def reset(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -135,6 +138,13 @@ class BucketedGradSync:
             raise RuntimeError(f"gradients announced out of layout order: [{start}, {end}) after [0, {self._ready})")
         self._ready = end
         self._issue_up_to(end)
+
+    def reset(self) -> None:
+        """Forget a step that stopped part way (a CUDA graph capture that failed, train/graph.py): wait for the
+        communication thread to drop what it was handed, so the step can be run again from the start."""
+        self._work.join()
+        self._errors.clear()
+        self._ready = self._issued = 0
 
     def finish(self) -> None:
         self._issue_up_to(self.size)  # all of it, also if backward announced nothing

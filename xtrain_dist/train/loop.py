@@ -157,19 +157,23 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
 
     # --cuda-graph auto: device_step captured once and replayed (train/graph.py)
     result.cuda_graph = {"mode": cfg.cuda_graph, "replayed_steps": 0, "without": None}
-    step_graph = None
-    if cfg.cuda_graph == "auto":
-        why_not = "the numpy backend queues nothing to capture" if cfg.backend != "cuda" else unsupported(cfg, comm)
-        if why_not is None:
-            step_graph = StepGraph(device_step, backend.stream, on_failure=lambda why: without_graphs(why, True))
 
     def without_graphs(why: str, show: bool) -> None:
         result.cuda_graph["without"] = why
         if show:
             log(f"--cuda-graph auto: rank {rank} runs without CUDA graphs: {why}")
 
-    if cfg.cuda_graph == "auto" and step_graph is None:
-        without_graphs(why_not, rank == 0 and cfg.backend == "cuda")
+    def capture_failed(why: str) -> None:
+        grad_sync.reset()  # the step stopped part way; it runs again without the graph
+        without_graphs(why, True)
+
+    step_graph = None
+    if cfg.cuda_graph == "auto":
+        why_not = "the numpy backend queues nothing to capture" if cfg.backend != "cuda" else unsupported(cfg, comm)
+        if why_not is None:
+            step_graph = StepGraph(device_step, backend.stream, on_failure=capture_failed)
+        else:
+            without_graphs(why_not, rank == 0 and cfg.backend == "cuda")
 
     last_read = 0.0  # when the previous step's values reached the host
 
