@@ -165,6 +165,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
 
     def capture_failed(why: str) -> None:
         grad_sync.reset()  # the step stopped part way; it runs again without the graph
+        step_comm.detach()  # marks recorded in the abandoned capture: never timed on the device
         without_graphs(why, True)
 
     step_graph = None
