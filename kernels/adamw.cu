@@ -5,7 +5,10 @@
 //   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
 //   p -= lr * (m / bc1 / (sqrt(v / bc2) + eps) + weight_decay * mask * p)
 // with bc1 = 1 - beta1^step and bc2 = 1 - beta2^step computed on the host in float64 and rounded to
-// float32, as numpy does. Each float operation is written with an explicit round-to-nearest
+// float32, as numpy does. lr, bc1 and bc2 come either as arguments or, when `schedule` is not null, from
+// device memory (schedule = [lr, bc1, bc2], numpy_ops.adamw_schedule): a captured step (CUDA graph) keeps
+// its launch arguments from the capture, so the values that change every step are read where the host
+// can rewrite them before each replay. The same float32 values either way, so the same bits. Each float operation is written with an explicit round-to-nearest
 // intrinsic (__fmul_rn, __fadd_rn, ...) so that the compiler cannot contract a multiply and an add
 // into one FMA: every step follows numpy's float32 sequence of operations, and agrees with it bit for
 // bit except where a value is subnormal (CuPy compiles with -ftz=true, which flushes those to zero;
@@ -72,9 +75,14 @@ __device__ void adamw_impl(float* params, floatX* params_lowp, const float* grad
 
 extern "C" __global__ void adamw_update(float* params, floatX* params_lowp, const float* grads, float* m, float* v,
                                         const unsigned char* mask, long long n, const float* grad_scale,
-                                        float lr, float beta1, float beta2, float one_minus_beta1,
+                                        const float* schedule, float lr, float beta1, float beta2, float one_minus_beta1,
                                         float one_minus_beta2, float bc1, float bc2, float eps,
                                         float weight_decay, int vec) {
+    if (schedule != nullptr) {
+        lr = schedule[0];
+        bc1 = schedule[1];
+        bc2 = schedule[2];
+    }
     const AdamWArgs args = {lr, beta1, beta2, one_minus_beta1, one_minus_beta2, bc1, bc2, eps, weight_decay};
     if (vec) adamw_impl<VEC_F>(params, params_lowp, grads, m, v, mask, n, grad_scale, args);
     else adamw_impl<1>(params, params_lowp, grads, m, v, mask, n, grad_scale, args);

@@ -23,6 +23,9 @@ def test_each_decision_at_its_steps():
     assert [s for s in STEPS if c.logs(s, stopping=False)] == [3, 4, 5, 6, 8, 9, 10]
     assert {s: c.saves(s, stopping=False) for s in STEPS if c.saves(s, stopping=False)} == {
         4: [Path("run")], 6: [Path("run.step000006")], 8: [Path("run")], 10: [Path("run")]}
+    # the steps whose loss is read before the next is queued: those that evaluate, sample or save, the last
+    assert [s for s in STEPS if c.reads_at_once(s)] == [3, 4, 5, 6, 8, 9, 10]
+    assert [s for s in STEPS if cadence(eval_batches=0).reads_at_once(s)] == [4, 5, 6, 8, 10]
 
 
 def test_a_stop_request_logs_and_saves_that_step_unless_it_is_the_last():

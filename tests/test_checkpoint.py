@@ -185,10 +185,11 @@ def test_a_run_killed_after_a_periodic_save_resumes_bitwise(corpus, tmp_path, mo
 
 
 def test_a_stop_request_ends_the_run_after_a_step_and_the_same_command_resumes_it_bitwise(corpus, tmp_path):
-    """What SIGTERM does (job.StopRequest), and what a requeued job then does: set while rank 0 logs
-    step 1, after that step's all-reduce, the request reaches the ranks in step 2 whichever step rank 1 is
-    then in; both stop after step 2 and save it. Run again, the same configuration (--resume auto) resumes
-    from that checkpoint and ends on the uninterrupted run's bits."""
+    """What SIGTERM does (job.StopRequest), and what a requeued job then does. The host reads a step's loss
+    after queuing the next one, so rank 0 logs step 1 once step 2 is queued: set then, the request goes in
+    with step 3 (whichever step rank 1 is in, the all-reduce of step 3 tells both), is read once step 4 is
+    queued, and both stop after step 4, the step every rank is in, and save it. Run again, the same
+    configuration (--resume auto) resumes from that checkpoint and ends on the uninterrupted run's bits."""
     full = run(corpus, 8, world=2)
     folder = tmp_path / "ck"
     stop = StopRequest(str(folder))
@@ -202,16 +203,16 @@ def test_a_stop_request_ends_the_run_after_a_step_and_the_same_command_resumes_i
     same = config(8, 2, save_dir=folder, log_every=100, resume="auto")
     stopped = train(same, corpus, log=log, stop=stop)
     assert lines[0] == f"--resume auto: no checkpoint in '{folder}' yet: starting at step 1"
-    assert stopped["stopped"] == {"step": 2, "signal": None}
-    assert stopped["losses"] == full["losses"][:2] and stopped["val_losses"] == []
+    assert stopped["stopped"] == {"step": 4, "signal": None}
+    assert stopped["losses"] == full["losses"][:4] and stopped["val_losses"] == []
     # the step it stopped after is shown, whatever --log-every
-    assert lines[-2].startswith("step     2/8 | loss")
-    assert lines[-1] == f"saved checkpoint '{folder}' at step 2"
+    assert lines[-2].startswith("step     4/8 | loss")
+    assert lines[-1] == f"saved checkpoint '{folder}' at step 4"
     assert len(set(stopped["param_sha256"])) == 1
     lines.clear()
     resumed = train(same, corpus, log=lines.append)
-    assert lines[0] == f"resuming '{folder}' after step 2"
-    assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    assert lines[0] == f"resuming '{folder}' after step 4"
+    assert resumed["start_step"] == 4 and resumed["losses"] == full["losses"][4:]
     assert resumed["stopped"] is None and resumed["param_sha256"] == full["param_sha256"]
     # run once more (a job requeued after it finished): nothing to train, said as success, nothing written
     saved_bytes = {f.name: f.read_bytes() for f in folder.iterdir()}

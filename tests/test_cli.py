@@ -32,6 +32,10 @@ def test_a_run_prints_progress_and_writes_the_report(tmp_path):
     assert data["param_sha256"][0] == data["param_sha256"][1]
     assert data["config"]["world_size"] == 2 and data["config"]["seed"] == 3
     assert data["config"]["sample_prompt"] == "" and data["samples"] == []  # a str default, not argparse's bytes
+    # numpy queues nothing to capture: said in the report, not in a line
+    assert data["cuda_graph"] == {"mode": "auto", "replayed_steps": 0,
+                                  "without": "the numpy backend queues nothing to capture"}
+    assert not [line for line in lines if "graph" in line]
     assert not list(report.parent.glob(".*tmp*"))  # no temporary left behind
 
 
@@ -111,6 +115,7 @@ def error_line(out):
                            "only"),
     ((5, 8, 32, "--matmul", "cublaslt"), "--matmul cublaslt is a choice of the cuda backend's matmuls; the numpy "
                                          "backend's products are numpy's"),
+    ((5, 8, 32, "--cuda-graph", "on"), "argument --cuda-graph: invalid choice: 'on' (choose from 'auto', 'off')"),
     ((5, 8, 32, "--cpu-threads", "two"), "--cpu-threads must be a positive integer, got 'two'"),
     ((5, 8, 32, "--resume", "auto"), "--resume auto continues from the checkpoint in --save-dir: give --save-dir"),
     ((5, 8, 200), "SEQ (200) exceeds the context length of model 'tiny' (128)"),

@@ -465,6 +465,29 @@ def test_adamw_steps_match(be, rng, n):
         check(be.to_host(got), want, 1e-6, what)
 
 
+def test_adamw_schedule_from_device_memory_is_bitwise_the_arguments(be, rng):
+    """lr and the bias corrections read by the kernel from a device array that upload() rewrites each step
+    (what a captured step does) give the bits the same values passed as arguments give."""
+    n = 10_007
+    start = randn(rng, n, scale=0.02)
+    mask = be.from_host((rng.random(n) < 0.7).astype(np.uint8))
+    grads = [be.from_host(randn(rng, n, scale=0.1)) for _ in range(3)]
+    schedule = be.xp.zeros(3, dtype=be.xp.float32)
+    finals = []
+    for from_memory in (False, True):
+        p, m, v = be.from_host(start), be.from_host(np.zeros(n, np.float32)), be.from_host(np.zeros(n, np.float32))
+        for step, g in enumerate(grads, start=1):
+            fixed = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.8)
+            if from_memory:
+                be.upload(schedule, ref.adamw_schedule(step, 1e-3 * step, 0.9, 0.95))
+                be.adamw_update(p, g, m, v, mask, None, None, schedule=schedule, **fixed)
+            else:
+                be.adamw_update(p, g, m, v, mask, step, 1e-3 * step, **fixed)
+        finals.append([be.to_host(a).view(np.uint32) for a in (p, m, v)])
+    for a, b in zip(*finals, strict=True):
+        assert np.array_equal(a, b)
+
+
 def test_tf32_products_run_in_their_own_thread(rng):
     """A second backend belongs to its own thread (streams are per thread), as ranks do."""
     a, w = randn(rng, 256, 128), randn(rng, 128, 384, scale=0.1)
@@ -637,6 +660,62 @@ def test_ddp_two_virtual_ranks_match_single_rank_and_numpy():
 
 
 @pytest.mark.training
+@pytest.mark.parametrize("options", [
+    {"grad_sync": "bucketed", "bucket_mb": 0.05}, {"grad_sync": "flat", "dtype": "bf16", "grad_accum": 2},
+    {"grad_sync": "per-param", "grad_compress": "bf16"}, {"zero": 1, "matmul": "cublaslt"}])
+def test_a_step_replayed_from_a_cuda_graph_gives_the_same_bits(options):
+    """--cuda-graph auto on one rank: the first step runs as usual, the second is captured and launched,
+    the rest are launches, and losses and parameters are bitwise those of --cuda-graph off. The graph holds
+    the step's collectives (the count is the capture's); replayed steps have no timings of their own."""
+    kw = dict(backend="cuda", world_size=1, steps=4, eval_batches=0, **options)
+    off, graph = _train(cuda_graph="off", **kw), _train(cuda_graph="auto", **kw)
+    assert off["cuda_graph"] == {"mode": "off", "replayed_steps": 0, "without": None}
+    assert graph["cuda_graph"] == {"mode": "auto", "replayed_steps": 3, "without": None}
+    assert graph["losses"] == off["losses"] and graph["param_sha256"] == off["param_sha256"]
+    assert graph["comm_calls_per_step"] == off["comm_calls_per_step"]
+
+
+@pytest.mark.training
+def test_a_capture_that_fails_is_one_line_and_the_run_goes_on_without_graphs(monkeypatch):
+    """A step that reads a device value on the host cannot be captured (the simulator refuses it, as a GPU
+    does): the capture is abandoned, the run says so in one line, runs that step and the rest without a
+    graph, and ends on the bits of --cuda-graph off."""
+    if not getattr(cupy, "cudasim", False):
+        pytest.skip("the host read is planted through the simulator's refusal")
+    norm = CudaBackend.global_norm_squared
+
+    def with_a_host_read(self, buf):
+        out = norm(self, buf)
+        float(out.sum())  # a host read: fine eagerly, refused in a capture
+        return out
+
+    kw = dict(backend="cuda", world_size=1, steps=3, eval_batches=0, grad_sync="bucketed", bucket_mb=0.05)
+    off = _train(cuda_graph="off", **kw)
+    monkeypatch.setattr(CudaBackend, "global_norm_squared", with_a_host_read)
+    lines = []
+    graph = _train(cuda_graph="auto", log=lines.append, **kw)
+    [line] = [line for line in lines if "graph" in line]
+    assert re.fullmatch(r"--cuda-graph auto: rank 0 runs without CUDA graphs: the capture failed: "
+                        r"cudaErrorStreamCaptureUnsupported: cudasim: a copy to the host .*", line), line
+    assert graph["cuda_graph"]["replayed_steps"] == 0
+    assert graph["losses"] == off["losses"] and graph["param_sha256"] == off["param_sha256"]
+
+
+@pytest.mark.training
+def test_virtual_ranks_say_in_one_line_that_they_run_without_cuda_graphs():
+    """Two virtual ranks exchange through the in-process communicator, which synchronizes the rank
+    threads on the host: no graph, one line saying why, and the bits of --cuda-graph off."""
+    lines = []
+    kw = dict(backend="cuda", world_size=2, steps=3, eval_batches=0)
+    graph, off = _train(cuda_graph="auto", log=lines.append, **kw), _train(cuda_graph="off", **kw)
+    why = ("the in-process communicator of virtual ranks synchronizes the rank threads on the host, which a "
+           "captured step cannot do")
+    assert [line for line in lines if "graph" in line] == [f"--cuda-graph auto: rank 0 runs without CUDA graphs: {why}"]
+    assert graph["cuda_graph"] == {"mode": "auto", "replayed_steps": 0, "without": why}
+    assert graph["param_sha256"] == off["param_sha256"] and graph["losses"] == off["losses"]
+
+
+@pytest.mark.training
 def test_ddp_with_cublaslt_matches_numpy_and_keeps_ranks_equal():
     """--matmul cublaslt through the trainer: two virtual ranks, each with its own cuBLASLt handle and
     workspace on the shared device, follow the numpy run and end with identical bits."""
@@ -650,9 +729,10 @@ def test_ddp_with_cublaslt_matches_numpy_and_keeps_ranks_equal():
 @pytest.mark.training
 def test_a_training_step_copies_the_batch_in_and_one_array_out():
     """No hidden host<->device traffic in the step: per optimizer step the host uploads each
-    micro-batch's ids and targets, downloads one array (the loss and the squared grad norm together),
-    and never waits for the device before that read (the event waits after it only turn the step's
-    timing marks into seconds). The simulator logs every copy and wait (CuPy has no hook for them), so
+    micro-batch's ids and targets, the readout array's [0, stop, 0] and AdamW's schedule, queues one
+    download (the loss, the stop request and the squared grad norm together), and waits for it only
+    after queuing the next step (the event waits after it only turn the step's timing marks into
+    seconds). The simulator logs every copy and wait (CuPy has no hook for them), so
     this runs there only."""
     if not getattr(cupy, "cudasim", False):
         pytest.skip("the host traffic log is the CUDA simulator's (tests/cudasim)")
@@ -661,7 +741,7 @@ def test_a_training_step_copies_the_batch_in_and_one_array_out():
     fake_cupy.host_traffic_by_thread.clear()
     _train(backend="cuda", world_size=1, steps=3, grad_accum=2, eval_batches=0)
     log = " ".join(fake_cupy.host_traffic_by_thread["rank0"])
-    assert re.fullmatch(fake_cupy.training_traffic(steps=3, uploads=4), log), log  # 2 micro-batches x (ids, targets)
+    assert re.fullmatch(fake_cupy.training_traffic(steps=3, uploads=6), log), log  # 2 x (ids, targets), 2 more
 
 
 @pytest.mark.training
@@ -712,9 +792,10 @@ def test_a_cuda_run_resumes_bitwise(tmp_path, world, options):
 
 @pytest.mark.training
 def test_a_stop_request_on_the_gpu_ends_after_a_step_and_resumes_bitwise(tmp_path):
-    """SIGTERM's path on the GPU (job.StopRequest): the request is a 1 written into the device array
-    the step's loss is all-reduced in, so both virtual ranks stop after step 2 (it is set while step 1 is
-    logged), save that step, and the resumed run ends on the uninterrupted run's bits."""
+    """SIGTERM's path on the GPU (job.StopRequest): the request is a 1 uploaded into the device array the
+    step's loss is all-reduced in. Set while step 1 is logged (once step 2 is queued: a step is read after
+    the next is queued), it goes in with step 3, is read once step 4 is queued, and both virtual ranks stop
+    after step 4, save that step, and the resumed run ends on the uninterrupted run's bits."""
     from xtrain_dist.train.job import StopRequest
 
     kw = dict(backend="cuda", world_size=2, lr_decay_steps=5, eval_batches=0)
@@ -726,9 +807,9 @@ def test_a_stop_request_on_the_gpu_ends_after_a_step_and_resumes_bitwise(tmp_pat
             stop.set()
 
     stopped = _train(steps=5, save_dir=str(tmp_path / "ck"), log=log, stop=stop, **kw)
-    assert stopped["stopped"] == {"step": 2, "signal": None} and stopped["losses"] == full["losses"][:2]
+    assert stopped["stopped"] == {"step": 4, "signal": None} and stopped["losses"] == full["losses"][:4]
     resumed = _train(steps=5, resume=str(tmp_path / "ck"), **kw)
-    assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    assert resumed["start_step"] == 4 and resumed["losses"] == full["losses"][4:]
     assert resumed["param_sha256"] == full["param_sha256"]
 
 

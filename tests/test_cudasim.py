@@ -408,6 +408,49 @@ def test_a_read_on_another_stream_needs_an_event_or_the_host(copy_kernel):
     b.synchronize()  # before src goes: b's read must be known finished (see the use-after-free test)
 
 
+def test_a_stream_capture_records_replays_and_refuses_what_a_gpu_refuses(copy_kernel):
+    """Work queued on a capturing stream, and on a stream that joins it by waiting for an event recorded in
+    it, is recorded, not run; each launch of the graph runs it in order. A host read, a copy from pageable
+    memory, synchronizing, waiting on the host for a captured event and an allocation the graph's pool has
+    not handed out before are errors during the capture, as on a GPU."""
+    main, side = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    pool = sim.MemoryPool()
+    with main, sim.using_allocator(pool.malloc):
+        src, out, later = sim.zeros(64, np.float32), sim.zeros(64, np.float32), sim.zeros(64, np.float32)
+        sim.empty(64, np.float32)  # the warm-up: the pool has handed out a block of this size
+        main.begin_capture()
+        copy_kernel((1,), (64,), (out, src, np.int32(64)), stream=main)
+        scratch = sim.empty(64, np.float32)  # a size the pool knows: no cudaMalloc
+        joined = main.record()
+        side.wait_event(joined)  # side joins the capture
+        copy_kernel((1,), (64,), (later, out, np.int32(64)), stream=side)
+        main.wait_event(side.record())
+        out += 1  # an array method: recorded too
+        refused = {"a copy to the host": [out.get, lambda: float(out.sum())],
+                   "pageable host memory": [lambda: out.set(np.ones(64, np.float32))],
+                   "a stream synchronize": [main.synchronize, side.synchronize],
+                   "an event recorded in a stream capture": [joined.synchronize],
+                   "an allocation of 400 bytes during stream capture": [lambda: sim.empty(100, np.float32)],
+                   "a device synchronize": [sim.Device().synchronize]}
+        for what, call in ((what, call) for what, calls in refused.items() for call in calls):
+            with pytest.raises(sim.CUDARuntimeError, match=rf"^cudaErrorStreamCaptureUnsupported: cudasim: .*{what}"):
+                call()
+        graph = main.end_capture()
+        assert not main.is_capturing() and not side.is_capturing() and scratch.shape == (64,)
+        main.synchronize()
+        assert not out.get().any() and not later.get().any()  # nothing ran in the capture
+        for launch in (1, 2):
+            src[...] = sim.full(64, 10.0 * launch, np.float32)
+            graph.launch(main)
+            np.testing.assert_array_equal(out.get(), 10.0 * launch + 1)
+            np.testing.assert_array_equal(later.get(), 10.0 * launch)
+    with main:
+        main.begin_capture()
+        with pytest.raises(sim.CUDARuntimeError, match=r"^cudaErrorStreamCaptureUnsupported: cudasim: an allocation"):
+            sim.empty(64, np.float32)  # the pool is not this thread's allocator here: a cudaMalloc
+        main.end_capture()
+
+
 def test_a_write_after_another_streams_read_needs_an_order_too(copy_kernel):
     """Write after read: stream a overwriting what stream b still reads is a race; reads on two streams
     are not (the kernel's `const` parameter says it only reads)."""
@@ -782,8 +825,12 @@ def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch, re
             assert _parameters(value) == _documented_parameters(real_value), name
     assert real.cuda.runtime.CUDA_R_16BF == gemm.CUDA_R_16BF
 
-    for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "set_allocator"):
+    for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "set_allocator",
+                 "MemoryPool", "using_allocator", "alloc_pinned_memory", "Graph"):
         assert hasattr(real.cuda, name), name
+    for method in ("begin_capture", "end_capture", "is_capturing"):
+        assert hasattr(real.cuda.Stream, method), method
+    assert _parameters(fake.cuda.Graph.launch) == _documented_parameters(real.cuda.Graph.launch)
     assert hasattr(real.cuda.device, "get_cublas_handle")
     assert _parameters(fake.cuda.Event.__init__) == _documented_parameters(real.cuda.Event.__init__)
     real_stream = _documented_parameters(real.cuda.Stream.__init__)

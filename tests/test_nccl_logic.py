@@ -40,6 +40,11 @@ class FakeComm:
         self.log.append(("destroy", self.rank))
 
 
+def stream(ptr: int) -> SimpleNamespace:
+    """A CuPy stream as the communicator sees it: its handle, and never capturing (train/graph.py)."""
+    return SimpleNamespace(ptr=ptr, is_capturing=lambda: False)
+
+
 class Fake:
     """nccl.core, nccl.bindings.nccl and cupy, as far as the communicator uses them."""
 
@@ -93,7 +98,7 @@ class Fake:
             all_reduce=collective("all_reduce"), reduce_scatter=collective("reduce_scatter"),
             all_gather=collective("all_gather"), broadcast=collective("broadcast"), reduce=collective("reduce"))
         self.cupy = SimpleNamespace(cuda=SimpleNamespace(
-            Device=Device, Event=Event, get_current_stream=lambda: SimpleNamespace(ptr=fake.current_stream),
+            Device=Device, Event=Event, get_current_stream=lambda: stream(fake.current_stream),
             runtime=SimpleNamespace(getDeviceCount=lambda: 4,
                                     memcpyAsync=lambda *args: fake.log.append(("memcpy", *args)))))
 
@@ -146,7 +151,7 @@ def test_collectives_hand_nccl_pointers_counts_types_and_the_stream(fake):
     world = world_of(fake)
     comm = world.communicator(0)
     comm.all_reduce(Buf(10))
-    comm.all_reduce(Buf(6, "uint16", ptr=0x100), dtype="bf16", stream=SimpleNamespace(ptr=0x5555))
+    comm.all_reduce(Buf(6, "uint16", ptr=0x100), dtype="bf16", stream=stream(0x5555))
     fake.current_stream = 0x7777  # the CUDA backend made the rank's own stream current
     comm.all_reduce(Buf(1, ptr=0x10))
     fake.current_stream = 0
@@ -270,6 +275,21 @@ def test_finished_collectives_are_retired_and_never_time_out(fake):
     world = world_of(fake, timeout_s=0.2)
     world.communicator(0).all_reduce(Buf(4))  # the stand-in GPU finishes at once
     assert wait_for(lambda: not world.pending[0], seconds=5), "a finished collective stayed pending"
+    assert world.abort_reason is None
+    world.close()
+
+
+def test_a_collective_queued_into_a_capture_is_called_but_not_watched(fake):
+    """A collective captured into a CUDA graph (train/graph.py) is handed to NCCL as usual, but runs only
+    when the graph is launched, and an event recorded in a capture cannot be queried: no event is queued
+    for the watchdog, which would otherwise time it out or fail on it."""
+    fake.events_done = False  # an event the watchdog did watch would never finish
+    world = world_of(fake, timeout_s=0.2)
+    capturing = SimpleNamespace(ptr=0x4444, is_capturing=lambda: True)
+    world.communicator(0).all_reduce(Buf(4), stream=capturing)
+    assert [entry for entry in fake.log if entry[0] == "all_reduce"][-1][-1] == 0x4444
+    assert not world.pending[0]
+    time.sleep(0.4)
     assert world.abort_reason is None
     world.close()
 

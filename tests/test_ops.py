@@ -411,3 +411,30 @@ def test_global_norm_squared_is_the_rounded_exact_sum(rng):
     g[np.arange(n) % 128 < 8] = 1.0
     exact = math.fsum(np.square(g).astype(np.float64))
     assert ops.global_norm_squared(g)[0] == np.float32(exact)
+
+
+def test_adamw_schedule_in_memory_gives_the_same_bits(rng):
+    """The step's lr and bias corrections read from a schedule array (what a captured step reads) update
+    bit for bit as passing step and lr does; passing both ways at once is an error."""
+    n = 1000
+    mask = (np.arange(n) % 3 != 0).astype(np.uint8)
+    start = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(4)]
+    clip = np.array([0.7], np.float32)
+    runs = []
+    for from_memory in (False, True):
+        p, m, v = start.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+        for step, g in enumerate(grads, start=1):
+            if from_memory:
+                ops.adamw_update(p, g, m, v, mask, None, None, 0.9, 0.95, 1e-8, 0.1, clip,
+                                 schedule=ops.adamw_schedule(step, 3e-3 * step, 0.9, 0.95))
+            else:
+                ops.adamw_update(p, g, m, v, mask, step, 3e-3 * step, 0.9, 0.95, 1e-8, 0.1, clip)
+        runs.append((p, m, v))
+    for a, b in zip(*runs, strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    with pytest.raises(ValueError, match=r"^adamw_update: step and lr are in the schedule; pass them as None$"):
+        ops.adamw_update(p, grads[0], m, v, mask, 1, None, 0.9, 0.95, 1e-8, 0.1, clip,
+                         schedule=ops.adamw_schedule(1, 1e-3, 0.9, 0.95))
+    assert ops.adamw_schedule(3, 0.1, 0.9, 0.95).tolist() == [np.float32(0.1), np.float32(1 - 0.9 ** 3),
+                                                            np.float32(1 - 0.95 ** 3)]

@@ -87,6 +87,7 @@ class TrainConfig:
     cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default cores / ranks
     tf32: bool = False              # cuda backend: TF32 tensor-core matmuls (fp32 storage)
     matmul: str = "cublas"          # cuda backend: cublas | cublaslt, the library of products with a bias
+    cuda_graph: str = "auto"        # cuda backend: auto | off, the step captured and replayed (train/graph.py)
     # processes and launchers (see comm/launch_env.py and comm/world.py); world_size above counts every rank
     # of the job: processes x rank threads per process
     comm: str = "auto"                  # auto | local | mpi | tcp | nccl

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from .backend.numpy_ops import adamw_schedule
 from .config import TrainConfig
 from .errors import XtrainError
 
@@ -59,6 +60,11 @@ def check_schedule(cfg: TrainConfig) -> None:
                           f"exceed --lr-decay-steps ({cfg.lr_decay_steps}): the cooldown would start in the warmup")
 
 
+def schedule_buffer(ops):
+    """Where the step's [lr, 1 - beta1^step, 1 - beta2^step] live on the backend (numpy_ops.adamw_schedule)."""
+    return ops.xp.zeros(3, dtype=ops.xp.float32)
+
+
 class AdamW:
     """torch.optim.AdamW semantics; state (m, v) is two more flat buffers like the parameters."""
 
@@ -72,6 +78,7 @@ class AdamW:
         self.m = xp.zeros_like(model.params)
         self.v = xp.zeros_like(model.params)
         self.step_count = 0
+        self.schedule = schedule_buffer(self.ops)
 
     def grad_norm_squared(self):
         """The squared global norm of the (reduced) gradients, a (1,) array."""
@@ -79,10 +86,24 @@ class AdamW:
 
     def step(self, lr: float, grad_scale) -> None:
         """One update with gradients multiplied by grad_scale (a (1,) array: the clip coefficient)."""
+        self.prepare(lr)
+        self.update(grad_scale)
+
+    def prepare(self, lr: float) -> None:
+        """Count the step and write its learning rate and bias corrections into device memory (an
+        asynchronous copy): the part of a step that comes from the host, done before a captured step is
+        replayed (train/graph.py), or just before update() without graphs. Both ways the kernel reads the
+        same float32 values, so parameters are bitwise the same."""
         self.step_count += 1
+        self.ops.upload(self.schedule, adamw_schedule(self.step_count, lr, self.cfg.beta1, self.cfg.beta2))
+
+    def update(self, grad_scale) -> None:
+        """The update itself, reading the step's values from the schedule prepare() wrote: nothing here
+        depends on the host, so a CUDA graph can hold it."""
         c, m = self.cfg, self.model
-        self.ops.adamw_update(m.params, m.grads, self.m, self.v, m.decay_mask, self.step_count, lr,
-                              c.beta1, c.beta2, c.eps, c.weight_decay, grad_scale, params_lowp=m.lowp_copy)
+        self.ops.adamw_update(m.params, m.grads, self.m, self.v, m.decay_mask, None, None,
+                              c.beta1, c.beta2, c.eps, c.weight_decay, grad_scale, params_lowp=m.lowp_copy,
+                              schedule=self.schedule)
 
     @property
     def state_bytes(self) -> int:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 # the backend functions that are plumbing, not a step's work: never timed
-PLUMBING = {"to_host", "from_host", "from_host_act", "synchronize", "bind_side_thread", "fence", "wait",
-            "timestamp", "elapsed"}
+PLUMBING = {"to_host", "to_host_later", "from_host", "upload", "from_host_act", "synchronize", "bind_side_thread",
+            "fence", "wait", "timestamp", "elapsed"}
 
 
 # attention op -> (which argument is qkv, how many T x T x hs products it counts); flash attention is the

@@ -24,7 +24,7 @@ import itertools
 import sys
 
 import numpy as np
-from fake_cupy import _ELEMENT, _gemm, _gemm_operation, _memory, _to_float, get_current_stream, raw_operation
+from fake_cupy import _ELEMENT, _gemm, _gemm_operation, _memory, _queue, _to_float, get_current_stream, raw_operation
 
 SUCCESS, INVALID_VALUE, NOT_SUPPORTED = 0, 7, 15
 DESC_SIZES = {0: 4, 1: 4, 3: 4, 4: 4, 7: 4, 8: 8, 26: 4}  # cublasLt.h's types of the attributes we know
@@ -118,7 +118,7 @@ class FakeCublasLt:
         if stream != get_current_stream().ptr:
             raise AssertionError(f"cublasLtMatmul on stream {stream:#x}, the thread's current one is "
                                  f"{get_current_stream().ptr:#x}")
-        bias = None
+        bias_type = bias_ptr = None
         if attrs[7] == 4:  # CUBLASLT_EPILOGUE_BIAS
             bias_type, bias_ptr = ld["type"] if attrs[26] == -1 else attrs[26], attrs[8]
             if not bias_ptr:
@@ -127,20 +127,26 @@ class FakeCublasLt:
                 return NOT_SUPPORTED  # the bias has D's type (the only combination this module asks for)
             if bias_ptr % algo.data[5]:
                 return NOT_SUPPORTED  # the bias is read like D: as aligned as D's promise (cublaslt.py says why)
-            item = np.dtype(_ELEMENT[bias_type]).itemsize
-            raw_operation(get_current_stream(), "cublasLtMatmul (bias)", [(bias_ptr, bias_ptr + m * item, False)])
-            bias = _to_float(_memory(bias_ptr, _ELEMENT[bias_type], m), bias_type)
         elif attrs[7] != 1:
             return NOT_SUPPORTED
         if not (isinstance(alpha_ref._obj, ctypes.c_float) and isinstance(beta_ref._obj, ctypes.c_float)):
             return INVALID_VALUE  # the scale type is float32 (cublasLtMatmulDescCreate's scaleType)
         alpha, beta = alpha_ref._obj.value, beta_ref._obj.value
-        _gemm_operation("cublasLtMatmul", transa, transb, m, n, k, A, la["type"], la["ld"], B, lb["type"], lb["ld"],
-                        D, ld["type"], ld["ld"])
-        raw_operation(get_current_stream(), "cublasLtMatmul (workspace)",
-                      [(workspace, workspace + workspace_bytes, True)])
-        _gemm(transa, transb, m, n, k, alpha, A, la["type"], la["ld"], B, lb["type"], lb["ld"], beta, D, ld["type"],
-              ld["ld"], op["compute"], bias=bias)
+
+        def run():  # now, or at each launch of the graph a capture records it into
+            bias = None
+            if bias_ptr is not None:
+                item = np.dtype(_ELEMENT[bias_type]).itemsize
+                raw_operation(get_current_stream(), "cublasLtMatmul (bias)", [(bias_ptr, bias_ptr + m * item, False)])
+                bias = _to_float(_memory(bias_ptr, _ELEMENT[bias_type], m), bias_type)
+            _gemm_operation("cublasLtMatmul", transa, transb, m, n, k, A, la["type"], la["ld"], B, lb["type"],
+                            lb["ld"], D, ld["type"], ld["ld"])
+            raw_operation(get_current_stream(), "cublasLtMatmul (workspace)",
+                          [(workspace, workspace + workspace_bytes, True)])
+            _gemm(transa, transb, m, n, k, alpha, A, la["type"], la["ld"], B, lb["type"], lb["ld"], beta, D,
+                  ld["type"], ld["ld"], op["compute"], bias=bias)
+
+        _queue(stream, run)
         return SUCCESS
 
 

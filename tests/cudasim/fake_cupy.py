@@ -25,6 +25,14 @@ sys.modules (tests/conftest.py does so when XTRAIN_CUDASIM=1). Then:
   and writes on which stream, and an access that no stream order, event or host synchronisation
   orders after a conflicting one on another stream is an error (`StreamRace`): a missing fence is
   found although nothing here ran concurrently.
+- Graphs. `Stream.begin_capture()` makes the work queued on that stream (and on streams that wait for an
+  event recorded on it: cross-stream capture) be recorded instead of run; `end_capture()` returns a graph
+  whose `launch(stream)` runs the recorded work in the order it was queued, as work of the launching
+  stream. What a GPU refuses while a stream captures is an error here too: a copy to the host that
+  waits (get, item, float), a copy from pageable host memory (set), synchronizing the stream, an event
+  recorded in the capture or the device, and an allocation that would be a cudaMalloc: one of a size
+  the thread's allocator (a `MemoryPool` made current with `using_allocator`) has not handed out before
+  the capture (the warm-up step that fills a graph's pool).
 
 It is a test instrument, not a backend: nothing in xtrain_dist imports it, and a run that asks for
 --backend cuda without CuPy still fails. What it cannot see is listed in cudasim.h.
@@ -100,11 +108,15 @@ def host_traffic() -> list[str]:
 
 def training_traffic(steps: int, uploads: int) -> str:
     """A rank thread's whole log, joined by spaces, as a regular expression of what a training run may do:
-    setup uploads; per optimizer step `uploads` uploads and then the step's one download, after which
-    only event waits (the step's timing marks becoming seconds); then the end of the run, which starts
-    with a download (the parameter digest)."""
-    step = rf"(?:upload ){{{uploads}}}download(?: event_sync)* "
-    return rf"(?:upload )*(?:{step}){{{steps}}}download(?: .*)?"
+    setup uploads; per optimizer step `uploads` uploads, the launch of the step's graph where it runs from
+    one (--cuda-graph), and the step's one download, queued on the stream (the host does not wait for it
+    there); from the second step on, after that, the waits for the previous step's download and timing
+    marks (the host reads a step once the next one is queued, so it never waits for the step it has just
+    queued); then the last step's own waits and the end of the run, which starts with a download (the
+    parameter digest)."""
+    first = rf"(?:upload ){{{uploads}}}(?:graph_launch )?download_queued "
+    step = rf"(?:upload ){{{uploads}}}(?:graph_launch )?download_queued(?: event_sync)+ "
+    return rf"(?:upload )*{first}(?:{step}){{{steps - 1}}}(?:event_sync )*download(?: .*)?"
 
 
 # ---------------------------------------------------------------------------- memory
@@ -139,6 +151,14 @@ def _allocate(shape, dtype, fill: int | None = POISON_BYTE) -> ndarray:
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    pool = getattr(_thread, "pool", None)
+    if get_current_stream().capture is not None:
+        if pool is None or -(-nbytes // ALIGN) not in pool.sizes:
+            raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: cudasim: an allocation of {nbytes} bytes "
+                                   "during stream capture that the pool has no block for (a cudaMalloc): "
+                                   "allocate it before the capture, or warm the graph's pool with the same step")
+    elif pool is not None:
+        pool.sizes.add(-(-nbytes // ALIGN))
     raw = np.empty(nbytes + 2 * GUARD + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN + GUARD
     raw[:] = GUARD_BYTE
@@ -193,15 +213,72 @@ def _on_stream(what: str, reads=(), writes=(), stream=None) -> None:
     that reads and writes these device arrays."""
     accesses = [(*_span(a), False) for a in reads if isinstance(a, ndarray)]
     accesses += [(*_span(a), True) for a in writes if isinstance(a, ndarray)]
-    streams.operation(stream or get_current_stream(), what, accesses)
+    streams.operation(getattr(_thread, "launching", None) or stream or get_current_stream(), what, accesses)
 
 
 def raw_operation(stream, what: str, accesses) -> None:
     """An operation on raw addresses ((first, end, writes?) triples: cuBLAS, NCCL, the runtime's copies)
     on a stream given as a Stream or as its handle."""
+    stream = getattr(_thread, "launching", None) or _stream_of(stream)
+    streams.operation(stream, what, accesses)
+
+
+def _stream_of(stream) -> Stream:
+    """A Stream given as itself or as its handle (None: the calling thread's current one)."""
+    if stream is None:
+        return get_current_stream()
     if not isinstance(stream, Stream):
         stream = streams.stream_at(int(stream or 0)) or Stream.null
-    streams.operation(stream, what, accesses)
+    return stream
+
+
+# ---------------------------------------------------------------------------- graphs (stream capture)
+
+_capturing: set = set()  # the graphs being captured now, by any thread
+
+
+class Graph:
+    """The work a capture recorded, in the order it was queued; launch() runs it on the launching stream."""
+
+    def __init__(self, origin):
+        self.origin = origin
+        self.streams = [origin]  # the origin and the streams that joined through an event
+        self.work: list = []     # (the stream it was queued on, what runs it)
+        self.lock = threading.Lock()
+
+    def record(self, stream, run) -> None:
+        with self.lock:
+            self.work.append((stream, run))
+
+    def launch(self, stream=None) -> None:
+        stream = _stream_of(stream)
+        if self in _capturing:
+            raise CUDARuntimeError("cudaErrorIllegalState: cudasim: a graph launched before its capture ended")
+        _refuse_in_capture(stream, "a graph launch into a stream that captures")
+        before = getattr(_thread, "stream", Stream.null), getattr(_thread, "launching", None)
+        _thread.launching = stream  # everything runs as the launching stream's work, in recorded order
+        try:
+            for queued_on, run in self.work:
+                _thread.stream = queued_on  # what the recorded call saw as the current stream
+                run()
+        finally:
+            _thread.stream, _thread.launching = before
+        host_traffic().append("graph_launch")
+
+
+def _queue(stream, run) -> None:
+    """Run an operation queued on `stream` (a Stream, a handle, None for the current one) now, or record it
+    into the graph that stream is capturing."""
+    target = _stream_of(stream)
+    if target.capture is None or getattr(_thread, "launching", None) is not None:
+        run()
+    else:
+        target.capture.record(target, run)
+
+
+def _refuse_in_capture(stream, what: str) -> None:
+    if getattr(_stream_of(stream), "capture", None) is not None:
+        raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: cudasim: {what} while the stream captures")
 
 
 class ndarray(np.ndarray):
@@ -220,6 +297,7 @@ class ndarray(np.ndarray):
 
     def get(self, stream=None, order="C", out=None) -> np.ndarray:
         stream = stream or get_current_stream()
+        _refuse_in_capture(stream, "a copy to the host that waits for it (ndarray.get, item, float)")
         if not self.flags.c_contiguous:
             # CuPy copies a strided array into a contiguous one under `with stream:` first, and leaving that
             # block makes the null stream current (see Stream.__exit__), whatever stream was current before
@@ -236,6 +314,7 @@ class ndarray(np.ndarray):
             raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
         if arr.dtype != self.dtype:
             raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        _refuse_in_capture(stream or get_current_stream(), "a copy from pageable host memory (ndarray.set)")
         _on_stream("a copy from the host (ndarray.set)", writes=[self], stream=stream)
         host_traffic().append("upload")
         self.view(np.ndarray)[...] = arr
@@ -254,14 +333,20 @@ class ndarray(np.ndarray):
         return self.get().tolist()
 
     def __setitem__(self, key, value) -> None:
-        target = np.ndarray.__getitem__(self, key)
-        _on_stream("an assignment (ndarray.__setitem__)", reads=[value],
-                   writes=[target if isinstance(target, np.ndarray) else self])
-        np.ndarray.__setitem__(self.view(np.ndarray), key, _host(value))
+        def run():
+            target = np.ndarray.__getitem__(self, key)
+            _on_stream("an assignment (ndarray.__setitem__)", reads=[value],
+                       writes=[target if isinstance(target, np.ndarray) else self])
+            np.ndarray.__setitem__(self.view(np.ndarray), key, _host(value))
+
+        _queue(None, run)
 
     def fill(self, value) -> None:
-        _on_stream("ndarray.fill", writes=[self])
-        self.view(np.ndarray).fill(value)
+        def run():
+            _on_stream("ndarray.fill", writes=[self])
+            self.view(np.ndarray).fill(value)
+
+        _queue(None, run)
 
     def copy(self, order="C"):
         return _from(self, what="ndarray.copy")
@@ -276,18 +361,37 @@ class ndarray(np.ndarray):
             if type(x) is np.ndarray and x.ndim > 0:
                 raise TypeError(f"cudasim: {ufunc.__name__} mixes a device array with a host numpy array "
                                 "(CuPy refuses: Unsupported type <class 'numpy.ndarray'>)")
-        written = list(out or ()) + ([inputs[0]] if method == "at" else [])
-        _on_stream(f"cupy.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}"), reads=inputs,
-                   writes=written)
+        what = f"cupy.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
         plain = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs)
-        if out is not None:
-            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in out)
+        if out is not None or method == "at":
+            written = list(out or ()) + ([inputs[0]] if method == "at" else [])
+
+            def run():
+                _on_stream(what, reads=inputs, writes=written)
+                if out is not None:
+                    kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in out)
+                getattr(ufunc, method)(*plain, **kwargs)
+
+            _queue(None, run)
+            return None if out is None else out[0] if len(out) == 1 else out
+        # a new array: computed now, which changes nothing; in a capture, computed again at each launch
+        # into the array allocated now
         result = getattr(ufunc, method)(*plain, **kwargs)
-        if out is not None:
-            return out[0] if len(out) == 1 else out
-        if isinstance(result, tuple):
-            return tuple(_wrap(r) for r in result)
-        return _wrap(result)
+        stream = get_current_stream()
+        if stream.capture is None:
+            _on_stream(what, reads=inputs)
+            return tuple(_wrap(r) for r in result) if isinstance(result, tuple) else _wrap(result)
+        fresh = result if isinstance(result, tuple) else (result,)
+        results = tuple(_allocate(np.shape(r), np.asarray(r).dtype) for r in fresh)
+
+        def again():
+            _on_stream(what, reads=inputs, writes=results)
+            values = getattr(ufunc, method)(*plain, **kwargs)
+            for r, v in zip(results, values if isinstance(values, tuple) else (values,), strict=True):
+                r.view(np.ndarray)[...] = v
+
+        stream.capture.record(stream, again)
+        return results if isinstance(result, tuple) else results[0]
 
 
 def _wrap(x):
@@ -302,13 +406,25 @@ def _host(x):
     return x.view(np.ndarray) if isinstance(x, ndarray) else x
 
 
-def _from(values, dtype=None, what="a copy to the device") -> ndarray:
-    """A new device array holding values (a host or device array, or a scalar)."""
+def _from(values, dtype=None, what="a copy to the device", compute=None) -> ndarray:
+    """A new device array holding values (a host or device array, or a scalar). In a capture, what fills
+    it runs at each launch: compute() (values from device arrays, computed again then) or the copy."""
     source = values
     values = np.asarray(_host(values), dtype=dtype)
     out = _allocate(values.shape, values.dtype)
-    _on_stream(what, reads=[source], writes=[out])
-    out.view(np.ndarray)[...] = values
+    stream = get_current_stream()
+
+    def fill(fresh=values):
+        _on_stream(what, reads=[source], writes=[out])
+        out.view(np.ndarray)[...] = fresh
+
+    if stream.capture is None:
+        fill()
+    else:
+        if not isinstance(source, ndarray) and compute is None and np.ndim(source) > 0:
+            _refuse_in_capture(stream, f"{what} from pageable host memory")
+        stream.capture.record(stream, (lambda: fill(np.asarray(compute(), dtype=dtype))) if compute else
+                              (lambda: fill(np.asarray(_host(source), dtype=dtype))))
     return out
 
 
@@ -318,8 +434,12 @@ def empty(shape, dtype=np.float64, order="C"):
 
 def full(shape, fill_value, dtype=None):
     out = _allocate(shape, dtype if dtype is not None else np.asarray(fill_value).dtype)
-    _on_stream("a fill (cupy.full, zeros, ones)", writes=[out])
-    out.view(np.ndarray)[...] = fill_value
+
+    def run():
+        _on_stream("a fill (cupy.full, zeros, ones)", writes=[out])
+        out.view(np.ndarray)[...] = fill_value
+
+    _queue(None, run)
     return out
 
 
@@ -352,18 +472,27 @@ def array(a, dtype=None, copy=True):
 
 
 def argsort(a, axis=-1, kind=None):
-    _on_stream("cupy.argsort", reads=[a])
-    return _from(np.argsort(_host(a), axis=axis, kind="stable"), what="cupy.argsort")
+    def compute():
+        _on_stream("cupy.argsort", reads=[a])
+        return np.argsort(_host(a), axis=axis, kind="stable")
+
+    return _from(compute(), what="cupy.argsort", compute=compute)
 
 
 def concatenate(arrays, axis=0):
-    _on_stream("cupy.concatenate", reads=arrays)
-    return _from(np.concatenate([_host(a) for a in arrays], axis=axis), what="cupy.concatenate")
+    def compute():
+        _on_stream("cupy.concatenate", reads=arrays)
+        return np.concatenate([_host(a) for a in arrays], axis=axis)
+
+    return _from(compute(), what="cupy.concatenate", compute=compute)
 
 
 def matmul(a, b):
-    _on_stream("cupy.matmul", reads=[a, b])
-    return _from(np.matmul(_host(a), _host(b)), what="cupy.matmul")
+    def compute():
+        _on_stream("cupy.matmul", reads=[a, b])
+        return np.matmul(_host(a), _host(b))
+
+    return _from(compute(), what="cupy.matmul", compute=compute)
 
 
 def _numpy_fallback(name: str):
@@ -373,11 +502,15 @@ def _numpy_fallback(name: str):
         return target
 
     def call(*args, **kwargs):
-        _on_stream(f"cupy.{name}", reads=[*args, *kwargs.values()])
-        args = tuple(_host(a) for a in args)
-        kwargs = {k: _host(v) for k, v in kwargs.items()}
-        result = target(*args, **kwargs)
-        return _from(result, what=f"cupy.{name}") if isinstance(result, np.ndarray) else result
+        def compute():
+            _on_stream(f"cupy.{name}", reads=[*args, *kwargs.values()])
+            return target(*(_host(a) for a in args), **{k: _host(v) for k, v in kwargs.items()})
+
+        result = compute()
+        if isinstance(result, np.ndarray):
+            return _from(result, what=f"cupy.{name}", compute=compute)
+        _refuse_in_capture(get_current_stream(), f"cupy.{name} giving a host value")
+        return result
 
     return call
 
@@ -425,6 +558,9 @@ class Device:
 
 
 def _device_synchronize():
+    if _capturing:
+        raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported: cudasim: a device synchronize while a stream "
+                               "captures")
     host_traffic().append("device_sync")
     streams.host_saw_all()
 
@@ -435,6 +571,28 @@ class Stream(streams.Clocked):
 
     def __init__(self, null: bool = False, non_blocking: bool = False):
         super().__init__(0 if null else next(_stream_ids), blocking=null or not non_blocking)
+        self.capture: Graph | None = None  # the graph this stream's work goes into while it captures
+
+    def begin_capture(self, mode=None):
+        if self.ptr == 0:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported: cudasim: the legacy null stream cannot "
+                                   "capture")
+        if self.capture is not None:
+            raise CUDARuntimeError("cudaErrorIllegalState: cudasim: the stream is capturing already")
+        self.capture = Graph(self)
+        _capturing.add(self.capture)
+
+    def end_capture(self):
+        graph = self.capture
+        if graph is None or graph.origin is not self:
+            raise CUDARuntimeError("cudaErrorIllegalState: cudasim: end_capture on a stream that did not begin one")
+        for stream in graph.streams:
+            stream.capture = None
+        _capturing.discard(graph)
+        return graph
+
+    def is_capturing(self) -> bool:
+        return self.capture is not None
 
     def use(self):
         _thread.stream = self
@@ -452,10 +610,14 @@ class Stream(streams.Clocked):
         _thread.stream = stack[-1] if stack else Stream.null
 
     def synchronize(self):
+        _refuse_in_capture(self, "a stream synchronize")
         host_traffic().append("stream_sync")
         streams.host_saw(streams.recorded(self))
 
     def wait_event(self, event):
+        if event.capture is not None and self.capture is None:  # cross-stream capture: this stream joins
+            self.capture = event.capture
+            event.capture.streams.append(self)
         streams.wait(self, event.clock)
 
     def record(self, event=None):
@@ -482,12 +644,18 @@ class Event:
         self.disable_timing = disable_timing
         self.time = None
         self.clock: dict[int, int] = {}  # an event never recorded orders nothing
+        self.capture: Graph | None = None  # recorded into a graph: it joins the streams that wait for it
 
     def record(self, stream=None):
-        self.clock = streams.recorded(stream or get_current_stream())
+        stream = stream or get_current_stream()
+        self.capture = stream.capture
+        self.clock = streams.recorded(stream)
         self.time = time.perf_counter()
 
     def synchronize(self):
+        if self.capture is not None and self.capture in _capturing:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported: cudasim: waiting on the host for an event "
+                                   "recorded in a stream capture")
         host_traffic().append("event_sync")
         streams.host_saw(self.clock)
 
@@ -510,6 +678,31 @@ def get_cublas_handle():
     if not hasattr(_handles, "handle"):
         _handles.handle = next(_handle_ids)
     return _handles.handle
+
+
+class MemoryPool:
+    """A pool of its own (CuPy's MemoryPool): made the thread's allocator with using_allocator(pool.malloc),
+    it remembers the block sizes it handed out, which are the allocations a later capture may make."""
+
+    def __init__(self):
+        self.sizes: set[int] = set()  # in ALIGN-byte units
+
+    def malloc(self, size):
+        return _allocate(size, np.uint8).data
+
+
+class using_allocator:  # CuPy's name
+    """The calling thread allocates from `allocator` (a MemoryPool's malloc) inside the block."""
+
+    def __init__(self, allocator=None):
+        self.pool = getattr(allocator, "__self__", None)
+
+    def __enter__(self):
+        self.previous = getattr(_thread, "pool", None)
+        _thread.pool = self.pool
+
+    def __exit__(self, *exc):
+        _thread.pool = self.previous
 
 
 class _MemoryPool:
@@ -632,6 +825,9 @@ class Function:
                 holders.append(ctypes.c_void_p(None if value is None else value.data.ptr))
             else:
                 holders.append(_CTYPES[want](value.item() if isinstance(value, np.generic) else value))
+        _queue(stream, lambda: self._run(grid, block, args, holders, stream))
+
+    def _run(self, grid, block, args, holders, stream) -> None:
         _on_stream(f"kernel {self.name}", stream=stream,
                    reads=[a for a, w in zip(args, self.writes, strict=True) if not w],
                    writes=[a for a, w in zip(args, self.writes, strict=True) if w])
@@ -787,19 +983,28 @@ def _cublas_module() -> types.ModuleType:
 
     def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
                computeType, algo):
-        _gemm_operation("cublasGemmEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc)
-        _gemm(transa, transb, m, n, k, _scalar(alpha), A, Atype, lda, B, Btype, ldb, _scalar(beta), C, Ctype, ldc,
-              computeType)
+        a, b = _scalar(alpha), _scalar(beta)  # host pointer mode: read when queued
+
+        def run():
+            _gemm_operation("cublasGemmEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc)
+            _gemm(transa, transb, m, n, k, a, A, Atype, lda, B, Btype, ldb, b, C, Ctype, ldc, computeType)
+
+        _queue(None, run)
 
     def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
                              strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
-        _gemm_operation("cublasGemmStridedBatchedEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C,
-                        Ctype, ldc, batchCount, (strideA, strideB, strideC))
+        a, b = _scalar(alpha), _scalar(beta)
         item = {CUDA_R_32F: 4, CUDA_R_16BF: 2}
-        for i in range(batchCount):
-            _gemm(transa, transb, m, n, k, _scalar(alpha), A + i * strideA * item[Atype], Atype, lda,
-                  B + i * strideB * item[Btype], Btype, ldb, _scalar(beta), C + i * strideC * item[Ctype], Ctype,
-                  ldc, computeType)
+
+        def run():
+            _gemm_operation("cublasGemmStridedBatchedEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C,
+                            Ctype, ldc, batchCount, (strideA, strideB, strideC))
+            for i in range(batchCount):
+                _gemm(transa, transb, m, n, k, a, A + i * strideA * item[Atype], Atype, lda,
+                      B + i * strideB * item[Btype], Btype, ldb, b, C + i * strideC * item[Ctype], Ctype,
+                      ldc, computeType)
+
+        _queue(None, run)
 
     cublas.setPointerMode, cublas.gemmEx, cublas.gemmStridedBatchedEx = setPointerMode, gemmEx, gemmStridedBatchedEx
     return cublas
@@ -808,13 +1013,26 @@ def _cublas_module() -> types.ModuleType:
 # ---------------------------------------------------------------------------- the runtime's copies
 
 def _memset_async(ptr, value, size, stream):
-    raw_operation(stream, "cudaMemsetAsync", [(ptr, ptr + size, True)])
-    ctypes.memset(ptr, value, size)
+    def run():
+        raw_operation(stream, "cudaMemsetAsync", [(ptr, ptr + size, True)])
+        ctypes.memset(ptr, value, size)
+
+    _queue(stream, run)
 
 
 def _memcpy_async(dst, src, size, kind, stream):
-    raw_operation(stream, "cudaMemcpyAsync", [(src, src + size, False), (dst, dst + size, True)])
-    ctypes.memmove(dst, src, size)
+    def run():
+        raw_operation(stream, "cudaMemcpyAsync", [(src, src + size, False), (dst, dst + size, True)])
+        if kind == 2:  # device to host: queued, so the host has seen nothing finish (an event's wait does that)
+            host_traffic().append("download_queued")
+        ctypes.memmove(dst, src, size)
+
+    _queue(stream, run)
+
+
+def _alloc_pinned_memory(size):
+    """Page-locked host memory: here ordinary memory (np.frombuffer takes it)."""
+    return bytearray(size)
 
 
 # ---------------------------------------------------------------------------- the modules
@@ -847,6 +1065,8 @@ def install() -> types.ModuleType:
     cuda.get_current_stream, cuda.get_elapsed_time = get_current_stream, get_elapsed_time
     cuda.device = types.SimpleNamespace(get_cublas_handle=get_cublas_handle)
     cuda.set_allocator = lambda allocator=None: None
+    cuda.alloc_pinned_memory = _alloc_pinned_memory
+    cuda.MemoryPool, cuda.using_allocator, cuda.Graph = MemoryPool, using_allocator, Graph
     cupy.cuda = cuda
 
     backends = types.ModuleType("cupy_backends")

@@ -231,8 +231,13 @@ def _bindings() -> types.ModuleType:
 
         _collective(comm, ("reduce", count, data_type, op, root), _memory(send, data_type, count), finish)
 
-    raw.all_reduce, raw.reduce_scatter, raw.all_gather = all_reduce, reduce_scatter, all_gather
-    raw.broadcast, raw.reduce = broadcast, reduce
+    def queued(collective):
+        """The collective queued on its stream (the last argument): run now, or recorded into the graph that
+        stream captures and run at each launch (NCCL calls are capturable)."""
+        return lambda *args: fake_cupy._queue(args[-1], lambda: collective(*args))
+
+    raw.all_reduce, raw.reduce_scatter, raw.all_gather = queued(all_reduce), queued(reduce_scatter), queued(all_gather)
+    raw.broadcast, raw.reduce = queued(broadcast), queued(reduce)
     return raw
 
 

@@ -158,6 +158,22 @@ def _mask_future(scores):
     return np.where(np.triu(np.ones((T, T), dtype=bool), k=1), -np.inf, scores)
 
 
+def adamw_schedule(step: int, lr: float, beta1: float, beta2: float) -> np.ndarray:
+    """[lr, 1 - beta1^step, 1 - beta2^step] as float32, each computed in float64 and then rounded: AdamW's
+    per-step values (adamw_update's `schedule`), the roundings the kernel and the update above both use."""
+    return np.array([lr, 1 - beta1 ** step, 1 - beta2 ** step], dtype=np.float32)
+
+
+class Ready:
+    """A host value that to_host_later has already: result() returns it."""
+
+    def __init__(self, value: np.ndarray):
+        self.value = value
+
+    def result(self) -> np.ndarray:
+        return self.value
+
+
 class NumpyBackend:
     """The ops on the CPU, with activations stored in `dtype` ("fp32", or "bf16" emulated in float32)."""
 
@@ -191,6 +207,19 @@ class NumpyBackend:
     @staticmethod
     def from_host(a: np.ndarray) -> np.ndarray:
         return np.asarray(a)
+
+    @staticmethod
+    def to_host_later(a):
+        """A host copy of `a` as it is once the work queued so far has run, without waiting for it now: the
+        returned object's result() gives it (a device-to-host copy queued on the rank's stream and an event
+        on CUDA; here the copy is made at once). How the loop reads a step's loss after queuing the next."""
+        return Ready(np.array(a))
+
+    @staticmethod
+    def upload(dst, a) -> None:
+        """dst[...] = a, host data into an array the backend already holds (an asynchronous copy on CUDA, queued
+        on the rank's stream: what a captured step reads is written this way before each replay)."""
+        dst[...] = a
 
     def from_host_act(self, a) -> np.ndarray:
         """A float32 copy of `a` in the activation dtype: how tests and tools feed activations and weights."""
@@ -507,8 +536,9 @@ class NumpyBackend:
         """buf *= factor, in place (factor: a scalar or a (1,) array)."""
         buf *= np.asarray(factor, dtype=buf.dtype).reshape(())
 
-    def adamw_update(self, params, grads, m, v, decay_mask, step: int, lr: float, beta1: float, beta2: float,
-                     eps: float, weight_decay: float, grad_scale, params_lowp=None) -> None:
+    def adamw_update(self, params, grads, m, v, decay_mask, step: int | None, lr: float | None, beta1: float,
+                     beta2: float, eps: float, weight_decay: float, grad_scale, params_lowp=None,
+                     schedule=None) -> None:
         """One AdamW step (decoupled weight decay, as torch.optim.AdamW), in place over flat buffers.
 
         g = grads * grad_scale (the clipping coefficient, a (1,) array); step counts from 1;
@@ -516,8 +546,15 @@ class NumpyBackend:
         p -= lr * (m / (1 - b1^step) / (sqrt(v / (1 - b2^step)) + eps) + weight_decay * decay_mask * p).
         decay_mask is 1 for matrices (matmul weights and embeddings) and 0 for biases and layernorm.
         params_lowp, if given, receives the updated parameters in the activation dtype: the copy forward
-        reads, written in the same pass on the GPU."""
+        reads, written in the same pass on the GPU. schedule, if given (then step and lr are None), is a (3,)
+        float32 array on the backend holding adamw_schedule(step, lr, beta1, beta2): the values that change
+        every step, in memory the host rewrites before a captured step is replayed."""
         f = params.dtype.type
+        if schedule is None:
+            schedule = adamw_schedule(step, lr, beta1, beta2)
+        elif step is not None or lr is not None:
+            raise ValueError("adamw_update: step and lr are in the schedule; pass them as None")
+        lr_, bc1, bc2 = (f(x) for x in schedule)
         scale = np.asarray(grad_scale, dtype=params.dtype).reshape(())
         # a chunk at a time (see CHUNK): the dozen temporaries of the formula stay in cache, instead of a
         # dozen passes over parameter-sized arrays (and, for GPT-2 124M, 4 GB of them allocated per step)
@@ -527,11 +564,11 @@ class NumpyBackend:
             m_ += f(1 - beta1) * g
             v_ *= f(beta2)
             v_ += f(1 - beta2) * (g * g)
-            m_hat = m_ / f(1 - beta1 ** step)
-            v_hat = v_ / f(1 - beta2 ** step)
+            m_hat = m_ / bc1
+            v_hat = v_ / bc2
             update = m_hat / (np.sqrt(v_hat) + f(eps))
             update += f(weight_decay) * decay * p
-            p -= f(lr) * update
+            p -= lr_ * update
         if params_lowp is not None:
             self.lowp_copy(params_lowp, params)
 
@@ -550,8 +587,8 @@ class NumpyBackend:
 # ------------------------------------------------------------------ the module as the float32 backend
 
 # Every op and plumbing function a backend has; cuda/ops.py's CudaBackend has the same (a test checks it).
-OPS = ("to_host", "from_host", "from_host_act", "synchronize", "bind_side_thread", "fence", "wait",
-       "timestamp", "elapsed",
+OPS = ("to_host", "to_host_later", "from_host", "upload", "from_host_act", "synchronize", "bind_side_thread",
+       "fence", "wait", "timestamp", "elapsed",
        "encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
        "matmul_backward", "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
        "flash_attention_forward", "flash_attention_backward",

@@ -182,9 +182,14 @@ class NcclCommunicator:
     def _run(self, what: str, call, stream) -> None:
         """Enqueue one NCCL call; turn an NCCL error into CommAborted for every rank of this process."""
         cupy = self.world.cupy
+        # queued into a CUDA graph being captured (train/graph.py): nothing runs now, and an event recorded
+        # in a capture cannot be queried (cudaErrorCapturedEvent), so the watchdog does not watch it
+        captured = stream.is_capturing()
         try:
             with cupy.cuda.Device(self.device):
                 call(self.world.handles[self.local])
+                if captured:
+                    return
                 event = cupy.cuda.Event(disable_timing=True)
                 event.record(stream)
         except Exception as e:

@@ -41,8 +41,23 @@ class TimedCommunicator:
 
     def take(self) -> tuple[float, float, int]:
         """(comm_s, exposed_s, calls) since the last take, and start counting afresh."""
+        return self.tally(self.detach())
+
+    def detach(self) -> list:
+        """The marks since the last take or detach, not yet turned into seconds (which waits for the GPU to
+        pass them): the loop detaches a step's marks when it has queued the step and tallies them when it
+        reads the step's loss, after queuing the next."""
         with self._lock:
             spans, self._spans = self._spans, []
+        return spans
+
+    @staticmethod
+    def calls(spans: list) -> int:
+        """How many collectives detached marks hold, without timing them."""
+        return sum(collective for _start, _end, collective, _exposed in spans)
+
+    def tally(self, spans: list) -> tuple[float, float, int]:
+        """(comm_s, exposed_s, calls) of detached marks."""
         comm_s = exposed_s = 0.0
         calls = 0
         for start, end, collective, exposed in spans:

@@ -81,6 +81,9 @@ class _AfterBackward:
         for lo, hi in self.pieces:
             self.reduce_piece(lo, hi)
 
+    def reset(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -135,6 +138,13 @@ class BucketedGradSync:
             raise RuntimeError(f"gradients announced out of layout order: [{start}, {end}) after [0, {self._ready})")
         self._ready = end
         self._issue_up_to(end)
+
+    def reset(self) -> None:
+        """Forget a step that stopped part way (a CUDA graph capture that failed, train/graph.py): wait for the
+        communication thread to drop what it was handed, so the step can be run again from the start."""
+        self._work.join()
+        self._errors.clear()
+        self._ready = self._issued = 0
 
     def finish(self) -> None:
         self._issue_up_to(self.size)  # all of it, also if backward announced nothing
@@ -208,12 +218,13 @@ def report_fields(cfg, results) -> dict:
 
     comm_s and exposed_comm_s are means over this process's ranks and steps (the first step, which pays for
     warm-up, left out when there are others) of the seconds a step spent in collectives, and of the part of
-    them the rank's thread waited for (each step record's comm_ms and exposed_comm_ms)."""
+    them the rank's thread waited for (each step record's comm_ms and exposed_comm_ms). Steps replayed from a
+    CUDA graph (train/graph.py) have no such times: they are left out, and the mean is None if no step has."""
 
-    def mean(key: str) -> float:
-        per_rank = [[record[key] / 1e3 for record in r.records] for r in results]
+    def mean(key: str) -> float | None:
+        per_rank = [[record[key] / 1e3 for record in r.records if key in record] for r in results]
         values = [v for steps in per_rank for v in (steps[1:] or steps)]
-        return sum(values) / len(values)
+        return sum(values) / len(values) if values else None
 
     return {
         "grad_sync": cfg.grad_sync,

@@ -7,7 +7,7 @@ same shards (parallel/ddp.py's PieceReducer), and the per-element arithmetic is 
 
 from ..config import TrainConfig
 from ..model import ALIGN
-from ..optim import AdamW
+from ..optim import AdamW, schedule_buffer
 
 
 def shard_bounds(size: int, world_size: int) -> list[tuple[int, int]]:
@@ -51,6 +51,7 @@ class ShardedAdamW(AdamW):
         self.m = xp.zeros(self.hi - self.lo, dtype=model.params.dtype)
         self.v = xp.zeros(self.hi - self.lo, dtype=model.params.dtype)
         self.step_count = 0
+        self.schedule = schedule_buffer(self.ops)
 
     sharded = True  # checkpoints save each rank's optimizer state (checkpoint/resume.py)
 
@@ -63,11 +64,10 @@ class ShardedAdamW(AdamW):
         self.comm.all_reduce(partial)
         return partial
 
-    def step(self, lr: float, grad_scale) -> None:
-        self.step_count += 1
+    def update(self, grad_scale) -> None:
         c, m, lo, hi = self.cfg, self.model, self.lo, self.hi
-        self.ops.adamw_update(m.params[lo:hi], m.grads[lo:hi], self.m, self.v, m.decay_mask[lo:hi],
-                              self.step_count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, grad_scale)
+        self.ops.adamw_update(m.params[lo:hi], m.grads[lo:hi], self.m, self.v, m.decay_mask[lo:hi], None, None,
+                              c.beta1, c.beta2, c.eps, c.weight_decay, grad_scale, schedule=self.schedule)
         self.comm.all_gather(m.params[lo:hi], m.params, self.counts)
         m.refresh_lowp()  # the bf16 copy of every shard, from the gathered float32 (see above)
 

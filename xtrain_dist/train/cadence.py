@@ -62,6 +62,14 @@ class Cadence:
         return (done == self.start + 1 or done % cfg.log_every == 0 or done == cfg.steps or self.evaluates(done)
                 or self.samples(done) or stopping)
 
+    def reads_at_once(self, done: int) -> bool:
+        """Whether the host reads step `done`'s loss before queuing the next step: when something after the
+        step needs the device or the step's parameters as they are (an evaluation, a sample, a checkpoint,
+        --profile-step's report) and at the last step. Every other step is read after the next one is
+        queued (train/loop.py), so the read does not leave the GPU idle while the host prepares a step."""
+        return (self.evaluates(done) or self.samples(done) or bool(self.saves(done, False)) or self.profiles(done)
+                or done == self.cfg.steps)
+
     def saves(self, done: int, stopping: bool) -> list[Path]:
         """The checkpoints to write after `done`: DIR at every --save-every step, the last, and the one a stop
         request ends the run after (`stopping`); a kept one of its own at every --keep-every step."""

@@ -35,6 +35,7 @@ from ..parallel import ddp
 from ..precision import MATMULS
 from ..profile import rows_markdown
 from . import memory
+from .graph import MODES as GRAPH_MODES
 from .job import PROG, STOPPED, train
 from .launch import RankFailed
 from .preflight import AUTO_RESUME, RunComplete
@@ -75,6 +76,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--matmul", choices=MATMULS, default="cublas",
                    help="cuda: cublaslt adds a linear layer's bias in the product's epilogue, rounding once, "
                         "instead of a kernel after a float32 product (default cublas)")
+    p.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
+                   help="cuda: auto captures the training step once as a CUDA graph and replays it, where the "
+                        "communicator allows (otherwise the run says why in one line and runs without); off "
+                        "queues every op every step (default auto)")
     p.add_argument("--cpu-threads", type=positive_int, default=None,
                    help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", type=non_empty_path, default=None, help="write a JSON report here")
@@ -189,6 +194,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
         grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
+        cuda_graph=args.cuda_graph,
     ).resolved()
 
 

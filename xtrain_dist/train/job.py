@@ -129,6 +129,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         "mfu": mfu(lead.step_flops, ms, peak_flops) if peak_flops else None,  # of the mean step
         "wall_s": wall,
         **ddp.report_fields(cfg, results),
+        # --cuda-graph: whether rank 0's steps ran from a captured graph (train/graph.py), and why not
+        "cuda_graph": lead.cuda_graph,
         # every rank of the job, in rank order, also those of other processes
         **outcomes[0][1],
         # memory: what rank 0 holds at least, by part (train/memory.py), and what this process took at its peak

@@ -25,6 +25,7 @@ from ..parallel.zero import make_optimizer
 from ..profile import OpProfiler, mfu, nanogpt_flops_per_token
 from . import metrics
 from .cadence import Cadence
+from .graph import StepGraph, unsupported
 
 
 @dataclass
@@ -44,6 +45,20 @@ class RankResult:
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
     profile: list | None = None      # --profile-step: OpProfiler.rows of that step
+    # --cuda-graph: the mode, the steps run from the captured graph, and why none were where that is so
+    cuda_graph: dict = field(default_factory=dict)
+
+
+@dataclass
+class QueuedStep:
+    """A step the device has been given, whose values (loss, stop request, gradient norm) the host has not
+    read yet."""
+    done: int           # the step's number, counted from 1
+    lr: float
+    t0: float           # when the host started it
+    profiling: bool     # --profile-step's step
+    values: object      # backend.to_host_later(readout)
+    comm_marks: list    # its collectives' clock marks (TimedCommunicator.detach)
 
 
 def param_sha256(model) -> str:
@@ -116,44 +131,81 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                         zero_shards=optimizer.shards,
                         step_flops=nanogpt_flops_per_token(model.config, cfg.seq) * cfg.batch * cfg.seq)
     cadence = Cadence(cfg, start)
+    xp = backend.xp
+    # What a step reads from the host lives in arrays kept for the whole run (a captured step, train/graph.py,
+    # holds their addresses): the micro-batches, AdamW's schedule (optimizer.prepare) and `readout`, which
+    # goes in as [0, stop asked, 0] and comes out as [the step's loss, ranks that asked to stop, the
+    # squared gradient norm]. One all-reduce of its first two tells every rank both, so all of them stop
+    # after the same step however the request reached them (one process's signal, or several).
+    readout = xp.zeros(3, dtype=xp.float32)
+    batch: list = []  # (ids, targets) on the device, per micro-batch
 
-    for step in range(start, cfg.steps):
-        profiling = cadence.profiles(step + 1)
-        if profiling:
-            ops.active = True
-        t0 = time.perf_counter()
+    def device_step() -> None:
+        """The step from inputs already on the device to updated parameters and `readout`: no host read,
+        no host decision on a device value, so it can be captured and replayed."""
         model.zero_grad()
-        # [the step's loss, the ranks asked to stop]: one all-reduce tells every rank both, so all of them
-        # stop after the same step however the request reached them (one process's signal, or several)
-        loss = backend.xp.zeros(2, dtype=backend.xp.float32)
-        micro = micro_batches(*sampler.next(), cfg.grad_accum)
-        for i, (ids, targets) in enumerate(micro):
-            losses = model.forward(backend.from_host(ids), backend.from_host(targets), dloss)
-            loss[:1] += losses.sum(dtype=backend.xp.float32) * np.float32(dloss)
+        for i, (ids, targets) in enumerate(batch):
+            losses = model.forward(ids, targets, dloss)
+            readout[:1] += losses.sum(dtype=xp.float32) * np.float32(dloss)
             # backward accumulates into grads; only the last micro-batch's starts the communication
-            model.backward(on_grads_ready=grad_sync.on_grads_ready if i == len(micro) - 1 else None)
+            model.backward(on_grads_ready=grad_sync.on_grads_ready if i == len(batch) - 1 else None)
         grad_sync.finish()
-        if stop is not None and stop.is_set():
-            loss[1] = 1
-        step_comm.all_reduce(loss)
+        step_comm.all_reduce(readout[:2])
         norm_squared = optimizer.grad_norm_squared()
-        lr = lr_at(step, cfg)
-        optimizer.step(lr, ops.clip_coefficient(norm_squared, cfg.grad_clip))
-        loss_host, stops, norm_sq_host = backend.to_host(backend.xp.concatenate([loss, norm_squared]))  # the one read
-        ms = (time.perf_counter() - t0) * 1e3
-        if profiling:
+        optimizer.update(ops.clip_coefficient(norm_squared, cfg.grad_clip))
+        readout[2:] = norm_squared
+
+    # --cuda-graph auto: device_step captured once and replayed (train/graph.py)
+    result.cuda_graph = {"mode": cfg.cuda_graph, "replayed_steps": 0, "without": None}
+
+    def without_graphs(why: str, show: bool) -> None:
+        result.cuda_graph["without"] = why
+        if show:
+            log(f"--cuda-graph auto: rank {rank} runs without CUDA graphs: {why}")
+
+    def capture_failed(why: str) -> None:
+        grad_sync.reset()  # the step stopped part way; it runs again without the graph
+        step_comm.detach()  # marks recorded in the abandoned capture: never timed on the device
+        without_graphs(why, True)
+
+    step_graph = None
+    if cfg.cuda_graph == "auto":
+        why_not = "the numpy backend queues nothing to capture" if cfg.backend != "cuda" else unsupported(cfg, comm)
+        if why_not is None:
+            step_graph = StepGraph(device_step, backend.stream, on_failure=capture_failed)
+        else:
+            without_graphs(why_not, rank == 0 and cfg.backend == "cuda")
+
+    last_read = 0.0  # when the previous step's values reached the host
+
+    def complete(queued: QueuedStep, can_stop_here: bool, stop_forced: bool = False) -> tuple[bool, bool]:
+        """Read a queued step's values (waiting for the GPU to get there), and do what the step's end does:
+        its record, the divergence check, evaluation, sample, log line, metrics line, checkpoints. Returns
+        (a rank asked to stop, the run ends after this step). A stop request read here ends the run here
+        when nothing was queued after this step (`can_stop_here`); otherwise the caller ends it after the
+        step it queued, which every rank queued too (`stop_forced` when it completes that one)."""
+        nonlocal last_read
+        loss_host, stops, norm_sq_host = queued.values.result()
+        now = time.perf_counter()
+        # the host runs a step ahead, so a step's time is from when the previous one was read to its own read
+        ms = (now - max(queued.t0, last_read)) * 1e3
+        last_read = now
+        if queued.profiling:
             result.profile, ops.active = OpProfiler.rows(ops.report()), False
-        comm_s, exposed_s, result.comm_calls = step_comm.take()
-        done = step + 1
-        stopping = cadence.stops(done, stops > 0)
-        record = {"step": done, "loss": float(loss_host), "lr": lr, "grad_norm": float(np.sqrt(norm_sq_host)),
-                  "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3,
-                  "comm_ms": comm_s * 1e3, "exposed_comm_ms": exposed_s * 1e3}
+        done = queued.done
+        stopping = cadence.stops(done, stop_forced or (can_stop_here and stops > 0))
+        record = {"step": done, "loss": float(loss_host), "lr": queued.lr, "grad_norm": float(np.sqrt(norm_sq_host)),
+                  "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3}
+        if queued.comm_marks is not None:
+            # a step run from a graph has no timing marks of its own: its collectives' times are not known
+            comm_s, exposed_s, result.comm_calls = step_comm.tally(queued.comm_marks)
+            record.update(comm_ms=comm_s * 1e3, exposed_comm_ms=exposed_s * 1e3)
         if peak_flops:
             record["mfu"] = mfu(result.step_flops, ms, peak_flops)
         if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
-            # both are all-reduced, so every rank stops at this step together, before a save could put
-            # parameters that are no longer numbers over a good checkpoint
+            # both are all-reduced, so every rank stops at this step together; a step that saves is read
+            # before anything is queued after it, so no save can put parameters that are no longer numbers
+            # over a good checkpoint
             if rank == 0:
                 log(metrics.progress_line(record, cfg.steps))
             raise XtrainError(f"step {done}: training diverged (loss {record['loss']}, gradient norm "
@@ -181,7 +233,52 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                 log(f"saved checkpoint '{folder}' at step {done}")
         if stopping:
             result.stopped_at = done
-            break
+        return stops > 0, stopping
+
+    behind = None  # a step queued but not yet read: read once the next one is queued
+    for step in range(start, cfg.steps):
+        done = step + 1
+        profiling = cadence.profiles(done)
+        if profiling:
+            ops.active = True
+        t0 = time.perf_counter()
+        micro = micro_batches(*sampler.next(), cfg.grad_accum)
+        if not batch:
+            batch[:] = [(backend.from_host(np.array(ids)), backend.from_host(np.array(targets)))
+                        for ids, targets in micro]
+        else:
+            for (d_ids, d_targets), (ids, targets) in zip(batch, micro, strict=True):
+                backend.upload(d_ids, ids)
+                backend.upload(d_targets, targets)
+        backend.upload(readout, np.array([0, stop is not None and stop.is_set(), 0], dtype=np.float32))
+        lr = lr_at(step, cfg)
+        optimizer.prepare(lr)
+        if step_graph is not None and not profiling:  # a profiled step times each op: outside the graph
+            capturing = step_graph.graph is None and step_graph.warm and not step_graph.failed
+            replayed = step_graph()
+            marks = step_comm.detach()
+            if capturing and replayed:
+                # the capture's marks were never timed on the device (events recorded in a capture are not)
+                result.comm_calls = step_comm.calls(marks)
+                marks = None
+            elif replayed:
+                marks = None
+            result.cuda_graph["replayed_steps"] += replayed
+        else:
+            device_step()
+            marks = step_comm.detach()
+        queued = QueuedStep(done, lr, t0, profiling, backend.to_host_later(readout), marks)
+        if behind is not None:
+            asked, _ = complete(behind, can_stop_here=False)
+            behind = None
+            if asked:  # every rank read the request at the same step, and every rank queued this one
+                complete(queued, can_stop_here=True, stop_forced=True)
+                break
+        if cadence.reads_at_once(done):
+            if complete(queued, can_stop_here=True)[1]:
+                break
+        else:
+            behind = queued
 
     result.param_sha256 = param_sha256(model)
     return result

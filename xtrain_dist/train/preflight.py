@@ -21,6 +21,7 @@ from ..optim import check_schedule
 from ..parallel import ddp
 from . import memory, metrics
 from .cadence import Cadence, kept_folder
+from .graph import MODES as GRAPH_MODES
 
 AUTO_RESUME = "auto"  # --resume auto
 
@@ -35,6 +36,8 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
         raise XtrainError(f"--min-lr ({cfg.min_lr:g}) must not exceed --lr ({cfg.lr:g}): the schedule decays from "
                           "the one to the other")
     check_schedule(cfg)
+    if cfg.cuda_graph not in GRAPH_MODES:
+        raise XtrainError(f"--cuda-graph must be one of {', '.join(GRAPH_MODES)}, not {cfg.cuda_graph!r}")
     ddp.check_config(cfg)
     precision.check_config(cfg)
     check_recompute(cfg.recompute)

@@ -156,6 +156,21 @@ class CudaBackend(CublasProducts):
         out.set(a, stream=self.stream)
         return out
 
+    def to_host_later(self, a):
+        a = _contiguous(a)
+        # page-locked memory: the copy runs on the stream like a kernel, and the host waits only in result()
+        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(a.nbytes), dtype=a.dtype, count=a.size).reshape(a.shape)
+        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, a.nbytes, 2, self.stream.ptr)  # 2: to the host
+        copied = cupy.cuda.Event(disable_timing=True)
+        copied.record(self.stream)
+        return _Copied(copied, host)
+
+    def upload(self, dst, a) -> None:
+        a = np.ascontiguousarray(a, dtype=dst.dtype)
+        if a.shape != dst.shape:
+            raise ValueError(f"upload: {a.shape} into {dst.shape}")
+        _contiguous(dst).set(a, stream=self.stream)  # from pageable memory: staged at once, no wait for the GPU
+
     def from_host_act(self, a):
         """Host float32 data as an activation (or weight copy) of this backend: bf16 rounds to nearest even."""
         if self.act_dtype == np.uint16:
@@ -586,8 +601,9 @@ class CudaBackend(CublasProducts):
         self._launch(self._k.bf16_round_inplace, _chunk_grid(n, 4, vec), (BLOCK,), buf, np.int64(n),
                      np.int32(vec))
 
-    def adamw_update(self, params, grads, m, v, decay_mask, step: int, lr: float, beta1: float, beta2: float,
-                     eps: float, weight_decay: float, grad_scale, params_lowp=None) -> None:
+    def adamw_update(self, params, grads, m, v, decay_mask, step: int | None, lr: float | None, beta1: float,
+                     beta2: float, eps: float, weight_decay: float, grad_scale, params_lowp=None,
+                     schedule=None) -> None:
         for a in (params, grads, m, v, decay_mask):
             _contiguous(a)
         _f32(params, grads, m, v)
@@ -600,14 +616,23 @@ class CudaBackend(CublasProducts):
         if not isinstance(grad_scale, cupy.ndarray):
             grad_scale = cupy.full(1, grad_scale, dtype=cupy.float32)  # a fill kernel, no host copy
         grad_scale = _contiguous(grad_scale.astype(cupy.float32, copy=False))
+        if schedule is None:
+            lr, bc1, bc2 = numpy_ops.adamw_schedule(step, lr, beta1, beta2)
+        elif step is not None or lr is not None:
+            raise ValueError("adamw_update: step and lr are in the schedule; pass them as None")
+        else:
+            if schedule.dtype != np.float32 or schedule.shape != (3,):
+                raise TypeError(f"adamw_update: schedule must be (3,) float32, got {schedule.shape} {schedule.dtype}")
+            lr = bc1 = bc2 = 0.0  # read from schedule by the kernel
         n = params.size
         vec = _vec(4, params, grads, m, v, decay_mask, params_lowp)
         f32 = np.float32
         # the float32 roundings of numpy_ops.adamw_update: f(1 - beta1), f(1 - beta1 ** step), ...
         self._launch(self._k.adamw_update, _chunk_grid(n, 4, vec), (BLOCK,),
                      params, params_lowp, grads, m, v, decay_mask, np.int64(n), grad_scale,
+                     None if schedule is None else _contiguous(schedule),
                      f32(lr), f32(beta1), f32(beta2), f32(1 - beta1), f32(1 - beta2),
-                     f32(1 - beta1 ** step), f32(1 - beta2 ** step), f32(eps), f32(weight_decay), np.int32(vec))
+                     f32(bc1), f32(bc2), f32(eps), f32(weight_decay), np.int32(vec))
 
     def lowp_copy(self, dst, src) -> None:
         _f32(src)
@@ -620,6 +645,16 @@ class CudaBackend(CublasProducts):
 
 
 # ---------------------------------------------------------------------------- helpers
+
+class _Copied:
+    """to_host_later's answer: the host array, once the event after its copy has passed."""
+
+    def __init__(self, copied, host: np.ndarray):
+        self.copied, self.host = copied, host
+
+    def result(self) -> np.ndarray:
+        self.copied.synchronize()
+        return numpy_ops.from_bf16_bits(self.host) if self.host.dtype == np.uint16 else self.host
 
 def _rows(a, cols: int):
     """(view, ld): a (..., cols) as a 2-D (rows, cols) view whose rows are ld >= cols elements apart (the
