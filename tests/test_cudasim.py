@@ -590,17 +590,26 @@ def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
 
 
 def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
-    """bin/bench_gpu's side of ours (fp32, bf16, flash, each --matmul, the per-op profile, the results files)
-    runs; the first losses agree (the same weights and batch), and the profile names the step's ops."""
+    """bin/bench_gpu's side of ours (fp32, bf16, flash, each --matmul, with and without a CUDA graph, the per-op
+    profile, the results files) runs; the first losses agree (the same weights and batch), a graph row's
+    replayed step ends with the loss of the same row without it, to the bit, and the profile names the step's
+    ops."""
     result = subprocess.run([*RUN, "bin/bench_gpu", "--presets", "small", "--shapes", "1x64", "--precisions",
                              "fp32,bf16", "--torch-modes", "", "--steps", "1", "--warmup", "1", "--vocab", "512",
                              "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     [report] = tmp_path.glob("*.json")
     rows = json.loads(report.read_text())["rows"]
+    plain = [("fp32", "ours"), ("fp32", "ours lt"), ("bf16", "ours"), ("bf16", "ours flash"), ("bf16", "ours lt"),
+             ("bf16", "ours flash lt")]
     assert [(r["precision"], r["impl"]) for r in rows] == [
-        ("fp32", "ours"), ("fp32", "ours lt"), ("bf16", "ours"), ("bf16", "ours flash"),
-        ("bf16", "ours lt"), ("bf16", "ours flash lt")]
+        *[r for r in plain if r[0] == "fp32"], *[(p, f"{impl} graph") for p, impl in plain if p == "fp32"],
+        *[r for r in plain if r[0] == "bf16"], *[(p, f"{impl} graph") for p, impl in plain if p == "bf16"]]
+    by_impl = {(r["precision"], r["impl"]): r for r in rows}
+    for precision, impl in plain:
+        graph = by_impl[precision, f"{impl} graph"]
+        assert graph["graph_launches"] == 1  # the timed step, after the warm one
+        assert graph["last_loss"] == by_impl[precision, impl]["last_loss"], (precision, impl)
     for row in rows:
         assert "error" not in row, row
         assert abs(row["first_loss"] - rows[0]["first_loss"]) < 1e-3 * rows[0]["first_loss"], row

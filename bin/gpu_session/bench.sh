@@ -31,14 +31,14 @@ BUDGET=${BUDGET:-330}
 # ';' between runs, each "MAX_SECONDS ARGUMENTS..." (an empty list is written --option=, as word splitting
 # keeps quotes); in the order issue 35 asks for them
 TARGETS="--presets gpt2-124m --precisions bf16"
-BENCH_GPU_RUNS=${BENCH_GPU_RUNS:-"170 $TARGETS --shapes 16x1024,64x1024 --attentions flash \
+BENCH_GPU_RUNS=${BENCH_GPU_RUNS:-"170 $TARGETS --shapes 16x1024,64x1024 --attentions flash --cuda-graphs on \
 --torch-modes compile-default --torch-vocabs padded;\
 150 $TARGETS --shapes 16x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs padded;\
 150 $TARGETS --shapes 64x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs padded;\
 150 $TARGETS --shapes 16x1024,64x1024 --attentions= --torch-modes compile-default,eager --torch-vocabs unpadded;\
 60 $TARGETS --shapes 16x1024,64x1024 --attentions= --torch-modes eager --torch-vocabs padded;\
 150 $TARGETS --shapes 8x1024,32x1024 --attentions flash --torch-modes compile-default,eager --torch-vocabs padded;\
-60 $TARGETS --shapes 16x1024,64x1024 --attentions standard --torch-modes=;\
+90 $TARGETS --shapes 16x1024,64x1024 --attentions flash,standard --cuda-graphs off --torch-modes=;\
 300 $TARGETS --shapes 16x1024,64x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs unpadded"}
 BENCH_GPU_FROM=${BENCH_GPU_FROM:-1}
 BENCH_GEMM_ARGS=${BENCH_GEMM_ARGS:---preset gpt2-124m --tokens 8192}
