@@ -31,21 +31,26 @@ def corpus():
 def hf_gpt2(tmp_path_factory, corpus):
     """A transformers GPT2LMHeadModel of the tiny preset's shape with random weights everywhere (layernorms
     and biases too), saved by save_pretrained: (folder, model)."""
+    folder = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    return folder, saved_random_gpt2(folder, model_config("tiny", corpus.vocab_size), eos=0, seed=0)
+
+
+def saved_random_gpt2(folder, mcfg, eos: int, seed: int):
+    """A transformers GPT2LMHeadModel of `mcfg`'s shape with random weights everywhere (layernorms and biases
+    too), saved into `folder` by save_pretrained; returns the model."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    mcfg = model_config("tiny", corpus.vocab_size)
-    torch.manual_seed(0)  # transformers' own init draws from the global generator
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(bos_token_id=0, eos_token_id=0,
+    torch.manual_seed(seed)  # transformers' own init draws from the global generator
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(bos_token_id=eos, eos_token_id=eos,
         vocab_size=mcfg.vocab_size, n_positions=mcfg.n_ctx, n_embd=mcfg.n_embd, n_layer=mcfg.n_layer,
         n_head=mcfg.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0)).eval()
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    folder = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
     hf.save_pretrained(folder, safe_serialization=True)
-    return folder, hf
+    return hf
 
 
 def run(corpus, tmp_path=None, **fields):
@@ -252,23 +257,11 @@ def test_sample_draws_from_a_hugging_face_folder(hf_gpt2, tmp_path):
 def odd_hf_gpt2(tmp_path_factory):
     """A save_pretrained GPT-2 of the tiny shape whose vocabulary (1000 ids) is not a multiple of 128, with
     random weights and the tokenizer it pairs with: (folder, model, corpus)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
     from padded_vocab import ODD_VOCAB, odd_vocab_files
 
     tokenizer, text = odd_vocab_files(tmp_path_factory.mktemp("odd"))
-    mcfg = model_config("tiny", ODD_VOCAB)
-    torch.manual_seed(1)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(bos_token_id=ODD_VOCAB - 1, eos_token_id=ODD_VOCAB - 1,
-        vocab_size=mcfg.vocab_size, n_positions=mcfg.n_ctx, n_embd=mcfg.n_embd, n_layer=mcfg.n_layer,
-        n_head=mcfg.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0)).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
     folder = tmp_path_factory.mktemp("hf-odd") / "gpt2-tiny-1000"
-    hf.save_pretrained(folder, safe_serialization=True)
+    hf = saved_random_gpt2(folder, model_config("tiny", ODD_VOCAB), eos=ODD_VOCAB - 1, seed=1)
     shutil.copy(tokenizer, folder / "tokenizer.json")
     return folder, hf, Corpus.load(tokenizer, text)
 

@@ -539,24 +539,24 @@ class CudaBackend(CublasProducts):
         return out
 
     # ------------------------------------------------------------------ classifier (kernels/classifier.cu)
-    def crossentropy_forward(self, logits, targets, vocab_size: int | None = None):
+    def _classifier_rows(self, logits, targets, vocab_size: int | None):
+        """What both classifier kernels take: the targets as ids, the tokens' width V, the logits' width Vp,
+        the logits as rows with their stride, and the (B, T) float32 losses they write."""
         self._act(logits)
         targets = _ids(targets)
         Vp = logits.shape[-1]
         V = _vocab(vocab_size, Vp)
         rows, ld = _rows(logits, Vp)
-        losses = cupy.empty(targets.shape, dtype=cupy.float32)
+        return targets, V, Vp, rows, ld, cupy.empty(targets.shape, dtype=cupy.float32)
+
+    def crossentropy_forward(self, logits, targets, vocab_size: int | None = None):
+        targets, V, _, rows, ld, losses = self._classifier_rows(logits, targets, vocab_size)
         self._launch(self._k.crossentropy_forward, (targets.size,), (CLASSIFIER_BLOCK,),
                      losses, rows, targets, np.int32(V), np.int64(ld))
         return losses
 
     def fused_classifier(self, logits, targets, dloss: float, vocab_size: int | None = None):
-        self._act(logits)
-        targets = _ids(targets)
-        Vp = logits.shape[-1]
-        V = _vocab(vocab_size, Vp)
-        rows, ld = _rows(logits, Vp)
-        losses = cupy.empty(targets.shape, dtype=cupy.float32)
+        targets, V, Vp, rows, ld, losses = self._classifier_rows(logits, targets, vocab_size)
         self._launch(self._k.fused_classifier, (targets.size,), (CLASSIFIER_BLOCK,),
                      rows, losses, targets, np.int32(V), np.int32(Vp), np.int64(ld), np.float32(dloss))
         return losses
