@@ -173,6 +173,41 @@ def test_a_resumed_run_continues_the_metrics_file_and_redone_steps_replace_lost_
         metrics.read(path)
 
 
+def test_a_resumed_run_drops_a_torn_metrics_line_rather_than_writing_onto_it(corpus, tmp_path):
+    """A run stopped mid-line (a full disk: "wrote 94 of 229 bytes") leaves half a record at the end of the
+    file. The resumed run drops it, with a note, before its first record, so the file stays readable; a
+    reader of a file that still ends torn skips that line, with a note."""
+    path = tmp_path / "m.jsonl"
+    run(corpus, 4, save_dir=tmp_path / "ck", metrics=path, eval_batches=0)
+    with open(path, "a") as f:
+        f.write('{"step": 5, "loss": 3.1, "lr"')
+    notes = []
+    assert [r["step"] for r in metrics.read(path, note=notes.append)] == [1, 2, 3, 4]
+    assert notes == [f"metrics file '{path}', line 5: skipped a torn last line (a run stopped while writing it)"]
+    lines = []
+    run(corpus, 6, resume=tmp_path / "ck", metrics=path, eval_batches=0, log=lines.append)
+    assert f"--metrics '{path}': dropped a torn last line (29 bytes, a run stopped while writing it) before " \
+           "appending" in lines
+    assert [r["step"] for r in metrics.read(path)] == [1, 2, 3, 4, 5, 6]
+    assert path.read_text().count("\n") == 6
+
+
+def test_a_fresh_run_refuses_a_metrics_file_that_holds_another_runs_records(corpus, tmp_path):
+    """Appending would double the file (two step 1s, the last one winning in every reader): a run that does not
+    continue another refuses, before training, and leaves the file as it was; an empty file is taken."""
+    path = tmp_path / "m.jsonl"
+    run(corpus, 2, metrics=path, eval_batches=0)
+    before = path.read_bytes()
+    with pytest.raises(XtrainError) as info:
+        run(corpus, 2, metrics=path, eval_batches=0)
+    assert str(info.value) == (f"--metrics '{path}' already holds another run's records: remove it, or pass "
+                               "--resume to continue that run")
+    assert path.read_bytes() == before
+    path.write_bytes(b"")
+    run(corpus, 2, metrics=path, eval_batches=0)
+    assert [r["step"] for r in metrics.read(path)] == [1, 2]
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_evaluate_command_gives_the_runs_own_validation_loss(corpus, tmp_path, world, monkeypatch):
     """DIR alone: the held-out windows the run measured (its corpus, BATCH, SEQ and --eval-batches, from

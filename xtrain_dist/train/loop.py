@@ -224,8 +224,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             log(metrics.progress_line(record, cfg.steps))
         if "sample" in record:
             log(f"--- sample at step {done} ---\n{record['sample']}\n---")
-        if rank == 0 and cfg.metrics:
-            metrics.append(cfg.metrics, record)
+        if rank == 0 and cfg.metrics and (note := metrics.append(cfg.metrics, record)):  # a note: a torn line dropped
+            log(note)
         for folder in cadence.saves(done, stopping):
             save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
                  model=model, optimizer=optimizer, sampler=sampler)

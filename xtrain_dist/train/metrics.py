@@ -6,6 +6,11 @@ Gradient-sync timing (comm_ms and the like) goes in the same line: the loop pass
 strategy reports. Each line is written with one append and the file closed at once, so a crash loses at
 most the line being written, and a reader (bin/plot_metrics) takes the last line for each step: steps
 that a run redoes after resuming an older checkpoint replace the ones it lost.
+
+A line cut short (a full disk, a kill mid-write) is never written onto: the next append drops it first,
+with a note, and read() skips one at the end of the file, with a note. Only a run that continues another
+(--resume) appends to a file that holds records: a fresh run refuses one, since its steps 1, 2, ... would
+silently replace the other run's in every reader.
 """
 
 import json
@@ -16,14 +21,18 @@ from .. import files
 from ..errors import XtrainError
 
 
-def check_path(path) -> None:
-    """Fail before training if PATH cannot be appended to. Leaves nothing behind (a run refused later
-    finds no empty file or new folder): an existing file is opened for appending, a new one probed."""
+def check_path(path, resuming: bool) -> None:
+    """Fail before training if PATH cannot be appended to, or holds records while the run does not continue
+    another (`resuming`: --resume). Leaves nothing behind (a run refused later finds no empty file or new
+    folder): an existing file is opened for appending, a new one probed."""
     path = Path(path)
     try:
         if path.exists():
             with open(path, "a", encoding="utf-8"):
                 pass
+            if not resuming and path.is_file() and path.stat().st_size > 0:  # a device or a pipe holds nothing
+                raise XtrainError(f"--metrics '{path}' already holds another run's records: remove it, or pass "
+                                  "--resume to continue that run")
         else:
             files.probe_in(path.parent, f".{path.name}.probe{os.getpid()}")
     except IsADirectoryError:
@@ -40,24 +49,57 @@ def progress_line(record: dict, steps: int) -> str:
     return line + (f" | hellaswag {record['hellaswag']:.4f}" if "hellaswag" in record else "")
 
 
-def append(path, record: dict) -> None:
+_TAIL_CHUNK = 1 << 16
+
+
+def _torn_tail(fd: int, size: int) -> int:
+    """How many bytes at the end of the file open as `fd` (`size` bytes) follow its last newline: a line a
+    write cut short. 0 where the file ends with a newline."""
+    end = size
+    while end > 0:
+        start = max(0, end - _TAIL_CHUNK)
+        chunk = os.pread(fd, end - start, start)
+        newline = chunk.rfind(b"\n")
+        if newline >= 0:
+            return size - (start + newline + 1)
+        end = start
+    return size
+
+
+def append(path, record: dict) -> str | None:
+    """Append `record` as one line. A torn last line (a run stopped mid-write) is dropped first, so the
+    record starts a line of its own; returns a note saying so, None otherwise."""
     line = (json.dumps(record) + "\n").encode()
+    note = None
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # check_path made none
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644) if _is_file(path) else \
+            os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # a device or a pipe: written as it is
         try:
+            size = os.fstat(fd).st_size
+            if size and _is_file(path) and (torn := _torn_tail(fd, size)):
+                os.ftruncate(fd, size - torn)
+                note = (f"--metrics '{path}': dropped a torn last line ({torn} bytes, a run stopped while "
+                        "writing it) before appending")
             written = os.write(fd, line)
         finally:
             os.close(fd)
     except OSError as err:
         raise XtrainError(f"cannot append to --metrics '{path}' ({err.strerror or err})") from None
-    if written != len(line):  # a full disk mid-line: the torn line is skipped by read(), the run stops
+    if written != len(line):  # a full disk mid-line: the next append drops the torn line, the run stops
         raise XtrainError(f"cannot append to --metrics '{path}' (wrote {written} of {len(line)} bytes: disk full?)")
+    return note
 
 
-def read(path) -> list[dict]:
+def _is_file(path) -> bool:
+    """A regular file (or none yet): one that can be read back and cut; not a device or a pipe."""
+    path = Path(path)
+    return not path.exists() or path.is_file()
+
+
+def read(path, note=lambda line: None) -> list[dict]:
     """The records of a metrics file in step order, the last line for each step winning; a torn last
-    line (a run killed mid-write) is skipped."""
+    line (a run killed mid-write) is skipped, and `note` told so."""
     by_step = {}
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -72,4 +114,5 @@ def read(path) -> list[dict]:
         except (ValueError, KeyError, TypeError):
             if number < len(lines):
                 raise XtrainError(f"metrics file '{path}', line {number}: not a metrics record") from None
+            note(f"metrics file '{path}', line {number}: skipped a torn last line (a run stopped while writing it)")
     return [by_step[s] for s in sorted(by_step)]
