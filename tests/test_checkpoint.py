@@ -757,7 +757,30 @@ def _python_says(action) -> str:
     (lambda s: s.update(step=-5), "is corrupt: trainer_state.json lacks the step, model, optimizer, sampler, data "
                                   "or config of a run"),
     (lambda s: s["sampler"].update(pcg64="x"),
-     f"is corrupt: sampler state is malformed ({_python_says(lambda: 'x'.__getitem__('state'))})"),
+     "is corrupt: trainer_state.json: sampler.pcg64 is 'x', expected an object with state, inc, has_uint32 and "
+     "uinteger"),
+    # each field a resume reads, named with its file: numpy's OverflowError, a NaN learning rate or a negative
+    # count were a traceback or taken as they were
+    (lambda s: s["sampler"]["pcg64"].update(state="-5"),
+     "is corrupt: trainer_state.json: sampler.pcg64.state is '-5', expected an integer in [0, 2**128)"),
+    (lambda s: s["sampler"]["pcg64"].update(inc=str(2**128)),
+     f"is corrupt: trainer_state.json: sampler.pcg64.inc is '{2**128}', expected an integer in [0, 2**128)"),
+    (lambda s: s["sampler"]["pcg64"].update(uinteger=2**32),
+     f"is corrupt: trainer_state.json: sampler.pcg64.uinteger is {2**32}, expected an integer in [0, 2**32)"),
+    (lambda s: s["sampler"].update(batches_drawn=-3),
+     "is corrupt: trainer_state.json: sampler.batches_drawn is -3, expected an integer >= 0"),
+    (lambda s: s["schedule"].update(lr=float("nan")),
+     "is corrupt: trainer_state.json: schedule.lr is nan, expected a finite number >= 0"),
+    (lambda s: s["config"].update(lr=float("inf")),
+     "is corrupt: trainer_state.json: config.lr is inf, expected a finite number >= 0"),
+    (lambda s: s["config"].update(beta2="0.95"),
+     "is corrupt: trainer_state.json: config.beta2 is '0.95', expected a finite number >= 0"),
+    (lambda s: s["config"].update(batch=4.0),
+     "is corrupt: trainer_state.json: config.batch is 4.0, expected an integer >= 1"),
+    (lambda s: s["config"].update(overfit_batch="no"),
+     "is corrupt: trainer_state.json: config.overfit_batch is 'no', expected true or false"),
+    (lambda s: s["optimizer"].update(step_count=-1),
+     "is corrupt: trainer_state.json: optimizer.step_count is -1, expected an integer >= 0"),
     (lambda s: s["optimizer"].update(files=["../ck/optimizer.safetensors"]),
      "is corrupt: trainer_state.json names '../ck/optimizer.safetensors' as an optimizer file, which the "
      "checkpoint does not hold"),
@@ -769,6 +792,33 @@ def test_a_rehashed_but_wrong_trainer_state_is_refused_before_training(corpus, s
     folder = copy_of(saved, tmp_path)
     rewrite_state(folder, change)
     assert resume_error(corpus, folder) == f"checkpoint '{folder}' {message}"
+
+
+def rewrite_config(folder: Path, text: str) -> None:
+    (folder / "config.json").write_text(text)
+    rehash(folder, "config.json")
+
+
+def test_a_rehashed_but_wrong_config_json_is_refused_before_training(corpus, saved, tmp_path):
+    """config.json is what Hugging Face and the other commands load as the model: a resume reads and checks it
+    too, each field an integer, the model the one trainer_state.json and this run train."""
+    folder = copy_of(saved, tmp_path)
+    good = json.loads((folder / "config.json").read_text())
+    rewrite_config(folder, "{not json")
+    assert resume_error(corpus, folder).startswith(f"checkpoint '{folder}' is corrupt: config.json is not valid "
+                                                   "JSON (")
+    rewrite_config(folder, "[1, 2]")
+    assert resume_error(corpus, folder) == f"checkpoint '{folder}' is corrupt: config.json is not a JSON object"
+    for key, value in (("n_layer", 2.5), ("n_embd", "64"), ("n_head", True), ("vocab_size", -1)):
+        rewrite_config(folder, json.dumps({**good, key: value}))
+        assert resume_error(corpus, folder) == \
+            f"checkpoint '{folder}' is corrupt: config.json: {key} is {value!r}, expected an integer >= 1"
+    rewrite_config(folder, json.dumps({k: v for k, v in good.items() if k != "n_head"}))
+    assert resume_error(corpus, folder) == f"checkpoint '{folder}' is corrupt: config.json has no n_head"
+    rewrite_config(folder, json.dumps({**good, "n_layer": 3}))
+    assert resume_error(corpus, folder) == (
+        f"checkpoint '{folder}' is corrupt: config.json describes another model than trainer_state.json's "
+        "'tiny' (2 layers, 4 heads, width 64, context 128, vocabulary 4096)")
 
 
 def _nudge_first_bias(tensors, meta):
@@ -827,7 +877,7 @@ def test_the_rank_threads_of_a_process_read_the_checkpoint_once(corpus, saved, m
 
     monkeypatch.setattr(resume, "open_checkpoint", counting_open)
     resumed = run(corpus, 5, world=2, resume=saved[0])
-    assert reads == [(store.MODEL, store.STATE, "optimizer*")]  # check_resume's read serves the ranks
+    assert reads == [(store.MODEL, store.CONFIG, store.STATE, "optimizer*")]  # check_resume's read serves the ranks
     full = run(corpus, 5, world=2)
     assert resumed["losses"] == full["losses"][3:] and resumed["param_sha256"] == full["param_sha256"]
 

@@ -98,13 +98,19 @@ def gpt_config(ckpt: Checkpoint) -> GPTConfig:
         if c.get(key, value) != value:
             raise XtrainError(f"checkpoint '{ckpt.path}': {CONFIG} has {key}={c[key]!r}; this trainer "
                               f"implements GPT-2 with {key}={value!r}")
+    for key in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd"):
+        # an integer as JSON writes it: 12.7 or "12" is no shape, and int() would quietly take it
+        if key not in c:
+            raise ckpt.corrupt(f"{CONFIG} has no {key}")
+        if not isinstance(c[key], int) or isinstance(c[key], bool) or c[key] < 1:
+            raise ckpt.corrupt(f"{CONFIG}: {key} is {c[key]!r}, expected an integer >= 1")
+    if c.get("n_ctx", c["n_positions"]) != c["n_positions"]:
+        raise ckpt.corrupt(f"{CONFIG} has n_ctx {c['n_ctx']!r} != n_positions {c['n_positions']}")
     try:
-        if c.get("n_ctx", c["n_positions"]) != c["n_positions"]:
-            raise ckpt.corrupt(f"{CONFIG} has n_ctx {c['n_ctx']} != n_positions {c['n_positions']}")
-        return GPTConfig(vocab_size=int(c["vocab_size"]), n_ctx=int(c["n_positions"]), n_layer=int(c["n_layer"]),
-                         n_head=int(c["n_head"]), n_embd=int(c["n_embd"]))
-    except (KeyError, TypeError, ValueError) as err:
-        raise ckpt.corrupt(f"{CONFIG} lacks a valid {err}") from None
+        return GPTConfig(vocab_size=c["vocab_size"], n_ctx=c["n_positions"], n_layer=c["n_layer"],
+                         n_head=c["n_head"], n_embd=c["n_embd"])
+    except XtrainError as err:  # a shape this trainer cannot build (n_embd not a multiple of n_head)
+        raise XtrainError(f"checkpoint '{ckpt.path}': {CONFIG}: {err}") from None
 
 
 def pretrained_state(ckpt: Checkpoint, config: GPTConfig) -> dict[str, np.ndarray]:

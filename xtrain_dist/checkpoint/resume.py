@@ -16,7 +16,7 @@ from .. import __version__
 from ..config import GPTConfig, TrainConfig, model_config
 from ..data.sampler import BatchSampler
 from ..errors import XtrainError
-from .hf import hf_config, tokenizer_config
+from .hf import gpt_config, hf_config, tokenizer_config
 from .safetensors_io import write_safetensors
 from .store import (
     CONFIG,
@@ -161,7 +161,7 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     """Can this run continue the checkpoint cfg.resume? Returns (its step, notes for the log, the verified
     checkpoint with the bytes restore() loads: a shared_restore of it reads nothing again), or raises
     XtrainError naming what does not fit."""
-    ckpt = open_checkpoint(cfg.resume, read=(MODEL, STATE, "optimizer*"))
+    ckpt = open_checkpoint(cfg.resume, read=(MODEL, CONFIG, STATE, "optimizer*"))
     state, where = ckpt.state, f"checkpoint '{cfg.resume}'"
     notes = [ckpt.note] if ckpt.note else []
     model = {"preset": cfg.model, **asdict(model_config(cfg.model, corpus.vocab_size))}
@@ -184,7 +184,10 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     try:  # what restore() will load on every rank: a bad sampler state is bad input, found before any rank starts
         BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed).load_state(state["sampler"])
     except XtrainError as err:
-        raise XtrainError(f"{where} is corrupt: {err}") from None
+        raise XtrainError(f"{where} is corrupt: {STATE}: {err}") from None
+    # config.json is the model Hugging Face and the other commands load: it must be the one that trains on
+    if gpt_config(ckpt) != model_config(cfg.model, corpus.vocab_size):
+        raise ckpt.corrupt(f"{CONFIG} describes another model than {STATE}'s {_describe(state['model'])}")
     check_contents(ckpt, model_config(cfg.model, corpus.vocab_size))
     step = state["step"]
     if cfg.steps <= step:

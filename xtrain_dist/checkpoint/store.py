@@ -36,6 +36,7 @@ import contextlib
 import fnmatch
 import hashlib
 import json
+import math
 import os
 import shutil
 import threading
@@ -266,6 +267,47 @@ def _file_digest(path: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- load
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(value) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _positive(value) -> bool:
+    return _is_int(value) and value >= 1
+
+
+def _count_or_none(value) -> bool:
+    return value is None or _count(value)
+
+
+def _finite(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value) and value >= 0
+
+
+# the numbers of trainer_state.json that a reader takes (resume, evaluate), "section.field" -> (check, what it
+# must be): a hand edit that re-hashed the manifest is one line naming the field, not a NaN learning rate taken
+# or a traceback later. A field that a checkpoint from before its option lacks is not required here; the
+# sampler's own state is BatchSampler.load_state's to check
+_STATE_NUMBERS = {
+    "optimizer.step_count": (_count, "an integer >= 0"),
+    "sampler.batches_drawn": (_count, "an integer >= 0"),
+    **{f"schedule.{name}": (_finite, "a finite number >= 0") for name in ("lr", "min_lr")},
+    **{f"schedule.{name}": (_count_or_none, "an integer >= 0") for name in ("warmup_steps", "lr_decay_steps",
+                                                                            "cooldown_steps")},
+    **{f"config.{name}": (_positive, "an integer >= 1") for name in ("batch", "seq", "steps")},
+    **{f"config.{name}": (_count, "an integer >= 0") for name in ("seed", "eval_batches")},
+    **{f"config.{name}": (_finite, "a finite number >= 0") for name in ("lr", "min_lr", "weight_decay", "beta1",
+                                                                        "beta2", "eps", "grad_clip")},
+    **{f"config.{name}": (_count_or_none, "an integer >= 0") for name in ("warmup_steps", "lr_decay_steps",
+                                                                          "cooldown_steps")},
+    "config.overfit_batch": (lambda value: isinstance(value, bool), "true or false"),
+    **{f"config.{name}": (lambda value: isinstance(value, str), "a string") for name in ("lr_schedule", "dtype")},
+}
+
+
 @dataclass
 class Checkpoint:
     """A checkpoint folder whose manifest has been verified; `contents` holds the files that were read."""
@@ -318,6 +360,10 @@ class Checkpoint:
             ok = False
         if not ok or state.get("format") != FORMAT:
             raise self.corrupt(f"{STATE} lacks the step, model, optimizer, sampler, data or config of a run")
+        for dotted, (fits, expected) in _STATE_NUMBERS.items():
+            section, name = dotted.split(".")
+            if name in state[section] and not fits(value := state[section][name]):
+                raise self.corrupt(f"{STATE}: {dotted} is {value!r}, expected {expected}")
         return state
 
     def model_state(self, config: GPTConfig) -> dict[str, np.ndarray]:

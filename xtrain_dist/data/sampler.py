@@ -79,17 +79,34 @@ class BatchSampler:
         }
 
     def load_state(self, state: dict) -> None:
+        """Continue the stream `state` (state()'s snapshot) left off. Every field is checked first: a state
+        edited by hand, or of another sampler, is one XtrainError naming the field, never numpy's
+        OverflowError from a word that does not fit PCG64's 128 bits."""
         saved = {name: state.get(name) for name in self._stream()}
         if saved != self._stream():
             raise XtrainError(f"sampler state was saved for {saved}, but this sampler draws {self._stream()}")
-        try:
-            pcg64 = state["pcg64"]
-            self._rng.bit_generator.state = {
-                "bit_generator": "PCG64",
-                "state": {"state": int(pcg64["state"]), "inc": int(pcg64["inc"])},
-                "has_uint32": int(pcg64["has_uint32"]),
-                "uinteger": int(pcg64["uinteger"]),
-            }
-            self._batches_drawn = int(state["batches_drawn"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise XtrainError(f"sampler state is malformed ({type(err).__name__}: {err})") from None
+        drawn = state.get("batches_drawn")
+        if not isinstance(drawn, int) or isinstance(drawn, bool) or drawn < 0:
+            raise XtrainError(f"sampler.batches_drawn is {drawn!r}, expected an integer >= 0")
+        pcg64 = state.get("pcg64")
+        if not isinstance(pcg64, dict):
+            raise XtrainError(f"sampler.pcg64 is {pcg64!r}, expected an object with state, inc, has_uint32 and "
+                              "uinteger")
+        words = {}
+        for name, limit, bound in (("state", 2**128, "2**128"), ("inc", 2**128, "2**128"), ("has_uint32", 2, "2"),
+                                   ("uinteger", 2**32, "2**32")):
+            value = pcg64.get(name)
+            # the 128-bit words are saved as strings (JSON readers hold numbers in doubles), the others as numbers
+            if isinstance(value, str) and value.isascii() and value.isdigit():
+                words[name] = int(value)
+            elif isinstance(value, int) and not isinstance(value, bool):
+                words[name] = value
+            if not 0 <= words.get(name, -1) < limit:
+                raise XtrainError(f"sampler.pcg64.{name} is {value!r}, expected an integer in [0, {bound})")
+        self._rng.bit_generator.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": words["state"], "inc": words["inc"]},
+            "has_uint32": words["has_uint32"],
+            "uinteger": words["uinteger"],
+        }
+        self._batches_drawn = drawn
