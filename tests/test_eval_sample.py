@@ -192,6 +192,19 @@ def test_a_resumed_run_drops_a_torn_metrics_line_rather_than_writing_onto_it(cor
     assert path.read_text().count("\n") == 6
 
 
+def test_a_full_disk_mid_line_stops_the_append_and_the_next_append_starts_a_line_of_its_own(tmp_path, monkeypatch):
+    path = tmp_path / "m.jsonl"
+    assert metrics.append(path, {"step": 1, "loss": 2.0}) is None
+    real_write = metrics.os.write
+    with monkeypatch.context() as patch:  # the disk fills up halfway through the second line
+        patch.setattr(metrics.os, "write", lambda fd, data: real_write(fd, data[:len(data) // 2]))
+        with pytest.raises(XtrainError, match=r"cannot append to --metrics '.*' \(wrote 12 of 25 bytes: disk full\?\)"):
+            metrics.append(path, {"step": 2, "loss": 2.0})
+    assert metrics.append(path, {"step": 2, "loss": 1.5}) == \
+        f"--metrics '{path}': dropped a torn last line (12 bytes, a run stopped while writing it) before appending"
+    assert metrics.read(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+
+
 def test_a_fresh_run_refuses_a_metrics_file_that_holds_another_runs_records(corpus, tmp_path):
     """Appending would double the file (two step 1s, the last one winning in every reader): a run that does not
     continue another refuses, before training, and leaves the file as it was; an empty file is taken."""

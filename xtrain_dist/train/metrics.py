@@ -21,24 +21,30 @@ from .. import files
 from ..errors import XtrainError
 
 
-def check_path(path, resuming: bool) -> None:
-    """Fail before training if PATH cannot be appended to, or holds records while the run does not continue
-    another (`resuming`: --resume). Leaves nothing behind (a run refused later finds no empty file or new
-    folder): an existing file is opened for appending, a new one probed."""
+def check_path(path) -> None:
+    """Fail before training if PATH cannot be appended to. Leaves nothing behind (a run refused later
+    finds no empty file or new folder): an existing file is opened for appending, a new one probed."""
     path = Path(path)
     try:
         if path.exists():
             with open(path, "a", encoding="utf-8"):
                 pass
-            if not resuming and path.is_file() and path.stat().st_size > 0:  # a device or a pipe holds nothing
-                raise XtrainError(f"--metrics '{path}' already holds another run's records: remove it, or pass "
-                                  "--resume to continue that run")
         else:
             files.probe_in(path.parent, f".{path.name}.probe{os.getpid()}")
     except IsADirectoryError:
         raise XtrainError(f"--metrics '{path}' is a folder, not a file") from None
     except OSError as err:
         raise XtrainError(f"--metrics '{path}' cannot be written ({err.strerror})") from None
+
+
+def refuse_another_runs_records(path) -> None:
+    """A run that continues none (no --resume) starts its file: one that already holds records is another
+    run's, whose steps 1, 2, ... the new ones would replace in every reader. Refused before training, the
+    file left as it is; an empty file, a device or a pipe (/dev/stdout) holds none."""
+    path = Path(path)
+    if path.is_file() and path.stat().st_size > 0:
+        raise XtrainError(f"--metrics '{path}' already holds another run's records: remove it, or pass --resume "
+                          "to continue that run")
 
 
 def progress_line(record: dict, steps: int) -> str:

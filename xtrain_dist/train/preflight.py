@@ -122,7 +122,9 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world
         if auto_resume and not cfg.resume:  # said once --save-dir is known to take the run's checkpoints
             log(f"--resume {AUTO_RESUME}: no checkpoint in '{cfg.save_dir}' yet: starting at step 1")
     if cfg.metrics:
-        metrics.check_path(cfg.metrics, resuming=bool(cfg.resume) or auto_resume)
+        metrics.check_path(cfg.metrics)
+        if launch.process_rank == 0 and not (cfg.resume or auto_resume):  # the process whose rank 0 writes it
+            metrics.refuse_another_runs_records(cfg.metrics)
     if cfg.report and launch.process_rank == 0:
         files.check_writable(cfg.report, "--report")
     cfg = evaluate.check(cfg, corpus, log)
