@@ -7,6 +7,7 @@ and last the report every rank's results make.
 """
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -142,13 +143,21 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
 
 class StopRequest(threading.Event):
     """Set by the first SIGTERM or SIGUSR1 while the ranks train (`on_signals`); train_rank then ends the run
-    after the step every rank of the job is in, with a checkpoint in --save-dir. A second signal ends the
-    process at once, as the first would have without this."""
+    after the step every rank of the job is in, with a checkpoint in --save-dir.
+
+    Stop signals come in bursts: coreutils `timeout` sends SIGTERM to the child and then to its whole process
+    group, and launchers and schedulers forward a signal that the group may also get. So a stop signal within
+    GRACE_S of the first is the same request and changes nothing; one later than that is a deliberate second
+    request and ends the process at once (the signal's default action), as the first would have without
+    this."""
+
+    GRACE_S = 2.0
 
     def __init__(self, save_dir: str | None):
         super().__init__()
         self.save_dir = save_dir
         self.signal_name: str | None = None  # of the signal that set it
+        self._first_at: float | None = None  # when that signal was caught (time.monotonic)
 
     @contextlib.contextmanager
     def on_signals(self):
@@ -165,9 +174,20 @@ class StopRequest(threading.Event):
                 signal.signal(s, handler)
 
     def _caught(self, signum, frame) -> None:
-        for s in STOP_SIGNALS:  # the next one ends the process
-            signal.signal(s, signal.SIG_DFL)
-        self.signal_name = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self._first_at is not None:  # (not is_set(): a request from another process sets it too)
+            if now - self._first_at < self.GRACE_S:
+                print(f"{PROG}: {name} {now - self._first_at:.1f} s after the {self.signal_name}: the same request "
+                      f"(a stop signal {self.GRACE_S:g} s or more after the first ends the process now)",
+                      file=sys.stderr, flush=True)
+                return
+            for s in STOP_SIGNALS:  # a deliberate second request: end now, as the signal does by default
+                signal.signal(s, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._first_at = now
+        self.signal_name = name
         self.set()
         saving = f"saving a checkpoint in '{self.save_dir}'" if self.save_dir else "no --save-dir: nothing is saved"
         print(f"{PROG}: {self.signal_name}: stopping after the step the ranks are in ({saving}); send it again to "
