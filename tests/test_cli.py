@@ -358,6 +358,32 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_status_143(tm
                 "train_ddp: stopped by SIGTERM: nothing was saved (no --save-dir)"]
 
 
+def test_a_save_dir_belongs_to_the_run_that_holds_it_until_that_run_ends_even_killed(tmp_path):
+    """A second run on the --save-dir of a running job (a fresh start, or a requeued `--resume auto` racing
+    it) is refused at once with one line naming the job's host and pid; once the job is killed with -9, the
+    kernel has let go of its lock and the same command runs."""
+    import socket
+
+    folder = tmp_path / "ck"
+    job = subprocess.Popen([sys.executable, "-m", "xtrain_dist.train_ddp", "5000", "8", "32", "--world-size", "2",
+                            "--eval-batches", "0", "--log-every", "1000", "--save-dir", str(folder)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().startswith("tiny: GPTConfig")
+        for resume in ([], ["--resume", "auto"]):
+            assert error_line(cli(3, 8, 32, "--eval-batches", 0, "--save-dir", folder, *resume)) == (
+                f"train_ddp: error: --save-dir '{folder}' is in use by another run (host {socket.gethostname()}, "
+                f"pid {job.pid}): two runs would replace each other's checkpoints; wait for it to end or give "
+                "another --save-dir")
+        assert job.poll() is None  # the job trains on
+    finally:
+        job.kill()
+        job.communicate()
+    out = cli(3, 8, 32, "--eval-batches", 0, "--save-dir", folder, "--resume", "auto")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((folder / "trainer_state.json").read_text())["step"] == 3
+
+
 @pytest.mark.parametrize("sender", ["timeout", "process group"])
 def test_a_burst_of_stop_signals_still_ends_with_the_checkpoint_saved(tmp_path, sender):
     """coreutils timeout passes a signal (its own timer's SIGTERM, or one sent to it) to the child and then to

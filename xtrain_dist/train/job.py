@@ -30,7 +30,7 @@ from ..profile import mfu, peak_for
 from . import memory
 from .launch import RankFailed, run_thread_ranks
 from .loop import train_rank
-from .preflight import RunComplete, act_itemsize, prepare
+from .preflight import Prepared, RunComplete, act_itemsize, prepare
 
 PROG = "train_ddp"
 
@@ -68,6 +68,15 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         report_failure_before_world(launch, reason, bind=cfg.rdzv_bind, advertise=cfg.rdzv_advertise,
                                     timeout_s=min(cfg.rdzv_timeout_s, 30.0))
         raise
+    try:  # --save-dir stays this run's until it ends (preflight.prepare took it)
+        return run_prepared(ready, launch, local_world, log, stop)
+    finally:
+        if ready.save_lock:
+            ready.save_lock.release()
+
+
+def run_prepared(ready: Prepared, launch: Launch, local_world: int, log, stop: "StopRequest | None") -> dict:
+    """train() once the checks have passed: the world of communicators, the rank threads, the report."""
     cfg, corpus, devices = ready.cfg, ready.corpus, ready.devices
     world = open_world(ready.engine, launch=launch, local_world=local_world, timeout_s=cfg.comm_timeout_s,
                        rdzv_bind=cfg.rdzv_bind, rdzv_advertise=cfg.rdzv_advertise, rdzv_timeout_s=cfg.rdzv_timeout_s,
