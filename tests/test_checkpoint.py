@@ -2,6 +2,7 @@
 the bit; the optimizer state survives any sharding; a save cut short at any point leaves a complete
 checkpoint; and every bad checkpoint is one exact line."""
 
+import fcntl
 import hashlib
 import json
 import os
@@ -624,6 +625,35 @@ def test_save_dir_never_replaces_the_checkpoint_of_another_run(corpus, saved, tm
     assert digests(folder) == before
     run(corpus, 5, world=2, save_dir=folder, resume=tmp_path / "." / "ck")  # the same folder, spelled otherwise
     assert store.open_checkpoint(folder).state["step"] == 5
+
+
+def test_a_run_refused_a_save_dir_in_use_leaves_the_owners_save_in_progress_alone(corpus, saved, tmp_path):
+    """Two runs on one --save-dir would replace each other's checkpoints, and the second one's start-up used to
+    clear the first one's save in progress (.DIR.new) before it was refused, so the first died at its next
+    write. The owner holds an exclusive lock on .DIR.lock beside the folder (store.SaveDirLock) from before
+    it touches anything until it ends: another run, fresh, --resume auto (a requeue racing the job) or
+    --resume DIR, is refused first, naming the owner, and changes nothing."""
+    folder = tmp_path / "ck"
+    shutil.copytree(saved[0], folder)
+    in_progress = tmp_path / ".ck.new"
+    in_progress.mkdir()
+    (in_progress / "model.safetensors").write_bytes(b"half written")
+    before = digests(folder)
+    with open(tmp_path / ".ck.lock", "w") as owner:  # what the running job holds
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        owner.write("host node7, pid 4242")
+        owner.flush()
+        for resume_from in (None, "auto", folder):
+            with pytest.raises(XtrainError) as info:
+                run(corpus, 5, save_dir=folder, resume=resume_from)
+            assert str(info.value) == (f"--save-dir '{folder}' is in use by another run (host node7, pid 4242): two "
+                                       "runs would replace each other's checkpoints; wait for it to end or give "
+                                       "another --save-dir")
+        assert (in_progress / "model.safetensors").read_bytes() == b"half written" and digests(folder) == before
+    # once the owner has let go (at its end, or killed: the kernel lets go), the folder is free
+    run(corpus, 5, world=2, save_dir=folder, resume="auto")
+    assert store.open_checkpoint(folder).state["step"] == 5
+    assert not list(tmp_path.glob(".ck.*"))  # the lock file goes with the run that held it last
 
 
 def test_a_save_dir_that_is_a_symbolic_link_saves_into_the_folder_it_points_to(corpus, saved, tmp_path):

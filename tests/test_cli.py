@@ -1,5 +1,6 @@
 """The command line as a user meets it: a real run in a subprocess, and one exact line for each bad input."""
 
+import contextlib
 import json
 import os
 import re
@@ -357,7 +358,64 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_status_143(tm
                 "train_ddp: stopped by SIGTERM: nothing was saved (no --save-dir)"]
 
 
-def test_the_first_stop_signal_asks_and_the_next_one_would_end_the_process(capsys):
+def test_a_save_dir_belongs_to_the_run_that_holds_it_until_that_run_ends_even_killed(tmp_path):
+    """A second run on the --save-dir of a running job (a fresh start, or a requeued `--resume auto` racing
+    it) is refused at once with one line naming the job's host and pid; once the job is killed with -9, the
+    kernel has let go of its lock and the same command runs."""
+    import socket
+
+    folder = tmp_path / "ck"
+    job = subprocess.Popen([sys.executable, "-m", "xtrain_dist.train_ddp", "5000", "8", "32", "--world-size", "2",
+                            "--eval-batches", "0", "--log-every", "1000", "--save-dir", str(folder)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().startswith("tiny: GPTConfig")
+        for resume in ([], ["--resume", "auto"]):
+            assert error_line(cli(3, 8, 32, "--eval-batches", 0, "--save-dir", folder, *resume)) == (
+                f"train_ddp: error: --save-dir '{folder}' is in use by another run (host {socket.gethostname()}, "
+                f"pid {job.pid}): two runs would replace each other's checkpoints; wait for it to end or give "
+                "another --save-dir")
+        assert job.poll() is None  # the job trains on
+    finally:
+        job.kill()
+        job.communicate()
+    out = cli(3, 8, 32, "--eval-batches", 0, "--save-dir", folder, "--resume", "auto")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((folder / "trainer_state.json").read_text())["step"] == 3
+
+
+@pytest.mark.parametrize("sender", ["timeout", "process group"])
+def test_a_burst_of_stop_signals_still_ends_with_the_checkpoint_saved(tmp_path, sender):
+    """coreutils timeout passes a signal (its own timer's SIGTERM, or one sent to it) to the child and then to
+    its whole process group, so the run gets two at once; a launcher forwarding a signal the group also got
+    does the same. The second is the same request: the run still stops after a step, saved, with 143."""
+    folder = tmp_path / "ck"
+    command = [sys.executable, "-m", "xtrain_dist.train_ddp", "5000", "8", "32", "--world-size", "2",
+               "--eval-batches", "0", "--log-every", "1000", "--save-dir", str(folder)]
+    if sender == "timeout":
+        command = ["timeout", "300", *command]  # a signal to timeout is passed on as its timer's would be
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # a process group of its own
+    try:
+        assert proc.stdout.readline().startswith("tiny: GPTConfig")
+        assert proc.stdout.readline().startswith("step     1/5000 |")  # training is under way
+        proc.send_signal(signal.SIGTERM)
+        if sender == "process group":  # the first one caught, the group's copy follows
+            assert proc.stderr.readline().startswith("train_ddp: SIGTERM: stopping after the step")
+            os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert proc.returncode == 143, err
+    step = json.loads((folder / "trainer_state.json").read_text())["step"]
+    assert out.splitlines()[-2] == f"saved checkpoint '{folder}' at step {step}", out
+    assert err.splitlines()[-1] == f"train_ddp: stopped by SIGTERM: checkpoint '{folder}' holds step {step}: the " \
+                                   f"same command with --resume {folder} goes on from there", err
+
+
+def test_the_first_stop_signal_asks_a_burst_is_one_request_and_a_later_one_ends_the_process(capsys):
     from xtrain_dist.train.job import StopRequest
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
@@ -365,11 +423,28 @@ def test_the_first_stop_signal_asks_and_the_next_one_would_end_the_process(capsy
     with stop.on_signals():
         os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs on this (the main) thread, within the wait
         assert stop.wait(10) and stop.signal_name == "SIGUSR1"
-        # restored to the default: a second SIGTERM or SIGUSR1 ends the process where it is
-        assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+        # a second one at once (timeout's SIGTERM to the process group after the one to the child) is the same
+        # request: still caught, and the process goes on to save
+        assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == stop._caught
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signal_name == "SIGUSR1"
     assert {s: signal.getsignal(s) for s in before} == before
-    assert capsys.readouterr().err == ("train_ddp: SIGUSR1: stopping after the step the ranks are in (saving a "
-                                       "checkpoint in 'ck'); send it again to end now\n")
+    first, again = capsys.readouterr().err.splitlines()
+    assert first == ("train_ddp: SIGUSR1: stopping after the step the ranks are in (saving a checkpoint in 'ck'); "
+                     "send it again to end now")
+    assert re.fullmatch(r"train_ddp: SIGTERM 0\.\d s after the SIGUSR1: the same request \(a stop signal 2 s or more "
+                        r"after the first ends the process now\)", again), again
+    # a later one is deliberate: the process ends at once, killed by that signal as without a handler
+    script = ("import os, signal, time\n"
+              "from xtrain_dist.train.job import StopRequest\n"
+              "StopRequest.GRACE_S = 0.3\n"
+              "stop = StopRequest(None)\n"
+              "with stop.on_signals():\n"
+              "    os.kill(os.getpid(), signal.SIGTERM); assert stop.wait(10)\n"
+              "    time.sleep(0.5); os.kill(os.getpid(), signal.SIGUSR1); time.sleep(10)\n"
+              "print('not ended')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (-signal.SIGUSR1, ""), out.stderr
     # off the main thread (train() called from code), Python lets nobody catch signals: nothing is touched
     import threading
     seen = []

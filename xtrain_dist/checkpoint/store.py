@@ -25,20 +25,24 @@ checkpoint at DIR, or (between the two renames) at `.DIR.new` and `.DIR.old`; ne
 half-written one. Readers change nothing: where DIR is missing they read the complete sibling
 (`.DIR.new` first, the newer). The next run or save with --save-dir DIR finishes the job
 (`recover`): it promotes the complete sibling to DIR and deletes leftovers. One writer per DIR at a
-time; every rank must see the same file system (rank 0 writes the model, and a sharded optimizer
-writes one file per rank into the same folder).
+time: the run holding `.DIR.lock` (SaveDirLock, taken before the run touches DIR). Every rank must see
+the same file system (rank 0 writes the model, and a sharded optimizer writes one file per rank into
+the same folder).
 
 Reading verifies every file against the manifest, and a file is parsed from the very bytes that
 were hashed, so a checkpoint that is truncated, edited or half-copied is one clear error.
 """
 
 import contextlib
+import fcntl
 import fnmatch
 import hashlib
+import itertools
 import json
 import math
 import os
 import shutil
+import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +177,70 @@ def recover(folder) -> str | None:
     if folder.exists():
         _discard(old)
     return note
+
+
+class SaveDirLock:
+    """The run that owns a --save-dir: an exclusive flock on `.DIR.lock` beside DIR (not inside it, which a
+    save replaces whole), the file holding the owner's host and pid for the run refused. Taken before
+    anything in the folder is read or touched, and held for the whole run; the kernel lets go of it when
+    the process ends, however it ends, so a run killed with -9 leaves only an unlocked file, which the
+    next run takes over. release() deletes the file while still holding it, so a run that locked the file
+    just deleted finds it gone from the path and locks the file there now instead."""
+
+    def __init__(self, folder):
+        folder = _followed(folder)
+        real = Path(os.path.realpath(folder))  # one folder reached by two paths has one lock
+        _siblings(real)  # the root is refused here too
+        self.path = real.with_name(f".{real.name}.lock")
+        # the folders on the way that the lock file needs and that do not exist yet: release() removes those
+        # still empty, so that a run refused later leaves nothing behind (one that saved leaves them holding DIR)
+        self._made = list(itertools.takewhile(lambda f: not f.exists(), self.path.parents))
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                if tries < 5:  # another run's release removed the folder it had made: make it again
+                    continue
+                raise XtrainError(f"--save-dir '{folder}': cannot make '{self.path}' (No such file or "
+                                  "directory)") from None
+            except OSError as err:
+                raise XtrainError(f"--save-dir '{folder}': cannot write into '{folder.parent}' "
+                                  f"({err.strerror})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "a run starting"
+                os.close(fd)
+                raise XtrainError(f"--save-dir '{folder}' is in use by another run ({holder}): two runs would "
+                                  "replace each other's checkpoints; wait for it to end or give another "
+                                  "--save-dir") from None
+            if self._at_path(fd):
+                break
+            os.close(fd)  # its owner deleted it on release before we locked it
+        self._fd = fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}".encode(), 0)
+
+    def _at_path(self, fd: int) -> bool:
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(self._fd)  # lets go of the lock
+            self._fd = None
+            for made in self._made:
+                try:
+                    made.rmdir()
+                except OSError:  # not empty: it holds DIR, or another run's files
+                    break
 
 
 def prepare_save_dir(folder) -> str | None:

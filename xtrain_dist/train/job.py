@@ -7,6 +7,7 @@ and last the report every rank's results make.
 """
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -29,7 +30,7 @@ from ..profile import mfu, peak_for
 from . import memory
 from .launch import RankFailed, run_thread_ranks
 from .loop import train_rank
-from .preflight import RunComplete, act_itemsize, prepare
+from .preflight import Prepared, RunComplete, act_itemsize, prepare
 
 PROG = "train_ddp"
 
@@ -67,6 +68,15 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         report_failure_before_world(launch, reason, bind=cfg.rdzv_bind, advertise=cfg.rdzv_advertise,
                                     timeout_s=min(cfg.rdzv_timeout_s, 30.0))
         raise
+    try:  # --save-dir stays this run's until it ends (preflight.prepare took it)
+        return run_prepared(ready, launch, local_world, log, stop)
+    finally:
+        if ready.save_lock:
+            ready.save_lock.release()
+
+
+def run_prepared(ready: Prepared, launch: Launch, local_world: int, log, stop: "StopRequest | None") -> dict:
+    """train() once the checks have passed: the world of communicators, the rank threads, the report."""
     cfg, corpus, devices = ready.cfg, ready.corpus, ready.devices
     world = open_world(ready.engine, launch=launch, local_world=local_world, timeout_s=cfg.comm_timeout_s,
                        rdzv_bind=cfg.rdzv_bind, rdzv_advertise=cfg.rdzv_advertise, rdzv_timeout_s=cfg.rdzv_timeout_s,
@@ -142,13 +152,21 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
 
 class StopRequest(threading.Event):
     """Set by the first SIGTERM or SIGUSR1 while the ranks train (`on_signals`); train_rank then ends the run
-    after the step every rank of the job is in, with a checkpoint in --save-dir. A second signal ends the
-    process at once, as the first would have without this."""
+    after the step every rank of the job is in, with a checkpoint in --save-dir.
+
+    Stop signals come in bursts: coreutils `timeout` sends SIGTERM to the child and then to its whole process
+    group, and launchers and schedulers forward a signal that the group may also get. So a stop signal within
+    GRACE_S of the first is the same request and changes nothing; one later than that is a deliberate second
+    request and ends the process at once (the signal's default action), as the first would have without
+    this."""
+
+    GRACE_S = 2.0
 
     def __init__(self, save_dir: str | None):
         super().__init__()
         self.save_dir = save_dir
         self.signal_name: str | None = None  # of the signal that set it
+        self._first_at: float | None = None  # when that signal was caught (time.monotonic)
 
     @contextlib.contextmanager
     def on_signals(self):
@@ -165,9 +183,20 @@ class StopRequest(threading.Event):
                 signal.signal(s, handler)
 
     def _caught(self, signum, frame) -> None:
-        for s in STOP_SIGNALS:  # the next one ends the process
-            signal.signal(s, signal.SIG_DFL)
-        self.signal_name = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self._first_at is not None:  # (not is_set(): a request from another process sets it too)
+            if now - self._first_at < self.GRACE_S:
+                print(f"{PROG}: {name} {now - self._first_at:.1f} s after the {self.signal_name}: the same request "
+                      f"(a stop signal {self.GRACE_S:g} s or more after the first ends the process now)",
+                      file=sys.stderr, flush=True)
+                return
+            for s in STOP_SIGNALS:  # a deliberate second request: end now, as the signal does by default
+                signal.signal(s, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._first_at = now
+        self.signal_name = name
         self.set()
         saving = f"saving a checkpoint in '{self.save_dir}'" if self.save_dir else "no --save-dir: nothing is saved"
         print(f"{PROG}: {self.signal_name}: stopping after the step the ranks are in ({saving}); send it again to "

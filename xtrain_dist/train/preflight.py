@@ -90,11 +90,24 @@ class Prepared:
     resume_from: object         # the verified checkpoint to resume from, or None
     init_weights: dict | None   # the --init-from parameters
     hellaswag: list | None      # the --hellaswag examples
+    save_lock: store.SaveDirLock | None = None  # --save-dir held for the run (process rank 0)
 
 
 def prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log) -> Prepared:
     """Everything a process checks and loads before it meets the others, or one XtrainError naming what
-    is wrong."""
+    is wrong. The process that writes the checkpoints first takes --save-dir for the run (store.SaveDirLock,
+    in Prepared.save_lock for the caller to release at the end), before anything reads or clears it: a
+    second run on the folder, refused, must not have touched the first run's save in progress."""
+    save_lock = store.SaveDirLock(cfg.save_dir) if cfg.save_dir and launch.process_rank == 0 else None
+    try:
+        return replace(_prepare(cfg, corpus, launch, local_world, log), save_lock=save_lock)
+    except BaseException:
+        if save_lock:
+            save_lock.release()
+        raise
+
+
+def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log) -> Prepared:
     if corpus is None:  # a TrainConfig made in code trains on the shipped data where it names none, as the CLI does
         cfg = replace(cfg, tokenizer=cfg.tokenizer or str(DEFAULT_TOKENIZER), corpus=cfg.corpus or str(DEFAULT_CORPUS))
     auto_resume = cfg.resume == AUTO_RESUME
