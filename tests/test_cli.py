@@ -197,6 +197,9 @@ def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
     assert line.startswith("train_ddp: error: --backend cuda")
 
 
+TIMEOUT = "a number of seconds > 0 and at most 604800 (a week)"
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--seed", "-1", "--seed must be an integer >= 0, got '-1'"),
     ("--lr", "nan", "--lr must be a number >= 0, got 'nan'"),
@@ -206,10 +209,13 @@ def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
     ("--grad-clip", "-1", "--grad-clip must be a number >= 0, got '-1'"),
     ("--warmup-steps", "-5", "--warmup-steps must be an integer >= 0, got '-5'"),
     ("--lr-decay-steps", "0", "--lr-decay-steps must be a positive integer, got '0'"),
-    # a NaN or infinite timeout would switch off the protection against a hung peer
-    ("--comm-timeout", "nan", "--comm-timeout must be a finite number > 0, got 'nan'"),
-    ("--comm-timeout", "0", "--comm-timeout must be a finite number > 0, got '0'"),
-    ("--rdzv-timeout", "inf", "--rdzv-timeout must be a finite number > 0, got 'inf'"),
+    # a NaN or infinite timeout would switch off the protection against a hung peer, and one past what a
+    # socket takes (1e10 s overflows time_t) was a traceback on every process of a TCP job
+    ("--comm-timeout", "nan", f"--comm-timeout must be {TIMEOUT}, got 'nan'"),
+    ("--comm-timeout", "0", f"--comm-timeout must be {TIMEOUT}, got '0'"),
+    ("--comm-timeout", "1e10", f"--comm-timeout must be {TIMEOUT}, got '1e10'"),
+    ("--rdzv-timeout", "inf", f"--rdzv-timeout must be {TIMEOUT}, got 'inf'"),
+    ("--rdzv-timeout", "604801", f"--rdzv-timeout must be {TIMEOUT}, got '604801'"),
     ("--profile-step", "0", "--profile-step must be a positive integer, got '0'"),
 ])
 def test_numeric_options_are_checked_before_anything_runs(flag, value, message):
