@@ -165,6 +165,53 @@ def test_missing_files(tmp_path):
         f"train_ddp: error: corpus '{missing_corpus}' not found"
 
 
+def special_inputs(tmp_path) -> dict:
+    """Inputs that are not regular files, each where a run reads one: a named pipe (open() blocks until a
+    writer comes, so a run hung forever), a device (/dev/zero read until memory ran out; /dev/null here, which
+    ends), a glob of token files that matches a pipe, and checkpoint folders holding one."""
+    import numpy as np
+
+    from xtrain_dist.data.token_files import token_file_chunks
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    (bins / "a.bin").write_bytes(b"".join(bytes(c) for c in token_file_chunks(np.arange(500), 4096)))
+    os.mkfifo(bins / "b.bin")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    os.mkfifo(hf / "model.safetensors")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / "manifest.json")
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        (ckpt / name).write_text("")
+    pipe = "is a named pipe, not a regular file"
+    return {
+        "tokenizer": ([fifo, DEFAULT_CORPUS], f"tokenizer '{fifo}' {pipe}"),
+        "corpus": ([DEFAULT_TOKENIZER, fifo], f"corpus '{fifo}' {pipe}"),
+        "a device as the corpus": ([DEFAULT_TOKENIZER, "/dev/null"],
+                                   "corpus '/dev/null' is a character device, not a regular file"),
+        "a glob of token files": ([DEFAULT_TOKENIZER, bins / "*.bin"],
+                                  f"corpus '{bins / '*.bin'}' matches '{bins / 'b.bin'}', which {pipe}"),
+        "--val-corpus": (["--val-corpus", fifo, "--eval-batches", 1], f"validation corpus '{fifo}' {pipe}"),
+        "--hellaswag": (["--hellaswag", fifo], f"--hellaswag '{fifo}' {pipe}"),
+        "--init-from": (["--init-from", hf], f"--init-from '{hf}': cannot read model.safetensors (a named pipe, "
+                                             "not a regular file)"),
+        "--resume": (["--resume", ckpt], f"checkpoint '{ckpt}': cannot read manifest.json (a named pipe, not a "
+                                         "regular file)"),
+    }
+
+
+@pytest.mark.parametrize("where", ["tokenizer", "corpus", "a device as the corpus", "a glob of token files",
+                                   "--val-corpus", "--hellaswag", "--init-from", "--resume"])
+def test_an_input_that_is_not_a_regular_file_is_refused_before_it_is_opened(tmp_path, where):
+    args, message = special_inputs(tmp_path)[where]
+    assert error_line(cli(2, 4, 16, *args, timeout=60)) == f"train_ddp: error: {message}"
+
+
 def test_a_file_that_is_not_a_tokenizer(tmp_path):
     bogus = tmp_path / "tok.json"
     bogus.write_text("this is not json")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import XtrainError
-from ..files import reading
+from ..files import NotRegularFile, check_regular, reading
 
 # llm.c (dev/data/data_common.py) keeps a tokenized dataset as files of a header of 256 little-endian
 # int32 (magic, version, number of ids, zeros) followed by the ids; FineWeb, TinyStories and its
@@ -107,6 +107,7 @@ def token_file_chunks(ids: np.ndarray, vocab_size: int) -> list:
 
 def _is_token_file(path: Path) -> bool:
     try:
+        check_regular(path)  # a named pipe would block the open, whatever reads it next
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError:  # unreadable: reading it as text says why
@@ -146,6 +147,10 @@ def open_token_files(what: str, given: Path) -> TokenFiles | None:
     if not matches:
         raise XtrainError(f"{what} '{given}' matches no file")
     for path in matches:
+        try:
+            check_regular(path)
+        except NotRegularFile as err:
+            raise XtrainError(f"{what} '{given}' matches '{path}', which is {err.strerror}") from None
         if not _is_token_file(path):
             raise XtrainError(f"{what} '{given}' matches '{path}', which is not an llm.c token file (a pattern "
                               "names token files only)")
