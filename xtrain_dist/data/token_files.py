@@ -115,6 +115,21 @@ def _is_token_file(path: Path) -> bool:
     return len(magic) == 4 and int.from_bytes(magic, "little", signed=True) in TOKEN_FILE_FORMATS
 
 
+def _meant_as_token_file(path: Path) -> bool:
+    """Whether `path` is meant as a token file even where its magic is not one we know (a header damaged or
+    of another format): llm.c names them .bin, and their header ends in 253 zero int32, which no text has.
+    Read as a token file, it is refused naming its header, not as "not UTF-8 text"."""
+    if path.suffix == ".bin":
+        return True
+    try:
+        check_regular(path)
+        with open(path, "rb") as f:
+            header = f.read(TOKEN_FILE_HEADER_BYTES)
+    except OSError:
+        return False
+    return len(header) == TOKEN_FILE_HEADER_BYTES and not any(header[12:])
+
+
 def _open_token_file(what: str, path: Path) -> _Span:
     with reading(what, path), open(path, "rb") as f:
         header, size = f.read(TOKEN_FILE_HEADER_BYTES), os.fstat(f.fileno()).st_size
@@ -140,7 +155,9 @@ def open_token_files(what: str, given: Path) -> TokenFiles | None:
     """The token files `given` names (one file, or a glob pattern of several, taken in name order), or
     None where it names something else (a text file, or nothing: reading it as text says which)."""
     if given.is_file():  # a file's own name is never a pattern, even with a * in it
-        return TokenFiles([_open_token_file(what, given)]) if _is_token_file(given) else None
+        if _is_token_file(given) or _meant_as_token_file(given):
+            return TokenFiles([_open_token_file(what, given)])
+        return None
     if not glob.has_magic(str(given)):
         return None
     matches = sorted(Path(p) for p in glob.glob(str(given)))
