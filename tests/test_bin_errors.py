@@ -411,3 +411,18 @@ def test_gpu_session_bench_summary_bad_arguments(tmp_path):
     (tmp_path / "run1" / "bench_gpu-x.json").write_text('{"header": {}}')
     assert error("gpu_session/bench_summary", tmp_path) == \
         f"'{tmp_path / 'run1' / 'bench_gpu-x.json'}' is not a bench_gpu results file (KeyError)"
+
+
+def test_the_tools_refuse_an_input_that_is_not_a_regular_file(tmp_path):
+    """A named pipe as an input blocked the tool in open() forever: it is refused by its mode first."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    tokenizer = REPO / "data" / "tokenizer.json"
+    pipe = "a named pipe, not a regular file"
+    assert error("plot_metrics", fifo, "-o", tmp_path / "p.png") == f"metrics file '{fifo}' is {pipe}"
+    assert error("train_tokenizer", fifo, tmp_path / "t.json") == f"corpus '{fifo}' cannot be read ({pipe})"
+    assert error("tokenize_corpus", tokenizer, fifo, tmp_path / "o.bin") == f"text '{fifo}' is {pipe}"
+    assert error("tokenize_corpus", fifo, tokenizer, tmp_path / "o.bin") == f"tokenizer '{fifo}' is {pipe}"
+    assert error("prepare_hellaswag", tokenizer, fifo, tmp_path / "h.bin") == f"JSONL '{fifo}' is {pipe}"
+    assert error("fit_overhead_model", "--collectives", fifo, "--ddp", fifo) == f"cannot read '{fifo}': {pipe}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]

@@ -166,6 +166,53 @@ def test_missing_files(tmp_path):
         f"train_ddp: error: corpus '{missing_corpus}' not found"
 
 
+def special_inputs(tmp_path) -> dict:
+    """Inputs that are not regular files, each where a run reads one: a named pipe (open() blocks until a
+    writer comes, so a run hung forever), a device (/dev/zero read until memory ran out; /dev/null here, which
+    ends), a glob of token files that matches a pipe, and checkpoint folders holding one."""
+    import numpy as np
+
+    from xtrain_dist.data.token_files import token_file_chunks
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    (bins / "a.bin").write_bytes(b"".join(bytes(c) for c in token_file_chunks(np.arange(500), 4096)))
+    os.mkfifo(bins / "b.bin")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    os.mkfifo(hf / "model.safetensors")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / "manifest.json")
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        (ckpt / name).write_text("")
+    pipe = "is a named pipe, not a regular file"
+    return {
+        "tokenizer": ([fifo, DEFAULT_CORPUS], f"tokenizer '{fifo}' {pipe}"),
+        "corpus": ([DEFAULT_TOKENIZER, fifo], f"corpus '{fifo}' {pipe}"),
+        "a device as the corpus": ([DEFAULT_TOKENIZER, "/dev/null"],
+                                   "corpus '/dev/null' is a character device, not a regular file"),
+        "a glob of token files": ([DEFAULT_TOKENIZER, bins / "*.bin"],
+                                  f"corpus '{bins / '*.bin'}' matches '{bins / 'b.bin'}', which {pipe}"),
+        "--val-corpus": (["--val-corpus", fifo, "--eval-batches", 1], f"validation corpus '{fifo}' {pipe}"),
+        "--hellaswag": (["--hellaswag", fifo], f"--hellaswag '{fifo}' {pipe}"),
+        "--init-from": (["--init-from", hf], f"--init-from '{hf}': cannot read model.safetensors (a named pipe, "
+                                             "not a regular file)"),
+        "--resume": (["--resume", ckpt], f"checkpoint '{ckpt}': cannot read manifest.json (a named pipe, not a "
+                                         "regular file)"),
+    }
+
+
+@pytest.mark.parametrize("where", ["tokenizer", "corpus", "a device as the corpus", "a glob of token files",
+                                   "--val-corpus", "--hellaswag", "--init-from", "--resume"])
+def test_an_input_that_is_not_a_regular_file_is_refused_before_it_is_opened(tmp_path, where):
+    args, message = special_inputs(tmp_path)[where]
+    assert error_line(cli(2, 4, 16, *args, timeout=60)) == f"train_ddp: error: {message}"
+
+
 def test_a_file_that_is_not_a_tokenizer(tmp_path):
     bogus = tmp_path / "tok.json"
     bogus.write_text("this is not json")
@@ -198,6 +245,9 @@ def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
     assert line.startswith("train_ddp: error: --backend cuda")
 
 
+TIMEOUT = "a number of seconds > 0 and at most 604800 (a week)"
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--seed", "-1", "--seed must be an integer >= 0, got '-1'"),
     ("--lr", "nan", "--lr must be a number >= 0, got 'nan'"),
@@ -207,10 +257,13 @@ def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
     ("--grad-clip", "-1", "--grad-clip must be a number >= 0, got '-1'"),
     ("--warmup-steps", "-5", "--warmup-steps must be an integer >= 0, got '-5'"),
     ("--lr-decay-steps", "0", "--lr-decay-steps must be a positive integer, got '0'"),
-    # a NaN or infinite timeout would switch off the protection against a hung peer
-    ("--comm-timeout", "nan", "--comm-timeout must be a finite number > 0, got 'nan'"),
-    ("--comm-timeout", "0", "--comm-timeout must be a finite number > 0, got '0'"),
-    ("--rdzv-timeout", "inf", "--rdzv-timeout must be a finite number > 0, got 'inf'"),
+    # a NaN or infinite timeout would switch off the protection against a hung peer, and one past what a
+    # socket takes (1e10 s overflows time_t) was a traceback on every process of a TCP job
+    ("--comm-timeout", "nan", f"--comm-timeout must be {TIMEOUT}, got 'nan'"),
+    ("--comm-timeout", "0", f"--comm-timeout must be {TIMEOUT}, got '0'"),
+    ("--comm-timeout", "1e10", f"--comm-timeout must be {TIMEOUT}, got '1e10'"),
+    ("--rdzv-timeout", "inf", f"--rdzv-timeout must be {TIMEOUT}, got 'inf'"),
+    ("--rdzv-timeout", "604801", f"--rdzv-timeout must be {TIMEOUT}, got '604801'"),
     ("--profile-step", "0", "--profile-step must be a positive integer, got '0'"),
 ])
 def test_numeric_options_are_checked_before_anything_runs(flag, value, message):

@@ -126,3 +126,33 @@ def test_paths_not_made_yet_are_one_file_where_their_symlinks_lead_there(tmp_pat
     assert files.same_file(tmp_path / "d" / "x.json", tmp_path / "link" / "x.json")
     assert files.same_file(tmp_path / "d" / "x.json", tmp_path / "d" / ".." / "d" / "x.json")
     assert not files.same_file(tmp_path / "d" / "x.json", tmp_path / "link" / "y.json")
+
+
+def test_an_input_that_is_not_a_regular_file_is_refused_before_it_is_opened(tmp_path):
+    """A named pipe would block open() until a writer came (forever), a device such as /dev/zero would be
+    read until memory ran out: check_regular refuses them by their mode, before any open()."""
+    import socket
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to(fifo)  # followed: the link names a pipe
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(tmp_path / "sock"))
+        for path, kind in ((fifo, "a named pipe"), (link, "a named pipe"), ("/dev/null", "a character device"),
+                           (tmp_path / "sock", "a socket")):
+            with pytest.raises(XtrainError) as info, files.reading("corpus", Path(path)):
+                raise AssertionError("the block ran")
+            assert str(info.value) == f"corpus '{path}' is {kind}, not a regular file"
+            with pytest.raises(files.NotRegularFile):
+                files.read_regular(path)
+    with pytest.raises(XtrainError, match=r"is a directory, not a file$"), files.reading("corpus", tmp_path):
+        raise AssertionError("the block ran")
+    regular = tmp_path / "text.txt"
+    regular.write_text("words")
+    assert files.read_regular(regular) == b"words"
+    files.check_input("corpus", regular)
+    files.check_input("corpus", tmp_path / "none")  # missing: the reader's own open() says so in its words
+    with pytest.raises(XtrainError) as info:
+        files.check_input("corpus", fifo)
+    assert str(info.value) == f"corpus '{fifo}' is a named pipe, not a regular file"

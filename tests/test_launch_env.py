@@ -143,6 +143,9 @@ def test_engine_choice():
         ("local", "numpy", torchrun, "--comm local joins the rank threads of one process, but torchrun started 4 "
                                      "processes: use --comm mpi, tcp or nccl (or omit --comm)"),
         ("nccl", "numpy", single, "--comm nccl reduces GPU buffers: it needs --backend cuda"),
+        ("tcp", "numpy", single, "--comm tcp joins processes over sockets, but this process runs alone (no "
+                                 "torchrun, srun or mpirun started it): use --comm local for the rank threads of one "
+                                 "process (or omit --comm)"),
         ("mpi", "cuda", mpirun, "--comm mpi reduces host (numpy) buffers: with --backend cuda use --comm nccl"),
         ("mpi", "numpy", torchrun, "--comm mpi needs processes started by mpirun/mpiexec, not torchrun: use "
                                    "--comm tcp (or omit --comm)"),

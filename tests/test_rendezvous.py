@@ -291,6 +291,23 @@ def test_a_rank0_that_fails_tells_every_joiner():
     assert time.monotonic() - t0 < SOON
 
 
+def test_a_rank0_that_fails_while_serving_tells_every_joiner():
+    """Any failure of rank 0 in the rendezvous, not only its own checks: here a timeout past what a socket
+    takes (OverflowError at the first wait), which once left the other processes retrying until theirs."""
+    t0 = time.monotonic()
+    server = RendezvousServer(("127.0.0.1", 0), 3, b"tok", b"cfg", timeout_s=1e10)
+    joining = [Background(join, ("127.0.0.1", server.port), rank, 3, b"tok", b"cfg", 60) for rank in (1, 2)]
+    time.sleep(0.5)  # most likely both wait in rank 0's backlog by now; either way they must hear it
+    with pytest.raises(OverflowError):
+        server.serve(b"the id")
+    for rank, joiner in zip((1, 2), joining, strict=True):
+        with pytest.raises(XtrainError) as info:
+            joiner.result()
+        assert str(info.value).startswith(f"rendezvous: rank 0 at 127.0.0.1:{server.port} refused rank {rank}: "
+                                          "process 0 failed: OverflowError: ")
+    assert time.monotonic() - t0 < SOON
+
+
 def test_a_fail_without_the_token_does_not_abort_the_job():
     logs = []
     _, addr, served = serving(2, token=b"right", log=logs.append)

@@ -194,6 +194,12 @@ def test_token_files_that_are_not_whole_are_refused_by_name(tmp_path):
     cut = tmp_path / "cut.bin"
     cut.write_bytes(llmc_file(tmp_path / "x.bin", [1]).read_bytes()[:100])
     assert refusal(tmp_path, cut) == f"corpus '{cut}' is not an llm.c token file (shorter than its 1024-byte header)"
+    # another magic: a token file's header named as such, not the file refused as text that is not UTF-8, by
+    # its .bin name or by the zeros that end its header
+    for name in ("magic.bin", "magic.tokens"):
+        magic = llmc_file(tmp_path / name, [1, 2], magic=20240999)
+        assert refusal(tmp_path, magic) == (f"corpus '{magic}' is not an llm.c token file (magic 20240999, not "
+                                            "20240520 or 20240801)")
     empty = llmc_file(tmp_path / "empty.bin", [])
     assert refusal(tmp_path, empty) == f"corpus '{empty}' is empty"
     past = llmc_file(tmp_path / "past.bin", [1, 4096, 2])  # the shipped tokenizer has ids 0..4095

@@ -39,8 +39,13 @@ def _checked(parse, accept, what: str):
 positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
-# a NaN or infinite timeout would switch the protection against hung peers off
 positive_float = _checked(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+# every timeout option's bound: a NaN or infinite timeout would switch the protection against hung peers off,
+# and one past what a socket or a lock takes (1e10 s overflows the platform's time_t) would fail deep in a
+# run, a traceback on one process while the others wait; a week is longer than any wait is meant to be
+MAX_TIMEOUT_S = 7 * 24 * 3600
+timeout_seconds = _checked(float, lambda v: 0 < v <= MAX_TIMEOUT_S,
+                           f"a number of seconds > 0 and at most {MAX_TIMEOUT_S} (a week)")
 # an empty path would read as "not given" and quietly switch the report, checkpoint or metrics off
 non_empty_path = _checked(str, bool, "a path")
 # the same as a Path, for the tools' --out and input options: Path("") would be ".", the folder they run in

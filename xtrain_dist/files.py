@@ -1,10 +1,12 @@
 """Output files appear whole or not at all: the one way every command here writes a file it produces; the
-JSON parse every reader of a project file uses (loads_json); and the one line an input file that cannot be
-read gives (reading)."""
+JSON parse every reader of a project file uses (loads_json); the one line an input file that cannot be
+read gives (reading); and the refusal of an input that is not a regular file (check_regular, read_regular)."""
 
 import contextlib
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 from .errors import XtrainError, first_line
@@ -20,11 +22,48 @@ def loads_json(text):
         raise json.JSONDecodeError("nested too deeply", text if isinstance(text, str) else "", 0) from None
 
 
+# what a path is where it is not a regular file, by the type bits of its mode
+_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+class NotRegularFile(OSError):
+    """An input that exists but is not a regular file: a named pipe, a device or a socket."""
+
+
+def check_regular(path) -> None:
+    """Raise NotRegularFile where `path` (symlinks followed) is a named pipe, a device or a socket, before
+    anything opens it: open() of a FIFO blocks until a writer comes, forever where none does, and a device
+    such as /dev/zero never ends, so a read of it grows until memory runs out. A folder raises what open()
+    would (IsADirectoryError); a path that cannot be stat'ed is left to open() to say why."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+        raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", str(path))
+
+
+def read_regular(path) -> bytes:
+    """The bytes of the regular file `path`: Path.read_bytes, refusing first what check_regular refuses.
+    Raises OSError, as read_bytes does, so a reader's own message for an unreadable file names these too."""
+    check_regular(path)
+    return Path(path).read_bytes()
+
+
 @contextlib.contextmanager
 def reading(what: str, path: Path):
-    """Turn an OSError raised while reading `path` into one XtrainError that names it as `what`."""
+    """Turn an OSError raised while reading `path` into one XtrainError that names it as `what`; `path` is
+    refused before the block runs where it is not a regular file (check_regular), so the block's open()
+    never blocks on a named pipe nor reads a device without end."""
     try:
+        check_regular(path)
         yield
+    except NotRegularFile as err:
+        raise XtrainError(f"{what} '{path}' is {err.strerror}") from None
     except FileNotFoundError:
         raise XtrainError(f"{what} '{path}' not found") from None
     except IsADirectoryError:
@@ -33,6 +72,13 @@ def reading(what: str, path: Path):
         raise XtrainError(f"{what} '{path}' cannot be read (permission denied)") from None
     except OSError as err:
         raise XtrainError(f"{what} '{path}' cannot be read ({err.strerror or first_line(err)})") from None
+
+
+def check_input(what: str, path) -> None:
+    """One XtrainError naming `path` as `what` where it exists and is not a regular file (check_regular), for
+    a reader whose own open() lies elsewhere (and says itself what else is wrong, a missing file say)."""
+    with reading(what, Path(path)):
+        pass
 
 
 def written_in_place(path: Path) -> bool:

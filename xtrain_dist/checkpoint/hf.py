@@ -17,6 +17,7 @@ import tokenizers
 
 from ..config import GPTConfig
 from ..errors import XtrainError
+from ..files import read_regular
 from .store import CONFIG, MODEL, Checkpoint, Shared, is_checkpoint, open_checkpoint
 
 EOS = "<|endoftext|>"
@@ -78,7 +79,7 @@ def open_pretrained(path, read=(MODEL, CONFIG), what: str = "--init-from") -> Ch
     contents = {}
     for name in read:
         try:
-            contents[name] = (path / name).read_bytes()
+            contents[name] = read_regular(path / name)
         except FileNotFoundError:
             needed = f"{', '.join(read[:-1])} and {read[-1]}"
             raise XtrainError(f"{what} '{path}' has no {name}: give a folder with a Hugging Face GPT-2's "

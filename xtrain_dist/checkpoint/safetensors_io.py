@@ -15,12 +15,11 @@ is one clear error, never a read out of bounds or a silently short tensor.
 
 import json
 import struct
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import XtrainError
-from ..files import loads_json
+from ..files import loads_json, read_regular
 
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -58,7 +57,7 @@ def write_safetensors(file, tensors: dict[str, np.ndarray], metadata: dict[str, 
 def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, metadata) of the file at `path`; the tensors are read-only views of its bytes."""
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path)
     except OSError as err:
         raise XtrainError(f"cannot read '{path}' ({err.strerror or err})") from None
     return parse_safetensors(data, str(path))

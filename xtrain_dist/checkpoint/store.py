@@ -52,7 +52,7 @@ import tokenizers
 
 from ..config import GPTConfig
 from ..errors import XtrainError
-from ..files import loads_json, probe_in
+from ..files import loads_json, probe_in, read_regular
 from ..model import ALIGN, param_layout
 from .safetensors_io import parse_safetensors
 
@@ -271,7 +271,7 @@ def refuse_another_runs_checkpoint(folder, resume) -> None:
     if not _is_complete(folder) or (resume and Path(resume).exists() and os.path.samefile(resume, folder)):
         return
     try:
-        step = f" (step {loads_json((folder / STATE).read_text())['step']})"
+        step = f" (step {loads_json(read_regular(folder / STATE))['step']})"
     except (OSError, ValueError, KeyError, TypeError):
         step = ""
     raise XtrainError(f"--save-dir '{folder}' holds the checkpoint of another run{step}: give --resume "
@@ -514,7 +514,7 @@ def _resolve(path: Path) -> Path:
 
 def _read_manifest(path: Path, folder: Path) -> dict:
     try:
-        raw = (folder / MANIFEST).read_bytes()
+        raw = read_regular(folder / MANIFEST)
     except FileNotFoundError:
         raise XtrainError(f"checkpoint '{path}' has no {MANIFEST}: it is not an xtrain-dist checkpoint, "
                           "or its save never finished") from None
@@ -546,7 +546,7 @@ def _read_verified(path: Path, folder: Path, manifest: dict, read) -> Checkpoint
             if size != entry["bytes"]:
                 raise XtrainError(f"checkpoint '{path}' is corrupt: {name} has {size} bytes, its manifest says "
                                   f"{entry['bytes']}")
-            data = file.read_bytes()
+            data = read_regular(file)
         except FileNotFoundError:
             raise XtrainError(f"checkpoint '{path}' is corrupt: {name} is missing") from None
         except OSError as err:

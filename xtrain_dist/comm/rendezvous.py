@@ -23,7 +23,8 @@ Rank 0 answers ACCEPT once every rank has joined, so no process leaves the rende
 A process that fails before it joins (a missing file on its node) says so instead, so that nobody waits
 out the timeout for it: a peer sends a FAIL (`report_failure`); rank 0 then answers every joined and
 joining rank with REFUSE "process k failed: reason" and raises. A rank 0 that fails before it serves
-answers every joiner with REFUSE "process 0 failed: reason" (`RendezvousServer.refuse_all`).
+answers every joiner with REFUSE "process 0 failed: reason" (`RendezvousServer.refuse_all`), and so does
+one that fails while it serves, whatever the failure (`RendezvousServer._abandon`).
 
 Rank 0 binds only the address it is told (`bind`); the others connect to the address they are told
 (`advertise`). The two differ behind docker or NAT: inside a container rank 0 binds the container's
@@ -233,12 +234,29 @@ class RendezvousServer:
                     raise XtrainError(f"rendezvous at {self.host}:{self.port}: rank {rank} went away before "
                                       f"the start ({_describe(e)})") from None
                 peers[rank].settimeout(None)
-        except BaseException:
+        except XtrainError:  # its own failures above, which the ranks waiting were told of
+            close_all(peers)
+            raise
+        except Exception as err:
+            # anything else that ends rank 0 here (a bug, a resource) would leave the joined ranks a closed
+            # socket and the joining ones retrying until their timeout: they hear what ended rank 0 now
+            self._abandon(f"process 0 failed: {_one_line(f'{type(err).__name__}: {err}')}", peers, deadline)
+            raise
+        except BaseException:  # Ctrl-C: leave at once; the joined ranks see the connections close
             close_all(peers)
             raise
         finally:
             self.sock.close()
         return peers
+
+    def _abandon(self, news: str, peers: list, deadline: float) -> None:
+        """Rank 0 gives up serving: tell the joined ranks and then every joiner `news` (as _abort does), for
+        at most LINGER_S. Best effort: it never raises, so the failure that ended the serving is the one seen."""
+        try:
+            told = {0, *_refuse_joined(peers, news)}
+            self._tell_everyone(news, told, max(min(deadline - time.monotonic(), LINGER_S), 0))
+        except (OSError, ValueError):
+            close_all(peers)
 
     def _abort(self, news: str, lost: int, peers: list, deadline: float, error: str) -> None:
         """Rank `lost` will never join: tell the joined ranks `news`, then every joiner for a while (until

@@ -41,6 +41,9 @@ def choose_engine(name: str, backend: str, launch: Launch, local_world: int = 1,
     if name == "local" and launch.multi_process:
         raise XtrainError(f"--comm local joins the rank threads of one process, but {launch.kind} started "
                           f"{launch.num_processes} processes: use --comm mpi, tcp or nccl (or omit --comm)")
+    if name == "tcp" and not launch.multi_process:  # it would meet nobody: a world of one process, said nowhere
+        raise XtrainError("--comm tcp joins processes over sockets, but this process runs alone (no torchrun, srun or "
+                          "mpirun started it): use --comm local for the rank threads of one process (or omit --comm)")
     if name == "nccl" and backend != "cuda":
         raise XtrainError("--comm nccl reduces GPU buffers: it needs --backend cuda")
     if name in ("mpi", "tcp") and backend == "cuda":

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import XtrainError
-from ..files import reading
+from ..files import NotRegularFile, check_regular, reading
 
 # llm.c (dev/data/data_common.py) keeps a tokenized dataset as files of a header of 256 little-endian
 # int32 (magic, version, number of ids, zeros) followed by the ids; FineWeb, TinyStories and its
@@ -107,11 +107,27 @@ def token_file_chunks(ids: np.ndarray, vocab_size: int) -> list:
 
 def _is_token_file(path: Path) -> bool:
     try:
+        check_regular(path)  # a named pipe would block the open, whatever reads it next
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError:  # unreadable: reading it as text says why
         return False
     return len(magic) == 4 and int.from_bytes(magic, "little", signed=True) in TOKEN_FILE_FORMATS
+
+
+def _meant_as_token_file(path: Path) -> bool:
+    """Whether `path` is meant as a token file even where its magic is not one we know (a header damaged or
+    of another format): llm.c names them .bin, and their header ends in 253 zero int32, which no text has.
+    Read as a token file, it is refused naming its header, not as "not UTF-8 text"."""
+    if path.suffix == ".bin":
+        return True
+    try:
+        check_regular(path)
+        with open(path, "rb") as f:
+            header = f.read(TOKEN_FILE_HEADER_BYTES)
+    except OSError:
+        return False
+    return len(header) == TOKEN_FILE_HEADER_BYTES and not any(header[12:])
 
 
 def _open_token_file(what: str, path: Path) -> _Span:
@@ -139,13 +155,19 @@ def open_token_files(what: str, given: Path) -> TokenFiles | None:
     """The token files `given` names (one file, or a glob pattern of several, taken in name order), or
     None where it names something else (a text file, or nothing: reading it as text says which)."""
     if given.is_file():  # a file's own name is never a pattern, even with a * in it
-        return TokenFiles([_open_token_file(what, given)]) if _is_token_file(given) else None
+        if _is_token_file(given) or _meant_as_token_file(given):
+            return TokenFiles([_open_token_file(what, given)])
+        return None
     if not glob.has_magic(str(given)):
         return None
     matches = sorted(Path(p) for p in glob.glob(str(given)))
     if not matches:
         raise XtrainError(f"{what} '{given}' matches no file")
     for path in matches:
+        try:
+            check_regular(path)
+        except NotRegularFile as err:
+            raise XtrainError(f"{what} '{given}' matches '{path}', which is {err.strerror}") from None
         if not _is_token_file(path):
             raise XtrainError(f"{what} '{given}' matches '{path}', which is not an llm.c token file (a pattern "
                               "names token files only)")

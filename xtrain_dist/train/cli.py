@@ -24,6 +24,7 @@ from ..command import (
     positive_float,
     positive_int,
     run_command,
+    timeout_seconds,
     utf8_text,
 )
 from ..config import PRESETS, TrainConfig
@@ -71,7 +72,8 @@ def build_parser() -> OneLineParser:
                    help="wsd: steps of the final decay, ending at lr-decay-steps (default lr-decay-steps/5)")
     p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
     p.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global norm clip; 0 disables")
-    p.add_argument("--comm-timeout", type=positive_float, default=300.0, help="seconds a rank may wait in a collective")
+    p.add_argument("--comm-timeout", type=timeout_seconds, default=300.0,
+                   help="seconds a rank may wait in a collective")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
     p.add_argument("--matmul", choices=MATMULS, default="cublas",
                    help="cuda: cublaslt adds a linear layer's bias in the product's epilogue, rounding once, "
@@ -94,7 +96,7 @@ def build_parser() -> OneLineParser:
     procs.add_argument("--rdzv-advertise", metavar="HOST:PORT", default=None,
                        help="address the other processes connect to (default MASTER_ADDR:MASTER_PORT; "
                             "MASTER_PORT+1 under torchrun, whose agent holds MASTER_PORT)")
-    procs.add_argument("--rdzv-timeout", type=positive_float, default=None,
+    procs.add_argument("--rdzv-timeout", type=timeout_seconds, default=None,
                        help=f"seconds processes wait for each other (default {TrainConfig.rdzv_timeout_s:g})")
     g = p.add_argument_group("checkpoints, evaluation and metrics")
     g.add_argument("--save-dir", metavar="DIR", type=non_empty_path, default=None,
@@ -223,7 +225,7 @@ def _rendezvous_options(argv: list[str]) -> dict:
     p = OneLineParser(add_help=False, allow_abbrev=False)
     p.add_argument("--rdzv-bind", dest="bind")
     p.add_argument("--rdzv-advertise", dest="advertise")
-    p.add_argument("--rdzv-timeout", dest="timeout_s", type=positive_float,
+    p.add_argument("--rdzv-timeout", dest="timeout_s", type=timeout_seconds,
                    default=TrainConfig.rdzv_timeout_s)
     try:
         options = vars(p.parse_known_args(argv)[0])
