@@ -223,8 +223,9 @@ def test_every_kernel_compiles_through_cupys_own_nvrtc_pipeline(dtype, monkeypat
     from cupy.cuda import compiler
 
     monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
+    ours = cuda_compile.nvrtc_options(dtype)  # outside the try: a bug in our options must fail, not skip
     try:
-        options = (*core.assemble_cupy_compiler_options(cuda_compile.nvrtc_options(dtype)), "-ftz=true")
+        options = (*core.assemble_cupy_compiler_options(ours), "-ftz=true")
     except Exception as e:  # no CUDA headers or NVRTC where CuPy looks
         pytest.skip(f"CuPy cannot assemble its NVRTC options here: {e}")
 
