@@ -176,20 +176,20 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         else:
             without_graphs(why_not, rank == 0 and cfg.backend == "cuda")
 
-    last_read = 0.0  # when the previous step's values reached the host
-
-    def complete(queued: QueuedStep, can_stop_here: bool, stop_forced: bool = False) -> tuple[bool, bool]:
+    def complete(queued: QueuedStep, can_stop_here: bool, stop_forced: bool = False,
+                 next_t0: float | None = None) -> tuple[bool, bool]:
         """Read a queued step's values (waiting for the GPU to get there), and do what the step's end does:
         its record, the divergence check, evaluation, sample, log line, metrics line, checkpoints. Returns
         (a rank asked to stop, the run ends after this step). A stop request read here ends the run here
         when nothing was queued after this step (`can_stop_here`); otherwise the caller ends it after the
-        step it queued, which every rank queued too (`stop_forced` when it completes that one)."""
-        nonlocal last_read
+        step it queued, which every rank queued too (`stop_forced` when it completes that one), whose start
+        is `next_t0`."""
         loss_host, stops, norm_sq_host = queued.values.result()
-        now = time.perf_counter()
-        # the host runs a step ahead, so a step's time is from when the previous one was read to its own read
-        ms = (now - max(queued.t0, last_read)) * 1e3
-        last_read = now
+        # The host runs a step ahead, so a step's time is from its start to the next step's start, which in a
+        # steady run is the time the device and the host take per step; a step nothing was queued after (one
+        # read at once, the last) ends at its read. Either way the step's own evaluation, sample and save,
+        # which come after its read, are not in it.
+        ms = ((time.perf_counter() if next_t0 is None else next_t0) - queued.t0) * 1e3
         if queued.profiling:
             result.profile, ops.active = OpProfiler.rows(ops.report()), False
         done = queued.done
@@ -257,11 +257,9 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             capturing = step_graph.graph is None and step_graph.warm and not step_graph.failed
             replayed = step_graph()
             marks = step_comm.detach()
-            if capturing and replayed:
-                # the capture's marks were never timed on the device (events recorded in a capture are not)
-                result.comm_calls = step_comm.calls(marks)
-                marks = None
-            elif replayed:
+            if replayed:  # a launch of the graph leaves no timing marks of its own
+                if capturing:  # the capture's marks count its collectives, but were never timed on the device
+                    result.comm_calls = step_comm.calls(marks)
                 marks = None
             result.cuda_graph["replayed_steps"] += replayed
         else:
@@ -269,7 +267,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             marks = step_comm.detach()
         queued = QueuedStep(done, lr, t0, profiling, backend.to_host_later(readout), marks)
         if behind is not None:
-            asked, _ = complete(behind, can_stop_here=False)
+            asked, _ = complete(behind, can_stop_here=False, next_t0=t0)
             behind = None
             if asked:  # every rank read the request at the same step, and every rank queued this one
                 complete(queued, can_stop_here=True, stop_forced=True)
