@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# A whole GPU session for the CUDA backend (issue 6) in ONE device call: a session is lent 15 minutes of
-# device time, a machine's start takes one or two of them and it goes back 30 s after a call, so the
-# checks and the benchmarks travel together (docs/gpu_session.md).
+# The GPU checks and benchmarks of the CUDA backend in one run of at most 10 minutes on a machine with one
+# H100 or H200 (docs/gpu_session.md): the checks and the benchmarks go together, so that one run on a GPU
+# leaves both.
 #
-# Device call: command "PACK_RESULTS=1 bash bin/gpu_session.sh", carry [".whl"], timeout_s 600.
+# Run: PACK_RESULTS=1 bash bin/gpu_session.sh   (with the nccl4py wheel in .whl; docs/gpu_session.md)
 # The scripts it runs, each runnable alone as well, and what they share are in bin/gpu_session/.
 #
 #   1. bin/gpu_session/cuda.sh into $OUT/cuda, CUDA_BUDGET seconds (default 240): tests, the shipped
@@ -11,11 +11,11 @@
 #   2. bin/gpu_session/bench.sh into $OUT/bench, with the rest of BUDGET (default 540): bench_gpu, issue 35's
 #      targets first (gpt2-124m bf16 at 16 and 64 x 1024 per GPU, ours against torch.compile default and
 #      max-autotune at the padded vocabulary), then the fair-peer rows and the batch sweep's 8 and 32 x 1024
-#      (what one call leaves out is listed, and docs/gpu_session.md says how a second call goes on), bench_gemm,
+#      (what one run leaves out is listed, and docs/gpu_session.md says how a second run goes on), bench_gemm,
 #      racecheck
 #   3. with PACK_RESULTS=1, everything in $OUT/results.tar.gz, beside it only session.txt and the two
-#      summaries (a device call brings back 8 files; a session writes dozens)
-# The benchmarks run even where a test failed: their numbers are the session's other half, and a failing
+#      summaries (a few files to copy back from the GPU machine instead of dozens)
+# The benchmarks run even where a test failed: their numbers are the run's other half, and a failing
 # test is fixed on the CPU afterwards. Exit status: non-zero where either half's script failed (the cuda
 # half's is its summary's: the tests' verdicts are in cuda_results.md).
 set -uo pipefail

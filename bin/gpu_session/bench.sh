@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA backend's benchmarks, after bin/gpu_session/cuda.sh; results land in $OUT for bench/results/.
-# bin/gpu_session.sh runs both in ONE device call (docs/gpu_session.md); alone: command
+# bin/gpu_session.sh runs both in ONE run on a GPU (docs/gpu_session.md); alone: command
 # "PACK_RESULTS=1 bash bin/gpu_session/bench.sh", carry [".whl"].
 #
 # What it does, most important first, each step recorded even when an earlier one failed:
@@ -99,7 +99,7 @@ best=$($PY bin/gpu_session/bench_summary "$OUT" 2>&1)
   done
 } > "$OUT/bench_results.md"
 cat "$OUT/bench_results.md"
-pack_results bench_results.md  # the tables travel in the archive: a device call brings back 8 files
+pack_results bench_results.md  # the tables travel in the archive: the GPU machine gives back a few files
 # racecheck cut by the budget (124) or skipped for want of it is not a failure of the benchmarks
 [ "$race_rc" = 124 ] && race_rc=0
 exit $(( gpu_rc || gemm_rc || race_rc ))

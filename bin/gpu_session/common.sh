@@ -47,9 +47,9 @@ sanitize() {
   return $rc
 }
 
-# pack_results KEEP...: where PACK_RESULTS=1 (the device calls in docs/gpu_session.md set it), put every
+# pack_results KEEP...: where PACK_RESULTS=1 (the GPU runs in docs/gpu_session.md set it), put every
 # file under $OUT into $OUT/results.tar.gz and leave beside it only the KEEP files (the summaries): a
-# device call brings back at most 8 files, and a session writes about 20. Elsewhere (CI's simulator runs
+# GPU machine gives back a few files, and a run writes about 20. Elsewhere (CI's simulator runs
 # of these scripts) the files stay as they are.
 pack_results() {
   [ "${PACK_RESULTS:-}" = 1 ] || return 0

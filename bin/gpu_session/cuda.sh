@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the CUDA backend needs a GPU for, fp32 and bf16, in a few minutes; results land in $OUT for
-# bench/results/. bin/gpu_session.sh runs it first, then bin/gpu_session/bench.sh, in ONE device call
+# bench/results/. bin/gpu_session.sh runs it first, then bin/gpu_session/bench.sh, in ONE run on a GPU
 # (docs/gpu_session.md); alone: command "PACK_RESULTS=1 bash bin/gpu_session/cuda.sh", carry [".whl"].
 #
 # What it does, each step recorded even when an earlier one failed, most important first:

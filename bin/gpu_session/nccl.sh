@@ -11,7 +11,7 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl/fallback \
 #       cuda-core==1.2.2 cuda-pathfinder==1.9.0
 #
-# then the device call: command "bash bin/gpu_session/nccl.sh", carry [".whl"], timeout_s 600 (10 MB).
+# then on the GPU: bash bin/gpu_session/nccl.sh, with the wheels in .whl (10 MB), within 10 minutes.
 # nccl4py 0.6.0 needs cuda-core ~= 1.0 and cuda-pathfinder >= 1.5.4. The image's own are used when
 # nccl4py imports with them (CuPy shares them); only if it does not are the fallback wheels put first.
 #

@@ -107,6 +107,7 @@ def read(path, note=lambda line: None) -> list[dict]:
     """The records of a metrics file in step order, the last line for each step winning; a torn last
     line (a run killed mid-write) is skipped, and `note` told so."""
     by_step = {}
+    files.check_input("metrics file", path)  # before the read opens it: a named pipe would block it
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as err:
