@@ -433,17 +433,160 @@ def test_a_second_connection_for_a_rank_that_joined_is_refused_and_the_job_goes_
 
 
 def test_a_silent_connection_does_not_hold_rank0_up(monkeypatch):
-    """A connection that never speaks (a port scanner, a half-open socket) is dropped after the handshake
-    timeout, and the real peer behind it joins."""
-    monkeypatch.setattr(rdzv, "HANDSHAKE_TIMEOUT_S", 0.5)
+    """A connection that never speaks (a port scanner, a half-open socket) waits beside the ranks, not
+    before them: the rank behind it joins at once, and the silent one is dropped and named after the
+    greeting timeout."""
+    monkeypatch.setattr(rdzv, "GREETING_TIMEOUT_S", 0.5)
     logs = []
-    _, addr, served = serving(2, log=logs.append)
-    with socket.create_connection(addr):  # queued first: rank 0 greets it first
-        payload, conn = join(addr, 1, 2, b"tok", b"cfg", timeout_s=20)
+    _, addr, served = serving(3, log=logs.append)
+    with socket.create_connection(addr) as silent:  # queued first: rank 0 greets it first
+        silent_port = silent.getsockname()[1]
+        t0 = time.monotonic()
+        joining = Background(join, addr, 1, 3, b"tok", b"cfg", 20)
+        end = time.monotonic() + 20
+        while not any(line.endswith("no valid greeting (timed out)") for line in logs) and time.monotonic() < end:
+            time.sleep(0.05)
+        payload, conn = join(addr, 2, 3, b"tok", b"cfg", timeout_s=20)
         conn.close()
-        assert payload == b"the id"
+        assert payload == b"the id" and joining.result()[0] == b"the id"
+        for peer in served.result()[1:]:
+            peer.close()
+        assert time.monotonic() - t0 < SOON
+    assert logs == [f"rendezvous: refused a connection from 127.0.0.1:{silent_port}: "
+                    "no valid greeting (timed out)"]
+
+
+class Strangers:
+    """Connections that are not ranks, made in the background until stop(): `silent` opens one every 0.2 s
+    and never speaks, `flood` opens 200 at once and holds them, `drip` sends one byte every 0.3 s,
+    `garbage` sends 200 bytes that are not our message, `forger` sends a well-formed JOIN for rank 1
+    without the token. Each records the local ports it used, so the log can be checked against them."""
+
+    def __init__(self, addr, kinds):
+        self.addr, self.done, self.ports = addr, threading.Event(), {kind: set() for kind in kinds}
+        self.socks = []
+        self.threads = [threading.Thread(target=getattr(self, kind), daemon=True) for kind in kinds]
+        for t in self.threads:
+            t.start()
+
+    def _connect(self, kind):
+        sock = socket.create_connection(self.addr, timeout=5)
+        self.ports[kind].add(sock.getsockname()[1])
+        self.socks.append(sock)
+        return sock
+
+    def silent(self):
+        while not self.done.wait(0.2):
+            with contextlib.suppress(OSError):
+                self._connect("silent")
+
+    def flood(self):
+        for _ in range(200):
+            with contextlib.suppress(OSError):
+                self._connect("flood")
+
+    def drip(self):
+        with contextlib.suppress(OSError):
+            sock = self._connect("drip")
+            while not self.done.wait(0.3):
+                sock.send(b"X")
+
+    def garbage(self):
+        while not self.done.wait(0.3):
+            with contextlib.suppress(OSError), self._connect("garbage") as sock:
+                sock.sendall(bytes(range(200)))
+                sock.recv(1024)
+
+    def forger(self):
+        while not self.done.wait(0.3):
+            with contextlib.suppress(OSError), self._connect("forger") as sock:
+                sock.settimeout(5)
+                rdzv._recv_exact(sock, rdzv._GREETING.size)
+                sock.sendall(rdzv._JOIN.pack(rdzv.MAGIC, rdzv.VERSION, rdzv.JOIN, 1, 3, bytes(32), bytes(32),
+                                             bytes(32), 0))
+                sock.recv(1024)
+
+    def stop(self):
+        self.done.set()
+        for t in self.threads:
+            t.join(10)
+        for sock in self.socks:
+            sock.close()
+
+
+def test_strangers_cannot_keep_the_ranks_out():
+    """While strangers connect again and again (silent, a flood of 200, a slow drip, garbage, a JOIN
+    without the token), the two real ranks join within seconds of a 10 s rendezvous timeout: rank 0 hears
+    every connection at once, drops one that has not spoken within the greeting timeout, and holds at most
+    MAX_PENDING. The log names the strangers by address, one line per host every LOG_EVERY_S, and counts
+    the rest. (Heard one at a time with a 10 s wait each, two silent connections kept rank 1 out until
+    rank 0's timeout, and rank 1 blamed rank 0.)"""
+    logs = []
+    _, addr, served = serving(3, timeout=10, log=logs.append)
+    strangers = Strangers(addr, ["silent", "flood", "drip", "garbage", "forger"])
+    try:
+        time.sleep(1.0)  # the strangers are at it before the ranks come
+        t0 = time.monotonic()
+        joining = [Background(join, addr, rank, 3, b"tok", b"cfg", 10) for rank in (1, 2)]
+        for joiner in joining:
+            payload, conn = joiner.result(timeout=15)
+            conn.close()
+            assert payload == b"the id"
+        for peer in served.result(timeout=15)[1:]:
+            peer.close()
+        assert time.monotonic() - t0 < 8  # well within the 10 s timeout, on a loaded machine too
+    finally:
+        strangers.stop()
+    assert logs and all(line.startswith("rendezvous: refused a connection from 127.0.0.1:")
+                        or re.fullmatch(r"rendezvous: refused \d+ more connections? from 127\.0\.0\.1 \(the last: .*\)",
+                                        line) for line in logs), logs
+    assert len(logs) <= 3, logs  # one host: its first line, at most one more within 10 s, and the count
+    first = re.fullmatch(r"rendezvous: refused a connection from 127\.0\.0\.1:(\d+): (.*)", logs[0])
+    kind = [k for k, ports in strangers.ports.items() if int(first[1]) in ports]
+    assert kind and first[2] == {"silent": "no valid greeting (timed out)",
+                                 "flood": "no valid greeting (too many connections waiting to be heard)",
+                                 "drip": "no valid greeting (timed out)",
+                                 "garbage": "not an xtrain-dist process",
+                                 "forger": "wrong token (set the same XTRAIN_RDZV_TOKEN for every process)"}[kind[0]]
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("garbage", "not an xtrain-dist process"),
+    ("forger", "wrong token (set the same XTRAIN_RDZV_TOKEN for every process)"),
+    ("drip", "no valid greeting (timed out)"),
+])
+def test_a_stranger_is_named_and_a_rank_gets_past_it(kind, why, monkeypatch):
+    """One kind of stranger at a time, so its log line is known: the rank joins while it tries."""
+    monkeypatch.setattr(rdzv, "GREETING_TIMEOUT_S", 0.5)
+    logs = []
+    _, addr, served = serving(2, timeout=10, log=logs.append)
+    strangers = Strangers(addr, [kind])
+    try:
+        end = time.monotonic() + 10
+        while not logs and time.monotonic() < end:
+            time.sleep(0.05)
+        _, conn = join(addr, 1, 2, b"tok", b"cfg", timeout_s=10)
+        conn.close()
         served.result()[1].close()
-    assert any(line.endswith("no valid greeting (timed out)") for line in logs), logs
+    finally:
+        strangers.stop()
+    first = re.fullmatch(r"rendezvous: refused a connection from 127\.0\.0\.1:(\d+): (.*)", logs[0])
+    assert first and int(first[1]) in strangers.ports[kind] and first[2] == why, logs
+
+
+def test_a_timeout_names_the_refused_hosts_in_a_few_words():
+    """A flood refused before the timeout is one entry with its count, not a line of every connection."""
+    logs = []
+    _, addr, served = serving(2, timeout=2, log=logs.append)
+    strangers = Strangers(addr, ["garbage"])
+    try:
+        with pytest.raises(XtrainError) as info:
+            served.result()
+    finally:
+        strangers.stop()
+    assert re.fullmatch(rf"rendezvous at 127\.0\.0\.1:{addr[1]}: only 1 of 2 processes joined within 2 s \(missing "
+                        r"rank 1\); refused: 127\.0\.0\.1 \(\d+ connections, the last: 127\.0\.0\.1:\d+ \(not an "
+                        r"xtrain-dist process\)\)", str(info.value)), str(info.value)
 
 
 def fake_rank0(greeting, answer=None):

@@ -26,6 +26,12 @@ joining rank with REFUSE "process k failed: reason" and raises. A rank 0 that fa
 answers every joiner with REFUSE "process 0 failed: reason" (`RendezvousServer.refuse_all`), and so does
 one that fails while it serves, whatever the failure (`RendezvousServer._abandon`).
 
+Rank 0 hears every connection at once (one selector loop): it greets each as it is accepted and reads
+its message as the bytes come, drops one that has not sent it whole within GREETING_TIMEOUT_S, and holds
+at most MAX_PENDING such connections, so strangers (a port scanner, a flood, a sender of garbage or of a
+forged JOIN) cannot keep a rank out. Each refused connection is logged by its address, at most one line
+per host every LOG_EVERY_S, the rest counted.
+
 Rank 0 binds only the address it is told (`bind`); the others connect to the address they are told
 (`advertise`). The two differ behind docker or NAT: inside a container rank 0 binds the container's
 address (or 0.0.0.0) while the others connect to the host's address and a published port.
@@ -36,6 +42,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import selectors
 import socket
 import struct
 import time
@@ -56,7 +63,14 @@ _GREETING = struct.Struct("!4sH32s")              # magic, version, server nonce
 _JOIN = struct.Struct("!4sHBII32s32s32sH")       # magic, version, kind, rank, world, fingerprint, peer nonce,
                                                   # mac, reason length (then the reason)
 _REPLY = struct.Struct("!4sB32sI")                # magic, status, mac, body length
-HANDSHAKE_TIMEOUT_S = 10.0                        # one peer's handshake, once connected
+HANDSHAKE_TIMEOUT_S = 10.0                        # a peer's wait for each of rank 0's messages but the last
+# rank 0's wait for a new connection's whole message, from its accept: a rank sends it at once, and a
+# connection that says nothing (a port scanner, a half-open socket, a sender of one byte a second) must not
+# hold a place for long
+GREETING_TIMEOUT_S = 2.0
+MAX_PENDING = 64                                  # connections rank 0 has greeted and not yet heard
+LOG_EVERY_S = 10.0                                # at most one line per refused host in this time
+MAX_HOSTS_NAMED = 5                               # hosts a timeout's line names among those refused
 LINGER_S = 15.0                                   # how long rank 0 tells late joiners of a failure
 # what makes two processes' configurations differ, most likely first (--resume auto decides per process)
 CONFIGURATION_HINT = ("(another command line, other corpus or tokenizer files, or --resume auto finding a "
@@ -149,8 +163,73 @@ class _Message(NamedTuple):
     reason: str
 
 
+class _Greeted:
+    """A connection rank 0 has greeted and whose message it reads as the bytes come (the socket does not
+    block): its nonce, what has arrived, how much the message holds, and when it must have arrived."""
+
+    def __init__(self, conn: socket.socket, addr, nonce: bytes, deadline: float):
+        self.conn, self.addr, self.nonce, self.deadline = conn, addr, nonce, deadline
+        self.data = bytearray()
+        self.size = _JOIN.size  # the fixed part; a FAIL's reason adds its length once the fixed part is read
+
+
+class _Heard(NamedTuple):
+    """A connection whose message has been read, or that gave up: `reason` says why it is refused (None: it
+    fits this job), `of_this_job` whether it holds the token (see RendezvousServer._judge)."""
+    conn: socket.socket
+    addr: tuple
+    msg: _Message | None
+    reason: str | None
+    of_this_job: bool
+
+
+class _RefusalLog:
+    """The refused connections, one log line each, but at most one line per host every LOG_EVERY_S: a
+    stranger that connects again and again (a scanner, a flood) is counted, and the count is logged with its
+    host's next line or at the end (`flush`)."""
+
+    def __init__(self, log):
+        self.log = log
+        self.hosts: dict[str, list] = {}  # host -> [connections refused, not yet logged, last logged at, last]
+
+    def refused(self, addr, reason: str) -> None:
+        who = f"{addr[0]}:{addr[1]}"
+        entry = self.hosts.setdefault(addr[0], [0, 0, -LOG_EVERY_S, ""])
+        entry[0] += 1
+        entry[3] = f"{who} ({reason})"
+        now = time.monotonic()
+        if now - entry[2] < LOG_EVERY_S:
+            entry[1] += 1
+            return
+        more = f" (and {entry[1]} more from {addr[0]} since its last line)" if entry[1] else ""
+        entry[1:3] = [0, now]
+        self.log(f"rendezvous: refused a connection from {who}: {reason}{more}")
+
+    def flush(self) -> None:
+        for host, (_, unlogged, _, last) in self.hosts.items():
+            if unlogged:
+                self.log(f"rendezvous: refused {unlogged} more connection{'s' if unlogged > 1 else ''} from {host} "
+                         f"(the last: {last})")
+                self.hosts[host][1] = 0
+
+    def summary(self) -> str:
+        """Who was refused, in a few words per host: "HOST:PORT (why)", or for a host refused more than
+        once "HOST (N connections, the last: HOST:PORT (why))"."""
+        parts = [last if count == 1 else f"{host} ({count} connections, the last: {last})"
+                 for host, (count, _, _, last) in self.hosts.items()]
+        if len(parts) > MAX_HOSTS_NAMED:
+            parts[MAX_HOSTS_NAMED:] = [f"{len(parts) - MAX_HOSTS_NAMED} more hosts"]
+        return "; ".join(parts)
+
+
 class RendezvousServer:
-    """Rank 0's side. Listens as soon as it is made, so a port in use is an error at once."""
+    """Rank 0's side. Listens as soon as it is made, so a port in use is an error at once.
+
+    Every connection is greeted as it is accepted and read as its bytes arrive, all at once in one loop
+    (a selector), so no connection waits for another's: one that has not sent its whole message within
+    GREETING_TIMEOUT_S of its accept is dropped, and at most MAX_PENDING connections wait to be heard (one
+    more drops the oldest of the host that holds most), so strangers that connect and say nothing, or
+    nothing useful, cannot keep a rank out."""
 
     def __init__(self, bind: tuple[str, int], world: int, token: bytes, fingerprint: bytes = b"",
                  timeout_s: float = 300.0, log=print):
@@ -166,7 +245,7 @@ class RendezvousServer:
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
             self.sock.bind(address)
-            self.sock.listen(max(16, world))
+            self.sock.listen(max(128, world))  # a burst of connections waits in the kernel, not refused
         except OSError as e:
             self.sock.close()
             hint = {98: "another job or process uses that port; choose another with --rdzv-bind HOST:PORT "
@@ -178,6 +257,11 @@ class RendezvousServer:
                               + (f" ({hint})" if hint else "")) from None
         self.host = host
         self.port = self.sock.getsockname()[1]
+        self.sock.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.sock, selectors.EVENT_READ)
+        self.pending: dict[socket.socket, _Greeted] = {}  # greeted, not yet heard
+        self.refusals = _RefusalLog(log)
 
     def serve(self, payload: bytes = b"") -> list[socket.socket | None]:
         """Hand `payload` to ranks 1..world-1 once all have joined; return their connections by rank
@@ -186,24 +270,11 @@ class RendezvousServer:
             raise ValueError("rendezvous payload too large")
         peers: list[socket.socket | None] = [None] * self.world
         nonces: list[bytes] = [b""] * self.world
-        refused: list[str] = []
         deadline = time.monotonic() + self.timeout_s
         try:
+            heard = self._hear_all(deadline) if self.world > 1 else iter(())
             while sum(p is not None for p in peers) < self.world - 1:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = [str(r) for r in range(1, self.world) if peers[r] is None]
-                    why = (f"only {self.world - len(missing)} of {self.world} processes joined within "
-                           f"{self.timeout_s:g} s (missing rank {', '.join(missing)})")
-                    _refuse_joined(peers, why)  # the ranks waiting for the others hear it too
-                    raise XtrainError(f"rendezvous at {self.host}:{self.port}: {why}"
-                                      + (f"; refused: {'; '.join(refused)}" if refused else ""))
-                self.sock.settimeout(remaining)
-                try:
-                    conn, addr = self.sock.accept()
-                except TimeoutError:
-                    continue
-                msg, reason, of_this_job = self._hear(conn, min(HANDSHAKE_TIMEOUT_S, remaining))
+                conn, addr, msg, reason, of_this_job = next(heard, None) or self._timed_out(peers)
                 if reason is None and msg.kind == FAIL:
                     conn.close()
                     self._abort(f"process {msg.rank} failed: {msg.reason}", msg.rank, peers, deadline,
@@ -215,17 +286,18 @@ class RendezvousServer:
                     reason = (f"rank {msg.rank} was started with a different configuration than rank 0 "
                               f"{CONFIGURATION_HINT}")
                 if reason is None:
+                    conn.setblocking(True)
+                    conn.settimeout(HANDSHAKE_TIMEOUT_S)  # for the answer; no wait after that is bounded
                     peers[msg.rank], nonces[msg.rank] = conn, msg.nonce
                     continue
                 who = f"{addr[0]}:{addr[1]}"
-                self.log(f"rendezvous: refused a connection from {who}: {reason}")
+                self.refusals.refused(addr, reason)
                 _refuse(conn, reason)
                 if of_this_job:
                     # it holds the token, so it is a process of this job, and it can never join: the job
                     # cannot start, and every rank hears so now instead of at its timeout
                     self._abort(reason, msg.rank, peers, deadline,
                                 f"rendezvous at {self.host}:{self.port}: refused {who}: {reason}")
-                refused.append(f"{who} ({reason})")
             for rank in range(1, self.world):  # everyone is here: let them all go
                 mac = _mac(self.token, b"accept", nonces[rank], payload)
                 try:
@@ -246,8 +318,18 @@ class RendezvousServer:
             close_all(peers)
             raise
         finally:
-            self.sock.close()
+            self._close()
         return peers
+
+    def _timed_out(self, peers: list):
+        """The deadline passed before every rank joined: tell the joined ranks and raise."""
+        missing = [str(r) for r in range(1, self.world) if peers[r] is None]
+        why = (f"only {self.world - len(missing)} of {self.world} processes joined within "
+               f"{self.timeout_s:g} s (missing rank {', '.join(missing)})")
+        _refuse_joined(peers, why)  # the ranks waiting for the others hear it too
+        refused = self.refusals.summary()
+        raise XtrainError(f"rendezvous at {self.host}:{self.port}: {why}"
+                          + (f"; refused: {refused}" if refused else ""))
 
     def _abandon(self, news: str, peers: list, deadline: float) -> None:
         """Rank 0 gives up serving: tell the joined ranks and then every joiner `news` (as _abort does), for
@@ -255,7 +337,7 @@ class RendezvousServer:
         try:
             told = {0, *_refuse_joined(peers, news)}
             self._tell_everyone(news, told, max(min(deadline - time.monotonic(), LINGER_S), 0))
-        except (OSError, ValueError):
+        except (OSError, ValueError, OverflowError):
             close_all(peers)
 
     def _abort(self, news: str, lost: int, peers: list, deadline: float, error: str) -> None:
@@ -275,47 +357,120 @@ class RendezvousServer:
         except OSError:
             pass
         finally:
-            self.sock.close()
+            self._close()
 
     def _tell_everyone(self, news: str, told: set[int], linger_s: float) -> None:
         """Answer every connection with REFUSE `news` (a stranger: with why it is refused) until every
         rank is in `told` or `linger_s` passed. A FAIL counts as told: that rank knows it failed."""
-        end = time.monotonic() + linger_s
-        while len(told) < self.world:
-            remaining = end - time.monotonic()
-            if remaining <= 0:
-                return
-            self.sock.settimeout(remaining)
-            try:
-                conn, addr = self.sock.accept()
-            except TimeoutError:
-                return
-            msg, reason, _ = self._hear(conn, min(HANDSHAKE_TIMEOUT_S, remaining))
+        if len(told) >= self.world:
+            return
+        for conn, addr, msg, reason, _ in self._hear_all(time.monotonic() + linger_s):
             if reason is None:
                 told.add(msg.rank)
             else:
-                self.log(f"rendezvous: refused a connection from {addr[0]}:{addr[1]}: {reason}")
+                self.refusals.refused(addr, reason)
             _refuse(conn, news if reason is None else reason)
+            if len(told) >= self.world:
+                return
 
-    def _hear(self, conn, timeout_s) -> tuple[_Message | None, str | None, bool]:
-        """Greet a new connection and read its message: (message, None, True) when it holds the token and
-        fits this job, else (message or None, why it is refused, whether it holds the token: a process of
-        this job that does not fit it, rather than a stranger)."""
-        conn.settimeout(timeout_s)
-        server_nonce = secrets.token_bytes(32)
+    def _close(self) -> None:
+        """Stop listening; drop the connections not yet heard."""
+        for greeted in self.pending.values():
+            greeted.conn.close()
+        self.pending.clear()
+        self.selector.close()
+        self.sock.close()
+        self.refusals.flush()
+
+    def _hear_all(self, until: float):
+        """Yield a _Heard for each connection as its message arrives whole, or as it fails to (it closed,
+        sent what is not our message, or took longer than GREETING_TIMEOUT_S), until the monotonic time
+        `until`. New connections are accepted and greeted meanwhile, every one at once."""
+        while True:
+            now = time.monotonic()
+            for greeted in [g for g in self.pending.values() if g.deadline <= now]:
+                yield self._drop(greeted, "no valid greeting (timed out)")
+            if now >= until:
+                return
+            wake = min([until, *(g.deadline for g in self.pending.values())])
+            for key, _ in self.selector.select(wake - now):
+                if key.fileobj is self.sock:
+                    yield from self._accept_all()
+                elif key.fileobj in self.pending:  # still waited for (nothing above dropped it meanwhile)
+                    heard = self._read(key.data)
+                    if heard is not None:
+                        yield heard
+
+    def _accept_all(self):
+        """Accept and greet the connections waiting in the kernel's queue (at most MAX_PENDING at a time,
+        so that a flood cannot hold this loop); yield a _Heard for each one dropped to make room."""
+        for _ in range(MAX_PENDING):
+            try:
+                conn, addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # the connection was reset while it waited in the queue, or no descriptor is left
+                return
+            conn.setblocking(False)
+            greeted = _Greeted(conn, addr, secrets.token_bytes(32), time.monotonic() + GREETING_TIMEOUT_S)
+            try:
+                if conn.send(_GREETING.pack(MAGIC, VERSION, greeted.nonce)) != _GREETING.size:
+                    raise BlockingIOError("the greeting did not fit in the socket's buffer")
+            except OSError as e:
+                yield _Heard(conn, addr, None, f"no valid greeting ({_describe(e)})", False)
+                continue
+            self.pending[conn] = greeted
+            self.selector.register(conn, selectors.EVENT_READ, greeted)
+            if len(self.pending) > MAX_PENDING:
+                yield self._drop(self._crowded(), "no valid greeting (too many connections waiting to be heard)")
+
+    def _crowded(self) -> _Greeted:
+        """The connection to drop when too many wait: the oldest of the host that holds most of them, so a
+        host that floods the port drops its own connections rather than a rank's."""
+        by_host: dict[str, list[_Greeted]] = {}
+        for greeted in self.pending.values():  # oldest first: a dict keeps the order of insertion
+            by_host.setdefault(greeted.addr[0], []).append(greeted)
+        return max(by_host.values(), key=len)[0]
+
+    def _drop(self, greeted: _Greeted, reason: str) -> _Heard:
+        self._forget(greeted)
+        return _Heard(greeted.conn, greeted.addr, None, reason, False)
+
+    def _forget(self, greeted: _Greeted) -> None:
+        self.selector.unregister(greeted.conn)
+        del self.pending[greeted.conn]
+
+    def _read(self, greeted: _Greeted) -> _Heard | None:
+        """Read what has arrived of `greeted`'s message: a _Heard once it is whole or cannot be, else None."""
         try:
-            conn.sendall(_GREETING.pack(MAGIC, VERSION, server_nonce))
-            magic, version, kind, rank, world, fingerprint, peer_nonce, mac, length = _JOIN.unpack(
-                _recv_exact(conn, _JOIN.size))
+            chunk = greeted.conn.recv(greeted.size - len(greeted.data))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as e:
+            return self._drop(greeted, f"no valid greeting ({_describe(e)})")
+        if not chunk:
+            return self._drop(greeted, "no valid greeting (connection closed by the other side)")
+        greeted.data += chunk
+        if len(greeted.data) == _JOIN.size:  # the fixed part: is it ours, and how long is the rest?
+            magic, version, kind, _, _, _, _, _, length = _JOIN.unpack(greeted.data)
             if magic != MAGIC:
-                return None, "not an xtrain-dist process", False
+                return self._drop(greeted, "not an xtrain-dist process")
             if version != VERSION:
-                return None, f"protocol version {version}, rank 0 speaks {VERSION}", False
+                return self._drop(greeted, f"protocol version {version}, rank 0 speaks {VERSION}")
             if kind not in (JOIN, FAIL) or length > (MAX_REASON if kind == FAIL else 0):
-                return None, "a malformed message", False
-            text = _recv_exact(conn, length)
-        except (OSError, struct.error) as e:
-            return None, f"no valid greeting ({_describe(e)})", False
+                return self._drop(greeted, "a malformed message")
+            greeted.size += length
+        if len(greeted.data) < greeted.size:
+            return None
+        self._forget(greeted)
+        return _Heard(greeted.conn, greeted.addr, *self._judge(greeted.nonce, bytes(greeted.data)))
+
+    def _judge(self, server_nonce: bytes, data: bytes) -> tuple[_Message, str | None, bool]:
+        """A whole message, checked: (message, None, True) when it holds the token and fits this job, else
+        (message, why it is refused, whether it holds the token: a process of this job that does not fit
+        it, rather than a stranger)."""
+        _, _, kind, rank, world, fingerprint, peer_nonce, mac, _ = _JOIN.unpack(data[:_JOIN.size])
+        text = data[_JOIN.size:]
         ranks = struct.pack("!II", rank, world)
         if kind == JOIN:
             expected = _mac(self.token, b"join", server_nonce, ranks, fingerprint, peer_nonce)
