@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -435,6 +436,41 @@ def test_a_process_that_cannot_start_ends_its_tcp_peer_at_once(tmp_path, failing
         assert line == f"train_ddp: error: rendezvous: rank 0 at 127.0.0.1:{port} refused rank 1: process 0 " \
                        f"failed: {why}"
     assert elapsed < 60, f"the healthy process waited {elapsed:.0f} s"
+
+
+def first_line_within(stream, seconds: float) -> str | None:
+    """The next line of `stream`, or None if none came within `seconds`."""
+    box = []
+    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    return box[0].rstrip("\n") if box else None
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_bad_argument_is_reported_at_once_while_the_other_process_is_not_there_yet(failing):
+    """The process with the bad argument says so at once, though the other process has not reached the
+    rendezvous (here it starts 4 s later; on a GPU rank 0 compiles its kernels first): its line once waited
+    for its report to the others, up to 30 s, and torchrun had nothing to show until then. The other
+    process, when it comes, still hears why and ends within seconds."""
+    port = free_port()
+    base = ["-m", "xtrain_dist.train_ddp", "5", "8", "32", "--rdzv-timeout", "120"]
+    why = "--lr must be a number >= 0, got 'abc'"
+    with reaped([torchrun_style(failing, 2, port, [*base, "--lr", "abc"])]) as procs:
+        assert first_line_within(procs[0].stderr, 10) == f"train_ddp: error: {why}"
+        time.sleep(4)
+        assert procs[0].poll() is None  # still there to tell the other process
+        t0 = time.monotonic()
+        procs.append(torchrun_style(1 - failing, 2, port, base))
+        other_err = procs[1].communicate(timeout=60)[1]
+        assert procs[0].wait(timeout=30) == 2 and procs[1].returncode == 2
+        assert time.monotonic() - t0 < 30
+    line = other_err.strip().splitlines()[-1]
+    if failing == 1:
+        assert line == f"train_ddp: error: process 1 failed before joining: {why}"
+    else:
+        assert line == (f"train_ddp: error: rendezvous: rank 0 at 127.0.0.1:{port} refused rank 1: process 0 "
+                        f"failed: {why}")
 
 
 WORLD_SIZE_3_OF_2 = ("--world-size 3 does not match the launch: torchrun started 2 processes, and every process "

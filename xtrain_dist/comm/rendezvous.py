@@ -45,6 +45,7 @@ import secrets
 import selectors
 import socket
 import struct
+import threading
 import time
 from typing import NamedTuple
 
@@ -620,14 +621,23 @@ def rendezvous(launch: Launch, payload: bytes = b"", *, bind=None, advertise=Non
 
 
 def report_failure_before_world(launch: Launch, reason: str, *, bind=None, advertise=None,
-                                timeout_s: float = 30.0) -> None:
+                                timeout_s: float = 30.0, wait: bool = True) -> None:
     """A process that fails before it reaches the rendezvous (a missing file on its node) tells the
     others why, so they end at once instead of at --rdzv-timeout: rank 0 answers every joiner with the
     reason, another rank tells rank 0 (who then tells the rest). Best effort, at most about `timeout_s`;
     it never raises. Nothing to do for one process or under mpirun (MPI_Abort ends the job). Only for
     failures before this process calls rendezvous(): its failures there already reach the others, and
-    reporting again would wait for nobody. `bind` and `advertise` as for rendezvous()."""
+    reporting again would wait for nobody. `bind` and `advertise` as for rendezvous().
+
+    wait=False reports from a thread that is not a daemon and returns at once: the process says what went
+    wrong now, and Python waits for the thread before the process exits. The others may not listen yet
+    (rank 0 still reading its corpus or compiling its kernels, a node started later), and the line of the
+    process that failed waited with them, up to 30 s: under torchrun nothing was reported until then."""
     if not launch.multi_process or launch.kind == "mpirun":
+        return
+    if not wait:
+        threading.Thread(target=report_failure_before_world, args=(launch, reason), name="report-failure",
+                         kwargs={"bind": bind, "advertise": advertise, "timeout_s": timeout_s}).start()
         return
     try:
         bind_at, adv = rdzv_addresses(launch, bind, advertise)

@@ -239,7 +239,7 @@ def _main(argv: list[str]) -> int:
         cfg = parse_config(argv)
     except XtrainError as err:  # a bad argument on one node: the other processes learn it now, not at their timeout
         with contextlib.suppress(XtrainError):
-            report_failure_before_world(detect_launch(), str(err), **_rendezvous_options(argv))
+            report_failure_before_world(detect_launch(), str(err), **_rendezvous_options(argv), wait=False)
         raise
     try:
         report = train(cfg)

@@ -66,7 +66,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         # this process cannot start: tell the others now, or they wait for it until --rdzv-timeout
         reason = str(err) if isinstance(err, XtrainError) else f"{type(err).__name__}: {err}"
         report_failure_before_world(launch, reason, bind=cfg.rdzv_bind, advertise=cfg.rdzv_advertise,
-                                    timeout_s=min(cfg.rdzv_timeout_s, 30.0))
+                                    timeout_s=min(cfg.rdzv_timeout_s, 30.0), wait=False)
         raise
     try:  # --save-dir stays this run's until it ends (preflight.prepare took it)
         return run_prepared(ready, launch, local_world, log, stop)
