@@ -369,6 +369,36 @@ def test_the_entry_point_does_nothing_alone_or_under_mpirun(launch, monkeypatch)
     assert time.monotonic() - t0 < 1
 
 
+# ------------------------------------------------------------------ the derived token on several hosts
+@pytest.mark.parametrize("rank, local, advertise, token, warned", [
+    (0, 1, "node7", None, True),                # 1 of 2 processes on rank 0's host: the others connect from afar
+    (0, 1, "10.0.0.5", None, True),
+    (0, 1, "10.0.0.5", "s3cret", False),         # a secret token: nothing to say
+    (0, 2, "10.0.0.5", None, False),             # both processes on this host
+    (0, 1, "127.0.0.1", None, False),            # a launch by hand on loopback: one host whatever it counts
+    (0, 1, "localhost", None, False),
+    (1, 1, "10.0.0.5", None, False),             # one line per job: rank 0's
+])
+def test_a_derived_token_on_several_hosts_is_said_once_by_rank0(rank, local, advertise, token, warned, monkeypatch):
+    """Without XTRAIN_RDZV_TOKEN the token is the launcher's job id and rank 0's address, which a process on
+    another host can work out as well as the job's own: rank 0 says so, once, where the job spans hosts."""
+    if token is None:
+        monkeypatch.delenv("XTRAIN_RDZV_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("XTRAIN_RDZV_TOKEN", token)
+    port = free_port()
+    launch = Launch("torchrun", process_rank=rank, num_processes=2, local_processes=local, master_addr=advertise,
+                    master_port=port, job_id="job42")
+    logs = []
+    monkeypatch.setattr(rdzv, "join", lambda *args: (_ for _ in ()).throw(XtrainError("nobody there")))
+    with pytest.raises(XtrainError, match="only 1 of 2 processes joined" if rank == 0 else "nobody there"):
+        rdzv.rendezvous(launch, bind=f"127.0.0.1:{port}", timeout_s=0.2, log=logs.append)
+    expected = [f"rendezvous: XTRAIN_RDZV_TOKEN is not set, and the launcher puts 1 of this job's 2 processes on "
+                f"this host: the token is derived from the job id and rank 0's address, which anyone who can reach "
+                f"{advertise}:{port} can work out; set the same secret XTRAIN_RDZV_TOKEN for every process"]
+    assert logs == (expected if warned else [])
+
+
 # ------------------------------------------------------------------ what mutation testing found untested
 def test_a_peer_with_another_world_size_ends_the_job_at_once():
     _, addr, served = serving(2)

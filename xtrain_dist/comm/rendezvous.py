@@ -40,6 +40,7 @@ address (or 0.0.0.0) while the others connect to the host's address and a publis
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
 import selectors
@@ -607,6 +608,18 @@ def rdzv_addresses(launch: Launch, bind: str | None, advertise: str | None) -> t
     return (parse_hostport(bind, adv[1], "--rdzv-bind") if bind else adv), adv
 
 
+def spans_hosts(launch: Launch, advertised_host: str) -> bool:
+    """Whether the job runs processes on other hosts than rank 0's: its launcher counts fewer processes on
+    this host than in the job, and the others reach rank 0 at an address that is not this host's loopback
+    (a launch by hand may not say how many processes share a host; one on 127.0.0.1 spans one host)."""
+    if launch.local_processes >= launch.num_processes:
+        return False
+    try:
+        return not ipaddress.ip_address(advertised_host).is_loopback
+    except ValueError:  # a name
+        return advertised_host != "localhost"
+
+
 def rendezvous(launch: Launch, payload: bytes = b"", *, bind=None, advertise=None, timeout_s=300.0,
                fingerprint: bytes = b"", log=print):
     """Rank 0 hands `payload` to every process over TCP; returns (payload, open connections as the TCP
@@ -615,6 +628,12 @@ def rendezvous(launch: Launch, payload: bytes = b"", *, bind=None, advertise=Non
     token = token_from_env(derived_token(launch.job_id, *adv))
     if launch.process_rank == 0:
         server = RendezvousServer(bind_at, launch.num_processes, token, fingerprint, timeout_s, log=log)
+        if not os.environ.get(TOKEN_ENV) and spans_hosts(launch, adv[0]):
+            # rank 0 only: one line for the job, in the log of the process whose port is open to others
+            log(f"rendezvous: {TOKEN_ENV} is not set, and the launcher puts {launch.local_processes} of this job's "
+                f"{launch.num_processes} processes on this host: the token is derived from the job id and rank "
+                f"0's address, which anyone who can reach {adv[0]}:{adv[1]} can work out; set the same secret "
+                f"{TOKEN_ENV} for every process")
         return payload, server.serve(payload)
     body, conn = join(adv, launch.process_rank, launch.num_processes, token, fingerprint, timeout_s)
     return body, [conn]
