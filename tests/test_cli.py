@@ -116,12 +116,12 @@ def error_line(out):
                            "only"),
     ((5, 8, 32, "--matmul", "cublaslt"), "--matmul cublaslt is a choice of the cuda backend's matmuls; the numpy "
                                          "backend's products are numpy's"),
-    ((5, 8, 32, "--cuda-graph", "on"), "argument --cuda-graph: invalid choice: 'on' (choose from 'auto', 'off')"),
+    ((5, 8, 32, "--cuda-graph", "on"), "--cuda-graph must be one of auto, off, got 'on'"),
     ((5, 8, 32, "--cpu-threads", "two"), "--cpu-threads must be a positive integer, got 'two'"),
     ((5, 8, 32, "--resume", "auto"), "--resume auto continues from the checkpoint in --save-dir: give --save-dir"),
     ((5, 8, 200), "SEQ (200) exceeds the context length of model 'tiny' (128)"),
-    ((5, 8, 32, "--model", "huge"), "unknown model preset 'huge' (choose from tiny, mini, small, gpt2-124m, "
-                                    "gpt2-350m, gpt2-774m)"),
+    ((5, 8, 32, "--model", "huge"), "--model must be one of tiny, mini, small, gpt2-124m, gpt2-350m, gpt2-774m, "
+                                    "got 'huge'"),
     ((5, 8, 32, DEFAULT_TOKENIZER), "give both TOKENIZER and CORPUS, or neither (for the shipped data)"),
     # an empty one is not "not given": it would have trained on the shipped data
     ((5, 8, 32, "", DEFAULT_CORPUS), "TOKENIZER must be a path, got ''"),
@@ -645,8 +645,41 @@ def test_a_choice_list_keeps_the_order_given_and_names_a_bad_item_and_the_choice
     choices = ("fp32", "tf32", "bf16")
     assert choice_list("--precisions", "bf16,,fp32", choices) == ["bf16", "fp32"]
     assert choice_list("--torch-modes", "", ("eager",), allow_empty=True) == []
-    for text, message in (("bf16,FP32", "--precisions: unknown 'FP32' (choose from fp32, tf32, bf16)"),
-                          (",", "--precisions: give at least one of fp32, tf32, bf16")):
+    what = "--precisions must be one or more of fp32, tf32, bf16 (separated by commas)"
+    for text, message in (("bf16,FP32", f"{what}, got 'FP32'"), (",", f"{what}, got ','")):
         with pytest.raises(XtrainError) as info:
             choice_list("--precisions", text, choices)
         assert str(info.value) == message
+
+
+@pytest.mark.parametrize("argparse_line, ours", [
+    # argparse quotes the value and the choices or not, by Python version: both read the same
+    ("argument --dtype: invalid choice: 'fp16' (choose from 'fp32', 'bf16')",
+     "--dtype must be one of fp32, bf16, got 'fp16'"),
+    ("argument --dtype: invalid choice: fp16 (choose from fp32, bf16)",
+     "--dtype must be one of fp32, bf16, got 'fp16'"),
+    ("argument --zero: invalid choice: 2 (choose from 0, 1)", "--zero must be one of 0, 1, got '2'"),
+    ("argument --vocab-size: invalid int value: 'x'", "--vocab-size must be an integer, got 'x'"),
+    ("argument --lr: expected one argument", "--lr must be followed by a value"),
+    ("argument STEPS: must be a positive integer, got '0'", "STEPS must be a positive integer, got '0'"),
+    ("unrecognized arguments: --bogus", "unrecognized arguments: --bogus"),  # about the command line, not a value
+])
+def test_argparse_lines_about_a_value_take_our_form(argparse_line, ours):
+    from xtrain_dist.command import OneLineParser
+    from xtrain_dist.errors import XtrainError
+    with pytest.raises(XtrainError) as info:
+        OneLineParser().error(argparse_line)
+    assert str(info.value) == ours
+
+
+# every entry point, a bad choice and a bad number: the same form, one line, exit 2
+ENTRY_POINTS = [["xtrain_dist.train_ddp", "2", "2", "16"], ["xtrain_dist.sample", "ckpt"],
+                ["xtrain_dist.evaluate", "ckpt"], ["xtrain_dist.hellaswag", "ckpt", "hs.bin"]]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda e: e[0].split(".")[1])
+def test_every_entry_point_says_a_bad_option_in_one_form(entry):
+    out = subprocess.run([sys.executable, "-m", *entry, "--backend", "gpu"], capture_output=True, text=True,
+                         timeout=120)
+    prog = entry[0].split(".")[1]
+    assert (out.returncode, out.stderr) == (2, f"{prog}: error: --backend must be one of numpy, cuda, got 'gpu'\n")

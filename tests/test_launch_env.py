@@ -149,7 +149,7 @@ def test_engine_choice():
         ("mpi", "cuda", mpirun, "--comm mpi reduces host (numpy) buffers: with --backend cuda use --comm nccl"),
         ("mpi", "numpy", torchrun, "--comm mpi needs processes started by mpirun/mpiexec, not torchrun: use "
                                    "--comm tcp (or omit --comm)"),
-        ("gloo", "numpy", single, "unknown --comm 'gloo' (choose from auto, local, mpi, tcp, nccl)"),
+        ("gloo", "numpy", single, "--comm must be one of auto, local, mpi, tcp, nccl, got 'gloo'"),
     ]:
         with pytest.raises(XtrainError) as info:
             choose_engine(name, backend, launch)

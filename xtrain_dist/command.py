@@ -11,13 +11,42 @@ from pathlib import Path
 from .errors import XtrainError, first_line
 
 
+def must_be(option: str, what: str, given) -> str:
+    """The one form of every bad option's line, in every command: "--dtype must be one of fp32, bf16, got
+    'fp16'" (the option, what it takes, what it was given)."""
+    return f"{option} must be {what}, got '{given}'"
+
+
+def one_of(choices) -> str:
+    return f"one of {', '.join(map(str, choices))}"
+
+
+# argparse's own lines about an option's value, and what they become in our form (see must_be)
+_ARGPARSE_TYPES = {"int": "an integer", "float": "a number"}
+
+
+def _our_form(message: str) -> str:
+    """argparse's line about an option in our form: "argument --dtype: invalid choice: 'x' (choose from
+    'fp32', 'bf16')" (quoted or not, by Python version) is "--dtype must be one of fp32, bf16, got 'x'";
+    our argument types' "argument STEPS: must be ..." is "STEPS must be ..."."""
+    if m := re.fullmatch(r"argument (\S+): must (.*)", message):
+        return f"{m[1]} must {m[2]}"
+    if m := re.fullmatch(r"argument (\S+): invalid choice: (.*) \(choose from (.*)\)", message):
+        choices = [c.strip().strip("'\"") for c in m[3].split(",")]
+        return must_be(m[1], one_of(choices), m[2].strip("'\""))
+    if m := re.fullmatch(r"argument (\S+): invalid (\w+) value: (.*)", message):
+        return must_be(m[1], _ARGPARSE_TYPES.get(m[2], f"a {m[2]}"), m[3].strip("'\""))
+    if m := re.fullmatch(r"argument (\S+): expected one argument", message):
+        return f"{m[1]} must be followed by a value"
+    return message
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad argument raises XtrainError (one line, exit 2 in main) instead of printing
-    the usage and the message."""
+    the usage and the message; argparse's lines about an option's value take our form (must_be)."""
 
     def error(self, message):
-        # "argument STEPS: must be a positive integer ..." reads better as "STEPS must be ..."
-        raise XtrainError(re.sub(r"^argument (\S+): must ", r"\1 must ", message))
+        raise XtrainError(_our_form(message))
 
 
 def _checked(parse, accept, what: str):
@@ -73,13 +102,15 @@ positive_floats = _comma_separated(positive_float, "numbers > 0")
 
 def choice_list(flag: str, text: str, choices, allow_empty: bool = False) -> list[str]:
     """The items of a comma-separated option (the tools' --precisions, --matmuls, ...), in the order given,
-    each one of `choices`; else one line naming the option, the item and the choices."""
+    each one of `choices`; else one line naming the option, the choices and the item that is none of them
+    (or the whole text, where it holds no item)."""
     items = [item for item in text.split(",") if item]
+    what = f"{'zero' if allow_empty else 'one'} or more of {', '.join(choices)} (separated by commas)"
     for item in items:
         if item not in choices:
-            raise XtrainError(f"{flag}: unknown '{item}' (choose from {', '.join(choices)})")
+            raise XtrainError(must_be(flag, what, item))
     if not items and not allow_empty:
-        raise XtrainError(f"{flag}: give at least one of {', '.join(choices)}")
+        raise XtrainError(must_be(flag, what, text))
     return items
 
 

@@ -2,6 +2,7 @@
 
 from dataclasses import asdict, dataclass, field
 
+from .command import must_be, one_of
 from .errors import XtrainError
 
 # The classifier's rows (wte's rows in the parameter layout) are padded to a multiple of this, as nanoGPT and
@@ -49,9 +50,10 @@ PRESETS: dict[str, tuple[int, int, int, int]] = {
 GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer: what the benchmarks size the classifier by
 
 
-def model_config(preset: str, vocab_size: int) -> GPTConfig:
+def model_config(preset: str, vocab_size: int, option: str = "--model") -> GPTConfig:
+    """The shape of model `preset`; `option` names where it came from in the line that refuses it."""
     if preset not in PRESETS:
-        raise XtrainError(f"unknown model preset '{preset}' (choose from {', '.join(PRESETS)})")
+        raise XtrainError(must_be(option, one_of(PRESETS), preset))
     n_layer, n_head, n_embd, n_ctx = PRESETS[preset]
     return GPTConfig(vocab_size=vocab_size, n_ctx=n_ctx, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
 

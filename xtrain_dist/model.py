@@ -31,6 +31,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .command import must_be, one_of
 from .config import GPTConfig
 from .errors import XtrainError
 
@@ -139,7 +140,7 @@ ATTENTIONS = ("standard", "flash")
 
 def check_attention(attention: str) -> str:
     if attention not in ATTENTIONS:
-        raise XtrainError(f"unknown --attention '{attention}' (choose from {', '.join(ATTENTIONS)})")
+        raise XtrainError(must_be("--attention", one_of(ATTENTIONS), attention))
     return attention
 
 
@@ -152,7 +153,7 @@ RECOMPUTE_LEVELS = (0, 1, 2)
 
 def check_recompute(level: int) -> int:
     if level not in RECOMPUTE_LEVELS:
-        raise XtrainError(f"unknown --recompute {level!r} (choose from {', '.join(map(str, RECOMPUTE_LEVELS))})")
+        raise XtrainError(must_be("--recompute", one_of(RECOMPUTE_LEVELS), level))
     return level
 
 

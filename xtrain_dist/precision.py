@@ -16,6 +16,7 @@ two on the host (bf16_bits, from_bf16_bits), beside the rounding that is their o
 
 import numpy as np
 
+from .command import must_be, one_of
 from .errors import XtrainError
 
 DTYPES = ("fp32", "bf16")
@@ -27,7 +28,7 @@ MATMULS = ("cublas", "cublaslt")
 
 def check_matmul(matmul: str) -> str:
     if matmul not in MATMULS:
-        raise XtrainError(f"unknown --matmul '{matmul}' (choose from {', '.join(MATMULS)})")
+        raise XtrainError(must_be("--matmul", one_of(MATMULS), matmul))
     return matmul
 
 
@@ -37,7 +38,7 @@ BF16_EPS = 2.0 ** -8
 
 def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
-        raise XtrainError(f"unknown --dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+        raise XtrainError(must_be("--dtype", one_of(DTYPES), dtype))
     return dtype
 
 

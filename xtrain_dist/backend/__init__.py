@@ -7,6 +7,7 @@ missing is an error, never a quiet CPU run (the CUDA backend raises XtrainError 
 CuPy, no device, a bad device id).
 """
 
+from ..command import must_be, one_of
 from ..errors import XtrainError
 from ..precision import check_dtype
 
@@ -24,7 +25,7 @@ def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, 
         from .cuda import ops as cuda_ops
         return cuda_ops.CudaBackend(0 if device is None else device, allow_tf32=allow_tf32, dtype=dtype,
                                      matmul=matmul)
-    raise XtrainError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
+    raise XtrainError(must_be("--backend", one_of(BACKENDS), name))
 
 
 def rank_device(name: str, local_rank: int) -> int | None:

@@ -12,6 +12,7 @@ process_rank * local_world + l. `choose_engine` picks the engine a run asked for
 
 import hashlib
 
+from ..command import must_be, one_of
 from ..errors import XtrainError
 from .launch_env import Launch, detect_launch
 from .local import LocalGroup
@@ -26,7 +27,7 @@ def choose_engine(name: str, backend: str, launch: Launch, local_world: int = 1,
     virtual ranks sharing a GPU, which NCCL refuses); across CPU processes MPI under mpirun and TCP
     otherwise. `gpus` is how many GPUs this process sees (0 when unknown or not CUDA)."""
     if name not in ENGINES:
-        raise XtrainError(f"unknown --comm '{name}' (choose from {', '.join(ENGINES)})")
+        raise XtrainError(must_be("--comm", one_of(ENGINES), name))
     if name == "auto":
         if not launch.multi_process:
             name = "nccl" if backend == "cuda" and 1 < local_world <= gpus else "local"

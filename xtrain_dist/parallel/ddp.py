@@ -26,6 +26,7 @@ import weakref
 
 from ..comm import shard_offsets
 from ..comm.timed import TimedCommunicator
+from ..command import must_be, one_of
 from ..errors import XtrainError
 from ..model import ALIGN
 
@@ -189,11 +190,11 @@ STRATEGIES = {"per-param": PerParamGradSync, "flat": FlatGradSync, "bucketed": B
 def check_config(cfg) -> None:
     """The options of this module, checked before any rank starts: one line naming the problem."""
     if cfg.grad_sync not in STRATEGIES:
-        raise XtrainError(f"unknown --grad-sync '{cfg.grad_sync}' (choose from {', '.join(STRATEGIES)})")
+        raise XtrainError(must_be("--grad-sync", one_of(STRATEGIES), cfg.grad_sync))
     if not (cfg.bucket_mb > 0 and math.isfinite(cfg.bucket_mb)):
         raise XtrainError(f"--bucket-mb must be a positive number, got {cfg.bucket_mb:g}")
     if cfg.grad_compress not in COMPRESSIONS:
-        raise XtrainError(f"unknown --grad-compress '{cfg.grad_compress}' (choose from {', '.join(COMPRESSIONS)})")
+        raise XtrainError(must_be("--grad-compress", one_of(COMPRESSIONS), cfg.grad_compress))
     if cfg.zero not in (0, 1):
         raise XtrainError(f"--zero must be 0 or 1, got {cfg.zero}")
     if cfg.grad_accum < 1:
