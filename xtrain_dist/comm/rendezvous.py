@@ -376,8 +376,9 @@ class RendezvousServer:
                 return
 
     def _close(self) -> None:
-        """Stop listening; drop the connections not yet heard."""
+        """Stop listening; drop the connections not yet heard (named in the log: no rank is among them)."""
         for greeted in self.pending.values():
+            self.refusals.refused(greeted.addr, "no valid greeting (the rendezvous ended before it was heard)")
             greeted.conn.close()
         self.pending.clear()
         self.selector.close()
