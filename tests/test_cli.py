@@ -617,8 +617,10 @@ def test_blas_threads_are_shared_with_the_other_processes_on_the_node(shipped_co
 
 
 def test_a_process_that_cannot_start_tells_the_others_within_its_rdzv_timeout(tmp_path):
-    """Rank 0 of 2 misses its corpus: it answers the others for --rdzv-timeout (here 1 s), not 30 s."""
+    """Rank 0 of 2 misses its corpus: it says so at once, and answers the others from a thread for
+    --rdzv-timeout (here 1 s), not 30 s; the process exits once that thread has."""
     import socket
+    import threading
     import time
 
     from xtrain_dist.comm.launch_env import Launch
@@ -636,7 +638,11 @@ def test_a_process_that_cannot_start_tells_the_others_within_its_rdzv_timeout(tm
     with pytest.raises(XtrainError) as info:
         train(cfg, launch=launch, log=lambda line: None)
     assert str(info.value) == f"corpus '{missing}' not found"
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 5
+    (reporting,) = [t for t in threading.enumerate() if t.name == "report-failure"]
+    assert not reporting.daemon  # Python waits for it before the process exits
+    reporting.join(20)
+    assert not reporting.is_alive() and 0.9 < time.monotonic() - t0 < 10
 
 
 def test_a_choice_list_keeps_the_order_given_and_names_a_bad_item_and_the_choices():
