@@ -782,7 +782,7 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     verdict = (out / "session.txt").read_text()
     assert re.fullmatch(r"## gpu_session.sh: cuda exit 0, bench exit \d+, \d+ s in all\n", verdict), verdict
     if shutil.which("compute-sanitizer") is None:  # a step that could not run fails the call
-        assert "racecheck: exit 127 (last line: compute-sanitizer not on this image)" in summary, summary
+        assert "racecheck: exit 127 (last line: compute-sanitizer not on this machine)" in summary, summary
         assert "bench exit 1," in verdict and session.returncode == 1, session.stderr[-2000:]
     nccl = subprocess.run(["bash", "bin/gpu_session/nccl.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "nccl")),
                           capture_output=True, text=True, timeout=300)

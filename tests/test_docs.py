@@ -1,8 +1,9 @@
-"""The README and docs/ link to files and headings that exist: a page split or renamed leaves no dead link.
+"""The README, docs/ and the results READMEs link to files and headings that exist: a page split or renamed
+leaves no dead link.
 
-Every markdown link in README.md and docs/*.md that is not a URL must name a file or folder of the
-repository, and where it names a heading (`page.md#anchor`, or `#anchor` on the same page), that heading,
-with its anchor made as GitHub makes it.
+Every markdown link in README.md, docs/*.md and bench/results/*/README.md that is not a URL must name a file
+or folder of the repository, and where it names a heading (`page.md#anchor`, or `#anchor` on the same page),
+that heading, with its anchor made as GitHub makes it.
 """
 
 import re
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "bench" / "results").glob("*/README.md"))]
 
 LINK = re.compile(r"!?\[([^\]]*)\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*```")
