@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -317,7 +318,7 @@ CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"]
 # while one runs. The inner pytest runs verbose, a line per test ending in its progress ("[ 40%]"), and every
 # PROGRESS_EVERY seconds the latest of those is written to the terminal: `python -m pytest -q` then shows
 # where the simulator is, rather than what looks like a hang.
-PROGRESS = re.compile(r"^(\S+?)::.*\[\s*(\d+)%\]\s*$")
+PROGRESS = re.compile(r"^(\S+::\S+) ([A-Z]+)\s.*\[\s*(\d+)%\]\s*$")
 PROGRESS_EVERY = 30.0
 
 
@@ -331,24 +332,28 @@ def run_showing_progress(command, env, label, request, tmp_path, timeout=1200):
     lines = []
     with open(tmp_path / "stderr.txt", "w+") as stderr:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        # a run that hangs writes nothing, so the limit cannot wait for its next line: a timer kills it
+        watchdog = threading.Timer(timeout, process.kill)
+        watchdog.start()
         try:
             for line in process.stdout:
                 lines.append(line)
                 now = time.monotonic()
                 mark = PROGRESS.search(line)
                 if mark and reporter is not None and capture is not None and (
-                        now - last_report >= PROGRESS_EVERY or mark.group(2) == "100"):
+                        now - last_report >= PROGRESS_EVERY or mark.group(3) == "100"):
                     last_report = now
                     with capture.global_and_fixture_disabled():
-                        reporter.write_line(f"  [{label}: {mark.group(2)}% after {now - start:.0f} s, "
-                                            f"in {mark.group(1)}]")
-                if now - start > timeout:
-                    raise subprocess.TimeoutExpired(command, timeout)
-            process.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
+                        reporter.write_line(f"  [{label}: {mark.group(3)}% after {now - start:.0f} s; "
+                                            f"{mark.group(1)} {mark.group(2)}]")
+            process.wait()
         finally:
+            watchdog.cancel()
             if process.poll() is None:
                 process.kill()
                 process.wait()
+        if time.monotonic() - start >= timeout:
+            raise subprocess.TimeoutExpired(command, timeout, output="".join(lines))
         stderr.seek(0)
         return process.returncode, "".join(lines), stderr.read()
 
