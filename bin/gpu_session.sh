@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks of the CUDA backend in one run of at most 10 minutes on a machine with one
-# H100 or H200 (docs/gpu_session.md): the checks and the benchmarks go together, so that one run on a GPU
-# leaves both.
+# Every GPU test and benchmark of the CUDA backend in one run, within BUDGET seconds (default 540: about 9
+# minutes), on a machine with one H100 or H200 (docs/gpu_session.md); it writes one results folder, $OUT.
 #
-# Run: PACK_RESULTS=1 bash bin/gpu_session.sh   (with the nccl4py wheel in .whl; docs/gpu_session.md)
+# Run: bash bin/gpu_session.sh   (the [cuda] extra installed; offline, the crt wheels in .whl/crt: docs/gpu_session.md)
 # The scripts it runs, each runnable alone as well, and what they share are in bin/gpu_session/.
 #
 #   1. bin/gpu_session/cuda.sh into $OUT/cuda, CUDA_BUDGET seconds (default 240): tests, the shipped
 #      corpus on the GPU, the per-op error tables, memcheck
-#   2. bin/gpu_session/bench.sh into $OUT/bench, with the rest of BUDGET (default 540): bench_gpu, issue 35's
-#      targets first (gpt2-124m bf16 at 16 and 64 x 1024 per GPU, ours against torch.compile default and
+#   2. bin/gpu_session/bench.sh into $OUT/bench, with the rest of BUDGET (default 540): bench_gpu, the target
+#      shapes first (gpt2-124m bf16 at 16 and 64 x 1024 per GPU, ours against torch.compile default and
 #      max-autotune at the padded vocabulary), then the fair-peer rows and the batch sweep's 8 and 32 x 1024
 #      (what one run leaves out is listed, and docs/gpu_session.md says how a second run goes on), bench_gemm,
 #      racecheck
 #   3. with PACK_RESULTS=1, everything in $OUT/results.tar.gz, beside it only session.txt and the two
-#      summaries (a few files to copy back from the GPU machine instead of dozens)
+#      summaries (a few files to copy off the GPU machine instead of dozens)
 # The benchmarks run even where a test failed: their numbers are the run's other half, and a failing
 # test is fixed on the CPU afterwards. Exit status: non-zero where either half's script failed (the cuda
 # half's is its summary's: the tests' verdicts are in cuda_results.md).

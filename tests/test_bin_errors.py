@@ -332,7 +332,7 @@ def test_gpu_session_summary_bad_arguments(tmp_path):
     assert error("gpu_session/summary") == usage
     assert error("gpu_session/summary", tmp_path, 0, 0, 0, "x", 5) == usage
     assert error("gpu_session/summary", tmp_path, 0, 0, 0, 0, 5) == \
-        f"'{tmp_path}' holds no environment.txt: not the results folder of a GPU session"
+        f"'{tmp_path}' holds no environment.txt: not a results folder of gpu_session/cuda.sh"
 
 
 def test_kernel_errors_without_a_gpu():

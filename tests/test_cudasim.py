@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -313,6 +314,50 @@ OP_TESTS = ["-m", "not training"]
 CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"]
 
 
+# These runs are the slow part of the suite (minutes each on 2 cores), and the outer pytest's dots do not move
+# while one runs. The inner pytest runs verbose, a line per test ending in its progress ("[ 40%]"), and every
+# PROGRESS_EVERY seconds the latest of those is written to the terminal: `python -m pytest -q` then shows
+# where the simulator is, rather than what looks like a hang.
+PROGRESS = re.compile(r"^(\S+::\S+) ([A-Z]+)\s.*\[\s*(\d+)%\]\s*$")
+PROGRESS_EVERY = 30.0
+
+
+def run_showing_progress(command, env, label, request, tmp_path, timeout=1200):
+    """Run COMMAND (a verbose pytest) and return (returncode, stdout, stderr), writing its progress to the
+    outer pytest's terminal past output capture (nothing where there is no terminal reporter, as under
+    xdist's workers)."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    start = last_report = time.monotonic()
+    lines = []
+    with open(tmp_path / "stderr.txt", "w+") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        # a run that hangs writes nothing, so the limit cannot wait for its next line: a timer kills it
+        watchdog = threading.Timer(timeout, process.kill)
+        watchdog.start()
+        try:
+            for line in process.stdout:
+                lines.append(line)
+                now = time.monotonic()
+                mark = PROGRESS.search(line)
+                if mark and reporter is not None and capture is not None and (
+                        now - last_report >= PROGRESS_EVERY or mark.group(3) == "100"):
+                    last_report = now
+                    with capture.global_and_fixture_disabled():
+                        reporter.write_line(f"  [{label}: {mark.group(3)}% after {now - start:.0f} s; "
+                                            f"{mark.group(1)} {mark.group(2)}]")
+            process.wait()
+        finally:
+            watchdog.cancel()
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        if time.monotonic() - start >= timeout:
+            raise subprocess.TimeoutExpired(command, timeout, output="".join(lines))
+        stderr.seek(0)
+        return process.returncode, "".join(lines), stderr.read()
+
+
 # A shuffled order drawn from the clock each run (printed on failure; XTRAIN_CUDASIM_ORDER=<it> replays it).
 SHUFFLED = str(2 + time.time_ns() % 2**31)
 
@@ -322,7 +367,7 @@ SHUFFLED = str(2 + time.time_ns() % 2**31)
                                                     (SHUFFLED, OP_TESTS + CUDA_MODULES, "1"),
                                                     ("forward", ["tests/test_nccl.py"], "2")],
                          ids=["cuda-forward", "cuda-ops-reverse", "cuda-ops-shuffled", "nccl-2-gpus"])
-def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices):
+def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices, request, tmp_path):
     """Every kernel against its numpy oracle (fp32 and bf16, flash attention included), the whole tiny
     model, two virtual ranks training with every DDP option, and NCCL in one process (world 1 bits, rank
     threads on two GPUs, training over it): the GPU tests, run on the CPU. Those marked real_gpu (timing
@@ -331,13 +376,15 @@ def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices):
                PYTHONUNBUFFERED="1")
     # -rps lists every passed and skipped test by name, so a module that skipped whole (no GPU stand-in, an
     # import gone wrong) is seen: a "N passed" closing line alone would hide it behind the other module's
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rps", "-p", "no:cacheprovider", *select],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    tail = "\n".join(result.stdout.splitlines()[-30:])
+    label = f"simulator, {request.node.callspec.id}"
+    returncode, stdout, stderr = run_showing_progress(
+        [sys.executable, "-m", "pytest", "-v", "-rps", "-p", "no:cacheprovider", *select], env, label, request,
+        tmp_path)
+    tail = "\n".join(stdout.splitlines()[-30:])
     replay = f"XTRAIN_CUDASIM_ORDER={order} XTRAIN_CUDASIM_DEVICES={devices}"
-    assert result.returncode == 0, f"GPU tests on the simulator ({replay}) failed:\n{tail}\n{result.stderr[-2000:]}"
+    assert returncode == 0, f"GPU tests on the simulator ({replay}) failed:\n{tail}\n{stderr[-2000:]}"
     assert " passed" in tail.splitlines()[-1], tail
-    passed_in = {line.split()[1].split("::")[0] for line in result.stdout.splitlines() if line.startswith("PASSED ")}
+    passed_in = {line.split()[1].split("::")[0] for line in stdout.splitlines() if line.startswith("PASSED ")}
     modules = [s for s in select if s.endswith(".py")]
     assert [m for m in modules if m not in passed_in] == [], f"modules with no test passed ({replay}):\n{tail}"
 
@@ -740,7 +787,7 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     verdict = (out / "session.txt").read_text()
     assert re.fullmatch(r"## gpu_session.sh: cuda exit 0, bench exit \d+, \d+ s in all\n", verdict), verdict
     if shutil.which("compute-sanitizer") is None:  # a step that could not run fails the call
-        assert "racecheck: exit 127 (last line: compute-sanitizer not on this image)" in summary, summary
+        assert "racecheck: exit 127 (last line: compute-sanitizer not on this machine)" in summary, summary
         assert "bench exit 1," in verdict and session.returncode == 1, session.stderr[-2000:]
     nccl = subprocess.run(["bash", "bin/gpu_session/nccl.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "nccl")),
                           capture_output=True, text=True, timeout=300)

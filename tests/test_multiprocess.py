@@ -30,7 +30,7 @@ from xtrain_dist.train.job import train
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "collectives_worker.py"
-# this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
+# this checkout first, then whatever the caller had (the GPU scripts add the wheels of .whl/)
 PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 MPIRUN = Path(sys.executable).parent / "mpirun"
 needs_mpi = pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")

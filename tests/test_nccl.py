@@ -42,7 +42,7 @@ from xtrain_dist.train.launch import run_thread_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "nccl_worker.py"
-# this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
+# this checkout first, then whatever the caller had (the GPU scripts add the wheels of .whl/)
 PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 

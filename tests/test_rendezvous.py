@@ -24,7 +24,7 @@ from xtrain_dist.errors import XtrainError
 from xtrain_dist.train.launch import RankFailed, run_thread_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# this checkout first, then whatever the caller had (a GPU session adds its carried wheels)
+# this checkout first, then whatever the caller had (the GPU scripts add the wheels of .whl/)
 PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 # One participant. Rank 0 prints the port it listens on, then every rank prints what it received.

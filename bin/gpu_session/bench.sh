@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA backend's benchmarks, after bin/gpu_session/cuda.sh; results land in $OUT for bench/results/.
-# bin/gpu_session.sh runs both in ONE run on a GPU (docs/gpu_session.md); alone: command
-# "PACK_RESULTS=1 bash bin/gpu_session/bench.sh", carry [".whl"].
+# bin/gpu_session.sh runs both in one run on a GPU (docs/gpu_session.md); alone:
+# "PACK_RESULTS=1 bash bin/gpu_session/bench.sh" (offline, with the crt wheels in .whl/crt).
 #
 # What it does, most important first, each step recorded even when an earlier one failed:
 #   1. the CUDA crt headers (a fresh machine lacks them, and the flash-attention rows need them)
 #   2. bin/bench_gpu, once per entry of BENCH_GPU_RUNS from the BENCH_GPU_FROM-th (default the first), each
 #      into its own folder $OUT/run<i>, most wanted first (torch.compile's compile, 20-40 s a shape and mode,
-#      and max-autotune's, minutes, are most of the time). Issue 35's targets first: gpt2-124m bf16 at 16 and
+#      and max-autotune's, minutes, are most of the time). The target shapes first: gpt2-124m bf16 at 16 and
 #      64 x 1024 per GPU, ours with flash attention (--matmul cublas and cublaslt) against torch.compile in
 #      its default mode at nanoGPT's padded vocabulary (run 1), then max-autotune at 16, then at 64 x 1024
 #      (runs 2 and 3, a cap each, so that one slow compile cannot take the other's time); then the rows that
@@ -29,7 +29,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/gpu_session_bench}
 BUDGET=${BUDGET:-330}
 # ';' between runs, each "MAX_SECONDS ARGUMENTS..." (an empty list is written --option=, as word splitting
-# keeps quotes); in the order issue 35 asks for them
+# keeps quotes); the target shapes first
 TARGETS="--presets gpt2-124m --precisions bf16"
 BENCH_GPU_RUNS=${BENCH_GPU_RUNS:-"170 $TARGETS --shapes 16x1024,64x1024 --attentions flash --cuda-graphs on \
 --torch-modes compile-default --torch-vocabs padded;\
@@ -79,7 +79,7 @@ race_word=$(grep -E "RACECHECK SUMMARY|ERROR SUMMARY" "$OUT/sanitizer_racecheck.
 race_word=${race_word:-last line: $(tail -n 1 "$OUT/sanitizer_racecheck.txt" 2>/dev/null)}
 best=$($PY bin/gpu_session/bench_summary "$OUT" 2>&1)
 {
-  echo "# CUDA backend benchmarks: GPU session"
+  echo "# CUDA backend benchmarks on a GPU"
   echo
   echo "Command: \`bash bin/gpu_session/bench.sh\` ($(( SECONDS - START )) s in all)."
   echo

@@ -1,5 +1,5 @@
 # Sourced by bin/gpu_session.sh and the bin/gpu_session/*.sh scripts: what they need before their first
-# step, their steps' time budget, and the packing of their results for the trip back.
+# step, their steps' time budget, and the packing of their results into one archive.
 
 # session_setup: once a script has set OUT and BUDGET, what each one with a time budget does first: $OUT made
 # and cleared of the last run's skip list, Python unbuffered with the repository importable, PY (the python
@@ -31,12 +31,12 @@ step() {
 
 # sanitize TOOL MAX_SECONDS: compute-sanitizer TOOL (memcheck, racecheck) over the op tests, fp32 and the
 # bf16 scalar paths, as a step; its log in $OUT/sanitizer_TOOL.txt, its tail printed. Exit 127 where the
-# image has no compute-sanitizer.
+# machine has no compute-sanitizer.
 sanitize() {
   local tool=$1 max=$2 rc
   echo "## compute-sanitizer $tool"
   if ! command -v compute-sanitizer >/dev/null; then
-    echo "compute-sanitizer not on this image" | tee "$OUT/sanitizer_$tool.txt"
+    echo "compute-sanitizer not on this machine" | tee "$OUT/sanitizer_$tool.txt"
     return 127
   fi
   step "compute-sanitizer $tool" "$max" compute-sanitizer --tool "$tool" --error-exitcode 9 $PY -m pytest -q -x \
@@ -49,7 +49,7 @@ sanitize() {
 
 # pack_results KEEP...: where PACK_RESULTS=1 (the GPU runs in docs/gpu_session.md set it), put every
 # file under $OUT into $OUT/results.tar.gz and leave beside it only the KEEP files (the summaries): a
-# GPU machine gives back a few files, and a run writes about 20. Elsewhere (CI's simulator runs
+# few files are easier to copy off a GPU machine than the 20 or more a run writes. Elsewhere (CI's simulator runs
 # of these scripts) the files stay as they are.
 pack_results() {
   [ "${PACK_RESULTS:-}" = 1 ] || return 0
@@ -77,7 +77,7 @@ require_gpu() {
 # ensure_crt_headers: CuPy compiles kernels/ against the CUDA headers it finds, on a pip install those of
 # the nvidia-cuda-runtime wheel, which has mma.h but not the crt/mma.h it includes (that is the
 # nvidia-cuda-crt wheel): without it flash_attention.cu does not compile. Where no include directory of
-# CuPy's has it, install the carried nvidia-cuda-crt wheel of the runtime's major.minor (.whl/crt/, see
+# CuPy's has it, install the nvidia-cuda-crt wheel in .whl/crt of the runtime's major.minor (.whl/crt/, see
 # docs/gpu_session.md) beside the runtime's headers. Says what it found or did in $OUT/crt.txt. The
 # simulator compiles with g++ and needs no CUDA headers. Needs $PY and $OUT.
 ensure_crt_headers() {
@@ -100,7 +100,7 @@ sys.exit(0 if found else 1)"
       && $PY -c "$probe" >> "$OUT/crt.txt" 2>&1; then
     echo "installed $(basename "$wheel") beside nvidia-cuda-runtime $version" >> "$OUT/crt.txt"
   else
-    echo "not fixed (nvidia-cuda-runtime ${version:-not installed}, wheel ${wheel:-not carried}): the flash" \
+    echo "not fixed (nvidia-cuda-runtime ${version:-not installed}, wheel ${wheel:-none in .whl/crt}): the flash" \
       "attention tests will fail to compile" >> "$OUT/crt.txt"
   fi
 }

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Everything the CUDA backend needs a GPU for, fp32 and bf16, in a few minutes; results land in $OUT for
-# bench/results/. bin/gpu_session.sh runs it first, then bin/gpu_session/bench.sh, in ONE run on a GPU
-# (docs/gpu_session.md); alone: command "PACK_RESULTS=1 bash bin/gpu_session/cuda.sh", carry [".whl"].
+# bench/results/. bin/gpu_session.sh runs it first, then bin/gpu_session/bench.sh, in one run on a GPU
+# (docs/gpu_session.md); alone: "PACK_RESULTS=1 bash bin/gpu_session/cuda.sh" (offline, with .whl/crt).
 #
 # What it does, each step recorded even when an earlier one failed, most important first:
 #   1. device, driver, versions; the CPU-bound work starts in the background: the per-op error tables at
 #      GPT-2 124M shapes in fp32 and bf16 (bin/kernel_errors; its numpy oracle is most of its time) and the
 #      numpy loss curves
-#   2. the tests, in parallel processes where pytest-xdist is installed (the GPU image has it), then the
+#   2. the tests, in parallel processes where pytest-xdist is installed, then the
 #      real_gpu ones (timings, a command in its own process) alone: the kernels compile (nvcc, NVRTC, both
 #      dtypes), every op against numpy in fp32 and bf16, 2 virtual ranks vs 1 vs numpy, bitwise reruns, the
 #      CLI trains with a falling loss (tests/test_kernels_compile.py, test_cuda_ops.py, test_cuda_bf16.py)
 #   3. the shipped corpus on the GPU: mini, 200 steps, cuda fp32 and bf16 at 1 and 2 virtual ranks, beside
 #      numpy fp32 and bf16
 #   4. the tf32 error table, then compute-sanitizer memcheck over the op tests (SANITIZERS, default
-#      memcheck; racecheck takes longer than a session has), each with what is left of the budget
+#      memcheck; racecheck takes longer than this budget), each with what is left of the budget
 #   5. $OUT/cuda_results.md: device, commands, test summary, error tables, loss curves side by side
 #
 # Time: one global budget (BUDGET seconds, default 240) caps every step's timeout by what is left, so the
@@ -68,7 +68,7 @@ done
 echo "## tests"
 # (the two test_cudasim tests hold the simulator's CuPy stand-in to the real CuPy and cuBLAS: the cuBLAS
 # enum values can only be read where libcublas loads, as it does here; test_cublaslt holds the ctypes
-# binding to this image's cublasLt.h and libcublasLt, as CI does to the pip wheel's)
+# binding to this machine's cublasLt.h and libcublasLt, as CI does to the pip wheel's)
 TESTS="tests/test_kernels_compile.py tests/test_cuda_ops.py tests/test_cuda_bf16.py tests/test_cublaslt.py
   tests/test_cudasim.py::test_the_stand_in_has_real_cupys_names_values_and_parameters
   tests/test_cudasim.py::test_the_stand_in_cublas_constants_are_cupys"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Everything NCCL, verified in ONE call on a lent GPU machine; results land in $OUT for bench/results/.
+# Everything NCCL, verified in one run of a few minutes on a GPU machine; results land in $OUT for
+# bench/results/.
 #
-# nccl4py is not on the GPU image (cupy-cuda13x, cuda-core, cuda-bindings, nvidia-nccl-cu13 are), so
-# its cp312 wheel travels in .whl/. Once, on the development machine, in the repository root:
+# The [cuda] extra installs nccl4py. On a machine without network access whose Python has CuPy, cuda-core,
+# cuda-bindings and nvidia-nccl-cu13 but not nccl4py, the script installs its cp312 wheel from .whl/,
+# downloaded beforehand on a machine with network access, in the repository root:
 #
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -11,8 +13,8 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl/fallback \
 #       cuda-core==1.2.2 cuda-pathfinder==1.9.0
 #
-# then on the GPU: bash bin/gpu_session/nccl.sh, with the wheels in .whl (10 MB), within 10 minutes.
-# nccl4py 0.6.0 needs cuda-core ~= 1.0 and cuda-pathfinder >= 1.5.4. The image's own are used when
+# then on the GPU machine: bash bin/gpu_session/nccl.sh, with the wheels in .whl (10 MB).
+# nccl4py 0.6.0 needs cuda-core ~= 1.0 and cuda-pathfinder >= 1.5.4. The installed ones are used when
 # nccl4py imports with them (CuPy shares them); only if it does not are the fallback wheels put first.
 #
 # What it does, each step recorded even when an earlier one failed:
@@ -36,7 +38,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 if ! $PY -c "import nccl.core" 2>/dev/null && ls .whl/fallback/*.whl >/dev/null 2>&1; then
-  echo "nccl4py does not import with the image's cuda-core/cuda-pathfinder: using the carried ones"
+  echo "nccl4py does not import with the installed cuda-core/cuda-pathfinder: using the ones in .whl/fallback"
   $PY -c "import nccl.core" 2>&1 | tail -n 1
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-first \
     .whl/fallback/*.whl && export PYTHONPATH="/tmp/site-first:$PYTHONPATH"
@@ -88,7 +90,7 @@ out, tests_rc, probe_rc, bench_rc = pathlib.Path(sys.argv[1]), *map(int, sys.arg
 env = (out / "environment.txt").read_text()
 summary = [l for l in (out / "pytest_nccl.txt").read_text().splitlines() if " passed" in l or " failed" in l
            or "skipped" in l or l.startswith("SKIPPED")]
-lines = ["# NCCL through nccl4py: GPU session", "", "```", env.strip(), "```", "",
+lines = ["# NCCL through nccl4py on a GPU", "", "```", env.strip(), "```", "",
          "Commands: `bash bin/gpu_session/nccl.sh` (tests: `python3 -m pytest -q -rs -s tests/test_nccl.py`; "
          "probe: two `tests/nccl_worker.py probe` processes with NCCL_HOSTID=xtrain-host-0/1 on GPU 0; "
          "bench: the same with `bench 256`).", "",

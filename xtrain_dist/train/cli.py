@@ -138,7 +138,7 @@ def build_parser() -> OneLineParser:
                       help="bf16: round gradients to bfloat16 for the reduction")
     sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
     sync.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    prec = p.add_argument_group("precision and memory (see README: Precision)")
+    prec = p.add_argument_group("precision and memory (see docs/precision.md)")
     prec.add_argument("--attention", choices=ATTENTIONS, default="standard",
                       help="flash: keep one log-sum-exp per row instead of the T x T probabilities and recompute "
                            "them in backward (cuda: a fused kernel, --dtype bf16, 64-channel heads)")

@@ -263,7 +263,7 @@ def check_memory(cfg: TrainConfig, config, ranks_on_node: int, devices: list) ->
 def warn_oversubscribed(cfg: TrainConfig, ranks_on_node: int, log) -> None:
     """--cpu-threads asking for more BLAS threads than the cores is allowed (the user may know the machine
     better than its affinity mask), but said: OpenBLAS threads past the cores spin against each other, and
-    the step slows down many times over (README, --cpu-threads)."""
+    the step slows down many times over (docs/options.md, --cpu-threads)."""
     cores = numpy_ops.available_cores()
     if cfg.backend == "numpy" and cfg.cpu_threads and cfg.cpu_threads * ranks_on_node > cores:
         log(f"note: --cpu-threads {cfg.cpu_threads} x {ranks_on_node} rank(s) on this machine is "
