@@ -243,6 +243,11 @@ def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
         pytest.skip("this machine has a GPU")
     line = error_line(cli(2, 2, 16, "--backend", "cuda"))
     assert line.startswith("train_ddp: error: --backend cuda")
+    from xtrain_dist.backend.cuda.device import cupy, driver_present
+    if cupy is not None and not driver_present():
+        # CuPy without a driver: CUDA's own words would be "CUDA driver version is insufficient"
+        assert line == ("train_ddp: error: --backend cuda: no CUDA device or driver is present on this machine "
+                        "(libcuda.so.1 cannot be loaded)")
 
 
 TIMEOUT = "a number of seconds > 0 and at most 604800 (a week)"
