@@ -20,6 +20,13 @@ class OneLineParser(argparse.ArgumentParser):
         raise XtrainError(re.sub(r"^argument (\S+): must ", r"\1 must ", message))
 
 
+def command_name(default: str) -> str:
+    """What a command's usage line calls it: the console script it was started as (xtrain-train, ...),
+    else `default`, the form that started it otherwise (python -m xtrain_dist.train_ddp, bin/...)."""
+    invoked = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return invoked if invoked.startswith("xtrain-") else default
+
+
 def _checked(parse, accept, what: str):
     """An argparse type: `parse` the text, keep the value if `accept`s it, else say `what` it must be."""
 

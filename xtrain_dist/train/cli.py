@@ -18,6 +18,7 @@ from ..comm.launch_env import Launch, detect_launch, local_world_for
 from ..comm.rendezvous import report_failure_before_world
 from ..command import (
     OneLineParser,
+    command_name,
     non_empty_path,
     non_negative_float,
     non_negative_int,
@@ -43,7 +44,7 @@ from .preflight import AUTO_RESUME, RunComplete
 
 
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}",
+    p = OneLineParser(prog=command_name(f"python -m xtrain_dist.{PROG}"),
                       description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).")
     p.add_argument("steps", metavar="STEPS", type=positive_int, help="optimizer steps to run")
     p.add_argument("batch", metavar="BATCH", type=positive_int, help="sequences per step, all ranks together")

@@ -4,7 +4,7 @@ A line: {"step": 12, "loss": ..., "lr": ..., "grad_norm": ..., "ms": ..., "token
 "val_loss" (and "hellaswag") on evaluation steps, "sample" (the text drawn) on --sample-every steps.
 Gradient-sync timing (comm_ms and the like) goes in the same line: the loop passes whatever fields its
 strategy reports. Each line is written with one append and the file closed at once, so a crash loses at
-most the line being written, and a reader (bin/plot_metrics) takes the last line for each step: steps
+most the line being written, and a reader (xtrain-plot) takes the last line for each step: steps
 that a run redoes after resuming an older checkpoint replace the ones it lost.
 
 A line cut short (a full disk, a kill mid-write) is never written onto: the next append drops it first,

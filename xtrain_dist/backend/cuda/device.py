@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from ...errors import XtrainError
+from ...errors import XtrainError, install_hint
 
 try:  # the module imports without CuPy, so the kernel sources and options can be checked anywhere
     import cupy
@@ -44,7 +44,7 @@ def driver_present() -> bool:
 def device_count() -> int:
     """How many CUDA devices this process sees; XtrainError if CuPy or a device is missing."""
     if cupy is None:
-        raise XtrainError(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} (pip install 'xtrain-dist[cuda]')")
+        raise XtrainError(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} ({install_hint('cuda')})")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
