@@ -71,13 +71,15 @@ def test_explicit_tokenizer_and_corpus(tmp_path):
     assert after.stdout.splitlines()[-1].split(",")[0] == out.stdout.splitlines()[-1].split(",")[0]
 
 
-def test_every_option_is_in_the_readme_s_option_tables():
-    """The README's tables (first cells of rows starting `| `--`) name every option --help has: three had
-    gone missing from them before this test."""
+def test_every_option_is_in_the_docs_option_tables():
+    """The option tables of the README and the docs pages (first cells of rows starting `| `--`) name every
+    option --help has: three had gone missing from them before this test."""
     from xtrain_dist.train.cli import build_parser
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    first_cells = " ".join(line.split(" | ")[0] for line in readme.splitlines() if line.startswith("| `--"))
+    repo = Path(__file__).parents[1]
+    pages = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    first_cells = " ".join(line.split(" | ")[0] for page in pages for line in page.read_text().splitlines()
+                           if line.startswith("| `--"))
     options = {flag for action in build_parser()._actions for flag in action.option_strings
                if flag.startswith("--") and flag != "--help"}
     assert len(options) > 40
@@ -655,3 +657,69 @@ def test_a_choice_list_keeps_the_order_given_and_names_a_bad_item_and_the_choice
         with pytest.raises(XtrainError) as info:
             choice_list("--precisions", text, choices)
         assert str(info.value) == message
+
+
+# ------------------------------------------------------------------------------------------- --config
+def test_a_run_replays_from_the_configuration_it_wrote(tmp_path):
+    """A run writes its options beside its report and into its checkpoint; --config of either file trains
+    the same run to the same bits, and an option on the command line overrides the file."""
+    first = tmp_path / "first.json"
+    out = cli(3, 4, 16, "--world-size", 2, "--lr", 0.002, "--grad-sync", "flat", "--min-lr", 1e-05,
+              "--report", first, "--save-dir", tmp_path / "ck")
+    assert out.returncode == 0, out.stderr
+    written = (tmp_path / "first.config.toml").read_text()
+    assert "\nlr = 0.002\n" in written and "\nmin-lr = 1e-05\n" in written and '\ngrad-sync = "flat"\n' in written
+    assert "\nwarmup-steps" not in written  # left to its derived default: not written as a value
+    assert (tmp_path / "ck" / "run_config.toml").read_text() == written
+    from xtrain_dist.checkpoint import store
+    assert "run_config.toml" in store.open_checkpoint(tmp_path / "ck", read="*").manifest["files"]
+    sha = json.loads(first.read_text())["param_sha256"]
+    for n, source in enumerate((tmp_path / "first.config.toml", tmp_path / "ck" / "run_config.toml")):
+        again = tmp_path / "again.json"
+        out = cli("--config", source, "--report", again, "--save-dir", tmp_path / f"again{n}")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(again.read_text())["param_sha256"] == sha
+    changed = tmp_path / "changed.json"
+    out = cli("--config", tmp_path / "first.config.toml", "--seed", 4, "--report", changed, "--save-dir",
+              tmp_path / "ck3")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(changed.read_text())["param_sha256"] != sha
+    assert "\nseed = 4\n" in (tmp_path / "changed.config.toml").read_text()
+    # positionals on the command line fill STEPS BATCH SEQ in order, over the file's
+    assert cli("--config", tmp_path / "first.config.toml", 1, 4, 16, "--save-dir", tmp_path / "ck4",
+               "--report", tmp_path / "one.json").returncode == 0
+    assert len(json.loads((tmp_path / "one.json").read_text())["losses"]) == 1
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lrr = 0.1", "unknown key 'lrr': keys are the options without their dashes, and steps, batch, seq, tokenizer, "
+                  "corpus"),
+    ("grad_sync = 'flat'", "unknown key 'grad_sync' (the option is spelled 'grad-sync'): keys are the options "
+                           "without their dashes, and steps, batch, seq, tokenizer, corpus"),
+    ("lr = '0.1'", 'lr must be a number, got "0.1"'),
+    ("steps = 2.5", "steps must be an integer, got 2.5"),
+    ("seed = true", "seed must be an integer, got true"),
+    ("tf32 = 1", "tf32 must be true or false, got 1"),
+    ("model = 3", "model must be a string, got 3"),
+    ("lr = [1, 2]", "lr must be a number, got [1, 2]"),
+    ("cuda = { graph = 'off' }", "unknown key 'cuda': keys are the options without their dashes, and steps, batch, "
+                                 "seq, tokenizer, corpus"),
+    ("steps = 0", "steps must be a positive integer, got '0'"),
+    ("dtype = 'fp16'", "dtype must be one of fp32, bf16, got 'fp16'"),
+    ("zero = 2", "zero must be one of 0, 1, got 2"),
+])
+def test_a_config_file_s_bad_key_or_value_is_one_line_naming_it_and_the_file(tmp_path, text, message):
+    config = tmp_path / "run.toml"
+    config.write_text(text + "\n")
+    assert error_line(cli(2, 2, 16, "--config", config)) == f"train_ddp: error: --config '{config}': {message}"
+
+
+def test_a_config_file_that_is_missing_or_not_toml_and_a_run_without_steps(tmp_path):
+    config = tmp_path / "run.toml"
+    assert error_line(cli(2, 2, 16, "--config", config)) == f"train_ddp: error: --config '{config}' not found"
+    config.write_text("lr = \n")
+    assert error_line(cli(2, 2, 16, "--config", config)).startswith(
+        f"train_ddp: error: --config '{config}' is not TOML (Invalid value (at line 1, column 6))")
+    config.write_text("batch = 2\nseq = 16\n")
+    assert error_line(cli("--config", config)) == \
+        "train_ddp: error: STEPS is missing: give it on the command line, or as steps in the --config file"

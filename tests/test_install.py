@@ -16,7 +16,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-import tomllib
+
+from xtrain_dist.config_file import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])

@@ -20,7 +20,8 @@ LAYERS = [
     {"bench"},                                              # the benchmarks' shared code and PyTorch peer
     {"eval", "parallel", "checkpoint", "data"},             # what the loop calls
     {"model", "optim", "backend"},                          # the model, its optimizer, its ops
-    {"comm", "config", "files", "errors", "precision", "command", "profile", "shipped", "__init__"},
+    {"comm", "config", "files", "errors", "precision", "command", "profile", "shipped", "config_file",
+     "__init__"},
 ]
 LAYER_OF = {room: level for level, rooms in enumerate(LAYERS) for room in rooms}
 

@@ -2,6 +2,7 @@
 
 from dataclasses import asdict, dataclass, field
 
+from . import config_file
 from .errors import XtrainError
 
 # The classifier's rows (wte's rows in the parameter layout) are padded to a multiple of this, as nanoGPT and
@@ -123,6 +124,9 @@ class TrainConfig:
     sample_tokens: int = 64         # tokens per draw
     sample_prompt: str = ""         # what the draw continues; "": <|endoftext|> (eval/sample.py)
     extra: dict = field(default_factory=dict)
+    # the command line's options as the trainer read them (given, from --config, or defaulted), keyed as a
+    # --config file keys them; {} for a TrainConfig made in code. What options_toml() writes.
+    options: dict = field(default_factory=dict)
 
     def resolved(self) -> "TrainConfig":
         """A copy with every derived default filled in."""
@@ -139,3 +143,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def options_toml(self) -> str:
+        """The run's configuration as a --config file: `--config` of it runs the same run again."""
+        return config_file.dumps(self.options, comment=RUN_CONFIG_COMMENT)
+
+
+RUN_CONFIG_COMMENT = """The configuration of a training run, every option as the run used it.
+xtrain-train --config THIS_FILE runs it again; options on the command line override what is here."""

@@ -6,13 +6,16 @@ the rank and exit status 1; SIGTERM or SIGUSR1 ends it after the step its ranks 
 status 143 (job.StopRequest).
 """
 
+import argparse
 import contextlib
 import json
 import os
 import sys
+from pathlib import Path
 
-from .. import files, precision
+from .. import config_file, files, precision
 from ..backend import BACKENDS
+from ..checkpoint.store import RUN_CONFIG
 from ..comm import CommAborted
 from ..comm.launch_env import Launch, detect_launch, local_world_for
 from ..comm.rendezvous import report_failure_before_world
@@ -54,6 +57,10 @@ def build_parser() -> OneLineParser:
                    help=f"tokenizer.json (default {DEFAULT_TOKENIZER})")
     p.add_argument("corpus", metavar="CORPUS", nargs="?", type=non_empty_path,
                    help=f"UTF-8 text, or llm.c token files: one, or a quoted glob pattern (default {DEFAULT_CORPUS})")
+    p.add_argument("--config", metavar="FILE.toml", type=non_empty_path, default=None,
+                   help="take any option, and steps, batch, seq, tokenizer and corpus, from a TOML file (keys: the "
+                        "options without their dashes); the command line overrides it. Every run writes its own "
+                        f"beside --report and into each checkpoint ({RUN_CONFIG}): --config of it replays the run")
     p.add_argument("--backend", choices=BACKENDS, default="numpy")
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
@@ -152,8 +159,86 @@ def build_parser() -> OneLineParser:
     return p
 
 
+# ---------------------------------------------------------------------------------------------- --config
+def config_key(action: argparse.Action) -> str:
+    """An argument's key in a --config file: its flag without the dashes (grad-sync), or the positional's
+    name in lower case (steps)."""
+    flags = [flag for flag in action.option_strings if flag.startswith("--")]
+    return flags[0].removeprefix("--") if flags else action.dest
+
+
+def config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """key -> the argument it sets, for every argument a --config file may set (all but --help and --config)."""
+    return {config_key(a): a for a in parser._actions if a.dest not in ("help", "config")}
+
+
+# the argument types whose values a TOML file gives as integers, or as numbers; every other takes a string
+_INTEGER_TYPES = (positive_int, non_negative_int, int)
+_NUMBER_TYPES = (non_negative_float, positive_float, timeout_seconds)
+
+
+def _config_value(action: argparse.Action, key: str, value, where: str):
+    """The value a --config file gives `action`, checked as the command line checks its text."""
+    if isinstance(action, argparse._StoreTrueAction):
+        kind, fits = "true or false", isinstance(value, bool)
+    elif action.type in _INTEGER_TYPES:
+        kind, fits = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    elif action.type in _NUMBER_TYPES:
+        kind, fits = "a number", isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        kind, fits = "a string", isinstance(value, str)
+    if not fits:
+        try:
+            shown = config_file.dumps({key: value}).partition(" = ")[2].strip()
+        except TypeError:  # a table
+            shown = f"a {type(value).__name__}"
+        raise XtrainError(f"{where}: {key} must be {kind}, got {shown}")
+    if isinstance(action, argparse._StoreTrueAction):
+        return value
+    try:
+        parsed = action.type(str(value)) if action.type else value  # str(float) is repr: the exact double
+    except argparse.ArgumentTypeError as err:
+        raise XtrainError(f"{where}: {key} {err}") from None
+    if action.choices is not None and parsed not in action.choices:
+        raise XtrainError(f"{where}: {key} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return parsed
+
+
+def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
+    """Make the values of the --config file at `path` the parser's defaults, so that the command line
+    overrides them; a positional the file gives (steps, batch, ...) need not be on the command line."""
+    where = f"--config '{path}'"
+    actions = config_actions(parser)
+    for key, value in config_file.read(path, "--config").items():
+        action = actions.get(key)
+        if action is None:
+            spelled = key.replace("_", "-")
+            hint = f" (the option is spelled '{spelled}')" if spelled in actions and spelled != key else ""
+            raise XtrainError(f"{where}: unknown key '{key}'{hint}: keys are the options without their dashes, "
+                              "and steps, batch, seq, tokenizer, corpus")
+        action.default = _config_value(action, key, value, where)
+    for action in parser._actions:
+        if not action.option_strings:  # the file may give them: the command line fills them in order, over it
+            action.nargs = "?"
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """--config's value, read before the command line is parsed: its values become the parser's defaults."""
+    p = OneLineParser(add_help=False)
+    p.add_argument("--config", type=non_empty_path, default=None)
+    return p.parse_known_args(argv)[0].config
+
+
 def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
-    args = build_parser().parse_intermixed_args(argv)  # TOKENIZER CORPUS may come after options too
+    parser = build_parser()
+    config = _config_path(argv)
+    if config is not None:
+        apply_config_file(parser, config)
+    args = parser.parse_intermixed_args(argv)  # TOKENIZER CORPUS may come after options too
+    for name in ("steps", "batch", "seq"):
+        if getattr(args, name) is None:
+            raise XtrainError(f"{name.upper()} is missing: give it on the command line, or as {name} in the "
+                              f"--config file")
     if (args.tokenizer is None) != (args.corpus is None):
         raise XtrainError("give both TOKENIZER and CORPUS, or neither (for the shipped data)")
     launch = launch or detect_launch()
@@ -197,8 +282,28 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
         grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
-        cuda_graph=args.cuda_graph,
+        cuda_graph=args.cuda_graph, options=_options(parser, args),
     ).resolved()
+
+
+def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Every argument's value as the run uses it, keyed for a --config file; the shipped data's paths where
+    TOKENIZER and CORPUS were not given, and nothing for an option left to its derived default (None)."""
+    shipped = {"tokenizer": str(DEFAULT_TOKENIZER), "corpus": str(DEFAULT_CORPUS)}
+    options = {}
+    for key, action in config_actions(parser).items():
+        value = getattr(args, action.dest)
+        if value is None:
+            value = shipped.get(key)
+        if value is not None:
+            options[key] = value
+    return options
+
+
+def config_beside(report) -> Path:
+    """Where a run writes its configuration beside its --report: report.json -> report.config.toml."""
+    report = Path(report)
+    return report.with_name(f"{report.stem}.config.toml")
 
 
 def profile_table(profile: dict) -> str:
@@ -263,6 +368,8 @@ def _main(argv: list[str]) -> int:
         return STOPPED if stopped else 0
     if cfg.report:
         files.write_atomic(cfg.report, json.dumps(report, indent=1) + "\n", "--report")
+        if not files.written_in_place(Path(cfg.report)):  # a file, not a pipe or a device: its folder has room
+            files.write_atomic(config_beside(cfg.report), cfg.options_toml(), "--report's configuration")
     if cfg.profile_step:
         print(profile_table(report["profile"]))
     val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""
