@@ -28,6 +28,8 @@ def test_a_run_prints_progress_and_writes_the_report(tmp_path):
     assert len(progress) == 6
     for key in ("loss", "lr", "norm", "ms", "tok/s"):
         assert key in progress[0]
+    assert all(re.search(r" \| \d+:\d\d:\d\d elapsed, \d+:\d\d:\d\d left( \||$)", line) for line in progress)
+    assert " elapsed, 0:00:00 left" in progress[-1]  # the last step: nothing left
     data = json.loads(report.read_text())
     assert len(data["losses"]) == 6 and len(data["param_sha256"]) == 2
     assert data["param_sha256"][0] == data["param_sha256"][1]

@@ -220,8 +220,9 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             record["sample"] = continuation(model, corpus.tokenizer, prompt, cfg.sample_tokens, seed=cfg.seed,
                                             show_prompt=bool(cfg.sample_prompt))
         result.records.append(record)
+        times = progress.times(done, ms / 1e3)
         if rank == 0 and cadence.logs(done, stopping):
-            log(metrics.progress_line(record, cfg.steps))
+            log(metrics.progress_line(record, cfg.steps, times))
         if "sample" in record:
             log(f"--- sample at step {done} ---\n{record['sample']}\n---")
         if rank == 0 and cfg.metrics and (note := metrics.append(cfg.metrics, record)):  # a note: a torn line dropped
@@ -235,6 +236,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             result.stopped_at = done
         return stops > 0, stopping
 
+    progress = metrics.Progress(cfg.steps)
     behind = None  # a step queued but not yet read: read once the next one is queued
     for step in range(start, cfg.steps):
         done = step + 1
