@@ -88,6 +88,38 @@ def test_every_option_is_in_the_docs_option_tables():
     assert sorted(flag for flag in options if not re.search(re.escape(flag) + r"(?![\w-])", first_cells)) == []
 
 
+def test_help_describes_every_option_with_its_default_and_ends_with_examples_that_parse():
+    import argparse
+    import shlex
+
+    from xtrain_dist.comm.launch_env import Launch
+    from xtrain_dist.train.cli import EXAMPLES, build_parser, parse_config
+
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, action.option_strings
+        shown = formatter._expand_help(action)
+        assert "default" in shown or isinstance(action, argparse._StoreTrueAction), shown
+    text = parser.format_help()
+    for option, default in (("--lr LR", "0.001"), ("--grad-clip GRAD_CLIP", "1.0"), ("--seed SEED", "1337"),
+                            ("--backend {numpy,cuda}", "numpy"), ("--weight-decay WEIGHT_DECAY", "0.1"),
+                            ("--log-every N", "1"), ("--model MODEL", "tiny"), ("--save-every N", "0"),
+                            ("--comm-timeout COMM_TIMEOUT", "300.0")):
+        described = " ".join(text.split(f"  {option}", 1)[1].split("\n  --", 1)[0].split())
+        assert described.endswith(f"(default: {default})"), (option, described)
+    assert text.rstrip().endswith(EXAMPLES.rstrip())
+    commands = [" ".join(block.split()) for block in EXAMPLES.replace("\\\n", " ").split("\n")
+                if block.startswith("  xtrain-train ")]
+    assert len(commands) == 4
+    for command in commands:
+        args = shlex.split(command)[1:]
+        if "--config" not in args:  # that one reads a file of a run that is not there
+            parse_config(args, Launch("single"))
+
+
 def error_line(out):
     assert out.returncode == 2, (out.stdout, out.stderr)
     lines = out.stderr.strip().splitlines()

@@ -11,9 +11,27 @@ from pathlib import Path
 from .errors import XtrainError, first_line
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help's layout: the description and the epilog (examples) with their lines as written, and every
+    option's default after its description, unless the description says it already. A flag's default (off)
+    goes without saying."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or action.default is argparse.SUPPRESS or "default" in text
+                or isinstance(action, argparse._StoreTrueAction | argparse._HelpAction)):
+            return text
+        default = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {default})" if text else f"default: {default}"
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad argument raises XtrainError (one line, exit 2 in main) instead of printing
-    the usage and the message."""
+    the usage and the message; its help shows each option's default (HelpFormatter)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         # "argument STEPS: must be a positive integer ..." reads better as "STEPS must be ..."

@@ -137,8 +137,7 @@ PROG = "tokenize_corpus"
 
 
 def tokenize(argv: list[str]) -> None:
-    parser = OneLineParser(prog=command_name(PROG), description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=command_name(PROG), description=__doc__)
     parser.add_argument("tokenizer", type=Path, help="tokenizers JSON file (tokenizer.json)")
     parser.add_argument("text", type=Path, help="UTF-8 text to encode")
     parser.add_argument("out", type=Path, help="the llm.c token file to write (with --shard-ids: the shards' "

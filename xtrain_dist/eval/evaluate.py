@@ -89,7 +89,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--seq", type=positive_int, default=None, help="tokens per window (default: the run's SEQ, or 64)")
     p.add_argument("--batches", type=positive_int, default=None,
                    help="batches (default: the run's --eval-batches, or 20)")
-    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy", help="where the model runs: numpy (CPU) or cuda")
     return p
 
 

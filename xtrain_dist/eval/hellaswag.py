@@ -250,7 +250,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder, or a Hugging Face GPT-2 folder")
     p.add_argument("eval_file", metavar="EVALFILE", type=non_empty_path,
                    help="an llm.c eval file made with the checkpoint's tokenizer (xtrain-prepare-hellaswag)")
-    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy", help="where the model runs: numpy (CPU) or cuda")
     p.add_argument("--tokens", type=positive_int, default=16384,
                    help="positions per forward pass (default 16384): memory against speed")
     return p

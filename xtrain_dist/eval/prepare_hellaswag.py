@@ -11,7 +11,6 @@ GPT-2's tokenizer.json this writes the ids of llm.c's hellaswag_val.bin. The for
 eval file (see xtrain_dist/eval/hellaswag.py), so llm.c reads it too.
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -84,8 +83,7 @@ PROG = "prepare_hellaswag"
 
 
 def prepare(argv: list[str]) -> None:
-    parser = OneLineParser(prog=command_name(PROG), description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=command_name(PROG), description=__doc__)
     parser.add_argument("tokenizer", type=Path, help="tokenizers JSON file (tokenizer.json)")
     parser.add_argument("jsonl", type=Path, help="HellaSwag's JSONL (one example a line)")
     parser.add_argument("out", type=Path, help="the llm.c eval file to write")

@@ -138,8 +138,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--tokens", type=positive_int, default=100, help="tokens to draw (default 100)")
     p.add_argument("--temperature", type=non_negative_float, default=1.0, help="0: always the likeliest token")
     p.add_argument("--top-k", type=positive_int, default=None, help="draw among the K likeliest tokens only")
-    p.add_argument("--seed", type=non_negative_int, default=1337)
-    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    p.add_argument("--seed", type=non_negative_int, default=1337, help="the draws' random stream")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy", help="where the model runs: numpy (CPU) or cuda")
     p.add_argument("--no-cache", action="store_true",
                    help="re-run the forward pass over the whole context for every token instead of caching keys "
                         "and values (slower; the same logits to float32 rounding)")

@@ -45,10 +45,25 @@ from .job import PROG, STOPPED, train
 from .launch import RankFailed
 from .preflight import AUTO_RESUME, RunComplete
 
+EXAMPLES = """examples:
+  xtrain-train 300 16 64 --world-size 2 --report runs/tiny.json
+      300 steps of the tiny model on the shipped Shakespeare, two rank threads on the CPU
+  xtrain-train 2000 16 256 --model mini --eval-every 200 --save-dir runs/mini --resume auto
+      a run that saves its checkpoint and, started again after a stop, goes on from it
+  xtrain-train --config runs/mini/run_config.toml --lr 2e-3 --save-dir runs/mini-lr
+      the run a configuration file describes (every run writes its own), with one change
+  xtrain-train 5000 64 1024 gpt2/tokenizer.json "fineweb_train_*.bin" --backend cuda --model gpt2-124m \\
+      --dtype bf16 --world-size 8 --val-corpus fineweb_val_000000.bin
+      GPT-2 124M on eight GPUs from llm.c's token files
+  torchrun --nproc_per_node 2 -m xtrain_dist.train_ddp 300 16 64
+  mpirun -n 2 xtrain-train 300 16 64
+      two processes, over TCP and over MPI"""
+
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog=command_name(f"python -m xtrain_dist.{PROG}"),
-                      description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).")
+                      description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).",
+                      epilog=EXAMPLES)
     p.add_argument("steps", metavar="STEPS", type=positive_int, help="optimizer steps to run")
     p.add_argument("batch", metavar="BATCH", type=positive_int, help="sequences per step, all ranks together")
     p.add_argument("seq", metavar="SEQ", type=positive_int, help="tokens per sequence")
@@ -61,11 +76,14 @@ def build_parser() -> OneLineParser:
                    help="take any option, and steps, batch, seq, tokenizer and corpus, from a TOML file (keys: the "
                         "options without their dashes); the command line overrides it. Every run writes its own "
                         f"beside --report and into each checkpoint ({RUN_CONFIG}): --config of it replays the run")
-    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy",
+                   help="numpy: every op by hand on the CPU, the reference; cuda: the kernels of kernels/ on GPUs, one "
+                        "per rank")
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--seed", type=non_negative_int, default=1337)
+    p.add_argument("--seed", type=non_negative_int, default=1337,
+                   help="the initial weights and the order of the batches (the same on every rank)")
     p.add_argument("--overfit-batch", action="store_true",
                    help="train every step on the first global batch (llm.c's -a 1): the loss should fall toward "
                         "0, a check that forward, backward, the all-reduce and AdamW fit together")
@@ -78,7 +96,8 @@ def build_parser() -> OneLineParser:
                         "until the cooldown, then 1-sqrt down to min-lr) (default cosine)")
     p.add_argument("--cooldown-steps", type=positive_int, default=None,
                    help="wsd: steps of the final decay, ending at lr-decay-steps (default lr-decay-steps/5)")
-    p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.1,
+                   help="AdamW's decoupled weight decay, on the matrices and embeddings (not biases or layernorms)")
     p.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global norm clip; 0 disables")
     p.add_argument("--comm-timeout", type=timeout_seconds, default=300.0,
                    help="seconds a rank may wait in a collective")
@@ -93,7 +112,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--cpu-threads", type=positive_int, default=None,
                    help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", type=non_empty_path, default=None, help="write a JSON report here")
-    p.add_argument("--log-every", type=positive_int, default=1)
+    p.add_argument("--log-every", metavar="N", type=positive_int, default=1,
+                   help="print the progress line every N steps (and at the last)")
     p.add_argument("--profile-step", metavar="N", type=positive_int, default=None,
                    help="time every op of step N (CUDA events on a GPU) and print where the step's time went")
     procs = p.add_argument_group("processes and launchers (torchrun, srun, mpirun)")
@@ -146,7 +166,7 @@ def build_parser() -> OneLineParser:
                       help="bf16: round gradients to bfloat16 for the reduction")
     sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
     sync.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    prec = p.add_argument_group("precision and memory (see README: Precision)")
+    prec = p.add_argument_group("precision and memory (see docs/precision.md)")
     prec.add_argument("--attention", choices=ATTENTIONS, default="standard",
                       help="flash: keep one log-sum-exp per row instead of the T x T probabilities and recompute "
                            "them in backward (cuda: a fused kernel, --dtype bf16, 64-channel heads)")
