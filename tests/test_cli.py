@@ -559,7 +559,7 @@ def test_a_run_refused_after_its_outputs_were_checked_leaves_no_folders(tmp_path
     assert list(tmp_path.iterdir()) == []
     assert cli(2, 2, 16, *outputs).returncode == 0
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
-        "a/b/r.json", "c/m.jsonl", *(f"d/e/ck/{name}" for name in sorted(
+        "a/b/r.config.toml", "a/b/r.json", "c/m.jsonl", *(f"d/e/ck/{name}" for name in sorted(
             p.name for p in (tmp_path / "d" / "e" / "ck").iterdir()))]
 
 
