@@ -120,6 +120,7 @@ class TrainConfig:
     val_corpus: str = ""            # validation text or token files; "": the corpus's last 10% (corpus.Corpus.load)
     hellaswag: str = ""             # an llm.c eval file: multiple-choice accuracy at each evaluation (eval/hellaswag)
     metrics: str | None = None      # append one JSON line per step here
+    tensorboard: str | None = None  # rank 0 writes the same records as TensorBoard event files here
     sample_every: int = 0           # rank 0 draws text from the model every N steps and at the end; 0: never
     sample_tokens: int = 64         # tokens per draw
     sample_prompt: str = ""         # what the draw continues; "": <|endoftext|> (eval/sample.py)
