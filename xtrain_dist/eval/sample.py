@@ -133,7 +133,7 @@ def continuation(model, tokenizer, ids: list[int], n_tokens: int, temperature: f
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog=command_name(f"python -m xtrain_dist.{PROG}"),
                       description="Print text sampled from a checkpoint.")
-    p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (train_ddp --save-dir)")
+    p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (xtrain-train --save-dir)")
     p.add_argument("--prompt", default="", type=utf8_text, help="text to continue (default: start from <|endoftext|>)")
     p.add_argument("--tokens", type=positive_int, default=100, help="tokens to draw (default 100)")
     p.add_argument("--temperature", type=non_negative_float, default=1.0, help="0: always the likeliest token")

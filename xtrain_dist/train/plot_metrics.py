@@ -1,6 +1,6 @@
 """Draw the train and validation loss curves, and the throughput, of one or more runs into a PNG.
 
-Each run is a metrics file written by `train_ddp --metrics PATH` (one JSON line per step; where a
+Each run is a metrics file written by `xtrain-train --metrics PATH` (one JSON line per step; where a
 resumed run redid steps, the last line for each step counts). Left: training loss (faint: every
 step; solid: a moving average) and validation loss (dots); then tokens per second; and where a run
 scored HellaSwag (--hellaswag), its accuracy in a third panel.
@@ -89,7 +89,7 @@ PROG = "plot_metrics"
 
 def plot_metrics(argv: list[str]) -> int:
     p = OneLineParser(prog=command_name(PROG), description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", metavar="METRICS", type=path_arg, help="metrics files (train_ddp --metrics)")
+    p.add_argument("runs", nargs="+", metavar="METRICS", type=path_arg, help="metrics files (xtrain-train --metrics)")
     p.add_argument("-o", "--out", required=True, type=path_arg, help="the PNG to write")
     p.add_argument("--labels", help="comma-separated names of the runs (default: the file names)")
     p.add_argument("--title")
