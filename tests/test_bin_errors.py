@@ -99,7 +99,7 @@ def test_plot_metrics_names_what_it_cannot_use(tmp_path):
     (tmp_path / "stub" / "matplotlib" / "__init__.py").write_text("raise ImportError('stand-in')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "stub")}
     assert error("plot_metrics", good, "-o", tmp_path / "p.png", env=env) == \
-        "matplotlib is not installed (pip install 'xtrain-dist[bench]')"
+        "matplotlib is not installed (from a clone of the repository: pip install -e '.[plot]')"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.bin", "run.jsonl", "stub"]
 
 
@@ -136,9 +136,9 @@ def test_bench_ddp_bad_arguments(args, message):
 def test_bench_ddp_without_pytorch_is_one_line(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None  # as if not installed\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    assert error("bench_ddp", "--out", tmp_path / "r", env=env) == ("PyTorch is not installed (pip install "
-                                                                  "'xtrain-dist[bench]'), and the last row is PyTorch "
-                                                                  "DDP: install it or pass --peer none")
+    assert error("bench_ddp", "--out", tmp_path / "r", env=env) == (
+        "PyTorch is not installed (from a clone of the repository: pip install -e '.[bench]'), and the last row is "
+        "PyTorch DDP: install it or pass --peer none")
     assert not (tmp_path / "r").exists()
 
 
@@ -272,7 +272,7 @@ def test_bench_cpu_without_pytorch_is_one_line(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None  # as if not installed\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     assert error("bench_cpu", *RUNNABLE["bench_cpu"], "--out", tmp_path / "r", env=env) == \
-        "PyTorch is not installed (pip install 'xtrain-dist[bench]')"
+        "PyTorch is not installed (from a clone of the repository: pip install -e '.[bench]')"
     assert not (tmp_path / "r").exists()
 
 

@@ -15,6 +15,7 @@ from bin_scripts import BENCH_GPU_HEADER, BIN, load_script
 
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.profile import llmc_flops_per_token, nanogpt_flops_per_token
+from xtrain_dist.train.plot_metrics import moving_average, plot_metrics, series
 
 
 # ------------------------------------------------------------------------------- bench_gpu
@@ -296,29 +297,26 @@ def test_bench_cpu_row_is_the_median_of_the_timed_steps(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- plot_metrics
 def test_plot_metrics_moving_average_is_centred():
-    plot_metrics = load_script("plot_metrics")
     values = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
     for window in (1, 2, 3, 4, 7):
         want = [values[max(0, i - window // 2): i + (window + 1) // 2].mean() for i in range(len(values))]
-        assert plot_metrics.moving_average(values, window) == pytest.approx(want), window
-    assert plot_metrics.moving_average(values, 3)[2] == pytest.approx((2 + 4 + 8) / 3)
+        assert moving_average(values, window) == pytest.approx(want), window
+    assert moving_average(values, 3)[2] == pytest.approx((2 + 4 + 8) / 3)
 
 
 def test_plot_metrics_series_takes_numbers_only():
-    plot_metrics = load_script("plot_metrics")
     records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": True}, {"step": 3}, {"step": 4, "loss": 1}]
-    steps, values = plot_metrics.series(records, "loss")
+    steps, values = series(records, "loss")
     assert steps.tolist() == [1.0, 4.0] and values.tolist() == [2.0, 1.0]
 
 
 def test_plot_metrics_takes_an_upper_case_suffix_and_checks_its_labels(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    plot_metrics = load_script("plot_metrics")
     run = tmp_path / "run.jsonl"
     run.write_text("".join(json.dumps({"step": s, "loss": 3.0 / s}) + "\n" for s in range(1, 4)))
     with pytest.raises(XtrainError, match=r"^--labels names 2 runs, 1 metrics files were given$"):
-        plot_metrics.main([str(run), "-o", str(tmp_path / "p.png"), "--labels", "a,b"])
-    assert plot_metrics.main([str(run), "-o", str(tmp_path / "P.PNG")]) == 0
+        plot_metrics([str(run), "-o", str(tmp_path / "p.png"), "--labels", "a,b"])
+    assert plot_metrics([str(run), "-o", str(tmp_path / "P.PNG")]) == 0
     assert (tmp_path / "P.PNG").read_bytes()[:4] == b"\x89PNG"
 
 

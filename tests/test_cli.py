@@ -28,6 +28,8 @@ def test_a_run_prints_progress_and_writes_the_report(tmp_path):
     assert len(progress) == 6
     for key in ("loss", "lr", "norm", "ms", "tok/s"):
         assert key in progress[0]
+    assert all(re.search(r" \| \d+:\d\d:\d\d elapsed, \d+:\d\d:\d\d left( \||$)", line) for line in progress)
+    assert " elapsed, 0:00:00 left" in progress[-1]  # the last step: nothing left
     data = json.loads(report.read_text())
     assert len(data["losses"]) == 6 and len(data["param_sha256"]) == 2
     assert data["param_sha256"][0] == data["param_sha256"][1]
@@ -71,17 +73,51 @@ def test_explicit_tokenizer_and_corpus(tmp_path):
     assert after.stdout.splitlines()[-1].split(",")[0] == out.stdout.splitlines()[-1].split(",")[0]
 
 
-def test_every_option_is_in_the_option_tables_of_docs_options_md():
-    """The tables of docs/options.md (first cells of rows starting `| `--`) name every option --help has: three had
-    gone missing from them before this test."""
+def test_every_option_is_in_the_docs_option_tables():
+    """The option tables of the README and the docs pages (first cells of rows starting `| `--`) name every
+    option --help has: three had gone missing from them before this test."""
     from xtrain_dist.train.cli import build_parser
 
-    page = (Path(__file__).parents[1] / "docs" / "options.md").read_text()
-    first_cells = " ".join(line.split(" | ")[0] for line in page.splitlines() if line.startswith("| `--"))
+    repo = Path(__file__).parents[1]
+    pages = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    first_cells = " ".join(line.split(" | ")[0] for page in pages for line in page.read_text().splitlines()
+                           if line.startswith("| `--"))
     options = {flag for action in build_parser()._actions for flag in action.option_strings
                if flag.startswith("--") and flag != "--help"}
     assert len(options) > 40
     assert sorted(flag for flag in options if not re.search(re.escape(flag) + r"(?![\w-])", first_cells)) == []
+
+
+def test_help_describes_every_option_with_its_default_and_ends_with_examples_that_parse():
+    import argparse
+    import shlex
+
+    from xtrain_dist.comm.launch_env import Launch
+    from xtrain_dist.train.cli import EXAMPLES, build_parser, parse_config
+
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, action.option_strings
+        shown = formatter._expand_help(action)
+        assert "default" in shown or isinstance(action, argparse._StoreTrueAction), shown
+    text = parser.format_help()
+    for option, default in (("--lr LR", "0.001"), ("--grad-clip GRAD_CLIP", "1.0"), ("--seed SEED", "1337"),
+                            ("--backend {numpy,cuda}", "numpy"), ("--weight-decay WEIGHT_DECAY", "0.1"),
+                            ("--log-every N", "1"), ("--model MODEL", "tiny"), ("--save-every N", "0"),
+                            ("--comm-timeout COMM_TIMEOUT", "300.0")):
+        described = " ".join(text.split(f"  {option}", 1)[1].split("\n  --", 1)[0].split())
+        assert described.endswith(f"(default: {default})"), (option, described)
+    assert text.rstrip().endswith(EXAMPLES.rstrip())
+    commands = [" ".join(block.split()) for block in EXAMPLES.replace("\\\n", " ").split("\n")
+                if block.startswith("  xtrain-train ")]
+    assert len(commands) == 4
+    for command in commands:
+        args = shlex.split(command)[1:]
+        if "--config" not in args:  # that one reads a file of a run that is not there
+            parse_config(args, Launch("single"))
 
 
 def error_line(out):
@@ -243,6 +279,11 @@ def test_cuda_where_there_is_none_is_an_error_not_a_cpu_run():
         pytest.skip("this machine has a GPU")
     line = error_line(cli(2, 2, 16, "--backend", "cuda"))
     assert line.startswith("train_ddp: error: --backend cuda")
+    from xtrain_dist.backend.cuda.device import cupy, driver_present
+    if cupy is not None and not driver_present():
+        # CuPy without a driver: CUDA's own words would be "CUDA driver version is insufficient"
+        assert line == ("train_ddp: error: --backend cuda: no CUDA device or driver is present on this machine "
+                        "(libcuda.so.1 cannot be loaded)")
 
 
 TIMEOUT = "a number of seconds > 0 and at most 604800 (a week)"
@@ -518,7 +559,7 @@ def test_a_run_refused_after_its_outputs_were_checked_leaves_no_folders(tmp_path
     assert list(tmp_path.iterdir()) == []
     assert cli(2, 2, 16, *outputs).returncode == 0
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
-        "a/b/r.json", "c/m.jsonl", *(f"d/e/ck/{name}" for name in sorted(
+        "a/b/r.config.toml", "a/b/r.json", "c/m.jsonl", *(f"d/e/ck/{name}" for name in sorted(
             p.name for p in (tmp_path / "d" / "e" / "ck").iterdir()))]
 
 
@@ -689,3 +730,69 @@ def test_every_entry_point_says_a_bad_option_in_one_form(entry):
                          timeout=120)
     prog = entry[0].split(".")[1]
     assert (out.returncode, out.stderr) == (2, f"{prog}: error: --backend must be one of numpy, cuda, got 'gpu'\n")
+
+
+# ------------------------------------------------------------------------------------------- --config
+def test_a_run_replays_from_the_configuration_it_wrote(tmp_path):
+    """A run writes its options beside its report and into its checkpoint; --config of either file trains
+    the same run to the same bits, and an option on the command line overrides the file."""
+    first = tmp_path / "first.json"
+    out = cli(3, 4, 16, "--world-size", 2, "--lr", 0.002, "--grad-sync", "flat", "--min-lr", 1e-05,
+              "--report", first, "--save-dir", tmp_path / "ck")
+    assert out.returncode == 0, out.stderr
+    written = (tmp_path / "first.config.toml").read_text()
+    assert "\nlr = 0.002\n" in written and "\nmin-lr = 1e-05\n" in written and '\ngrad-sync = "flat"\n' in written
+    assert "\nwarmup-steps" not in written  # left to its derived default: not written as a value
+    assert (tmp_path / "ck" / "run_config.toml").read_text() == written
+    from xtrain_dist.checkpoint import store
+    assert "run_config.toml" in store.open_checkpoint(tmp_path / "ck", read="*").manifest["files"]
+    sha = json.loads(first.read_text())["param_sha256"]
+    for n, source in enumerate((tmp_path / "first.config.toml", tmp_path / "ck" / "run_config.toml")):
+        again = tmp_path / "again.json"
+        out = cli("--config", source, "--report", again, "--save-dir", tmp_path / f"again{n}")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(again.read_text())["param_sha256"] == sha
+    changed = tmp_path / "changed.json"
+    out = cli("--config", tmp_path / "first.config.toml", "--seed", 4, "--report", changed, "--save-dir",
+              tmp_path / "ck3")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(changed.read_text())["param_sha256"] != sha
+    assert "\nseed = 4\n" in (tmp_path / "changed.config.toml").read_text()
+    # positionals on the command line fill STEPS BATCH SEQ in order, over the file's
+    assert cli("--config", tmp_path / "first.config.toml", 1, 4, 16, "--save-dir", tmp_path / "ck4",
+               "--report", tmp_path / "one.json").returncode == 0
+    assert len(json.loads((tmp_path / "one.json").read_text())["losses"]) == 1
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lrr = 0.1", "unknown key 'lrr': keys are the options without their dashes, and steps, batch, seq, tokenizer, "
+                  "corpus"),
+    ("grad_sync = 'flat'", "unknown key 'grad_sync' (the option is spelled 'grad-sync'): keys are the options "
+                           "without their dashes, and steps, batch, seq, tokenizer, corpus"),
+    ("lr = '0.1'", 'lr must be a number, got "0.1"'),
+    ("steps = 2.5", "steps must be an integer, got 2.5"),
+    ("seed = true", "seed must be an integer, got true"),
+    ("tf32 = 1", "tf32 must be true or false, got 1"),
+    ("model = 3", "model must be a string, got 3"),
+    ("lr = [1, 2]", "lr must be a number, got [1, 2]"),
+    ("cuda = { graph = 'off' }", "unknown key 'cuda': keys are the options without their dashes, and steps, batch, "
+                                 "seq, tokenizer, corpus"),
+    ("steps = 0", "steps must be a positive integer, got '0'"),
+    ("dtype = 'fp16'", "dtype must be one of fp32, bf16, got 'fp16'"),
+    ("zero = 2", "zero must be one of 0, 1, got 2"),
+])
+def test_a_config_file_s_bad_key_or_value_is_one_line_naming_it_and_the_file(tmp_path, text, message):
+    config = tmp_path / "run.toml"
+    config.write_text(text + "\n")
+    assert error_line(cli(2, 2, 16, "--config", config)) == f"train_ddp: error: --config '{config}': {message}"
+
+
+def test_a_config_file_that_is_missing_or_not_toml_and_a_run_without_steps(tmp_path):
+    config = tmp_path / "run.toml"
+    assert error_line(cli(2, 2, 16, "--config", config)) == f"train_ddp: error: --config '{config}' not found"
+    config.write_text("lr = \n")
+    assert error_line(cli(2, 2, 16, "--config", config)).startswith(
+        f"train_ddp: error: --config '{config}' is not TOML (Invalid value (at line 1, column 6))")
+    config.write_text("batch = 2\nseq = 16\n")
+    assert error_line(cli("--config", config)) == \
+        "train_ddp: error: STEPS is missing: give it on the command line, or as steps in the --config file"

@@ -11,7 +11,7 @@ from PyPI, no GPU or driver; the bf16 variant also needs the CUDA runtime header
 `nvidia-cuda-runtime` wheel), found by cuda.pathfinder. The last compile goes through CuPy itself
 (its include options, its NVRTC call), so the headers are the ones CuPy would use on a GPU machine with
 the same packages. Each part skips when its tool is missing; the [test] extra installs them all, with
-the CUDA headers as pip wheels, the layout a `pip install 'xtrain-dist[cuda]'` gives.
+the CUDA headers as pip wheels, the layout `pip install -e '.[cuda]'` gives.
 
 Then how the backend loads them: a file is compiled when one of its kernels is first used, and a missing
 CUDA header is one line naming the package to install.

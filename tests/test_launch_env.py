@@ -165,7 +165,7 @@ def test_mpi_without_mpi4py_is_refused_before_the_run_starts(monkeypatch):
     with pytest.raises(XtrainError) as info:
         choose_engine("auto", "numpy", Launch("mpirun", 0, 2))
     assert str(info.value) == ("the MPI communicator needs mpi4py and an MPI library: No module named 'mpi4py' "
-                               "(pip install 'xtrain-dist[mpi]')")
+                               "(from a clone of the repository: pip install -e '.[mpi]')")
     assert choose_engine("auto", "numpy", Launch("single")) == "local"  # no MPI asked for, none needed
 
 

@@ -14,12 +14,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "xtrain_dist"
 # Each room may import its own layer and the layers below it, never one above. A room is a subpackage or a
 # top-level module, named by its first component under xtrain_dist.
 LAYERS = [
-    {"train_ddp", "evaluate", "sample", "hellaswag"},        # the thin entry modules of `python -m`
+    # the thin entry modules of `python -m`
+    {"train_ddp", "evaluate", "sample", "hellaswag", "tokenize_corpus", "prepare_hellaswag", "plot_metrics"},
     {"train"},                                              # the command line, pre-flight, job, loop
     {"bench"},                                              # the benchmarks' shared code and PyTorch peer
     {"eval", "parallel", "checkpoint", "data"},             # what the loop calls
     {"model", "optim", "backend"},                          # the model, its optimizer, its ops
-    {"comm", "config", "files", "errors", "precision", "command", "profile", "__init__"},
+    {"comm", "config", "files", "errors", "precision", "command", "profile", "shipped", "config_file",
+     "__init__"},
 ]
 LAYER_OF = {room: level for level, rooms in enumerate(LAYERS) for room in rooms}
 

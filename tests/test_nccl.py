@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
-pytest.importorskip("nccl.core", reason="nccl4py is not installed (pip install 'xtrain-dist[cuda]')")
+pytest.importorskip("nccl.core", reason="nccl4py is not installed (pip install -e '.[cuda]')")
 
 
 def _gpu_count():

@@ -238,3 +238,21 @@ def test_flash_attention_on_cuda_needs_bf16_and_64_channel_heads():
         check_flash_attention("bf16", 16, "tiny")
     assert str(info.value) == ("--attention flash on --backend cuda needs 64-channel heads (GPT-2's); "
                                "model 'tiny' has 16")
+
+
+def test_the_progress_line_s_time_left_is_the_steps_to_go_at_the_pace_since_the_first_step():
+    from xtrain_dist.train.metrics import Progress, clock_time, progress_line
+
+    now = [100.0]
+    progress = Progress(steps=10, clock=lambda: now[0])
+    now[0] = 130.0  # the first step: 30 s, compilation included; its own time stands in for the pace
+    assert progress.times(1, 30.0) == (30.0, 9 * 30.0)
+    now[0] = 134.0  # 4 s a step since the first ended
+    assert progress.times(2, 4.0) == (34.0, 8 * 4.0)
+    now[0] = 150.0  # step 3 evaluated: 16 s more, and the pace since step 1 is (150 - 130) / 2
+    assert progress.times(3, 5.0) == (50.0, 7 * 10.0)
+    assert [clock_time(s) for s in (0, 0.4, 59.6, 65, 3599, 3600, 90061)] == \
+        ["0:00:00", "0:00:00", "0:01:00", "0:01:05", "0:59:59", "1:00:00", "25:01:01"]
+    record = {"step": 3, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "ms": 5.0, "tokens_per_s": 10.0, "val_loss": 1.5}
+    assert progress_line(record, 10, (50.0, 70.0)).endswith(" tok/s | 0:00:50 elapsed, 0:01:10 left | val 1.5000")
+    assert "elapsed" not in progress_line(record, 10)

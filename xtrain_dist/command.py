@@ -41,12 +41,38 @@ def _our_form(message: str) -> str:
     return message
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help's layout: the description and the epilog (examples) with their lines as written, and every
+    option's default after its description, unless the description says it already. A flag's default (off)
+    goes without saying."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or action.default is argparse.SUPPRESS or "default" in text
+                or isinstance(action, argparse._StoreTrueAction | argparse._HelpAction)):
+            return text
+        default = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {default})" if text else f"default: {default}"
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad argument raises XtrainError (one line, exit 2 in main) instead of printing
-    the usage and the message; argparse's lines about an option's value take our form (must_be)."""
+    the usage and the message; argparse's lines about an option's value take our form (must_be), and its
+    help shows each option's default (HelpFormatter)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise XtrainError(_our_form(message))
+
+
+def command_name(default: str) -> str:
+    """What a command's usage line calls it: the console script it was started as (xtrain-train, ...),
+    else `default`, the form that started it otherwise (python -m xtrain_dist.train_ddp, bin/...)."""
+    invoked = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return invoked if invoked.startswith("xtrain-") else default
 
 
 def _checked(parse, accept, what: str):

@@ -2,6 +2,7 @@
 
 from dataclasses import asdict, dataclass, field
 
+from . import config_file
 from .command import must_be, one_of
 from .errors import XtrainError
 
@@ -121,10 +122,14 @@ class TrainConfig:
     val_corpus: str = ""            # validation text or token files; "": the corpus's last 10% (corpus.Corpus.load)
     hellaswag: str = ""             # an llm.c eval file: multiple-choice accuracy at each evaluation (eval/hellaswag)
     metrics: str | None = None      # append one JSON line per step here
+    tensorboard: str | None = None  # rank 0 writes the same records as TensorBoard event files here
     sample_every: int = 0           # rank 0 draws text from the model every N steps and at the end; 0: never
     sample_tokens: int = 64         # tokens per draw
     sample_prompt: str = ""         # what the draw continues; "": <|endoftext|> (eval/sample.py)
     extra: dict = field(default_factory=dict)
+    # the command line's options as the trainer read them (given, from --config, or defaulted), keyed as a
+    # --config file keys them; {} for a TrainConfig made in code. What options_toml() writes.
+    options: dict = field(default_factory=dict)
 
     def resolved(self) -> "TrainConfig":
         """A copy with every derived default filled in."""
@@ -141,3 +146,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def options_toml(self) -> str:
+        """The run's configuration as a --config file: `--config` of it runs the same run again."""
+        return config_file.dumps(self.options, comment=RUN_CONFIG_COMMENT)
+
+
+RUN_CONFIG_COMMENT = """The configuration of a training run, every option as the run used it.
+xtrain-train --config THIS_FILE runs it again; options on the command line override what is here."""

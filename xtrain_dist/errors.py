@@ -11,3 +11,9 @@ def first_line(err: BaseException) -> str:
     """The first line of an exception's message (a library's may run to many), or its type's name."""
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
+
+
+def install_hint(extra: str) -> str:
+    """How to install an optional part of the project (an extra of pyproject.toml): the project is installed
+    from its repository, not from a package index."""
+    return f"from a clone of the repository: pip install -e '.[{extra}]'"

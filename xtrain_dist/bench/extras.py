@@ -1,12 +1,12 @@
 """The optional libraries the benchmarks use, from the extras in pyproject.toml ([bench]: PyTorch,
-transformers, matplotlib; [cuda]: CuPy). Each is looked for once a script's arguments are checked, so
+transformers; [plot]: matplotlib; [cuda]: CuPy). Each is looked for once a script's arguments are checked, so
 that a missing one is one line naming the extra to install, said before any work rather than as an
 ImportError when the first row needs it."""
 
 import importlib.util
 
 from ..backend import get_backend
-from ..errors import XtrainError
+from ..errors import XtrainError, install_hint
 
 
 def require(module: str, name: str, way_out: str = "") -> None:
@@ -14,7 +14,7 @@ def require(module: str, name: str, way_out: str = "") -> None:
     to do without it, after the line. Found, not imported: importing PyTorch takes seconds, and the
     rows that need it import it themselves."""
     if importlib.util.find_spec(module) is None:
-        raise XtrainError(f"{name} is not installed (pip install 'xtrain-dist[bench]'){way_out}")
+        raise XtrainError(f"{name} is not installed ({install_hint('bench')}){way_out}")
 
 
 def pyplot():
@@ -22,7 +22,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise XtrainError("matplotlib is not installed (pip install 'xtrain-dist[bench]')") from None
+        raise XtrainError(f"matplotlib is not installed ({install_hint('plot')})") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -35,13 +35,13 @@ def gpu_libraries(with_torch: bool, torch_way_out: str = "") -> tuple:
     try:
         import cupy
     except ImportError:
-        raise XtrainError("CuPy is not installed (pip install 'xtrain-dist[cuda]')") from None
+        raise XtrainError(f"CuPy is not installed ({install_hint('cuda')})") from None
     torch = None
     if with_torch:
         try:
             import torch
         except ImportError:
-            raise XtrainError(f"PyTorch is not installed (pip install 'xtrain-dist[bench]'{torch_way_out})") \
+            raise XtrainError(f"PyTorch is not installed ({install_hint('bench')}{torch_way_out})") \
                 from None
         if not torch.cuda.is_available():
             raise XtrainError("PyTorch sees no CUDA device")

@@ -22,6 +22,7 @@ from .store import (
     CONFIG,
     FORMAT,
     MODEL,
+    RUN_CONFIG,
     STATE,
     TOKENIZER,
     TOKENIZER_CONFIG,
@@ -89,6 +90,8 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
             write_file(new / TOKENIZER, lambda f: f.write(corpus.tokenizer.to_str().encode()))
             write_json(new / TOKENIZER_CONFIG, tokenizer_config(model.config, corpus.tokenizer))
             write_json(new / STATE, trainer_state(step, cfg, corpus, model, optimizer, sampler, comm.world_size))
+            if cfg.options:
+                write_file(new / RUN_CONFIG, lambda f: f.write(cfg.options_toml().encode()))
         if optimizer.sharded or rank == 0:
             _write_optimizer(new / optimizer_file(rank if optimizer.sharded else None), optimizer)
 

@@ -15,6 +15,8 @@ check_resume, restore).
        trainer_state.json      the step, model shape, schedule, sampler (RNG) state, run config, world size,
                                precision (--dtype); the model and optimizer files are float32 in every
                                precision: a bf16 run saves its float32 master weights
+       run_config.toml         the run's options as a --config file (xtrain-train --config DIR/run_config.toml
+                               replays the run); a run configured in code rather than on a command line has none
        manifest.json           size and sha256 of every other file; written last
 
 Atomic replacement. A save writes everything into the sibling `.DIR.new`, fsyncs every file and the
@@ -68,6 +70,7 @@ CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 STATE = "trainer_state.json"
+RUN_CONFIG = "run_config.toml"
 OPTIMIZER = "optimizer.safetensors"
 
 

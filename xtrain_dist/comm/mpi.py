@@ -26,13 +26,13 @@ import time
 
 import numpy as np
 
-from ..errors import XtrainError
+from ..errors import XtrainError, install_hint
 from . import CommAborted, rank_share_offsets
 from .local import _chunk
 
 
 def _missing(why) -> XtrainError:
-    return XtrainError(f"the MPI communicator needs mpi4py and an MPI library: {why} (pip install 'xtrain-dist[mpi]')")
+    return XtrainError(f"the MPI communicator needs mpi4py and an MPI library: {why} ({install_hint('mpi')})")
 
 
 def check_installed() -> None:

@@ -32,7 +32,7 @@ import contextlib
 import threading
 import time
 
-from ..errors import XtrainError
+from ..errors import XtrainError, install_hint
 from . import CommAborted, rank_share_offsets
 
 WATCHDOG_PERIOD_S = 0.2
@@ -43,12 +43,12 @@ def nccl_modules():
     try:
         import cupy
     except ImportError as e:
-        raise XtrainError(f"--comm nccl needs CuPy: {e} (pip install 'xtrain-dist[cuda]')") from None
+        raise XtrainError(f"--comm nccl needs CuPy: {e} ({install_hint('cuda')})") from None
     try:
         import nccl.core as nccl
         from nccl.bindings import nccl as raw
     except ImportError as e:
-        raise XtrainError(f"--comm nccl needs nccl4py: {e} (pip install 'xtrain-dist[cuda]')") from None
+        raise XtrainError(f"--comm nccl needs nccl4py: {e} ({install_hint('cuda')})") from None
     return nccl, raw, cupy
 
 

@@ -21,14 +21,13 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from xtrain_dist import files
+from xtrain_dist import files, shipped
 from xtrain_dist.errors import XtrainError, first_line
 
 from .token_files import TokenFiles, open_token_files
 
-REPO_DATA = Path(__file__).resolve().parents[2] / "data"
-DEFAULT_TOKENIZER = REPO_DATA / "tokenizer.json"
-DEFAULT_CORPUS = REPO_DATA / "shakespeare.txt"
+DEFAULT_TOKENIZER = shipped.DATA_DIR / "tokenizer.json"
+DEFAULT_CORPUS = shipped.DATA_DIR / "shakespeare.txt"
 
 # Part of every cache key: change it whenever the same files would encode to different ids
 # (a new way of splitting the text, say), so that stale caches stop matching.

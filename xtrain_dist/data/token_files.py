@@ -1,5 +1,5 @@
 """llm.c's token files, read where they lie: their header, the windows a batch takes from a stream stored in
-them, and the bytes of a new one (bin/tokenize_corpus)."""
+them, and the bytes of a new one (xtrain-tokenize)."""
 
 from __future__ import annotations
 

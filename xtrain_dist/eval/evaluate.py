@@ -19,7 +19,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..backend import BACKENDS, numpy_ops
-from ..command import OneLineParser, non_empty_path, positive_int, run_command
+from ..command import OneLineParser, command_name, non_empty_path, positive_int, run_command
 from ..data.corpus import Corpus
 from ..data.token_files import TokenFiles, take_windows
 from ..errors import XtrainError
@@ -77,7 +77,7 @@ def check(cfg, corpus, log):
 
 # ------------------------------------------------------------------------------- the command line
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}",
+    p = OneLineParser(prog=command_name(f"python -m xtrain_dist.{PROG}"),
                       description="Validation loss of a checkpoint: by default on the held-out set its run measured "
                                   "(the same windows, so the same loss), or on all of CORPUS.")
     p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (or, with CORPUS, a Hugging Face GPT-2 one)")
@@ -89,7 +89,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--seq", type=positive_int, default=None, help="tokens per window (default: the run's SEQ, or 64)")
     p.add_argument("--batches", type=positive_int, default=None,
                    help="batches (default: the run's --eval-batches, or 20)")
-    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy", help="where the model runs: numpy (CPU) or cuda")
     return p
 
 

@@ -13,7 +13,7 @@ The eval file (llm.c's dev/data/data_common.py `write_evalfile`): a header of 25
 (magic 20240522, version 1, number of examples, longest example in bytes), then per example a stream
 of uint16: 65535 (start), the example's size in bytes, its index, its label, the number of
 completions, then the context and each completion as a length followed by that many token ids.
-llm.c's `hellaswag_val.bin` is written with GPT-2's tokenizer; `bin/prepare_hellaswag` writes one
+llm.c's `hellaswag_val.bin` is written with GPT-2's tokenizer; `xtrain-prepare-hellaswag` writes one
 with the tokenizer a run trains with. A model is scored on ids of its own tokenizer only: a file made
 with another one reads as valid ids and gives chance accuracy.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import BACKENDS
-from ..command import OneLineParser, non_empty_path, positive_int, run_command
+from ..command import OneLineParser, command_name, non_empty_path, positive_int, run_command
 from ..config import model_config
 from ..data.token_files import TOKEN_FILE_HEADER_BYTES
 from ..errors import XtrainError
@@ -245,12 +245,12 @@ class HellaSwag:
 
 
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}",
+    p = OneLineParser(prog=command_name(f"python -m xtrain_dist.{PROG}"),
                       description="Multiple-choice accuracy (HellaSwag) of a checkpoint on an llm.c eval file.")
     p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder, or a Hugging Face GPT-2 folder")
     p.add_argument("eval_file", metavar="EVALFILE", type=non_empty_path,
-                   help="an llm.c eval file made with the checkpoint's tokenizer (bin/prepare_hellaswag)")
-    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+                   help="an llm.c eval file made with the checkpoint's tokenizer (xtrain-prepare-hellaswag)")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy", help="where the model runs: numpy (CPU) or cuda")
     p.add_argument("--tokens", type=positive_int, default=16384,
                    help="positions per forward pass (default 16384): memory against speed")
     return p

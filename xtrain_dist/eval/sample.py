@@ -19,7 +19,15 @@ import numpy as np
 from ..backend import BACKENDS, get_backend
 from ..checkpoint.hf import EOS, gpt_config, open_pretrained, pretrained_state
 from ..checkpoint.store import CONFIG, MODEL, STATE, TOKENIZER, is_checkpoint
-from ..command import OneLineParser, non_negative_float, non_negative_int, positive_int, run_command, utf8_text
+from ..command import (
+    OneLineParser,
+    command_name,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    run_command,
+    utf8_text,
+)
 from ..data.corpus import encode_checked
 from ..errors import XtrainError
 from ..model import GPT2, KVCache
@@ -123,14 +131,15 @@ def continuation(model, tokenizer, ids: list[int], n_tokens: int, temperature: f
 
 
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}", description="Print text sampled from a checkpoint.")
-    p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (train_ddp --save-dir)")
+    p = OneLineParser(prog=command_name(f"python -m xtrain_dist.{PROG}"),
+                      description="Print text sampled from a checkpoint.")
+    p.add_argument("checkpoint", metavar="DIR", help="a checkpoint folder (xtrain-train --save-dir)")
     p.add_argument("--prompt", default="", type=utf8_text, help="text to continue (default: start from <|endoftext|>)")
     p.add_argument("--tokens", type=positive_int, default=100, help="tokens to draw (default 100)")
     p.add_argument("--temperature", type=non_negative_float, default=1.0, help="0: always the likeliest token")
     p.add_argument("--top-k", type=positive_int, default=None, help="draw among the K likeliest tokens only")
-    p.add_argument("--seed", type=non_negative_int, default=1337)
-    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    p.add_argument("--seed", type=non_negative_int, default=1337, help="the draws' random stream")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy", help="where the model runs: numpy (CPU) or cuda")
     p.add_argument("--no-cache", action="store_true",
                    help="re-run the forward pass over the whole context for every token instead of caching keys "
                         "and values (slower; the same logits to float32 rounding)")

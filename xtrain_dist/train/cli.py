@@ -6,18 +6,22 @@ the rank and exit status 1; SIGTERM or SIGUSR1 ends it after the step its ranks 
 status 143 (job.StopRequest).
 """
 
+import argparse
 import contextlib
 import json
 import os
 import sys
+from pathlib import Path
 
-from .. import files, precision
+from .. import config_file, files, precision
 from ..backend import BACKENDS
+from ..checkpoint.store import RUN_CONFIG
 from ..comm import CommAborted
 from ..comm.launch_env import Launch, detect_launch, local_world_for
 from ..comm.rendezvous import report_failure_before_world
 from ..command import (
     OneLineParser,
+    command_name,
     non_empty_path,
     non_negative_float,
     non_negative_int,
@@ -41,10 +45,25 @@ from .job import PROG, STOPPED, train
 from .launch import RankFailed
 from .preflight import AUTO_RESUME, RunComplete
 
+EXAMPLES = """examples:
+  xtrain-train 300 16 64 --world-size 2 --report runs/tiny.json
+      300 steps of the tiny model on the shipped Shakespeare, two rank threads on the CPU
+  xtrain-train 2000 16 256 --model mini --eval-every 200 --save-dir runs/mini --resume auto
+      a run that saves its checkpoint and, started again after a stop, goes on from it
+  xtrain-train --config runs/mini/run_config.toml --lr 2e-3 --save-dir runs/mini-lr
+      the run a configuration file describes (every run writes its own), with one change
+  xtrain-train 5000 64 1024 gpt2/tokenizer.json "fineweb_train_*.bin" --backend cuda --model gpt2-124m \\
+      --dtype bf16 --world-size 8 --val-corpus fineweb_val_000000.bin
+      GPT-2 124M on eight GPUs from llm.c's token files
+  torchrun --nproc_per_node 2 -m xtrain_dist.train_ddp 300 16 64
+  mpirun -n 2 xtrain-train 300 16 64
+      two processes, over TCP and over MPI"""
+
 
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog=f"python -m xtrain_dist.{PROG}",
-                      description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).")
+    p = OneLineParser(prog=command_name(f"python -m xtrain_dist.{PROG}"),
+                      description="Data-parallel GPT-2 training: one rank per thread (per GPU with --backend cuda).",
+                      epilog=EXAMPLES)
     p.add_argument("steps", metavar="STEPS", type=positive_int, help="optimizer steps to run")
     p.add_argument("batch", metavar="BATCH", type=positive_int, help="sequences per step, all ranks together")
     p.add_argument("seq", metavar="SEQ", type=positive_int, help="tokens per sequence")
@@ -53,11 +72,18 @@ def build_parser() -> OneLineParser:
                    help=f"tokenizer.json (default {DEFAULT_TOKENIZER})")
     p.add_argument("corpus", metavar="CORPUS", nargs="?", type=non_empty_path,
                    help=f"UTF-8 text, or llm.c token files: one, or a quoted glob pattern (default {DEFAULT_CORPUS})")
-    p.add_argument("--backend", choices=BACKENDS, default="numpy")
+    p.add_argument("--config", metavar="FILE.toml", type=non_empty_path, default=None,
+                   help="take any option, and steps, batch, seq, tokenizer and corpus, from a TOML file (keys: the "
+                        "options without their dashes); the command line overrides it. Every run writes its own "
+                        f"beside --report and into each checkpoint ({RUN_CONFIG}): --config of it replays the run")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy",
+                   help="numpy: every op by hand on the CPU, the reference; cuda: the kernels of kernels/ on GPUs, one "
+                        "per rank")
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks in the job, all processes together (default: one per process, 1 without a launcher)")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--seed", type=non_negative_int, default=1337)
+    p.add_argument("--seed", type=non_negative_int, default=1337,
+                   help="the initial weights and the order of the batches (the same on every rank)")
     p.add_argument("--overfit-batch", action="store_true",
                    help="train every step on the first global batch (llm.c's -a 1): the loss should fall toward "
                         "0, a check that forward, backward, the all-reduce and AdamW fit together")
@@ -70,7 +96,8 @@ def build_parser() -> OneLineParser:
                         "until the cooldown, then 1-sqrt down to min-lr) (default cosine)")
     p.add_argument("--cooldown-steps", type=positive_int, default=None,
                    help="wsd: steps of the final decay, ending at lr-decay-steps (default lr-decay-steps/5)")
-    p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.1,
+                   help="AdamW's decoupled weight decay, on the matrices and embeddings (not biases or layernorms)")
     p.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global norm clip; 0 disables")
     p.add_argument("--comm-timeout", type=timeout_seconds, default=300.0,
                    help="seconds a rank may wait in a collective")
@@ -85,7 +112,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--cpu-threads", type=positive_int, default=None,
                    help="BLAS threads per rank (default: cores / ranks)")
     p.add_argument("--report", type=non_empty_path, default=None, help="write a JSON report here")
-    p.add_argument("--log-every", type=positive_int, default=1)
+    p.add_argument("--log-every", metavar="N", type=positive_int, default=1,
+                   help="print the progress line every N steps (and at the last)")
     p.add_argument("--profile-step", metavar="N", type=positive_int, default=None,
                    help="time every op of step N (CUDA events on a GPU) and print where the step's time went")
     procs = p.add_argument_group("processes and launchers (torchrun, srun, mpirun)")
@@ -124,6 +152,9 @@ def build_parser() -> OneLineParser:
                         "share of examples whose lowest-loss completion is the right one")
     g.add_argument("--metrics", metavar="PATH", type=non_empty_path, default=None,
                    help="append one JSON line per step to PATH")
+    g.add_argument("--tensorboard", metavar="DIR", type=non_empty_path, default=None,
+                   help="write the same records as TensorBoard event files into DIR (needs the [tensorboard] extra: "
+                        "tensorboardX)")
     g.add_argument("--sample-every", metavar="N", type=non_negative_int, default=0,
                    help="print text drawn from the model every N steps and at the end, as `python -m "
                         "xtrain_dist.sample` would from a checkpoint of that step with --seed SEED (default 0: never)")
@@ -151,8 +182,86 @@ def build_parser() -> OneLineParser:
     return p
 
 
+# ---------------------------------------------------------------------------------------------- --config
+def config_key(action: argparse.Action) -> str:
+    """An argument's key in a --config file: its flag without the dashes (grad-sync), or the positional's
+    name in lower case (steps)."""
+    flags = [flag for flag in action.option_strings if flag.startswith("--")]
+    return flags[0].removeprefix("--") if flags else action.dest
+
+
+def config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """key -> the argument it sets, for every argument a --config file may set (all but --help and --config)."""
+    return {config_key(a): a for a in parser._actions if a.dest not in ("help", "config")}
+
+
+# the argument types whose values a TOML file gives as integers, or as numbers; every other takes a string
+_INTEGER_TYPES = (positive_int, non_negative_int, int)
+_NUMBER_TYPES = (non_negative_float, positive_float, timeout_seconds)
+
+
+def _config_value(action: argparse.Action, key: str, value, where: str):
+    """The value a --config file gives `action`, checked as the command line checks its text."""
+    if isinstance(action, argparse._StoreTrueAction):
+        kind, fits = "true or false", isinstance(value, bool)
+    elif action.type in _INTEGER_TYPES:
+        kind, fits = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    elif action.type in _NUMBER_TYPES:
+        kind, fits = "a number", isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        kind, fits = "a string", isinstance(value, str)
+    if not fits:
+        try:
+            shown = config_file.dumps({key: value}).partition(" = ")[2].strip()
+        except TypeError:  # a table
+            shown = f"a {type(value).__name__}"
+        raise XtrainError(f"{where}: {key} must be {kind}, got {shown}")
+    if isinstance(action, argparse._StoreTrueAction):
+        return value
+    try:
+        parsed = action.type(str(value)) if action.type else value  # str(float) is repr: the exact double
+    except argparse.ArgumentTypeError as err:
+        raise XtrainError(f"{where}: {key} {err}") from None
+    if action.choices is not None and parsed not in action.choices:
+        raise XtrainError(f"{where}: {key} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return parsed
+
+
+def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
+    """Make the values of the --config file at `path` the parser's defaults, so that the command line
+    overrides them; a positional the file gives (steps, batch, ...) need not be on the command line."""
+    where = f"--config '{path}'"
+    actions = config_actions(parser)
+    for key, value in config_file.read(path, "--config").items():
+        action = actions.get(key)
+        if action is None:
+            spelled = key.replace("_", "-")
+            hint = f" (the option is spelled '{spelled}')" if spelled in actions and spelled != key else ""
+            raise XtrainError(f"{where}: unknown key '{key}'{hint}: keys are the options without their dashes, "
+                              "and steps, batch, seq, tokenizer, corpus")
+        action.default = _config_value(action, key, value, where)
+    for action in parser._actions:
+        if not action.option_strings:  # the file may give them: the command line fills them in order, over it
+            action.nargs = "?"
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """--config's value, read before the command line is parsed: its values become the parser's defaults."""
+    p = OneLineParser(add_help=False)
+    p.add_argument("--config", type=non_empty_path, default=None)
+    return p.parse_known_args(argv)[0].config
+
+
 def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
-    args = build_parser().parse_intermixed_args(argv)  # TOKENIZER CORPUS may come after options too
+    parser = build_parser()
+    config = _config_path(argv)
+    if config is not None:
+        apply_config_file(parser, config)
+    args = parser.parse_intermixed_args(argv)  # TOKENIZER CORPUS may come after options too
+    for name in ("steps", "batch", "seq"):
+        if getattr(args, name) is None:
+            raise XtrainError(f"{name.upper()} is missing: give it on the command line, or as {name} in the "
+                              f"--config file")
     if (args.tokenizer is None) != (args.corpus is None):
         raise XtrainError("give both TOKENIZER and CORPUS, or neither (for the shipped data)")
     launch = launch or detect_launch()
@@ -192,12 +301,33 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         save_dir=args.save_dir, save_every=args.save_every, keep_every=args.keep_every, resume=args.resume,
         init_from=args.init_from,
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
-        hellaswag=args.hellaswag or "", metrics=args.metrics, sample_every=args.sample_every,
+        hellaswag=args.hellaswag or "", metrics=args.metrics, tensorboard=args.tensorboard,
+        sample_every=args.sample_every,
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
         grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
-        cuda_graph=args.cuda_graph,
+        cuda_graph=args.cuda_graph, options=_options(parser, args),
     ).resolved()
+
+
+def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Every argument's value as the run uses it, keyed for a --config file; the shipped data's paths where
+    TOKENIZER and CORPUS were not given, and nothing for an option left to its derived default (None)."""
+    shipped = {"tokenizer": str(DEFAULT_TOKENIZER), "corpus": str(DEFAULT_CORPUS)}
+    options = {}
+    for key, action in config_actions(parser).items():
+        value = getattr(args, action.dest)
+        if value is None:
+            value = shipped.get(key)
+        if value is not None:
+            options[key] = value
+    return options
+
+
+def config_beside(report) -> Path:
+    """Where a run writes its configuration beside its --report: report.json -> report.config.toml."""
+    report = Path(report)
+    return report.with_name(f"{report.stem}.config.toml")
 
 
 def profile_table(profile: dict) -> str:
@@ -262,6 +392,8 @@ def _main(argv: list[str]) -> int:
         return STOPPED if stopped else 0
     if cfg.report:
         files.write_atomic(cfg.report, json.dumps(report, indent=1) + "\n", "--report")
+        if not files.written_in_place(Path(cfg.report)):  # a file, not a pipe or a device: its folder has room
+            files.write_atomic(config_beside(cfg.report), cfg.options_toml(), "--report's configuration")
     if cfg.profile_step:
         print(profile_table(report["profile"]))
     val = f", val {report['val_losses'][-1][1]:.4f}" if report["val_losses"] else ""

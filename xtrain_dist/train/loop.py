@@ -26,6 +26,7 @@ from ..profile import OpProfiler, mfu, nanogpt_flops_per_token
 from . import metrics
 from .cadence import Cadence
 from .graph import StepGraph, unsupported
+from .tensorboard import EventLog
 
 
 @dataclass
@@ -220,12 +221,15 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             record["sample"] = continuation(model, corpus.tokenizer, prompt, cfg.sample_tokens, seed=cfg.seed,
                                             show_prompt=bool(cfg.sample_prompt))
         result.records.append(record)
+        times = progress.times(done, ms / 1e3)
         if rank == 0 and cadence.logs(done, stopping):
-            log(metrics.progress_line(record, cfg.steps))
+            log(metrics.progress_line(record, cfg.steps, times))
         if "sample" in record:
             log(f"--- sample at step {done} ---\n{record['sample']}\n---")
         if rank == 0 and cfg.metrics and (note := metrics.append(cfg.metrics, record)):  # a note: a torn line dropped
             log(note)
+        if events is not None:
+            events.write(record)
         for folder in cadence.saves(done, stopping):
             save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
                  model=model, optimizer=optimizer, sampler=sampler)
@@ -235,48 +239,54 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             result.stopped_at = done
         return stops > 0, stopping
 
-    behind = None  # a step queued but not yet read: read once the next one is queued
-    for step in range(start, cfg.steps):
-        done = step + 1
-        profiling = cadence.profiles(done)
-        if profiling:
-            ops.active = True
-        t0 = time.perf_counter()
-        micro = micro_batches(*sampler.next(), cfg.grad_accum)
-        if not batch:
-            batch[:] = [(backend.from_host(np.array(ids)), backend.from_host(np.array(targets)))
-                        for ids, targets in micro]
-        else:
-            for (d_ids, d_targets), (ids, targets) in zip(batch, micro, strict=True):
-                backend.upload(d_ids, ids)
-                backend.upload(d_targets, targets)
-        backend.upload(readout, np.array([0, stop is not None and stop.is_set(), 0], dtype=np.float32))
-        lr = lr_at(step, cfg)
-        optimizer.prepare(lr)
-        if step_graph is not None and not profiling:  # a profiled step times each op: outside the graph
-            capturing = step_graph.graph is None and step_graph.warm and not step_graph.failed
-            replayed = step_graph()
-            marks = step_comm.detach()
-            if replayed:  # a launch of the graph leaves no timing marks of its own
-                if capturing:  # the capture's marks count its collectives, but were never timed on the device
-                    result.comm_calls = step_comm.calls(marks)
-                marks = None
-            result.cuda_graph["replayed_steps"] += replayed
-        else:
-            device_step()
-            marks = step_comm.detach()
-        queued = QueuedStep(done, lr, t0, profiling, backend.to_host_later(readout), marks)
-        if behind is not None:
-            asked, _ = complete(behind, can_stop_here=False, next_t0=t0)
-            behind = None
-            if asked:  # every rank read the request at the same step, and every rank queued this one
-                complete(queued, can_stop_here=True, stop_forced=True)
-                break
-        if cadence.reads_at_once(done):
-            if complete(queued, can_stop_here=True)[1]:
-                break
-        else:
-            behind = queued
+    progress = metrics.Progress(cfg.steps)
+    events = EventLog(cfg.tensorboard) if rank == 0 and cfg.tensorboard else None
+    try:
+        behind = None  # a step queued but not yet read: read once the next one is queued
+        for step in range(start, cfg.steps):
+            done = step + 1
+            profiling = cadence.profiles(done)
+            if profiling:
+                ops.active = True
+            t0 = time.perf_counter()
+            micro = micro_batches(*sampler.next(), cfg.grad_accum)
+            if not batch:
+                batch[:] = [(backend.from_host(np.array(ids)), backend.from_host(np.array(targets)))
+                            for ids, targets in micro]
+            else:
+                for (d_ids, d_targets), (ids, targets) in zip(batch, micro, strict=True):
+                    backend.upload(d_ids, ids)
+                    backend.upload(d_targets, targets)
+            backend.upload(readout, np.array([0, stop is not None and stop.is_set(), 0], dtype=np.float32))
+            lr = lr_at(step, cfg)
+            optimizer.prepare(lr)
+            if step_graph is not None and not profiling:  # a profiled step times each op: outside the graph
+                capturing = step_graph.graph is None and step_graph.warm and not step_graph.failed
+                replayed = step_graph()
+                marks = step_comm.detach()
+                if replayed:  # a launch of the graph leaves no timing marks of its own
+                    if capturing:  # the capture's marks count its collectives, but were never timed on the device
+                        result.comm_calls = step_comm.calls(marks)
+                    marks = None
+                result.cuda_graph["replayed_steps"] += replayed
+            else:
+                device_step()
+                marks = step_comm.detach()
+            queued = QueuedStep(done, lr, t0, profiling, backend.to_host_later(readout), marks)
+            if behind is not None:
+                asked, _ = complete(behind, can_stop_here=False, next_t0=t0)
+                behind = None
+                if asked:  # every rank read the request at the same step, and every rank queued this one
+                    complete(queued, can_stop_here=True, stop_forced=True)
+                    break
+            if cadence.reads_at_once(done):
+                if complete(queued, can_stop_here=True)[1]:
+                    break
+            else:
+                behind = queued
+    finally:
+        if events is not None:
+            events.close()
 
     result.param_sha256 = param_sha256(model)
     return result

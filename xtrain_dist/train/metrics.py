@@ -4,7 +4,7 @@ A line: {"step": 12, "loss": ..., "lr": ..., "grad_norm": ..., "ms": ..., "token
 "val_loss" (and "hellaswag") on evaluation steps, "sample" (the text drawn) on --sample-every steps.
 Gradient-sync timing (comm_ms and the like) goes in the same line: the loop passes whatever fields its
 strategy reports. Each line is written with one append and the file closed at once, so a crash loses at
-most the line being written, and a reader (bin/plot_metrics) takes the last line for each step: steps
+most the line being written, and a reader (xtrain-plot) takes the last line for each step: steps
 that a run redoes after resuming an older checkpoint replace the ones it lost.
 
 A line cut short (a full disk, a kill mid-write) is never written onto: the next append drops it first,
@@ -15,6 +15,7 @@ silently replace the other run's in every reader.
 
 import json
 import os
+import time
 from pathlib import Path
 
 from .. import files
@@ -47,12 +48,41 @@ def refuse_another_runs_records(path) -> None:
                           "to continue that run")
 
 
-def progress_line(record: dict, steps: int) -> str:
+def progress_line(record: dict, steps: int, times: tuple[float, float] | None = None) -> str:
+    """The step's line on the console; `times` (Progress.times): the run's elapsed time and the time left."""
     line = (f"step {record['step']:5d}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"norm {record['grad_norm']:7.4f} | {record['ms']:7.1f} ms | {record['tokens_per_s']:9.0f} tok/s")
     line += f" | MFU {100 * record['mfu']:4.1f}%" if "mfu" in record else ""
+    line += f" | {clock_time(times[0])} elapsed, {clock_time(times[1])} left" if times else ""
     line += f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
     return line + (f" | hellaswag {record['hellaswag']:.4f}" if "hellaswag" in record else "")
+
+
+def clock_time(seconds: float) -> str:
+    """Seconds as h:mm:ss (0:01:05), the hours as many as it takes."""
+    whole = max(0, round(seconds))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
+class Progress:
+    """The time a run has taken and the time it has left, for its progress line. The time left is the steps
+    to go at the wall time per step since this process's first step ended: that step holds compilation and
+    warm-up, the later ones everything a step costs on average (evaluations, samples and saves included).
+    Before a second step, the first step's own time stands in."""
+
+    def __init__(self, steps: int, clock=time.perf_counter):
+        self.steps, self.clock = steps, clock
+        self.start = clock()
+        self.first: tuple[int, float] | None = None  # (step, when it ended) of this process's first step
+
+    def times(self, step: int, step_s: float) -> tuple[float, float]:
+        """(seconds since the run started, seconds left) once `step`, which took `step_s`, has ended."""
+        now = self.clock()
+        if self.first is None:
+            self.first = (step, now)
+        first_step, first_end = self.first
+        per_step = (now - first_end) / (step - first_step) if step > first_step else step_s
+        return now - self.start, (self.steps - step) * per_step
 
 
 _TAIL_CHUNK = 1 << 16

@@ -19,7 +19,7 @@ from ..eval import evaluate, hellaswag, sample
 from ..model import check_recompute
 from ..optim import check_schedule
 from ..parallel import ddp
-from . import memory, metrics
+from . import memory, metrics, tensorboard
 from .cadence import Cadence, kept_folder
 from .graph import MODES as GRAPH_MODES
 
@@ -73,10 +73,11 @@ def check_outputs(cfg: TrainConfig) -> None:
 
 # what every process of a run must agree on; paths and addresses may differ from node to node, and so may
 # --recompute (a node short of memory may recompute: the bits are the same) and the sampling options (only
-# the process of rank 0 draws)
+# the process of rank 0 draws); `options` holds the same values again, as the command line gave them
 _PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_from", "report", "metrics", "log_every",
                        "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "recompute", "sample_every",
-                       "sample_tokens", "sample_prompt", "extra"}
+                       "sample_tokens", "sample_prompt", "extra", "options",
+                       "tensorboard"}
 
 
 @dataclass
@@ -140,6 +141,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
             metrics.refuse_another_runs_records(cfg.metrics)
     if cfg.report and launch.process_rank == 0:
         files.check_writable(cfg.report, "--report")
+    if cfg.tensorboard and launch.process_rank == 0:
+        tensorboard.check(cfg.tensorboard)
     cfg = evaluate.check(cfg, corpus, log)
     examples = hellaswag.load(cfg, corpus) if cfg.hellaswag else None
     if cfg.sample_every and launch.process_rank == 0:  # where rank 0 will draw: a prompt it cannot encode fails now

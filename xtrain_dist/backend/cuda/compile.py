@@ -16,10 +16,11 @@ import re
 import threading
 from pathlib import Path
 
+from ... import shipped
 from ...errors import XtrainError
 from .device import cupy
 
-KERNEL_DIR = Path(__file__).resolve().parents[3] / "kernels"
+KERNEL_DIR = shipped.KERNEL_DIR
 
 # --dtype -> the extra NVRTC options of the kernel variant a backend of that dtype loads
 PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("-DXTRAIN_BF16",)}

@@ -10,9 +10,10 @@ stream of the thread that made the backend.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
-from ...errors import XtrainError
+from ...errors import XtrainError, install_hint
 
 try:  # the module imports without CuPy, so the kernel sources and options can be checked anywhere
     import cupy
@@ -23,14 +24,35 @@ else:
     _CUPY_IMPORT_ERROR = None
 
 
+# cudaError_t values getDeviceCount returns where there is no GPU to use: the CUDA runtime says
+# "insufficient driver" (35) when the driver library is missing altogether, and "no device" (100) when a
+# driver is loaded but sees no GPU
+CUDA_ERROR_INSUFFICIENT_DRIVER = 35
+CUDA_ERROR_NO_DEVICE = 100
+DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def driver_present() -> bool:
+    """Whether the NVIDIA driver's library loads: without it there is no GPU, whatever CUDA's error says."""
+    try:
+        ctypes.CDLL(DRIVER_LIBRARY)
+    except OSError:
+        return False
+    return True
+
+
 def device_count() -> int:
     """How many CUDA devices this process sees; XtrainError if CuPy or a device is missing."""
     if cupy is None:
-        raise XtrainError(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} (pip install 'xtrain-dist[cuda]')")
+        raise XtrainError(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} ({install_hint('cuda')})")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as e:
+        if e.status in (CUDA_ERROR_INSUFFICIENT_DRIVER, CUDA_ERROR_NO_DEVICE) and not driver_present():
+            # the runtime reports a missing driver as one too old for it: say what is really the case
+            raise XtrainError("--backend cuda: no CUDA device or driver is present on this machine "
+                              f"({DRIVER_LIBRARY} cannot be loaded)") from None
         raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible}): {e}") \
             from None
     if count == 0:
