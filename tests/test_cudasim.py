@@ -257,6 +257,104 @@ extern "C" __global__ void tile_load(float* c, const __nv_bfloat16* a, int offse
         kernel((1,), (32,), (sim.empty((1,), np.float32), a, np.int32(offset), np.int32(ld)))
 
 
+PTX = (ROOT / "kernels" / "ptx.cuh").read_text()
+
+
+def ptx_module(body: str):
+    return module(PTX + body)
+
+
+def bf16_upload(x):
+    return upload((np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16))
+
+
+def test_mma_sync_fed_by_ldmatrix_is_the_matrix_product():
+    """kernels/ptx.cuh's mma.sync on the simulator: one warp moves a (16 x 16) and b (16 x 8) into shared
+    memory by cp.async, loads A by ldmatrix and B both ways (its transpose by ldmatrix, itself by
+    ldmatrix.trans), and computes A B + C twice, the second time onto the first: each lane's
+    registers must hold the elements the fragment layouts say, or the product comes out scrambled."""
+    kernel = ptx_module(r"""
+extern "C" __global__ void ptx_product(float* d, const __nv_bfloat16* a, const __nv_bfloat16* bt,
+                                       const __nv_bfloat16* b) {
+    __shared__ __align__(16) __nv_bfloat16 sa[16 * 16], sbt[8 * 16], sb[16 * 8];
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4, mi = lane / 8;
+    cp_async_16(sa + 8 * lane, a + 8 * lane, true);  // 32 pieces of 16 bytes, two per row
+    if (lane < 16) cp_async_16(sbt + 8 * lane, bt + 8 * lane, true);
+    if (lane < 16) cp_async_16(sb + 8 * lane, b + 8 * lane, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+    unsigned fa[4], fbt[4], fb[4];
+    ldmatrix_x4(fa, sa + (lane % 8 + 8 * (mi % 2)) * 16 + 8 * (mi / 2));
+    ldmatrix_x4(fbt, sbt + (lane % 8) * 16 + 8 * (mi % 2));    // matrices 2 and 3 repeat 0 and 1
+    ldmatrix_x4_trans(fb, sb + (lane % 8 + 8 * (mi % 2)) * 8);  // so do these
+    const unsigned from_bt[2] = {fbt[0], fbt[1]}, from_b[2] = {fb[0], fb[1]};
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[4];
+    mma_bf16_16816(acc, fa, from_bt, zero);
+    mma_bf16_16816(acc, fa, from_b, acc);
+    for (int e = 0; e < 4; ++e) d[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = acc[e];
+}""").get_function("ptx_product")
+    rng = np.random.default_rng(0)
+    a = rng.integers(-8, 8, (16, 16)).astype(np.float32)  # exact in bf16 and in the sums
+    b = rng.integers(-8, 8, (16, 8)).astype(np.float32)
+    d = sim.empty((16, 8), np.float32)
+    kernel((1,), (32,), (d, bf16_upload(a), bf16_upload(b.T), bf16_upload(b)))
+    np.testing.assert_array_equal(d.get(), 2 * (a @ b))
+
+
+CP_ASYNC = r"""
+// Two groups of copies (in[0:8] then in[8:16]) into shared memory, then out[] = what lane 0 sees after
+// waiting with `wait` groups still allowed in flight (2: no wait at all), or no wait for the second group
+// ever when `leak`.
+extern "C" __global__ void staged(float* out, const __nv_bfloat16* in, int wait, int leak) {
+    __shared__ __align__(16) __nv_bfloat16 tile[16];
+    if (threadIdx.x == 0) {
+        cp_async_16(tile, in, true);
+        cp_async_commit();
+        cp_async_16(tile + 8, in + 8, true);
+        cp_async_commit();
+        if (wait == 0) cp_async_wait<0>();
+        if (wait == 1) cp_async_wait<1>();
+        for (int i = 0; i < 16; ++i) out[i] = __bfloat162float(tile[i]);
+        if (wait != 0 && !leak) cp_async_wait<0>();
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("wait, landed", [(0, 16), (1, 8), (2, 0)])
+def test_cp_async_lands_at_the_wait_that_covers_its_group(wait, landed):
+    """cp.async is deferred on the simulator: a read before the wait for its group sees the poisoned
+    shared memory (NaN), so a kernel that forgets a wait, or waits for too little, gets NaN."""
+    kernel = ptx_module(CP_ASYNC).get_function("staged")
+    host = np.arange(16, dtype=np.float32)
+    out = sim.empty((16,), np.float32)
+    kernel((1,), (32,), (out, bf16_upload(host), np.int32(wait), np.int32(0)))
+    got = out.get()
+    np.testing.assert_array_equal(got[:landed], host[:landed])
+    assert np.isnan(got[landed:]).all(), got
+
+
+def test_a_cp_async_copy_never_waited_for_is_an_error():
+    kernel = ptx_module(CP_ASYNC).get_function("staged")
+    with pytest.raises(sim.CUDARuntimeError,
+                       match=r"thread \(0,0,0\) of block \(0,0,0\) exited with 1 cp.async copies it never waited for"):
+        kernel((1,), (32,), (sim.empty((16,), np.float32), bf16_upload(np.zeros(16)), np.int32(1), np.int32(1)))
+
+
+def test_ldmatrix_reads_shared_memory_only():
+    """ldmatrix and cp.async's destination are shared-memory addresses; a global pointer is an error."""
+    kernel = ptx_module(r"""
+extern "C" __global__ void global_ldmatrix(unsigned* out, const __nv_bfloat16* in) {
+    unsigned r[4];
+    ldmatrix_x4(r, in + 8 * threadIdx.x);
+    out[threadIdx.x] = r[0];
+}""").get_function("global_ldmatrix")
+    with pytest.raises(sim.CUDARuntimeError, match=r"ldmatrix row address is not in shared memory"):
+        kernel((1,), (32,), (sim.empty((32,), np.uint32), bf16_upload(np.zeros(256))))
+
+
 @pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
 def test_cublas_stand_in_follows_column_major_conventions(ta, tb):
     """C (m x n, column-major, ldc) = op(A) op(B) + beta C, with padded leading dimensions."""

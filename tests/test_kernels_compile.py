@@ -43,7 +43,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 
 
 def _entry_points(text: str) -> set[str]:
-    return set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', text))
+    return set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(', text))
 
 
 def test_every_dtype_has_a_kernel_variant():
