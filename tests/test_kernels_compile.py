@@ -91,6 +91,16 @@ def test_kernel_source_inlines_local_includes():
         assert f'#line 1 "{file}.cu"' in text
 
 
+def test_both_flash_attention_kernels_take_the_oracles_tiles():
+    """numpy_ops' flash attention is the oracle of both kernel files because it takes the keys in tiles of
+    the width they take them (its online softmax rounds each tile's P) and their head size."""
+    from xtrain_dist.backend import numpy_ops
+
+    assert cuda_ops.FLASH_TILE == cuda_ops.MMA_TILE == numpy_ops.FLASH_TILE == 64
+    assert cuda_ops.FLASH_HS == cuda_ops.MMA_HS == 64
+    assert cuda_ops.MMA_BLOCK_ROWS % cuda_ops.MMA_TILE == 0  # a query block ends on a key tile's edge
+
+
 # ---------------------------------------------------------------------------------------- nvcc
 
 def _nvcc(path: Path, arch: str, dtype: str, out_dir: str) -> tuple[str, int, str, str]:
