@@ -4,12 +4,12 @@ First, the instrument is held to its claims on small kernels written to be wrong
 shows in another thread order, a barrier not every thread reaches, a shuffle with a lane that has left,
 accesses outside an array or to unmapped memory, unpoisoned shared memory, an argument of the wrong
 type, a trap, two streams with nothing ordering them, an array freed under another stream's use; the
-training loop with each of its cross-stream fences taken out; and the WMMA, cuBLAS and NCCL stand-ins
-against plain arithmetic. Then the GPU test
+training loop with each of its cross-stream fences taken out; the WMMA, tensor-core PTX (mma.sync,
+ldmatrix, cp.async), cuBLAS and NCCL stand-ins against plain arithmetic. Then the GPU test
 modules run on it in subprocesses (tests/test_cuda_ops.py and tests/test_cuda_bf16.py in forward,
 reverse and a shuffled order; tests/test_nccl.py with two simulated GPUs), and the scripts a GPU session
-runs (train_ddp --backend cuda, bench_gpu, kernel_errors, bench_collectives --comm nccl, the session's
-summary) are dry-run, so none of them meets a GPU for the first time in its session.
+runs (train_ddp --backend cuda, bench_gpu, bench_attention, kernel_errors, bench_collectives --comm nccl,
+the session's summary) are dry-run, so none of them meets a GPU for the first time in its session.
 """
 
 import inspect
@@ -719,7 +719,10 @@ def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
         ops = {p["op"] for p in row["profile"]}
         assert {"matmul_forward", "fused_classifier", "adamw_update"} <= ops, ops
         assert ("flash_attention_forward" in ops) == ("flash" in row["impl"]), ops
+        assert row.get("flash_kernels") == ("kernels/flash_attention_mma.cu" if "flash" in row["impl"] else None)
     assert len(list(tmp_path.glob("*.md"))) == 1
+    assert "### Where our step's time goes: small, 1 x 64, bf16, ours flash lt (flash attention: " \
+        "kernels/flash_attention_mma.cu)" in report.with_suffix(".md").read_text()
 
 
 def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
@@ -738,6 +741,24 @@ def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
         for pass_ in ("forward", "product", "backward") + (("forward lt",) if "lm_head" not in layer else ())]
     assert all(r["ours_ms"] > 0 and "torch_ms" not in r for r in rows)
     assert len(list(tmp_path.glob("*.md"))) == 1
+
+
+def test_bench_attention_runs_our_rows_on_the_simulator(tmp_path):
+    """bin/bench_attention's side of ours, as the GPU machine runs it but at tiny shapes: both our kernel
+    files, forward and backward, a row each with its causal TFLOP/s, and the results files written."""
+    result = subprocess.run([*RUN, "bin/bench_attention", "--shapes", "1x2x130x64,2x1x64x64", "--no-torch", "--reps",
+                             "1", "--warmup", "0", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [report] = tmp_path.glob("bench_attention-*.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["shape"], r["impl"], r["pass"]) for r in rows] == [
+        (shape, impl, pass_) for shape in ("1 x 2 x 130 x 64", "2 x 1 x 64 x 64") for impl in ("ours", "ours-wmma")
+        for pass_ in ("forward", "backward")]
+    for r in rows:
+        work = 4 * r["B"] * r["NH"] * r["T"] ** 2 * r["hs"] / 2 * (2.5 if r["pass"] == "backward" else 1)
+        assert r["ms"] > 0 and r["tflops"] == pytest.approx(work / r["ms"] / 1e9)
+    assert len(list(tmp_path.glob("bench_attention-*.md"))) == 1
 
 
 @pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"]])
@@ -798,7 +819,8 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     env.pop("CUDA_VISIBLE_DEVICES", None)
     small = "--precisions bf16 --torch-modes= --steps 1 --warmup 0 --vocab 512"
     runs = {"BENCH_GPU_RUNS": f"60 --presets small --shapes 1x64 {small};60 --presets tiny --shapes 1x32 {small} "
-            "--no-profile", "BENCH_GEMM_ARGS": "--preset tiny --tokens 16 --no-torch --reps 1"}
+            "--no-profile", "BENCH_GEMM_ARGS": "--preset tiny --tokens 16 --no-torch --reps 1",
+            "BENCH_ATTENTION_ARGS": "--shapes 1x1x64x64 --no-torch --reps 1 --warmup 0"}
     # PACK_RESULTS=1, as the device call sets it
     out = tmp_path / "session"
     session = subprocess.run(["bash", "bin/gpu_session.sh"], cwd=ROOT, env=dict(
@@ -817,6 +839,7 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
         assert [t[:13] for t in tables] == ["./bench/run1/"] * 2 + ["./bench/run2/"] * 2, names
         assert {"./cuda/environment.txt", "./cuda/skipped.txt", "./cuda/pytest_cuda.txt",
                 "./bench/run1/bench_gpu.txt"} <= names and any(n.startswith("./bench/bench_gemm-") for n in names)
+        assert any(n.startswith("./bench/bench_attention-") for n in names), names
         environment = packed.extractfile("./cuda/environment.txt").read().decode()
     assert "## cuBLASLt (--matmul cublaslt)\ntests/cudasim/fake_cublaslt.py (the simulator's stand-in), version 0" \
         in environment, environment
@@ -830,6 +853,10 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
                      r"\| tiny \| 1 x 32 \| bf16 \| ours", summary), summary
     assert "- `bin/bench_gemm --preset tiny" in summary and "`: exit 0 (bench_gemm-" in summary, summary
     assert "- compute-sanitizer racecheck: exit " in summary, summary
+    assert "- `bin/bench_attention --shapes 1x1x64x64 --no-torch --reps 1 --warmup 0`: exit 0 (bench_attention-" \
+        in summary, summary
+    assert re.search(r"## bench_attention-\S+\.md\n\n\| B x NH x T x hs \| impl \| pass \|.*\n\|---.*\n"
+                     r"\| 1 x 1 x 64 x 64 \| ours \| forward \|", summary), summary
     # each run's table of rows, for a first look without the archive
     assert re.search(r"## run1/bench_gpu-\S+\.md\n\n\| preset \| B x T \|.*\n\|---.*\n"
                      r"\| small \| 1 x 64 \| bf16 \| ours \|", summary), summary
@@ -858,7 +885,8 @@ def test_the_bench_half_goes_on_from_the_run_it_is_told(tmp_path):
                PYTHONDONTWRITEBYTECODE="1", PY=sys.executable, OUT=str(tmp_path), BUDGET="120", BENCH_GPU_FROM="2",
                BENCH_GPU_RUNS="60 --presets tiny --shapes 1x16 --bogus;60 --presets tiny --shapes 1x16 --precisions "
                "fp32 --torch-modes= --steps 1 --warmup 0 --vocab 256 --no-profile --matmuls cublas",
-               BENCH_GEMM_ARGS="--preset tiny --tokens 16 --no-torch --reps 1")
+               BENCH_GEMM_ARGS="--preset tiny --tokens 16 --no-torch --reps 1",
+               BENCH_ATTENTION_ARGS="--shapes 1x1x64x64 --no-torch --reps 1 --warmup 0")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     subprocess.run(["bash", "bin/gpu_session/bench.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                    timeout=300)
