@@ -336,6 +336,41 @@ def test_cp_async_lands_at_the_wait_that_covers_its_group(wait, landed):
     assert np.isnan(got[landed:]).all(), got
 
 
+def test_a_cp_async_copy_into_a_buffer_another_warp_still_reads_is_seen():
+    """Double buffering's hazard: a warp starts the next copy into a buffer while another warp still reads
+    the tile there. In flight the destination is NaN on the simulator, so without the __syncthreads that
+    orders the copy after every warp's reads, the reading warp gets NaN in some order."""
+    kernel = ptx_module(r"""
+extern "C" __global__ void reuse(float* out, const __nv_bfloat16* in, int barrier) {
+    __shared__ __align__(16) __nv_bfloat16 tile[8];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) cp_async_16(tile, in, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const float first = __bfloat162float(tile[lane % 8]);  // every warp reads the first tile
+    if (barrier) __syncthreads();
+    if (threadIdx.x == 0) cp_async_16(tile, in + 8, true);  // the next tile into the same buffer
+    cp_async_commit();
+    __syncthreads();  // work on another buffer would go here while the copy flies
+    cp_async_wait<0>();
+    __syncthreads();
+    out[warp * 32 + lane] = first + __bfloat162float(tile[lane % 8]);
+}""").get_function("reuse")
+    host = np.arange(16, dtype=np.float32)
+    want = np.tile(host[:8] + host[8:], 8)
+    for barrier in (1, 0):
+        results = []
+        for order in ("forward", "reverse"):
+            out, *_ = run_in_order(kernel, order, (1,), (64,), lambda b=barrier: (
+                sim.empty((64,), np.float32), bf16_upload(host), np.int32(b)))
+            results.append(out.get())
+        if barrier:
+            assert all(np.array_equal(r, want) for r in results), results
+        else:
+            assert any(np.isnan(r).any() for r in results), results
+
+
 def test_a_cp_async_copy_never_waited_for_is_an_error():
     kernel = ptx_module(CP_ASYNC).get_function("staged")
     with pytest.raises(sim.CUDARuntimeError,

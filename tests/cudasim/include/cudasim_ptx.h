@@ -9,8 +9,10 @@
 // core's order differs within float32 noise.
 //
 // cp.async is deferred: the copy is recorded and made only when a cp.async.wait_group covers its commit
-// group, so a kernel that reads a tile before waiting for it reads the 0xFF garbage shared memory is
-// filled with (NaN), not the tile. A copy issued and never waited for is an error when the thread exits.
+// group, and until then its destination holds 0xFF bytes (NaN). So a kernel that reads a tile before
+// waiting for it reads NaN, not the tile, and so does one whose copy overwrites a buffer that another
+// warp is still reading (a missing __syncthreads before the copy: the scheduler runs one warp ahead). A
+// copy issued and never waited for is an error when the thread exits.
 #pragma once
 #include <array>
 #include <cstring>
@@ -91,6 +93,9 @@ inline void cp_async_16(void* dst, const void* src, bool valid) {
         cudasim::fail(cudasim::thread_name(threadIdx) + ": cp.async source is not 16-byte aligned");
     cudasim::Fiber& f = cudasim::launch_state().fibers[cudasim::linear_thread()];
     f.async_copies.push_back({dst, src, 16, valid ? 16 : 0, f.async_groups});
+    // In flight, the destination holds neither the old bytes nor the new ones for sure: poisoned (NaN)
+    // until the wait, so that another warp still reading the buffer's previous tile reads NaN too.
+    std::memset(dst, 0xFF, 16);
 }
 
 inline void cp_async_commit() { cudasim::launch_state().fibers[cudasim::linear_thread()].async_groups++; }
