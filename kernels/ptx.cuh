@@ -71,10 +71,11 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 
-#endif  // XTRAIN_CUDASIM
-
-// Two floats rounded to bf16 (to nearest even) in one register: lo in the low half, as fragments hold them.
+// Two floats rounded to bf16 (to nearest even) in one register: lo in the low half, as fragments hold
+// them. One cvt.rn.bf16x2.f32.
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
-           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);  // .x = lo, the low half
+    return *reinterpret_cast<const unsigned*>(&pair);
 }
+
+#endif  // XTRAIN_CUDASIM

@@ -115,3 +115,9 @@ inline void cp_async_wait() {
     }
     f.async_copies.swap(pending);
 }
+
+// Two floats rounded to bf16 (to nearest even) in one register, lo in the low half (cvt.rn.bf16x2.f32).
+inline unsigned pack_bf16(float lo, float hi) {
+    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
