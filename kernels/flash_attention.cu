@@ -1,5 +1,7 @@
 // flash_attention.cu: fused causal self-attention on tensor cores, forward and backward, bf16 with
-// 64-channel heads (every GPT-2 size). Oracles: numpy_ops.flash_attention_forward / _backward, which
+// 64-channel heads (every GPT-2 size), on WMMA. --attention flash runs flash_attention_mma.cu, which
+// computes the same function with the same roundings faster; this file stays as bin/bench_attention's
+// baseline (CudaBackend(flash_kernels="wmma")). Oracles: numpy_ops.flash_attention_forward / _backward, which
 // compute the same function as attention.cu's path (itself checked against numpy_ops.attention_*) the
 // way this file does: forward's online softmax key tile by key tile, rounding where this file rounds.
 //

@@ -62,7 +62,7 @@ def test_plot_metrics_refuses_a_file_with_nothing_to_plot(tmp_path):
     ("bench_collectives", ["--out", ""]), ("bench_cpu", ["--out", ""]), ("bench_ddp", ["--out", ""]),
     ("bench_gpu", ["--out", ""]), ("bench_gemm", ["--out", ""]), ("bench_recompute", ["1", "2", "16", "--out", ""]),
     ("bench_sample", ["--out", ""]), ("fit_overhead_model", ["--out", ""]), ("fit_overhead_model", ["--ddp", ""]),
-    ("prepare_corpus", ["--out", ""]),
+    ("prepare_corpus", ["--out", ""]), ("bench_attention", ["--out", ""]),
     ("plot_metrics", ["m.jsonl", "-o", ""]), ("plot_metrics", ["", "-o", "p.png"]),
 ])
 def test_an_empty_path_is_refused_not_read_as_the_current_folder(name, args):
@@ -203,6 +203,17 @@ def test_bench_gemm_bad_arguments_cost_no_device_time(args, message):
     assert error("bench_gemm", *args).startswith(message)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--shapes", "8x12x1024"], "--shapes: '8x12x1024' is not BxNHxTxHS (four positive integers)"),
+    (["--shapes", "8x12x1024x128"],
+     "--shapes: our flash attention takes 64-channel heads, 8 x 12 x 1024 x 128 has 128"),
+    (["--impls", "ours,xformers"], "--impls: unknown 'xformers' (choose from ours, ours-wmma, torch-flash, "),
+    (["--reps", "0"], "--reps must be a positive integer, got '0'"),
+])
+def test_bench_attention_bad_arguments_cost_no_device_time(args, message):
+    assert error("bench_attention", *args).startswith(message)
+
+
 # each would run (briefly) if its --out were good: an empty stdout (error() checks it) is a run not begun
 RUNNABLE = {
     "bench_collectives": ["--worlds", "2", "--sizes", "4K", "--iters", "1", "--warmup", "0"],
@@ -211,13 +222,14 @@ RUNNABLE = {
     "bench_cpu": ["--presets", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0"],
     "bench_gpu": ["--presets", "small", "--shapes", "1x64", "--torch-modes", ""],  # the GPU is never reached
     "bench_gemm": ["--preset", "tiny", "--tokens", "16", "--no-torch"],
+    "bench_attention": ["--shapes", "1x1x16x64", "--no-torch"],
     "bench_sample": ["--presets", "tiny", "--prompts", "4", "--tokens", "2", "--repeats", "1"],
     "bench_recompute": ["2", "4", "16", "--model", "tiny", "--repeats", "1"],
 }
 
 
 @pytest.mark.parametrize("name", [
-    "bench_collectives", "bench_ddp", "bench_gpu", "bench_gemm", "bench_recompute",
+    "bench_collectives", "bench_ddp", "bench_gpu", "bench_gemm", "bench_attention", "bench_recompute",
     pytest.param("bench_cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                                         reason="bench_cpu says PyTorch is missing first")),
     pytest.param("bench_sample", marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

@@ -574,3 +574,44 @@ def test_fit_overhead_model_reads_the_newest_results_by_default(tmp_path, monkey
         (tmp_path / "bench" / "cpu" / day).mkdir(parents=True)
         (tmp_path / "bench" / "cpu" / day / "ddp.json").write_text("{}")
     assert fit.newest("ddp.json", "bench_ddp") == tmp_path / "bench" / "cpu" / "2026-11-20" / "ddp.json"
+
+
+# ------------------------------------------------------------------------------- bench_attention
+
+def test_bench_attention_counts_causal_work_as_flashattention_does():
+    """Forward: Q K^T and P V, 2 T^2 hs each per head, over half the square; backward 2.5 times that. At
+    8 x 12 x 1024 x 64: 96 heads x 2 x 2 x 1024^2 x 64 / 2 = 12.884901888 GFLOP forward."""
+    bench = load_script("bench_attention")
+    assert bench.causal_flops("forward", 8, 12, 1024, 64) == 12_884_901_888
+    assert bench.causal_flops("backward", 8, 12, 1024, 64) == 32_212_254_720
+    assert bench.causal_flops("forward", 1, 1, 2, 1) == 8  # two 2 x 2 x 1 products, half of them
+    assert bench.parse_shapes("8x12x1024x64, 4x16x2048x64") == [(8, 12, 1024, 64), (4, 16, 2048, 64)]
+    for bad in ("8x12x1024", "8x0x1024x64", "8x12x1024x64x1", ""):
+        with pytest.raises(XtrainError, match=r"^--shapes: '.*' is not BxNHxTxHS \(four positive integers\)$"):
+            bench.parse_shapes(bad)
+
+
+def test_bench_attention_summary_races_ours_against_the_fastest_torch_backend():
+    """forward + backward of ours against the torch backend fastest at forward + backward (not at either
+    pass alone), a backend that failed taking no part, and a shape without torch rows getting no ratio."""
+    bench = load_script("bench_attention")
+
+    def rows(shape, impl, fwd, bwd):
+        return [{"shape": shape, "impl": impl, "pass": "forward", "ms": fwd, "tflops": 1.0},
+                {"shape": shape, "impl": impl, "pass": "backward", "ms": bwd, "tflops": 1.0}]
+
+    table = (rows("A", "ours", 1.0, 3.0) + rows("A", "ours-wmma", 2.0, 6.0) + rows("A", "torch-flash", 0.5, 4.5)
+             + rows("A", "torch-cudnn", 1.5, 3.0)
+             + [{"shape": "A", "impl": "torch-efficient", "pass": p, "error": "No available kernel"}
+                for p in bench.PASSES]
+             + rows("B", "ours", 2.0, 2.0))
+    assert bench.summary(table) == [
+        {"shape": "A", "ours_ms": 4.0, "torch_best": "torch-cudnn", "torch_ms": 4.5, "torch_over_ours": 1.125},
+        {"shape": "B", "ours_ms": 4.0}]
+    header = {"date": "2026-11-26", "command": "bin/bench_attention", "gpu": "GPU", "driver": "1", "cupy": "14",
+              "torch": "2", "reps": 20, "warmup": 3}
+    md = bench.markdown(header, table)
+    assert "| A | ours | forward | 1.000 | 1 |" in md
+    assert "| A | torch-efficient | backward | error: No available kernel | |" in md
+    assert "| A | 4.000 | torch-cudnn | 4.500 | 1.12x |" in md
+    assert "| B | 4.000 |  |  |  |" in md

@@ -293,16 +293,24 @@ def _relative(got, want) -> float:
     return float(np.linalg.norm((got - want).ravel()) / np.linalg.norm(want.ravel()))
 
 
-@pytest.mark.parametrize("T", [1, 64, 130, 256])
-def test_flash_attention_matches_the_emulation_and_the_standard_path(be, rng, T):
-    """kernels/flash_attention.cu against numpy_ops.flash_attention_* (the bf16 emulation of its online
+# (kernels, B, NH, T): flash_attention_mma.cu at several shapes, the WMMA kernels it replaced at two
+FLASH_SHAPES = [("mma", 2, 3, 1), ("mma", 2, 3, 64), ("mma", 2, 3, 130), ("mma", 2, 3, 256), ("mma", 1, 1, 129),
+                ("mma", 3, 2, 200), ("wmma", 2, 3, 130), ("wmma", 1, 2, 256)]
+
+
+@pytest.mark.parametrize("kernels, B, NH, T", FLASH_SHAPES, ids=[f"{k}-{b}x{nh}x{t}" for k, b, nh, t in FLASH_SHAPES])
+def test_flash_attention_matches_the_emulation_and_the_standard_path(be, rng, monkeypatch, kernels, B, NH, T):
+    """kernels/flash_attention_mma.cu (and flash_attention.cu, the WMMA kernels bin/bench_attention races
+    it against) against numpy_ops.flash_attention_* (the bf16 emulation of their online
     softmax, which rounds each key tile's unnormalised P as it enters P V): out and dqkv within the tolerance
     of outputs two roundings deep ("act2"), lse (float32, summed from rounded P) within bf16_cases' "lse"
     bounds. Backward runs from the oracle's out and lse on both sides, so that it is
     measured alone. Then the kernel's own chain against the GPU's standard path, which rounds elsewhere
-    (~1e-3 apart; a wrong tile, mask or rescale is off by O(1)). T = 130 leaves a ragged last tile, T = 1
-    a tile of one row."""
-    B, NH, C = 2, 3, 3 * 64
+    (~1e-3 apart; a wrong tile, mask or rescale is off by O(1)). T = 130 and 200 leave ragged last tiles
+    (of keys, and of the 128-query blocks), T = 129 a block of one row past the first, T = 1 a tile of
+    one row; NH = 1, 2, 3 and B = 1, 2, 3 place heads and sequences in the grid."""
+    monkeypatch.setattr(be, "flash_kernels", kernels)
+    C = NH * 64
     qkv = REF.from_host_act(rng.standard_normal((B, T, 3 * C)).astype(np.float32))
     dout = REF.from_host_act(rng.standard_normal((B, T, C)).astype(np.float32))
     out_ref, lse_ref = REF.flash_attention_forward(qkv, NH)

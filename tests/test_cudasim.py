@@ -4,12 +4,12 @@ First, the instrument is held to its claims on small kernels written to be wrong
 shows in another thread order, a barrier not every thread reaches, a shuffle with a lane that has left,
 accesses outside an array or to unmapped memory, unpoisoned shared memory, an argument of the wrong
 type, a trap, two streams with nothing ordering them, an array freed under another stream's use; the
-training loop with each of its cross-stream fences taken out; and the WMMA, cuBLAS and NCCL stand-ins
-against plain arithmetic. Then the GPU test
+training loop with each of its cross-stream fences taken out; the WMMA, tensor-core PTX (mma.sync,
+ldmatrix, cp.async), cuBLAS and NCCL stand-ins against plain arithmetic. Then the GPU test
 modules run on it in subprocesses (tests/test_cuda_ops.py and tests/test_cuda_bf16.py in forward,
 reverse and a shuffled order; tests/test_nccl.py with two simulated GPUs), and the scripts a GPU session
-runs (train_ddp --backend cuda, bench_gpu, kernel_errors, bench_collectives --comm nccl, the session's
-summary) are dry-run, so none of them meets a GPU for the first time in its session.
+runs (train_ddp --backend cuda, bench_gpu, bench_attention, kernel_errors, bench_collectives --comm nccl,
+the session's summary) are dry-run, so none of them meets a GPU for the first time in its session.
 """
 
 import inspect
@@ -256,6 +256,139 @@ extern "C" __global__ void tile_load(float* c, const __nv_bfloat16* a, int offse
     a = sim.empty((16 * 32,), np.uint16)
     with pytest.raises(sim.CUDARuntimeError, match=r"thread \(0,0,0\) of block \(0,0,0\): " + words):
         kernel((1,), (32,), (sim.empty((1,), np.float32), a, np.int32(offset), np.int32(ld)))
+
+
+PTX = (ROOT / "kernels" / "ptx.cuh").read_text()
+
+
+def ptx_module(body: str):
+    return module(PTX + body)
+
+
+def bf16_upload(x):
+    return upload((np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16))
+
+
+def test_mma_sync_fed_by_ldmatrix_is_the_matrix_product():
+    """kernels/ptx.cuh's mma.sync on the simulator: one warp moves a (16 x 16) and b (16 x 8) into shared
+    memory by cp.async, loads A by ldmatrix and B both ways (its transpose by ldmatrix, itself by
+    ldmatrix.trans), and computes A B + C twice, the second time onto the first: each lane's
+    registers must hold the elements the fragment layouts say, or the product comes out scrambled."""
+    kernel = ptx_module(r"""
+extern "C" __global__ void ptx_product(float* d, const __nv_bfloat16* a, const __nv_bfloat16* bt,
+                                       const __nv_bfloat16* b) {
+    __shared__ __align__(16) __nv_bfloat16 sa[16 * 16], sbt[8 * 16], sb[16 * 8];
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4, mi = lane / 8;
+    cp_async_16(sa + 8 * lane, a + 8 * lane, true);  // 32 pieces of 16 bytes, two per row
+    if (lane < 16) cp_async_16(sbt + 8 * lane, bt + 8 * lane, true);
+    if (lane < 16) cp_async_16(sb + 8 * lane, b + 8 * lane, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+    unsigned fa[4], fbt[4], fb[4];
+    ldmatrix_x4(fa, sa + (lane % 8 + 8 * (mi % 2)) * 16 + 8 * (mi / 2));
+    ldmatrix_x4(fbt, sbt + (lane % 8) * 16 + 8 * (mi % 2));    // matrices 2 and 3 repeat 0 and 1
+    ldmatrix_x4_trans(fb, sb + (lane % 8 + 8 * (mi % 2)) * 8);  // so do these
+    const unsigned from_bt[2] = {fbt[0], fbt[1]}, from_b[2] = {fb[0], fb[1]};
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[4];
+    mma_bf16_16816(acc, fa, from_bt, zero);
+    mma_bf16_16816(acc, fa, from_b, acc);
+    for (int e = 0; e < 4; ++e) d[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = acc[e];
+}""").get_function("ptx_product")
+    rng = np.random.default_rng(0)
+    a = rng.integers(-8, 8, (16, 16)).astype(np.float32)  # exact in bf16 and in the sums
+    b = rng.integers(-8, 8, (16, 8)).astype(np.float32)
+    d = sim.empty((16, 8), np.float32)
+    kernel((1,), (32,), (d, bf16_upload(a), bf16_upload(b.T), bf16_upload(b)))
+    np.testing.assert_array_equal(d.get(), 2 * (a @ b))
+
+
+CP_ASYNC = r"""
+// Two groups of copies (in[0:8] then in[8:16]) into shared memory, then out[] = what lane 0 sees after
+// waiting with `wait` groups still allowed in flight (2: no wait at all), or no wait for the second group
+// ever when `leak`.
+extern "C" __global__ void staged(float* out, const __nv_bfloat16* in, int wait, int leak) {
+    __shared__ __align__(16) __nv_bfloat16 tile[16];
+    if (threadIdx.x == 0) {
+        cp_async_16(tile, in, true);
+        cp_async_commit();
+        cp_async_16(tile + 8, in + 8, true);
+        cp_async_commit();
+        if (wait == 0) cp_async_wait<0>();
+        if (wait == 1) cp_async_wait<1>();
+        for (int i = 0; i < 16; ++i) out[i] = __bfloat162float(tile[i]);
+        if (wait != 0 && !leak) cp_async_wait<0>();
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("wait, landed", [(0, 16), (1, 8), (2, 0)])
+def test_cp_async_lands_at_the_wait_that_covers_its_group(wait, landed):
+    """cp.async is deferred on the simulator: a read before the wait for its group sees the poisoned
+    shared memory (NaN), so a kernel that forgets a wait, or waits for too little, gets NaN."""
+    kernel = ptx_module(CP_ASYNC).get_function("staged")
+    host = np.arange(16, dtype=np.float32)
+    out = sim.empty((16,), np.float32)
+    kernel((1,), (32,), (out, bf16_upload(host), np.int32(wait), np.int32(0)))
+    got = out.get()
+    np.testing.assert_array_equal(got[:landed], host[:landed])
+    assert np.isnan(got[landed:]).all(), got
+
+
+def test_a_cp_async_copy_into_a_buffer_another_warp_still_reads_is_seen():
+    """Double buffering's hazard: a warp starts the next copy into a buffer while another warp still reads
+    the tile there. In flight the destination is NaN on the simulator, so without the __syncthreads that
+    orders the copy after every warp's reads, the reading warp gets NaN in some order."""
+    kernel = ptx_module(r"""
+extern "C" __global__ void reuse(float* out, const __nv_bfloat16* in, int barrier) {
+    __shared__ __align__(16) __nv_bfloat16 tile[8];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) cp_async_16(tile, in, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const float first = __bfloat162float(tile[lane % 8]);  // every warp reads the first tile
+    if (barrier) __syncthreads();
+    if (threadIdx.x == 0) cp_async_16(tile, in + 8, true);  // the next tile into the same buffer
+    cp_async_commit();
+    __syncthreads();  // work on another buffer would go here while the copy flies
+    cp_async_wait<0>();
+    __syncthreads();
+    out[warp * 32 + lane] = first + __bfloat162float(tile[lane % 8]);
+}""").get_function("reuse")
+    host = np.arange(16, dtype=np.float32)
+    want = np.tile(host[:8] + host[8:], 8)
+    for barrier in (1, 0):
+        results = []
+        for order in ("forward", "reverse"):
+            out, *_ = run_in_order(kernel, order, (1,), (64,), lambda b=barrier: (
+                sim.empty((64,), np.float32), bf16_upload(host), np.int32(b)))
+            results.append(out.get())
+        if barrier:
+            assert all(np.array_equal(r, want) for r in results), results
+        else:
+            assert any(np.isnan(r).any() for r in results), results
+
+
+def test_a_cp_async_copy_never_waited_for_is_an_error():
+    kernel = ptx_module(CP_ASYNC).get_function("staged")
+    with pytest.raises(sim.CUDARuntimeError,
+                       match=r"thread \(0,0,0\) of block \(0,0,0\) exited with 1 cp.async copies it never waited for"):
+        kernel((1,), (32,), (sim.empty((16,), np.float32), bf16_upload(np.zeros(16)), np.int32(1), np.int32(1)))
+
+
+def test_ldmatrix_reads_shared_memory_only():
+    """ldmatrix and cp.async's destination are shared-memory addresses; a global pointer is an error."""
+    kernel = ptx_module(r"""
+extern "C" __global__ void global_ldmatrix(unsigned* out, const __nv_bfloat16* in) {
+    unsigned r[4];
+    ldmatrix_x4(r, in + 8 * threadIdx.x);
+    out[threadIdx.x] = r[0];
+}""").get_function("global_ldmatrix")
+    with pytest.raises(sim.CUDARuntimeError, match=r"ldmatrix row address is not in shared memory"):
+        kernel((1,), (32,), (sim.empty((32,), np.uint32), bf16_upload(np.zeros(256))))
 
 
 @pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
@@ -668,7 +801,10 @@ def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
         ops = {p["op"] for p in row["profile"]}
         assert {"matmul_forward", "fused_classifier", "adamw_update"} <= ops, ops
         assert ("flash_attention_forward" in ops) == ("flash" in row["impl"]), ops
+        assert row.get("flash_kernels") == ("kernels/flash_attention_mma.cu" if "flash" in row["impl"] else None)
     assert len(list(tmp_path.glob("*.md"))) == 1
+    assert "### Where our step's time goes: small, 1 x 64, bf16, ours flash lt (flash attention: " \
+        "kernels/flash_attention_mma.cu)" in report.with_suffix(".md").read_text()
 
 
 def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
@@ -687,6 +823,24 @@ def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
         for pass_ in ("forward", "product", "backward") + (("forward lt",) if "lm_head" not in layer else ())]
     assert all(r["ours_ms"] > 0 and "torch_ms" not in r for r in rows)
     assert len(list(tmp_path.glob("*.md"))) == 1
+
+
+def test_bench_attention_runs_our_rows_on_the_simulator(tmp_path):
+    """bin/bench_attention's side of ours, as the GPU machine runs it but at tiny shapes: both our kernel
+    files, forward and backward, a row each with its causal TFLOP/s, and the results files written."""
+    result = subprocess.run([*RUN, "bin/bench_attention", "--shapes", "1x2x130x64,2x1x64x64", "--no-torch", "--reps",
+                             "1", "--warmup", "0", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [report] = tmp_path.glob("bench_attention-*.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["shape"], r["impl"], r["pass"]) for r in rows] == [
+        (shape, impl, pass_) for shape in ("1 x 2 x 130 x 64", "2 x 1 x 64 x 64") for impl in ("ours", "ours-wmma")
+        for pass_ in ("forward", "backward")]
+    for r in rows:
+        work = 4 * r["B"] * r["NH"] * r["T"] ** 2 * r["hs"] / 2 * (2.5 if r["pass"] == "backward" else 1)
+        assert r["ms"] > 0 and r["tflops"] == pytest.approx(work / r["ms"] / 1e9)
+    assert len(list(tmp_path.glob("bench_attention-*.md"))) == 1
 
 
 @pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"]])
@@ -747,7 +901,8 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     env.pop("CUDA_VISIBLE_DEVICES", None)
     small = "--precisions bf16 --torch-modes= --steps 1 --warmup 0 --vocab 512"
     runs = {"BENCH_GPU_RUNS": f"60 --presets small --shapes 1x64 {small};60 --presets tiny --shapes 1x32 {small} "
-            "--no-profile", "BENCH_GEMM_ARGS": "--preset tiny --tokens 16 --no-torch --reps 1"}
+            "--no-profile", "BENCH_GEMM_ARGS": "--preset tiny --tokens 16 --no-torch --reps 1",
+            "BENCH_ATTENTION_ARGS": "--shapes 1x1x64x64 --no-torch --reps 1 --warmup 0"}
     # PACK_RESULTS=1, as the device call sets it
     out = tmp_path / "session"
     session = subprocess.run(["bash", "bin/gpu_session.sh"], cwd=ROOT, env=dict(
@@ -766,6 +921,7 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
         assert [t[:13] for t in tables] == ["./bench/run1/"] * 2 + ["./bench/run2/"] * 2, names
         assert {"./cuda/environment.txt", "./cuda/skipped.txt", "./cuda/pytest_cuda.txt",
                 "./bench/run1/bench_gpu.txt"} <= names and any(n.startswith("./bench/bench_gemm-") for n in names)
+        assert any(n.startswith("./bench/bench_attention-") for n in names), names
         environment = packed.extractfile("./cuda/environment.txt").read().decode()
     assert "## cuBLASLt (--matmul cublaslt)\ntests/cudasim/fake_cublaslt.py (the simulator's stand-in), version 0" \
         in environment, environment
@@ -779,6 +935,10 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
                      r"\| tiny \| 1 x 32 \| bf16 \| ours", summary), summary
     assert "- `bin/bench_gemm --preset tiny" in summary and "`: exit 0 (bench_gemm-" in summary, summary
     assert "- compute-sanitizer racecheck: exit " in summary, summary
+    assert "- `bin/bench_attention --shapes 1x1x64x64 --no-torch --reps 1 --warmup 0`: exit 0 (bench_attention-" \
+        in summary, summary
+    assert re.search(r"## bench_attention-\S+\.md\n\n\| B x NH x T x hs \| impl \| pass \|.*\n\|---.*\n"
+                     r"\| 1 x 1 x 64 x 64 \| ours \| forward \|", summary), summary
     # each run's table of rows, for a first look without the archive
     assert re.search(r"## run1/bench_gpu-\S+\.md\n\n\| preset \| B x T \|.*\n\|---.*\n"
                      r"\| small \| 1 x 64 \| bf16 \| ours \|", summary), summary
@@ -807,7 +967,8 @@ def test_the_bench_half_goes_on_from_the_run_it_is_told(tmp_path):
                PYTHONDONTWRITEBYTECODE="1", PY=sys.executable, OUT=str(tmp_path), BUDGET="120", BENCH_GPU_FROM="2",
                BENCH_GPU_RUNS="60 --presets tiny --shapes 1x16 --bogus;60 --presets tiny --shapes 1x16 --precisions "
                "fp32 --torch-modes= --steps 1 --warmup 0 --vocab 256 --no-profile --matmuls cublas",
-               BENCH_GEMM_ARGS="--preset tiny --tokens 16 --no-torch --reps 1")
+               BENCH_GEMM_ARGS="--preset tiny --tokens 16 --no-torch --reps 1",
+               BENCH_ATTENTION_ARGS="--shapes 1x1x64x64 --no-torch --reps 1 --warmup 0")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     subprocess.run(["bash", "bin/gpu_session/bench.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                    timeout=300)

@@ -43,7 +43,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 
 
 def _entry_points(text: str) -> set[str]:
-    return set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', text))
+    return set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(', text))
 
 
 def test_every_dtype_has_a_kernel_variant():
@@ -89,6 +89,16 @@ def test_kernel_source_inlines_local_includes():
         assert '#include "' not in text, file
         assert "constexpr int WARP_SIZE" in text, file  # common.cuh is in
         assert f'#line 1 "{file}.cu"' in text
+
+
+def test_both_flash_attention_kernels_take_the_oracles_tiles():
+    """numpy_ops' flash attention is the oracle of both kernel files because it takes the keys in tiles of
+    the width they take them (its online softmax rounds each tile's P) and their head size."""
+    from xtrain_dist.backend import numpy_ops
+
+    assert cuda_ops.FLASH_TILE == cuda_ops.MMA_TILE == numpy_ops.FLASH_TILE == 64
+    assert cuda_ops.FLASH_HS == cuda_ops.MMA_HS == 64
+    assert cuda_ops.MMA_BLOCK_ROWS % cuda_ops.MMA_TILE == 0  # a query block ends on a key tile's edge
 
 
 # ---------------------------------------------------------------------------------------- nvcc

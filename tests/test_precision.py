@@ -115,9 +115,10 @@ def test_the_gpu_tolerance_rejects_a_wrong_rounding():
 
 def test_flash_attention_rounds_where_its_kernel_stores_bf16():
     """Flash attention is not in CASES (its kernel needs 64-channel heads), so its bf16 emulation, the oracle
-    of kernels/flash_attention.cu, is checked here. Forward rounds each key tile's unnormalised P as it
-    enters P V, then y; backward rounds the recomputed P, dv, dscores, dq and dk, each where the kernel
-    feeds it to a product or writes it. So from the exact log-sum-exp dv = P^T dy is, up to a rare straddle,
+    of kernels/flash_attention_mma.cu (and of the WMMA flash_attention.cu), is checked here. Forward rounds
+    each key tile's unnormalised P as it enters P V, then y; backward rounds the recomputed P, dv, dscores,
+    dq and dk, each where the kernel feeds it to a product or writes it. So from the exact log-sum-exp
+    dv = P^T dy is, up to a rare straddle,
     the standard path's (which rounds att in the same place), while forward's y is not (the standard path
     rounds att = P / l) and forward's lse is off the exact one by the rounding of the P it sums."""
     class Recording(NumpyBackend):

@@ -5,6 +5,10 @@
 #
 # What it does, most important first, each step recorded even when an earlier one failed:
 #   1. the CUDA crt headers (a fresh machine lacks them, and the flash-attention rows need them)
+#   1b. bin/bench_attention: attention alone, forward and backward, our flash kernels (flash_attention_mma.cu
+#      and the WMMA ones it replaced) against each of PyTorch's SDPA backends at 8x12x1024x64,
+#      16x12x1024x64 and 4x16x2048x64
+#      (BENCH_ATTENTION_ARGS, default its own); a minute, so it goes before the long bench_gpu runs
 #   2. bin/bench_gpu, once per entry of BENCH_GPU_RUNS from the BENCH_GPU_FROM-th (default the first), each
 #      into its own folder $OUT/run<i>, most wanted first (torch.compile's compile, 20-40 s a shape and mode,
 #      and max-autotune's, minutes, are most of the time). The target shapes first: gpt2-124m bf16 at 16 and
@@ -42,12 +46,17 @@ BENCH_GPU_RUNS=${BENCH_GPU_RUNS:-"170 $TARGETS --shapes 16x1024,64x1024 --attent
 300 $TARGETS --shapes 16x1024,64x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs unpadded"}
 BENCH_GPU_FROM=${BENCH_GPU_FROM:-1}
 BENCH_GEMM_ARGS=${BENCH_GEMM_ARGS:---preset gpt2-124m --tokens 8192}
+BENCH_ATTENTION_ARGS=${BENCH_ATTENTION_ARGS:-}
 
 . bin/gpu_session/common.sh
 session_setup
 require_gpu
 ensure_crt_headers
 cat "$OUT/crt.txt"
+
+echo "## bench_attention"
+step bench_attention 120 $PY bin/bench_attention $BENCH_ATTENTION_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench_attention.txt"
+attention_rc=${PIPESTATUS[0]}
 
 IFS=';' read -ra runs <<< "$BENCH_GPU_RUNS"
 gpu_rc=0
@@ -89,9 +98,15 @@ best=$($PY bin/gpu_session/bench_summary "$OUT" 2>&1)
   echo
   printf '%s\n' "${report[@]}"
   echo "- \`bin/bench_gemm $BENCH_GEMM_ARGS\`: exit $gemm_rc ($(cd "$OUT" && ls bench_gemm-*.md 2>/dev/null | tr '\n' ' '))"
+  echo "- \`bin/bench_attention $BENCH_ATTENTION_ARGS\`: exit $attention_rc ($(cd "$OUT" && ls bench_attention-*.md 2>/dev/null | tr '\n' ' '))"
   echo "- compute-sanitizer racecheck: exit $race_rc ($race_word)"
   [ -f "$OUT/skipped.txt" ] && sed 's/^## /- /' "$OUT/skipped.txt"
   echo "- CUDA crt headers: $(tail -n 1 "$OUT/crt.txt")"
+  for table in "$OUT"/bench_attention-*.md; do  # attention alone: every row, then ours against torch's best
+    [ -f "$table" ] || continue
+    echo; echo "## ${table#"$OUT"/}"; echo
+    sed -n '/^| B x NH x T x hs |/,/^$/p' "$table"
+  done
   for table in "$OUT"/run*/bench_gpu-*.md; do  # each run's table of rows, its profiles left in the archive
     [ -f "$table" ] || continue
     echo; echo "## ${table#"$OUT"/}"; echo
@@ -102,4 +117,4 @@ cat "$OUT/bench_results.md"
 pack_results bench_results.md  # the tables travel in the archive: the GPU machine gives back a few files
 # racecheck cut by the budget (124) or skipped for want of it is not a failure of the benchmarks
 [ "$race_rc" = 124 ] && race_rc=0
-exit $(( gpu_rc || gemm_rc || race_rc ))
+exit $(( gpu_rc || gemm_rc || attention_rc || race_rc ))

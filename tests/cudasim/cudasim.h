@@ -30,10 +30,15 @@
 // that reads shared memory it did not write sees garbage, as on a GPU, not the previous block's values.
 #pragma once
 
+// kernels/ptx.cuh's inline PTX (mma.sync, ldmatrix, cp.async) has CPU versions under this macro
+// (include/cudasim_ptx.h), which g++ compiles instead of the asm statements.
+#define XTRAIN_CUDASIM 1
+
 #include <signal.h>
 #include <ucontext.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -111,11 +116,23 @@ struct Context {
 };
 #endif
 
+// A cp.async copy issued and not yet done: it lands at the cp.async.wait_group that covers its group
+// (include/cudasim_ptx.h), so a read of its destination before that wait sees what was there before.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    int bytes, src_bytes;  // bytes past src_bytes are zero-filled
+    unsigned group;        // the commit group it belongs to (the count of commits before it)
+};
+
 struct Fiber {
     Context context;
     State state;
     unsigned warp_mask;   // the lanes a warp synchronisation waits for
     unsigned shuffles;    // shuffles done: selects the exchange buffer (see shuffle())
+    unsigned gathers;     // warp gathers done: selects the wide exchange buffer (see gather())
+    std::vector<AsyncCopy> async_copies;  // cp.async copies not yet waited for
+    unsigned async_groups;                // cp.async.commit_group calls so far
     uint3 index;
 };
 
@@ -132,6 +149,8 @@ struct Launch {
     std::string error;
     // per warp and lane, two exchange slots of up to 8 bytes for shuffles
     unsigned char exchange[MAX_THREADS / 32][2][32][8];
+    // and two of up to 64 bytes for warp-wide instructions (mma.sync's fragments, ldmatrix's addresses)
+    unsigned char wide_exchange[MAX_THREADS / 32][2][32][64];
 };
 
 inline Launch& launch_state() {
@@ -263,6 +282,23 @@ T shuffle(unsigned mask, T value, int source) {
     return out;
 }
 
+// A warp-wide instruction's exchange: every lane of the warp parks `value`, they meet, and each gets the
+// 32 lanes' values, lane by lane. Buffers alternate as in shuffle(): a lane that has read may go on to
+// its next gather, and none can reach the one after (this buffer again) before every lane has read.
+template <typename T>
+std::array<T, 32> gather(const T& value) {
+    static_assert(sizeof(T) <= 64, "cudasim: a warp gather moves at most 64 bytes a lane");
+    Launch& l = launch_state();
+    const int me = linear_thread(), warp = me / 32, lane = me % 32;
+    Fiber& f = l.fibers[me];
+    const unsigned buffer = f.gathers++ & 1u;
+    std::memcpy(l.wide_exchange[warp][buffer][lane], &value, sizeof(T));
+    warp_barrier(0xffffffffu);
+    std::array<T, 32> all;
+    for (int i = 0; i < 32; ++i) std::memcpy(&all[i], l.wide_exchange[warp][buffer][i], sizeof(T));
+    return all;
+}
+
 // Resume order of runnable threads and of blocks: 0 forward, 1 reverse, else a shuffle seeded by it.
 inline std::vector<int> visit_order(int n, unsigned long long order) {
     std::vector<int> out(n);
@@ -275,7 +311,11 @@ inline std::vector<int> visit_order(int n, unsigned long long order) {
 inline void fiber_main() {
     Launch& l = launch_state();
     l.body();
-    l.fibers[l.current].state = State::done;  // then back to the scheduler (fiber_entry, or uc_link)
+    Fiber& f = l.fibers[l.current];
+    if (!f.async_copies.empty() && l.error.empty())
+        l.error = thread_name(f.index) + " exited with " + std::to_string(f.async_copies.size()) +
+                  " cp.async copies it never waited for (cp.async.wait_group)";
+    f.state = State::done;  // then back to the scheduler (fiber_entry, or uc_link)
 }
 
 // Release warp w's lanes waiting at a warp barrier if every lane they name has arrived. False if not.
@@ -365,6 +405,9 @@ inline int run(const unsigned* grid, const unsigned* block, unsigned long long o
             Fiber& f = l.fibers[t];
             f.state = State::runnable;
             f.shuffles = 0;
+            f.gathers = 0;
+            f.async_copies.clear();
+            f.async_groups = 0;
             f.index = {(unsigned)(t % block[0]), (unsigned)(t / block[0] % block[1]), (unsigned)(t / block[0] / block[1])};
             start_fiber(f.context, l.stacks[t], STACK_BYTES);
         }

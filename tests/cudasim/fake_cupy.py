@@ -732,7 +732,7 @@ def _cache_dir() -> Path:
     return path
 
 
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
 _libraries: dict[str, ctypes.CDLL] = {}
 _compile_lock = threading.Lock()
 _launch_lock = threading.Lock()  # one launch at a time: the runtime's thread indices are process globals
@@ -742,8 +742,8 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
     """Compile `code` (what NVRTC would get) with g++ into a cached shared library."""
     names = _KERNEL.findall(code)
     defines = [o for o in options if o.startswith(("-D", "-U"))]
-    header = (HERE / "cudasim.h").read_text() + (HERE / "include" / "mma.h").read_text() + \
-        (HERE / "include" / "cuda_bf16.h").read_text()
+    header = (HERE / "cudasim.h").read_text() + "".join(
+        (HERE / "include" / name).read_text() for name in ("mma.h", "cuda_bf16.h", "cudasim_ptx.h"))
     flags = cxx_flags()
     key = hashlib.sha256("\0".join([code, *defines, *flags, header]).encode()).hexdigest()[:24]
     with _compile_lock:

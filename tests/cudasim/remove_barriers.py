@@ -22,7 +22,8 @@ BARRIER = re.compile(r"__sync(threads|warp)\(\);")
 # kernel file -> the -k selection of op tests that exercise it (tests/test_cuda_ops.py, test_cuda_bf16.py)
 TESTS = {
     "common.cuh": "classifier or global_norm or layernorm or crossentropy or bias",
-    "flash_attention.cu": "flash_attention_matches",
+    "flash_attention.cu": "flash_attention_matches and wmma",
+    "flash_attention_mma.cu": "flash_attention_matches and not wmma",
     "attention.cu": "attention or softmax",
     "layernorm.cu": "layernorm",
     "classifier.cu": "classifier or crossentropy",

@@ -45,7 +45,7 @@ LN_EPS = 1e-5
 # thread per chunk, every operation on registers.
 CHUNK = 1 << 16
 GELU_SCALE = float(np.sqrt(2.0 / np.pi))
-FLASH_TILE = 64  # kernels/flash_attention.cu: the key columns each step of its online softmax takes
+FLASH_TILE = 64  # kernels/flash_attention_mma.cu and flash_attention.cu: the keys a step of the online softmax takes
 
 
 def _chunks(*arrays):
@@ -368,7 +368,7 @@ class NumpyBackend:
         dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)
         return dqkv.reshape(B, T, C3)
 
-    # ------------------------------------------------------------------ flash attention (kernels/flash_attention.cu)
+    # ----------------------------------------------------------- flash attention (kernels/flash_attention_mma.cu)
     # The same function as attention_forward/backward, computed the way a fused kernel does: forward
     # keeps each query row's log-sum-exp instead of the (B, NH, T, T) probabilities, and backward
     # recomputes the probabilities from q, k and it. The model picks one pair (GPT2(attention=...)).

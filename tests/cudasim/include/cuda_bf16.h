@@ -22,3 +22,6 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return {(unsigned short)(u >> 16)};
 }
+
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return {bits}; }

@@ -128,8 +128,8 @@ _MISSING_CRT = re.compile(r'cannot open source file "(crt/[^"]+)"')
 class Kernels:
     """The kernels of one --dtype variant, each kernels/<file>.cu compiled on first use of one of its
     kernels (once per process, shared by every rank). So a run compiles only the files it launches:
-    one without --attention flash never compiles flash_attention.cu, and a machine without the headers
-    that file needs trains everything else."""
+    one without --attention flash never compiles the flash attention files, and a machine without the
+    headers a file needs trains everything else."""
 
     def __init__(self, dtype: str):
         self.dtype = dtype

@@ -39,6 +39,15 @@ FLASH_HS = kernel_constant("flash_attention", "FLASH_HS")
 FLASH_TILE = kernel_constant("flash_attention", "FLASH_TILE")
 FLASH_WARPS = kernel_constant("flash_attention", "FLASH_WARPS")
 FLASH_THREADS = kernel_constant("flash_attention", "FLASH_THREADS")
+MMA_HS = kernel_constant("flash_attention_mma", "MMA_HS")
+MMA_THREADS = kernel_constant("flash_attention_mma", "MMA_THREADS")
+MMA_BLOCK_ROWS = kernel_constant("flash_attention_mma", "MMA_BLOCK_ROWS")
+MMA_DOT_ROWS = kernel_constant("flash_attention_mma", "MMA_DOT_ROWS")
+MMA_TILE = kernel_constant("flash_attention_mma", "MMA_TILE")
+# --attention flash's kernels: flash_attention_mma.cu (FlashAttention-2's scheme on mma.sync), or the WMMA
+# kernels of flash_attention.cu it replaced, which bin/bench_attention still races (CudaBackend(flash_kernels=)).
+# Both compute numpy_ops' flash attention, key tiles of numpy_ops.FLASH_TILE, rounded at the same places.
+FLASH_KERNELS = ("mma", "wmma")
 
 # Host choices, which no kernel assumes. The chunked kernels (elementwise, split and merge heads), the
 # column sums' second stage and encoder_backward_wte index by blockDim, so any multiple of 32 serves:
@@ -101,7 +110,8 @@ def _f32(*arrays) -> None:
 # ---------------------------------------------------------------------------- the backend
 
 def check_flash_attention(dtype: str, head_size: int, preset: str = "") -> None:
-    """What kernels/flash_attention.cu computes: bf16 on tensor cores, 64-channel heads (every GPT-2 size)."""
+    """What kernels/flash_attention_mma.cu and flash_attention.cu compute: bf16 on tensor cores, 64-channel
+    heads (every GPT-2 size)."""
     if dtype != "bf16":
         raise XtrainError("--attention flash on --backend cuda needs --dtype bf16 (its products run on bf16 "
                           "tensor cores; float32 runs use the standard attention)")
@@ -118,9 +128,12 @@ class CudaBackend(CublasProducts):
     LN_EPS = numpy_ops.LN_EPS
     GELU_SCALE = numpy_ops.GELU_SCALE
 
-    def __init__(self, device: int, allow_tf32: bool = False, dtype: str = "fp32", matmul: str = "cublas"):
+    def __init__(self, device: int, allow_tf32: bool = False, dtype: str = "fp32", matmul: str = "cublas",
+                 flash_kernels: str = "mma"):
         check_dtype(dtype)
         check_matmul(matmul)
+        if flash_kernels not in FLASH_KERNELS:
+            raise ValueError(f"cuda_ops: flash_kernels must be one of {FLASH_KERNELS}, got {flash_kernels!r}")
         count = device_count()
         if not 0 <= device < count:
             raise XtrainError(f"--backend cuda: device {device} does not exist ({count} visible)")
@@ -133,6 +146,7 @@ class CudaBackend(CublasProducts):
         self.allow_tf32 = allow_tf32
         self.dtype = dtype
         self.act_dtype = ACT_DTYPES[dtype]
+        self.flash_kernels = flash_kernels
         self._k = Kernels(dtype)
         self._side_streams: set[int] = set()
         self._keep_alive: list = []
@@ -437,8 +451,12 @@ class CudaBackend(CublasProducts):
         self._flash_aligned(qkv)
         out = cupy.empty((B, T, C), dtype=self.act_dtype)
         lse = cupy.empty((B, n_head, T), dtype=cupy.float32)
-        self._launch(self._k.flash_attention_forward, (_cdiv(T, FLASH_TILE), n_head, B), (FLASH_THREADS,),
-                     out, lse, qkv, np.int32(T), np.int32(n_head))
+        if self.flash_kernels == "mma":
+            self._launch(self._k.flash_mma_forward, (_cdiv(T, MMA_BLOCK_ROWS), n_head, B), (MMA_THREADS,),
+                         out, lse, qkv, np.int32(T), np.int32(n_head))
+        else:
+            self._launch(self._k.flash_attention_forward, (_cdiv(T, FLASH_TILE), n_head, B), (FLASH_THREADS,),
+                         out, lse, qkv, np.int32(T), np.int32(n_head))
         return out, lse
 
     def flash_attention_backward(self, dout, qkv, out, lse, n_head: int):
@@ -451,14 +469,20 @@ class CudaBackend(CublasProducts):
         self._flash_aligned(qkv, dout, out)
         D = cupy.empty((B, n_head, T), dtype=cupy.float32)
         rows = B * n_head * T
-        self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_WARPS),), (FLASH_THREADS,),
-                     D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))
         dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)  # every element written: q by dq, k and v by dkdv
-        grid = (_cdiv(T, FLASH_TILE), n_head, B)
-        self._launch(self._k.flash_attention_backward_dkdv, grid, (FLASH_THREADS,),
-                     dqkv, dout, qkv, lse, D, np.int32(T), np.int32(n_head))
-        self._launch(self._k.flash_attention_backward_dq, grid, (FLASH_THREADS,),
-                     dqkv, dout, qkv, lse, D, np.int32(T), np.int32(n_head))
+        args = (dqkv, dout, qkv, lse, D, np.int32(T), np.int32(n_head))
+        if self.flash_kernels == "mma":
+            self._launch(self._k.flash_mma_backward_dot, (_cdiv(rows, MMA_DOT_ROWS),), (MMA_THREADS,),
+                         D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))
+            grid = (_cdiv(T, MMA_BLOCK_ROWS), n_head, B)
+            self._launch(self._k.flash_mma_backward_dkdv, grid, (MMA_THREADS,), *args)
+            self._launch(self._k.flash_mma_backward_dq, grid, (MMA_THREADS,), *args)
+        else:
+            self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_WARPS),), (FLASH_THREADS,),
+                         D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))
+            grid = (_cdiv(T, FLASH_TILE), n_head, B)
+            self._launch(self._k.flash_attention_backward_dkdv, grid, (FLASH_THREADS,), *args)
+            self._launch(self._k.flash_attention_backward_dq, grid, (FLASH_THREADS,), *args)
         return dqkv
 
     def _flash_aligned(self, *arrays) -> None:
