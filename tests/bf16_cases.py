@@ -171,6 +171,12 @@ def cases(B: int, T: int, C: int, NH: int, V: int) -> list[Case]:
         Case("layernorm_forward",
              draw(x=act(B, T, C, scale=2.0, shift=0.5), w=act(C, scale=0.1, shift=1.0), b=act(C, scale=0.1)),
              layernorm_forward, {"out": "act", "mean": "f32", "rstd": "f32"}),
+        Case("residual_layernorm_forward",
+             draw(a=act(B, T, C, scale=2.0, shift=0.5), b=act(B, T, C), w=act(C, scale=0.1, shift=1.0),
+                  bias=act(C, scale=0.1)),
+             lambda be, a: dict(zip(("residual", "out", "mean", "rstd"),
+                                    be.residual_layernorm_forward(a["a"], a["b"], a["w"], a["bias"]), strict=True)),
+             {"residual": "act", "out": "act", "mean": "f32", "rstd": "f32"}),
         Case("layernorm_backward", layernorm_backward_inputs, layernorm_backward,
              {"dinp": "act", "dweight": "f32", "dbias": "f32"}),
     ]

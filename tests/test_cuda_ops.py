@@ -142,6 +142,21 @@ def test_layernorm_forward(be, rng, shape):
 
 
 @pytest.mark.parametrize("shape", LN_SHAPES)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_residual_layernorm_forward_is_the_sum_then_the_layernorm(be, rng, shape, aligned):
+    """The fused kernel against its numpy twin: the residual sum bit for bit (one float32 addition), the
+    layernorm of it as layernorm_forward's, on the vector path and on views off a 16-byte boundary."""
+    a, b = randn(rng, *shape, scale=2.0) + 0.5, randn(rng, *shape)
+    w, bias = randn(rng, shape[-1]), randn(rng, shape[-1])
+    put = be.from_host if aligned else (lambda host: unaligned(be, host))
+    got = be.residual_layernorm_forward(put(a), put(b), put(w), put(bias))
+    want = ref.residual_layernorm_forward(a, b, w, bias)
+    assert np.array_equal(be.to_host(got[0]), want[0]), "residual"
+    for g, exp, what in zip(got[1:], want[1:], ("out", "mean", "rstd"), strict=True):
+        check(be.to_host(g), exp, 1e-5, what)
+
+
+@pytest.mark.parametrize("shape", LN_SHAPES)
 def test_layernorm_backward_matches_and_is_deterministic(be, rng, shape):
     c = shape[-1]
     x, dout, dinp0 = randn(rng, *shape), randn(rng, *shape), randn(rng, *shape)

@@ -44,8 +44,8 @@ def test_a_profiled_step_is_the_same_step_and_every_op_is_counted(rng):
     report = profiler.report()
     calls = {t.name: t.calls for t in report["ops"]}
     assert calls == {
-        "encoder_forward": 1, "layernorm_forward": 2 * L + 1, "matmul_forward": 4 * L + 1,
-        "attention_forward": L, "residual_forward": 2 * L, "gelu_forward": L, "fused_classifier": 1,
+        "encoder_forward": 1, "layernorm_forward": 1, "residual_layernorm_forward": 2 * L, "matmul_forward": 4 * L + 1,
+        "attention_forward": L, "gelu_forward": L, "fused_classifier": 1,
         "matmul_backward": 4 * L + 1, "layernorm_backward": 2 * L + 1, "attention_backward": L,
         "gelu_backward": L, "encoder_backward": 1, "global_norm_squared": 1, "clip_coefficient": 1,
         "adamw_update": 1}

@@ -286,6 +286,13 @@ class NumpyBackend:
         out = centered * rstd * weight + bias
         return self.store(out), mean[..., 0], rstd[..., 0]
 
+    def residual_layernorm_forward(self, a, b, weight, bias):
+        """The residual connection and the layernorm that follows it, in one op (one kernel on the GPU):
+        residual = a + b, stored in the activation dtype, then layernorm_forward of that stored value.
+        -> (residual, out, mean, rstd)"""
+        residual = self.residual_forward(a, b)
+        return (residual, *self.layernorm_forward(residual, weight, bias))
+
     def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
         """Accumulate into dinp (the residual stream's gradient), dweight and dbias.
 
@@ -589,7 +596,8 @@ class NumpyBackend:
 # Every op and plumbing function a backend has; cuda/ops.py's CudaBackend has the same (a test checks it).
 OPS = ("to_host", "to_host_later", "from_host", "upload", "from_host_act", "synchronize", "bind_side_thread",
        "fence", "wait", "timestamp", "elapsed",
-       "encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
+       "encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
+       "layernorm_backward", "matmul_forward",
        "matmul_backward", "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
        "flash_attention_forward", "flash_attention_backward",
        "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_forward", "fused_classifier",

@@ -288,6 +288,22 @@ class CudaBackend(CublasProducts):
                      np.int32(vec))
         return out, mean, rstd
 
+    def residual_layernorm_forward(self, a, b, weight, bias):
+        a, b = _contiguous(a), _contiguous(b)
+        self._act(a, b, weight, bias)
+        if a.shape != b.shape:
+            raise ValueError(f"residual_layernorm_forward: shapes {a.shape} and {b.shape} differ")
+        C = a.shape[-1]
+        rows = a.size // C
+        residual, out = cupy.empty_like(a), cupy.empty_like(a)
+        mean = cupy.empty(a.shape[:-1], dtype=cupy.float32)
+        rstd = cupy.empty(a.shape[:-1], dtype=cupy.float32)
+        vec = _vec(self._vec_x, residual, out, a, b, weight, bias, row=C)
+        self._launch(self._k.residual_layernorm_forward, (_cdiv(rows, LAYERNORM_ROWS_PER_BLOCK),),
+                     (LAYERNORM_BLOCK,), residual, out, mean, rstd, a, b, weight, bias, np.int64(rows), np.int32(C),
+                     np.float32(self.LN_EPS), np.int32(vec))
+        return residual, out, mean, rstd
+
     def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
         for a in (dinp, dout, inp, mean, rstd):
             _contiguous(a)
