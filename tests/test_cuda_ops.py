@@ -217,6 +217,47 @@ def test_cublaslt_adds_the_bias_in_the_epilogue(be_lt, rng, rows, ic, oc):
     assert be_lt._lt._workspace.nbytes == cublaslt.WORKSPACE_BYTES  # what memory.py counts a rank
 
 
+# (B * T, C, 4 * C): GPT-2's MLP, every epilogue on --matmul cublaslt; (7, 36, 20): a width not a multiple of
+# 8, so no GELU aux matrix (cublasLt.h: its leading dimension must be), the kernels' path with the bias
+# gradient still in the product; (1, 8, 16): one row, which cuBLASLt's bias gradient refuses (A = dout)
+MLP_SHAPES = [(B * T, C, 4 * C), (7, 36, 20), (1, 8, 16)]
+EPILOGUES = {"bias": cublaslt.CUBLASLT_EPILOGUE_BIAS, "gelu": cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+             "dgelu": cublaslt.CUBLASLT_EPILOGUE_DGELU, "bgrad": cublaslt.CUBLASLT_EPILOGUE_BGRADA}
+
+
+@pytest.mark.parametrize("rows,c,h", MLP_SHAPES)
+@pytest.mark.parametrize("matmul", ["cublas", "cublaslt"])
+def test_the_mlp_products_with_gelu_match_their_twins(be, request, rng, matmul, rows, c, h):
+    """matmul_gelu_forward (c_fc: c -> h, bias, GELU) and matmul_backward_gelu (c_proj's backward, h -> c, and
+    GELU's) against numpy_ops, on the kernels' path and through cuBLASLt's epilogues (GELU_AUX_BIAS, DGELU,
+    BGRADA), with the gradients accumulated into what they held; the epilogues each shape takes, asked of
+    the plans (cuBLAS's rows x cols x k of each product)."""
+    backend = request.getfixturevalue("be_lt") if matmul == "cublaslt" else be
+    x, w_fc, b_fc = randn(rng, rows, c), randn(rng, c, h, scale=0.3), randn(rng, h, scale=0.5)
+    w_proj, dout = randn(rng, h, c, scale=0.1), randn(rng, rows, c)
+    dw0, db0 = randn(rng, h, c), randn(rng, c)
+    want_pre, want_out = ref.matmul_gelu_forward(x, w_fc, b_fc)
+    want_dw, want_db = dw0.copy(), db0.copy()
+    want_dpre = ref.matmul_backward_gelu(want_dw, want_db, dout, want_out, w_proj, want_pre)
+
+    pre, out = backend.matmul_gelu_forward(*(backend.from_host(a) for a in (x, w_fc, b_fc)))
+    check(backend.to_host(pre), want_pre, 1e-5, "pre")
+    assert np.all(np.abs(backend.to_host(out) - want_out) <= 2e-6 * (1 + np.abs(want_pre))), "gelu"
+    dw, db = backend.from_host(dw0), backend.from_host(db0)
+    dpre = backend.matmul_backward_gelu(dw, db, backend.from_host(dout), backend.from_host(want_out),
+                                        backend.from_host(w_proj), backend.from_host(want_pre))
+    bound = 1e-5 * (1 + np.abs(want_pre) ** 3) * max(1.0, float(np.abs(want_dpre).max()))
+    assert np.all(np.abs(backend.to_host(dpre) - want_dpre) <= bound), "dpre"
+    check(backend.to_host(dw), want_dw, 1e-5, "dweight")
+    check(backend.to_host(db), want_db, 1e-5, "dbias")
+    if matmul == "cublaslt":
+        # c_fc's forward and c_proj's input gradient are both h x rows x c in cuBLAS's terms
+        forward = {key[12] for key in backend._lt._plans if key[2:5] == (h, rows, c)}
+        grads = {key[12] for key in backend._lt._plans if key[2:5] == (c, h, rows)}
+        assert forward == ({EPILOGUES["gelu"], EPILOGUES["dgelu"]} if h % 8 == 0 else set()), forward
+        assert grads == ({EPILOGUES["bgrad"]} if rows > 1 else set()), grads
+
+
 def test_reading_back_a_strided_view_leaves_the_current_stream_alone(be, rng):
     """CuPy 14.2's get() copies a strided array under `with stream:`, and leaving that block makes the null
     stream current: on the H100 every op after reading back the padded logits failed the stream check.
