@@ -128,7 +128,13 @@ def _gemm_plan(a, b, out, cublas):
     column-major X^T with leading dimension ld; the transpose of such an array (an F-ordered `.T` view)
     as X itself. For a row-major out we ask cuBLAS for out^T = b^T a^T, for an F-ordered out (dwte.T)
     for out = a b; each operand then needs a transpose or not depending on which of the two ways it is
-    stored. Pure: takes anything with .shape, .strides and .itemsize."""
+    stored. Pure: takes anything with .shape, .strides and .itemsize.
+
+    The layouts decide the ops, not the order: with Conv1D's weights (in, out), a forward is "NN", its
+    input gradient "TN" and its weight gradient "NT", where PyTorch's nn.Linear (out, in) has "TN", "NN"
+    and "NT". Putting the other operand first would need a column-major output, which the next op cannot
+    read; bin/bench_gemm's "product tn" rows time our product with the weight stored (out, in), to say
+    whether the layout is worth changing for the shapes where cuBLAS is slower on NN."""
     m, k = a.shape
     n = b.shape[1]
     if b.shape[0] != k or out.shape != (m, n):
