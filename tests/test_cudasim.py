@@ -649,7 +649,8 @@ def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
     assert costs["ctypes"] > 0 and costs["nvmath"].startswith("not measured: ModuleNotFoundError"), costs
 
 
-@pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"]])
+@pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"],
+                                     ["--dtype", "bf16", "--matmul", "cublaslt"]])
 def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
     """bin/kernel_errors (the GPU session's error tables) runs every op, flash attention too where its kernel
     applies (bf16, 64-channel heads); in fp32 every error is float32-sized."""
