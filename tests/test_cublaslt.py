@@ -147,6 +147,11 @@ def test_a_product_without_an_algorithm_is_one_line_naming_it():
     with pytest.raises(XtrainError, match=r"^cuBLASLt has no algorithm for a 2304 x 768 x 8192 product with a bias "
                                           r"epilogue \(types 14 -> 14, compute 68\); run without --matmul cublaslt$"):
         lt.matmul_bias(1, 0, 2304, 8192, 768, 0x1000, 14, 768, 0x2000, 768, 0x3000, 14, 2304, 0x4000, 14, 68, 0)
+    with pytest.raises(XtrainError, match=r"^cuBLASLt has no algorithm for a 3072 x 768 x 8192 product with a "
+                                          r"GELU-gradient epilogue \(types 14 -> 14, compute 68\); run without "
+                                          r"--matmul cublaslt$"):
+        lt.matmul(1, 0, 3072, 8192, 768, 0x1000, 14, 768, 0x2000, 768, 0x3000, 14, 3072, 68, 0,
+                  cublaslt.CUBLASLT_EPILOGUE_DGELU, aux=0x5000, ld_aux=3072)
 
 
 def test_a_missing_library_is_one_line_naming_the_wheel(monkeypatch):
