@@ -25,7 +25,9 @@ the same C functions with typed enums (create, matmul_desc_create, matmul_desc_s
 matmul_algo_get_heuristic, matmul, each taking the same handles and device addresses as integers), so it
 would replace the hand-copied enums and structs here. `pip download nvmath-python` fetches a 5.5 MB wheel
 (cp311, manylinux_2_28), which needs cuda-bindings, cuda-core and cuda-pathfinder besides the cuBLAS
-wheel this module already loads. The criterion: a step makes about 100 cuBLASLt calls (GPT-2 124M: 12
+wheel this module already loads; on 2026-11-26 it imported beside cuda-bindings 13.5.0 and cuda-core 1.2.2
+(on a machine without a GPU, where its first call stops at the missing driver), and its matmul and
+matmul_desc_set_attribute take the arguments this module passes, in the same order, as integers. The criterion: a step makes about 100 cuBLASLt calls (GPT-2 124M: 12
 layers x 9 products with an epilogue), each paying the binding's host cost on the critical path of a
 launch-bound step; nvmath is worth the dependency where its per-call cost is no more than ctypes' (a few
 microseconds each, so at most ~0.5 ms a step either way) and it loads beside CuPy's cuBLAS without
