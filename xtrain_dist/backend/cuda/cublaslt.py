@@ -27,12 +27,13 @@ would replace the hand-copied enums and structs here. `pip download nvmath-pytho
 (cp311, manylinux_2_28), which needs cuda-bindings, cuda-core and cuda-pathfinder besides the cuBLAS
 wheel this module already loads; on 2026-11-26 it imported beside cuda-bindings 13.5.0 and cuda-core 1.2.2
 (on a machine without a GPU, where its first call stops at the missing driver), and its matmul and
-matmul_desc_set_attribute take the arguments this module passes, in the same order, as integers. The criterion: a step makes about 100 cuBLASLt calls (GPT-2 124M: 12
-layers x 9 products with an epilogue), each paying the binding's host cost on the critical path of a
-launch-bound step; nvmath is worth the dependency where its per-call cost is no more than ctypes' (a few
-microseconds each, so at most ~0.5 ms a step either way) and it loads beside CuPy's cuBLAS without
-a second copy of the library. bin/bench_gemm --lt-binding times both on a GPU (the call alone, plans
-cached, the product 64 x 64 x 64 so that the GPU keeps up); until that is measured, ctypes stays: it needs
+matmul_desc_set_attribute take the arguments this module passes, in the same order, as integers.
+The criterion: a step makes about 100 cuBLASLt calls (GPT-2 124M: 12 layers x 9 products with an
+epilogue), each paying the binding's host cost on the critical path of a launch-bound step; nvmath is
+worth the dependency where its per-call cost is no more than ctypes' (a few microseconds each, so at most
+~0.5 ms a step either way) and it loads beside CuPy's cuBLAS without a second copy of the library.
+bin/bench_gemm --lt-bindings times both on a GPU (the call alone, plans cached, the product 64 x 64 x 64
+so that the GPU keeps up); until that is measured, ctypes stays: it needs
 no dependency, and the header tests keep its copies honest.
 """
 
