@@ -11,6 +11,7 @@ from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
 from xtrain_dist.profile import (
     OpProfiler,
+    compute_share,
     gpt2_num_params,
     llmc_flops_per_token,
     mfu,
@@ -128,6 +129,12 @@ def test_bench_gpu_writes_the_profile_of_our_step(rng):
     assert "### Where our step's time goes: tiny, 2 x 16, fp32" in text
     assert "| matmul_backward | 7 |" in text and "| matmul_backward_gelu | 2 |" in text
     assert "| adamw_update | 1 |" in text
+    # the split the targets read: products and attention, the other ops, the gaps, adding up to the step
+    compute, other, between = compute_share(row["profile"])
+    shares = {r["op"]: r["share"] for r in row["profile"]}
+    assert compute == pytest.approx(sum(v for op, v in shares.items() if op.startswith(("matmul", "attention"))))
+    assert other > 0 and compute + other + between == pytest.approx(sum(shares.values()))
+    assert f"Products and attention: {100 * compute:.1f}% of the step; the other ops: {100 * other:.1f}%" in text
     # the memory column compares what each allocator holds from the driver, and says so
     assert "| loss (1st) | peak GiB held |" in text and "torch.cuda.max_memory_reserved for PyTorch" in text
 

@@ -230,6 +230,16 @@ class OpProfiler:
             f"| **step (first mark to last)** | | {report['span_s'] * 1e3:.2f} | 100% | | |\n")
 
 
+def compute_share(rows: list[dict]) -> tuple[float, float, float]:
+    """(products and attention, the other ops, between ops): shares of the step in OpProfiler.rows, the
+    split of the GPU's time the performance targets read (the other ops are the passes over memory)."""
+    between = sum(r["share"] for r in rows if r["calls"] is None)
+    compute = sum(r["share"] for r in rows if r["calls"] is not None
+                  and (r["op"].startswith("matmul") or "attention" in r["op"]))
+    other = sum(r["share"] for r in rows if r["calls"] is not None) - compute
+    return compute, other, between
+
+
 def rows_markdown(rows: list[dict]) -> str:
     """OpProfiler.rows (as a results file holds them; those written before GB/s was measured have no
     "gbps") as a Markdown table."""
