@@ -1,5 +1,5 @@
 // gelu.cu: GELU with the tanh approximation (GPT-2's "gelu_new"), forward and backward.
-// Oracles: numpy_ops.gelu_forward, numpy_ops.gelu_backward.
+// Oracles: numpy_ops.gelu_forward, numpy_ops.gelu_backward, and the bias + GELU of numpy_ops.matmul_gelu_forward.
 //
 // Both are elementwise: one thread per chunk of N elements (16 bytes when every pointer is aligned,
 // else 1; see chunk_start in common.cuh), a short last chunk done one element at a time.
@@ -67,4 +67,33 @@ __device__ void gelu_backward_impl(floatX* dinp, const floatX* dout, const float
 extern "C" __global__ void gelu_backward(floatX* dinp, const floatX* dout, const floatX* inp, long long n, int vec) {
     if (vec) gelu_backward_impl<VEC_X>(dinp, dout, inp, n);
     else gelu_backward_impl<1>(dinp, dout, inp, n);
+}
+
+// The c_fc layer's bias and GELU after its product (numpy_ops.matmul_gelu_forward on the cuBLAS path):
+// pre = floatX(product + bias), out = floatX(gelu(pre)), GELU reading the pre-activation as stored, so
+// that backward's --recompute, which runs gelu_forward on the stored pre, makes the same bits. One pass
+// where add_bias and gelu_forward made two. product is float32 (the product's accumulator) and may be pre
+// itself when floatX is float: each thread reads its chunk before it writes it. A chunk never crosses a
+// row: N = VEC_X only when OC is a multiple of it (and the pointers are aligned).
+template <int N>
+__device__ void bias_gelu_forward_impl(floatX* pre, floatX* out, const float* product, const floatX* bias,
+                                       long long n, int OC) {
+    const long long i = chunk_start<N>();
+    if (i >= n) return;
+    const Vec<float, N> p = load_vec<N>(product + i);
+    const Vec<floatX, N> b = load_vec<N>(bias + (int)(i % OC));
+    Vec<floatX, N> h, y;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        h[k] = from_float<floatX>(p[k] + to_float(b[k]));
+        y[k] = from_float<floatX>(gelu(to_float(h[k])));
+    }
+    store_vec<N>(pre + i, h);
+    store_vec<N>(out + i, y);
+}
+
+extern "C" __global__ void bias_gelu_forward(floatX* pre, floatX* out, const float* product, const floatX* bias,
+                                             long long n, int OC, int vec) {
+    if (vec) bias_gelu_forward_impl<VEC_X>(pre, out, product, bias, n, OC);
+    else bias_gelu_forward_impl<1>(pre, out, product, bias, n, OC);
 }

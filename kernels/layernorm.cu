@@ -1,5 +1,5 @@
 // layernorm.cu: LayerNorm over the channels of each (b, t) row, forward and backward.
-// Oracles: numpy_ops.layernorm_forward, numpy_ops.layernorm_backward.
+// Oracles: numpy_ops.layernorm_forward, numpy_ops.residual_layernorm_forward, numpy_ops.layernorm_backward.
 //
 // Row kernels use one warp per row, LAYERNORM_ROWS_PER_BLOCK rows per block. A GPT-2 row is 768 to 1600
 // floats (3 to 6 KB): one warp streams it with 16-byte loads, the statistics are warp shuffles with
@@ -20,20 +20,12 @@ __device__ __forceinline__ long long warp_row() {
 // ---------------------------------------------------------------------------------------- forward
 
 // out = (x - mean) * rstd * weight + bias, mean = sum(x)/C, rstd = 1/sqrt(sum((x - mean)^2)/C + eps)
-// (numpy_ops.layernorm_forward). The variance is taken around the mean in a second pass, as numpy
-// does, rather than as E[x^2] - mean^2, which loses digits when |mean| >> std.
+// (numpy_ops.layernorm_forward), given this lane's part of sum(x). The variance is taken around the mean
+// in a second pass, as numpy does, rather than as E[x^2] - mean^2, which loses digits when |mean| >> std.
 template <int N>
-__device__ void layernorm_forward_row(floatX* out, float* mean, float* rstd, const floatX* inp,
-                                      const floatX* weight, const floatX* bias, int C, float eps, long long row) {
+__device__ void layernorm_row_from_sum(floatX* out, float* mean, float* rstd, const floatX* x, const floatX* weight,
+                                       const floatX* bias, int C, float eps, long long row, float sum) {
     const int lane = threadIdx.x % WARP_SIZE;
-    const floatX* x = inp + row * C;
-
-    float sum = 0.0f;
-    for (int c = lane * N; c < C; c += WARP_SIZE * N) {
-        const Vec<floatX, N> v = load_vec<N>(x + c);
-#pragma unroll
-        for (int k = 0; k < N; ++k) sum += to_float(v[k]);
-    }
     const float m = warp_sum(sum) / C;
 
     float sq = 0.0f;
@@ -63,6 +55,20 @@ __device__ void layernorm_forward_row(floatX* out, float* mean, float* rstd, con
     }
 }
 
+template <int N>
+__device__ void layernorm_forward_row(floatX* out, float* mean, float* rstd, const floatX* inp,
+                                      const floatX* weight, const floatX* bias, int C, float eps, long long row) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const floatX* x = inp + row * C;
+    float sum = 0.0f;
+    for (int c = lane * N; c < C; c += WARP_SIZE * N) {
+        const Vec<floatX, N> v = load_vec<N>(x + c);
+#pragma unroll
+        for (int k = 0; k < N; ++k) sum += to_float(v[k]);
+    }
+    layernorm_row_from_sum<N>(out, mean, rstd, x, weight, bias, C, eps, row, sum);
+}
+
 extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp,
                                              const floatX* weight, const floatX* bias, long long rows, int C,
                                              float eps, int vec) {
@@ -70,6 +76,42 @@ extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rs
     if (row >= rows) return;  // whole warps leave together, so the shuffles stay full-warp
     if (vec) layernorm_forward_row<VEC_X>(out, mean, rstd, inp, weight, bias, C, eps, row);
     else layernorm_forward_row<1>(out, mean, rstd, inp, weight, bias, C, eps, row);
+}
+
+// The residual connection and the layernorm after it in one pass over the row
+// (numpy_ops.residual_layernorm_forward, as llm.c's fused_residual_forward): residual = floatX(a + b) is
+// written and summed for the mean as it is made, and the layernorm's two other passes read it back from
+// L1 (each lane reads the chunks it wrote itself), instead of residual_forward writing the stream and
+// layernorm_forward reading it again from memory. The layernorm sees the rounded residual, as numpy does.
+template <int N>
+__device__ void residual_layernorm_forward_row(floatX* residual, floatX* out, float* mean, float* rstd,
+                                               const floatX* a, const floatX* b, const floatX* weight,
+                                               const floatX* bias, int C, float eps, long long row) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    floatX* x = residual + row * C;
+    float sum = 0.0f;
+    for (int c = lane * N; c < C; c += WARP_SIZE * N) {
+        const Vec<floatX, N> u = load_vec<N>(a + row * C + c);
+        const Vec<floatX, N> v = load_vec<N>(b + row * C + c);
+        Vec<floatX, N> s;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            s[k] = from_float<floatX>(to_float(u[k]) + to_float(v[k]));
+            sum += to_float(s[k]);
+        }
+        store_vec<N>(x + c, s);
+    }
+    layernorm_row_from_sum<N>(out, mean, rstd, x, weight, bias, C, eps, row, sum);
+}
+
+extern "C" __global__ void residual_layernorm_forward(floatX* residual, floatX* out, float* mean, float* rstd,
+                                                      const floatX* a, const floatX* b, const floatX* weight,
+                                                      const floatX* bias, long long rows, int C, float eps,
+                                                      int vec) {
+    const long long row = warp_row();
+    if (row >= rows) return;
+    if (vec) residual_layernorm_forward_row<VEC_X>(residual, out, mean, rstd, a, b, weight, bias, C, eps, row);
+    else residual_layernorm_forward_row<1>(residual, out, mean, rstd, a, b, weight, bias, C, eps, row);
 }
 
 // ---------------------------------------------------------------------------------------- backward

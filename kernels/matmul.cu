@@ -10,7 +10,8 @@
 // against 6); float32 costs the same (12).
 // --matmul cublaslt skips add_bias: cuBLASLt's BIAS epilogue adds the bias to the float32 accumulator
 // and rounds once (backend/cuda/cublaslt.py, bound with ctypes since CuPy does not expose cuBLASLt). Its
-// BGRADB epilogue could fold bias_backward into the weight-gradient product the same way; not done.
+// BGRADA epilogue computes the bias gradient in the weight-gradient product, which writes it: then only
+// bias_backward_finish runs, with one split, to add it to the gradient buffer.
 #include "common.cuh"
 
 // out[r, c] = floatX(product[r, c] + bias[c]) for a (rows, OC) output (the "+ bias" of

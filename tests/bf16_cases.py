@@ -171,6 +171,12 @@ def cases(B: int, T: int, C: int, NH: int, V: int) -> list[Case]:
         Case("layernorm_forward",
              draw(x=act(B, T, C, scale=2.0, shift=0.5), w=act(C, scale=0.1, shift=1.0), b=act(C, scale=0.1)),
              layernorm_forward, {"out": "act", "mean": "f32", "rstd": "f32"}),
+        Case("residual_layernorm_forward",
+             draw(a=act(B, T, C, scale=2.0, shift=0.5), b=act(B, T, C), w=act(C, scale=0.1, shift=1.0),
+                  bias=act(C, scale=0.1)),
+             lambda be, a: dict(zip(("residual", "out", "mean", "rstd"),
+                                    be.residual_layernorm_forward(a["a"], a["b"], a["w"], a["bias"]), strict=True)),
+             {"residual": "act", "out": "act", "mean": "f32", "rstd": "f32"}),
         Case("layernorm_backward", layernorm_backward_inputs, layernorm_backward,
              {"dinp": "act", "dweight": "f32", "dbias": "f32"}),
     ]
@@ -182,6 +188,23 @@ def cases(B: int, T: int, C: int, NH: int, V: int) -> list[Case]:
                  draw(x=act(B, T, ic), w=act(ic, oc, scale=0.1), dout=act(B, T, oc), dw=f32(ic, oc), db=f32(oc)),
                  matmul_backward, {"dinp": "act", "dweight": "f32", "dbias": "f32"}),
         ]
+    def matmul_gelu_forward(be, a):
+        return dict(zip(("pre", "out"), be.matmul_gelu_forward(a["x"], a["w"], a["b"]), strict=True))
+
+    def matmul_backward_gelu(be, a):
+        dpre = be.matmul_backward_gelu(a["dw"], a["db"], a["dout"], a["x"], a["w"], a["pre"])
+        return {"dpre": dpre, "dweight": a["dw"], "dbias": a["db"]}
+
+    # GELU after the product, "act2": it reads the product as stored in bf16 (test_cuda_bf16.py holds
+    # --matmul cublaslt's epilogues, which read the float32 sum, to an emulation of their own)
+    out += [
+        Case("matmul_gelu_forward", draw(x=act(B, T, C), w=act(C, 4 * C, scale=0.1), b=act(4 * C, scale=0.5)),
+             matmul_gelu_forward, {"pre": "act", "out": "act2"}),
+        Case("matmul_backward_gelu",
+             draw(x=act(B, T, 4 * C), w=act(4 * C, C, scale=0.1), dout=act(B, T, C), pre=act(B, T, 4 * C, scale=2.0),
+                  dw=f32(4 * C, C), db=f32(C)),
+             matmul_backward_gelu, {"dpre": "act2", "dweight": "f32", "dbias": "f32"}),
+    ]
     out += [
         Case("matmul_forward tied classifier", draw(x=act(B, T, C), wte=act(V, C, scale=0.1)),
              lambda be, a: {"logits": be.matmul_forward(a["x"], a["wte"].T)}, {"logits": "act"}),

@@ -51,12 +51,13 @@ def test_profile_step_prints_where_the_step_went_and_changes_no_bits(tmp_path):
     assert cli(*args, "--report", plain).returncode == 0
     out = cli(*args, "--report", profiled, "--profile-step", 3)
     assert out.returncode == 0, out.stderr
-    assert "profile of step 3 (rank 0, " in out.stdout and "| matmul_backward | 9 |" in out.stdout
+    assert "profile of step 3 (rank 0, " in out.stdout and "| matmul_backward | 7 |" in out.stdout
     a, b = json.loads(plain.read_text()), json.loads(profiled.read_text())
     assert a["param_sha256"] == b["param_sha256"] and "profile" not in a
     ops = {row["op"]: row for row in b["profile"]["ops"]}
-    # 2 layers: 4 products each and the tied classifier; one AdamW over the flat buffer
-    assert ops["matmul_forward"]["calls"] == 9 and ops["adamw_update"]["calls"] == 1
+    # 2 layers: 4 products each (c_fc's with GELU beside it) and the tied classifier; one AdamW over the flat buffer
+    assert ops["matmul_forward"]["calls"] == 7 and ops["matmul_gelu_forward"]["calls"] == 2
+    assert ops["adamw_update"]["calls"] == 1
     assert "bf16_round" not in ops
     assert b["profile"]["step"] == 3 and b["profile"]["step_ms"] == b["step_ms"][2]
     assert sum(row["share"] for row in b["profile"]["ops"]) == pytest.approx(1.0)

@@ -9,9 +9,13 @@ product) runs in test_cuda_ops.py and test_cuda_bf16.py, on a GPU or on the simu
 """
 
 import ctypes
+import inspect
 import os
+import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,10 +40,7 @@ needs_header = pytest.mark.skipif(None in HEADER_DIRS or shutil.which("g++") is 
                                   reason="cublasLt.h (pip install nvidia-cublas), the CUDA headers it includes or "
                                          "g++ not found")
 
-CONSTANTS = ["CUBLAS_STATUS_SUCCESS", "CUBLASLT_MATMUL_DESC_TRANSA", "CUBLASLT_MATMUL_DESC_TRANSB",
-             "CUBLASLT_MATMUL_DESC_EPILOGUE", "CUBLASLT_MATMUL_DESC_BIAS_POINTER",
-             "CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE", "CUBLASLT_EPILOGUE_BIAS",
-             "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES", "CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES", "CUDA_R_32F"]
+CONSTANTS = ["CUBLAS_STATUS_SUCCESS", "CUDA_R_32F"] + [name for name in vars(cublaslt) if name.startswith("CUBLASLT_")]
 
 
 @needs_header
@@ -85,7 +86,11 @@ def test_the_library_takes_every_attribute_at_the_size_given_and_refuses_another
     values = {cublaslt.CUBLASLT_MATMUL_DESC_TRANSA: 1, cublaslt.CUBLASLT_MATMUL_DESC_TRANSB: 1,
               cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE: cublaslt.CUBLASLT_EPILOGUE_BIAS,
               cublaslt.CUBLASLT_MATMUL_DESC_BIAS_POINTER: 0x7F0000001230,
-              cublaslt.CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: 14}
+              cublaslt.CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: 14,
+              cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER: 0x7F0000004560,
+              cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: 3072,
+              cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE: 14}
+    assert set(values) == set(cublaslt.DESC_ATTRIBUTE_TYPES)
     for attribute, value in values.items():
         cublaslt.set_attribute(library, "cublasLtMatmulDescSetAttribute", desc, attribute, value)
         held, written = cublaslt.DESC_ATTRIBUTE_TYPES[attribute](), ctypes.c_size_t()
@@ -142,6 +147,11 @@ def test_a_product_without_an_algorithm_is_one_line_naming_it():
     with pytest.raises(XtrainError, match=r"^cuBLASLt has no algorithm for a 2304 x 768 x 8192 product with a bias "
                                           r"epilogue \(types 14 -> 14, compute 68\); run without --matmul cublaslt$"):
         lt.matmul_bias(1, 0, 2304, 8192, 768, 0x1000, 14, 768, 0x2000, 768, 0x3000, 14, 2304, 0x4000, 14, 68, 0)
+    with pytest.raises(XtrainError, match=r"^cuBLASLt has no algorithm for a 3072 x 768 x 8192 product with a "
+                                          r"GELU-gradient epilogue \(types 14 -> 14, compute 68\); run without "
+                                          r"--matmul cublaslt$"):
+        lt.matmul(1, 0, 3072, 8192, 768, 0x1000, 14, 768, 0x2000, 768, 0x3000, 14, 3072, 68, 0,
+                  cublaslt.CUBLASLT_EPILOGUE_DGELU, aux=0x5000, ld_aux=3072)
 
 
 def test_a_missing_library_is_one_line_naming_the_wheel(monkeypatch):
@@ -165,3 +175,147 @@ def test_a_missing_library_is_one_line_naming_the_wheel(monkeypatch):
                                        "named 'cuda'; libcublasLt.so.13: cannot open shared object file")
     assert str(error.value).endswith("): pip install nvidia-cublas, the wheel CuPy's cuBLAS comes from")
 
+
+
+# ---------------------------------------------------------------------------- cublasLt.h read as text
+
+needs_header_file = pytest.mark.skipif(HEADER_DIRS[0] is None,
+                                       reason="cublasLt.h not found (pip install nvidia-cublas)")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cudasim"))
+
+
+def _header() -> str:
+    """cublasLt.h without its comments' delimiters kept apart: (text with comments, text without)."""
+    return (Path(HEADER_DIRS[0]) / "cublasLt.h").read_text()
+
+
+def _uncommented(text: str) -> str:
+    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL))
+
+
+def header_enums(text: str) -> dict[str, int]:
+    """Every enumerator of cublasLt.h's typedef'd enums, its value evaluated (values may name earlier ones; one
+    that names another header's, and those after it without a value of their own, are left out)."""
+    values: dict[str, int] = {}
+    for body in re.findall(r"typedef\s+enum\s*\w*\s*\{(.*?)\}\s*\w+\s*;", _uncommented(text), flags=re.DOTALL):
+        following: int | None = 0
+        for entry in (e.strip() for e in body.split(",")):
+            if not entry:
+                continue
+            name, _, expression = (part.strip() for part in entry.partition("="))
+            if expression:
+                named = re.findall(r"\b[A-Za-z_]\w*\b", expression)
+                following = None if any(n not in values for n in named) else eval(
+                    re.sub(r"\b[A-Za-z_]\w*\b", lambda m: str(values[m.group(0)]), expression))
+            if following is not None:
+                values[name] = following
+                following += 1
+    return values
+
+
+_TYPE_SIZES = {"int8_t": 1, "int32_t": 4, "uint32_t": 4, "int64_t": 8, "uint64_t": 8, "void *": 8}
+
+
+def header_attribute_sizes(text: str) -> dict[str, int]:
+    """The size in bytes of each descriptor and preference attribute, from the C type its comment in cublasLt.h
+    names (the comment just before the enumerator: "uint32_t, default: ...", "Bias case: const void *, ...")."""
+    sizes = {}
+    for comment, name in re.findall(r"/\*\*((?:(?!\*/).)*)\*/\s*(CUBLASLT_MATMUL_(?:DESC|PREF)_\w+)\s*=", text,
+                                    flags=re.DOTALL):
+        named = {_TYPE_SIZES[t.replace("void*", "void *")] for t in
+                 re.findall(r"\b(?:u?int(?:8|32|64)_t|void ?\*)", comment.replace("void*", "void *"))}
+        if len(named) == 1:
+            sizes[name] = named.pop()
+    return sizes
+
+
+def header_prototypes(text: str) -> dict[str, list[tuple[str, str]]]:
+    """Each function cublasLt.h declares: its (C type, name) parameters in order."""
+    functions = {}
+    for name, params in re.findall(r"\bCUBLASWINAPI\s+(\w+)\s*\((.*?)\)\s*;", _uncommented(text), flags=re.DOTALL):
+        parsed = []
+        for param in (p.strip() for p in params.split(",")):
+            if param in ("", "void"):
+                continue
+            match = re.match(r"(.*?)(\w+)\s*(\[\])?$", " ".join(param.split()))
+            parsed.append((match.group(1).strip() + (" *" if match.group(3) else ""), match.group(2)))
+        functions[name] = parsed
+    return functions
+
+
+_HANDLES = ("cublasLtHandle_t", "cublasLtMatmulDesc_t", "cublasLtMatrixLayout_t", "cublasLtMatmulPreference_t",
+            "cudaStream_t")
+_SCALARS = {"size_t": ctypes.c_size_t, "uint64_t": ctypes.c_uint64, "int64_t": ctypes.c_int64, "int": ctypes.c_int}
+
+
+def _ctype_fits(c_type: str, argtype) -> bool:
+    """Whether a ctypes argument type passes what the C type is: a pointer (an opaque handle or a stream
+    included) as c_void_p or a POINTER; an enum (cublas*_t, cudaDataType) as a 32-bit int; a scalar as itself."""
+    if "*" in c_type or c_type in _HANDLES:
+        return argtype is ctypes.c_void_p or issubclass(argtype, ctypes._Pointer)
+    if c_type in _SCALARS:
+        return argtype is _SCALARS[c_type]
+    return c_type.startswith(("cublas", "cudaDataType")) and argtype is ctypes.c_int32
+
+
+@needs_header_file
+def test_every_enum_value_the_binding_and_the_stand_in_use_is_the_headers():
+    """cublaslt.py's enum constants (every CUBLASLT_ name it defines) and fake_cublaslt's (the epilogues and
+    attribute ids it interprets) against the enumerators of cublasLt.h, read as text: no compiler needed."""
+    import fake_cublaslt
+
+    enums = header_enums(_header())
+    assert enums["CUBLASLT_EPILOGUE_DGELU_BGRAD"] == 208 and enums["CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD"] == 12
+    for name in CONSTANTS:
+        if name.startswith("CUBLASLT_"):
+            assert enums[name] == getattr(cublaslt, name), name
+    for name in ("DEFAULT", "BIAS", "GELU_AUX_BIAS", "DGELU", "BGRADA"):
+        assert getattr(fake_cublaslt, name) == enums[f"CUBLASLT_EPILOGUE_{name}"], name
+    for name in ("TRANSA", "TRANSB", "EPILOGUE", "BIAS_POINTER", "AUX_POINTER", "AUX_LD", "AUX_DATA_TYPE",
+                 "BIAS_DATA_TYPE"):
+        header_name = "CUBLASLT_MATMUL_DESC_" + name.replace("AUX_", "EPILOGUE_AUX_")
+        assert getattr(fake_cublaslt, name) == enums[header_name], name
+    for value in cublaslt.EPILOGUE_NAMES:
+        assert value in enums.values()
+
+
+@needs_header_file
+def test_every_attribute_size_is_the_type_the_header_gives_it():
+    """The ctypes type cublaslt.py passes each attribute as, and the size fake_cublaslt accepts, against the C type
+    cublasLt.h's comment names for that attribute (a wrong one is CUBLAS_STATUS_INVALID_VALUE on a GPU)."""
+    import fake_cublaslt
+
+    text = _header()
+    sizes, enums = header_attribute_sizes(text), header_enums(text)
+    by_value = {("DESC", v): n for n, v in enums.items() if n.startswith("CUBLASLT_MATMUL_DESC_")}
+    by_value |= {("PREF", v): n for n, v in enums.items() if n.startswith("CUBLASLT_MATMUL_PREF_")}
+    assert sizes["CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD"] == 8 and sizes["CUBLASLT_MATMUL_DESC_EPILOGUE"] == 4
+    for kind, ours, fakes in (("DESC", cublaslt.DESC_ATTRIBUTE_TYPES, fake_cublaslt.DESC_SIZES),
+                              ("PREF", cublaslt.PREF_ATTRIBUTE_TYPES, fake_cublaslt.PREF_SIZES)):
+        for attribute, ctype in ours.items():
+            assert ctypes.sizeof(ctype) == sizes[by_value[kind, attribute]], by_value[kind, attribute]
+        for attribute, size in fakes.items():
+            assert size == sizes[by_value[kind, attribute]], by_value[kind, attribute]
+
+
+@needs_header_file
+def test_the_binding_and_the_stand_in_take_each_functions_arguments_in_the_headers_order():
+    """Each function cublaslt.py binds: its ctypes argument types, position by position, fit the prototype in
+    cublasLt.h; and fake_cublaslt's method of that name takes the same parameters, by the header's names, in
+    the header's order (so the stand-in is checked against the library's declaration, not only our calls)."""
+    import fake_cublaslt
+
+    prototypes = header_prototypes(_header())
+    assert [name for _, name in prototypes["cublasLtMatmul"]][12:] == ["algo", "workspace", "workspaceSizeInBytes",
+                                                                      "stream"]
+    for function, argtypes in cublaslt._SIGNATURES.items():
+        params = prototypes[function]
+        assert len(params) == len(argtypes), function
+        for (c_type, name), argtype in zip(params, argtypes, strict=True):
+            assert _ctype_fits(c_type, argtype), f"{function}: {c_type} {name} passed as {argtype}"
+        method = getattr(fake_cublaslt.FakeCublasLt, function, None)
+        if method is None:
+            assert function == "cublasLtMatmulDescGetAttribute"  # only the tests read attributes back
+            continue
+        names = [p for p in inspect.signature(method).parameters if p != "self"]
+        assert names == [name for _, name in params], function

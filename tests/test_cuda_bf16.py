@@ -56,17 +56,35 @@ def test_every_bf16_op_matches_the_numpy_emulation(be, rng, shape, case):
 
 
 LT_CASES = [(shape, case) for shape, case in CASES
-            if case.name.startswith("matmul_forward") and "tied" not in case.name]  # the products with a bias
+            if case.name.startswith("matmul") and "tied" not in case.name]  # the products with a bias
 
 
 @pytest.mark.parametrize("shape, case", LT_CASES, ids=[f"{shape}-{case.name}" for shape, case in LT_CASES])
-def test_cublaslt_bias_epilogue_matches_the_numpy_emulation(be_lt, rng, shape, case):
+def test_cublaslt_epilogues_match_the_numpy_emulation(be_lt, rng, shape, case):
     """--matmul cublaslt: bf16 product + bf16 bias in the float32 accumulator, one rounding, as the
-    emulation computes it (and as the default path's float32 product + add_bias does)."""
+    emulation computes it (and as the default path's float32 product + add_bias does); GELU and its
+    derivative in the epilogue, a rounding away from the emulation ("act2"); the bias gradient in the
+    weight gradient's product, float32. GELU's outputs are held to what the epilogues compute instead: the
+    emulation's ops in float32 with the one rounding after GELU (lt_emulation), within "act"."""
     host = case.inputs(rng)
     want, got = run_case(REF, case, host), run_case(be_lt, case, host)
-    for name, kind in case.outputs.items():
+    kinds = dict(case.outputs)
+    if "gelu" in case.name:
+        epilogue = lt_emulation(case.name, upload(REF, host))
+        want.update(epilogue)
+        kinds.update(dict.fromkeys(epilogue, "act"))
+    for name, kind in kinds.items():
         assert_bf16_close(got[name], want[name], kind, f"{case.name} {name} (cublaslt)")
+
+
+def lt_emulation(name: str, a: dict) -> dict:
+    """What cuBLASLt's GELU epilogues compute from bf16 inputs: the product (+ bias) in float32, GELU or its
+    derivative applied to it before the one rounding to bf16 (FP32 is the emulation with no rounding)."""
+    fp32 = NumpyBackend("fp32")
+    if name == "matmul_gelu_forward":
+        return {"out": REF.store(fp32.gelu_forward(fp32.matmul_forward(a["x"], a["w"], a["b"])))}
+    dinp = fp32.matmul_backward(a["dw"].copy(), a["db"].copy(), a["dout"], a["x"], a["w"])
+    return {"dpre": REF.store(fp32.gelu_backward(dinp, a["pre"]))}
 
 
 @pytest.mark.parametrize("chunk", [16, 24])

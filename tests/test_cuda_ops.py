@@ -142,6 +142,21 @@ def test_layernorm_forward(be, rng, shape):
 
 
 @pytest.mark.parametrize("shape", LN_SHAPES)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_residual_layernorm_forward_is_the_sum_then_the_layernorm(be, rng, shape, aligned):
+    """The fused kernel against its numpy twin: the residual sum bit for bit (one float32 addition), the
+    layernorm of it as layernorm_forward's, on the vector path and on views off a 16-byte boundary."""
+    a, b = randn(rng, *shape, scale=2.0) + 0.5, randn(rng, *shape)
+    w, bias = randn(rng, shape[-1]), randn(rng, shape[-1])
+    put = be.from_host if aligned else (lambda host: unaligned(be, host))
+    got = be.residual_layernorm_forward(put(a), put(b), put(w), put(bias))
+    want = ref.residual_layernorm_forward(a, b, w, bias)
+    assert np.array_equal(be.to_host(got[0]), want[0]), "residual"
+    for g, exp, what in zip(got[1:], want[1:], ("out", "mean", "rstd"), strict=True):
+        check(be.to_host(g), exp, 1e-5, what)
+
+
+@pytest.mark.parametrize("shape", LN_SHAPES)
 def test_layernorm_backward_matches_and_is_deterministic(be, rng, shape):
     c = shape[-1]
     x, dout, dinp0 = randn(rng, *shape), randn(rng, *shape), randn(rng, *shape)
@@ -200,6 +215,47 @@ def test_cublaslt_adds_the_bias_in_the_epilogue(be_lt, rng, rows, ic, oc):
     alignments = {key[-1] for key in be_lt._lt._plans if key[2:5] == (oc, rows, ic)}
     assert len(alignments) == (0 if oc == 1 else 2), alignments
     assert be_lt._lt._workspace.nbytes == cublaslt.WORKSPACE_BYTES  # what memory.py counts a rank
+
+
+# (B * T, C, 4 * C): GPT-2's MLP, every epilogue on --matmul cublaslt; (7, 36, 20): a width not a multiple of
+# 8, so no GELU aux matrix (cublasLt.h: its leading dimension must be), the kernels' path with the bias
+# gradient still in the product; (1, 8, 16): one row, which cuBLASLt's bias gradient refuses (A = dout)
+MLP_SHAPES = [(B * T, C, 4 * C), (7, 36, 20), (1, 8, 16)]
+EPILOGUES = {"bias": cublaslt.CUBLASLT_EPILOGUE_BIAS, "gelu": cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+             "dgelu": cublaslt.CUBLASLT_EPILOGUE_DGELU, "bgrad": cublaslt.CUBLASLT_EPILOGUE_BGRADA}
+
+
+@pytest.mark.parametrize("rows,c,h", MLP_SHAPES)
+@pytest.mark.parametrize("matmul", ["cublas", "cublaslt"])
+def test_the_mlp_products_with_gelu_match_their_twins(be, request, rng, matmul, rows, c, h):
+    """matmul_gelu_forward (c_fc: c -> h, bias, GELU) and matmul_backward_gelu (c_proj's backward, h -> c, and
+    GELU's) against numpy_ops, on the kernels' path and through cuBLASLt's epilogues (GELU_AUX_BIAS, DGELU,
+    BGRADA), with the gradients accumulated into what they held; the epilogues each shape takes, asked of
+    the plans (cuBLAS's rows x cols x k of each product)."""
+    backend = request.getfixturevalue("be_lt") if matmul == "cublaslt" else be
+    x, w_fc, b_fc = randn(rng, rows, c), randn(rng, c, h, scale=0.3), randn(rng, h, scale=0.5)
+    w_proj, dout = randn(rng, h, c, scale=0.1), randn(rng, rows, c)
+    dw0, db0 = randn(rng, h, c), randn(rng, c)
+    want_pre, want_out = ref.matmul_gelu_forward(x, w_fc, b_fc)
+    want_dw, want_db = dw0.copy(), db0.copy()
+    want_dpre = ref.matmul_backward_gelu(want_dw, want_db, dout, want_out, w_proj, want_pre)
+
+    pre, out = backend.matmul_gelu_forward(*(backend.from_host(a) for a in (x, w_fc, b_fc)))
+    check(backend.to_host(pre), want_pre, 1e-5, "pre")
+    assert np.all(np.abs(backend.to_host(out) - want_out) <= 2e-6 * (1 + np.abs(want_pre))), "gelu"
+    dw, db = backend.from_host(dw0), backend.from_host(db0)
+    dpre = backend.matmul_backward_gelu(dw, db, backend.from_host(dout), backend.from_host(want_out),
+                                        backend.from_host(w_proj), backend.from_host(want_pre))
+    bound = 1e-5 * (1 + np.abs(want_pre) ** 3) * max(1.0, float(np.abs(want_dpre).max()))
+    assert np.all(np.abs(backend.to_host(dpre) - want_dpre) <= bound), "dpre"
+    check(backend.to_host(dw), want_dw, 1e-5, "dweight")
+    check(backend.to_host(db), want_db, 1e-5, "dbias")
+    if matmul == "cublaslt":
+        # c_fc's forward and c_proj's input gradient are both h x rows x c in cuBLAS's terms
+        forward = {key[12] for key in backend._lt._plans if key[2:5] == (h, rows, c)}
+        grads = {key[12] for key in backend._lt._plans if key[2:5] == (c, h, rows)}
+        assert forward == ({EPILOGUES["gelu"], EPILOGUES["dgelu"]} if h % 8 == 0 else set()), forward
+        assert grads == ({EPILOGUES["bgrad"]} if rows > 1 else set()), grads
 
 
 def test_reading_back_a_strided_view_leaves_the_current_stream_alone(be, rng):

@@ -809,20 +809,27 @@ def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
 
 def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
     """bin/bench_gemm's side of ours: every layer, pass and precision gets a row, the classifier twice (its
-    vocabulary and that padded to 128), the layers with a bias a "forward lt" row (--matmul cublaslt), and
-    the results files are written."""
+    vocabulary and that padded to 128), the layers with a bias "lt" rows (--matmul cublaslt), the MLP's
+    layers their GELU rows (both libraries), the results files are written, and the cuBLASLt call's host
+    cost is timed through ctypes (nvmath-python, not installed here, is said to be not measured)."""
     result = subprocess.run([*RUN, "bin/bench_gemm", "--preset", "tiny", "--tokens", "32", "--vocab", "1001",
                              "--precisions", "fp32,bf16", "--no-torch", "--reps", "1", "--warmup", "1", "--out",
                              str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     [report] = tmp_path.glob("*.json")
-    rows = json.loads(report.read_text())["rows"]
+    results = json.loads(report.read_text())
+    rows = results["rows"]
     layers = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "lm_head V=1001", "lm_head V=1024"]
+    gelu = {"mlp.c_fc": ("forward gelu",), "mlp.c_proj": ("backward gelu",)}
     assert [(r["precision"], r["layer"], r["pass"]) for r in rows] == [
         (p, layer, pass_) for p in ("fp32", "bf16") for layer in layers
-        for pass_ in ("forward", "product", "backward") + (("forward lt",) if "lm_head" not in layer else ())]
+        for pass_ in ("forward", "product", "product tn", "backward", *gelu.get(layer, ()))
+        + (("forward lt", "backward lt", *(f"{g} lt" for g in gelu.get(layer, ()))) if "lm_head" not in layer
+           else ())]
     assert all(r["ours_ms"] > 0 and "torch_ms" not in r for r in rows)
     assert len(list(tmp_path.glob("*.md"))) == 1
+    costs = results["header"]["lt_call_us"]
+    assert costs["ctypes"] > 0 and costs["nvmath"].startswith("not measured: ModuleNotFoundError"), costs
 
 
 def test_bench_attention_runs_our_rows_on_the_simulator(tmp_path):
@@ -843,7 +850,8 @@ def test_bench_attention_runs_our_rows_on_the_simulator(tmp_path):
     assert len(list(tmp_path.glob("bench_attention-*.md"))) == 1
 
 
-@pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"]])
+@pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"],
+                                     ["--dtype", "bf16", "--matmul", "cublaslt"]])
 def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
     """bin/kernel_errors (the GPU session's error tables) runs every op, flash attention too where its kernel
     applies (bf16, 64-channel heads); in fp32 every error is float32-sized."""

@@ -50,9 +50,13 @@ def test_bf16_ops_differ_from_fp32_by_about_bf16_epsilon(case):
     output (gradients, statistics, losses) is bitwise the float32 oracle's."""
     host = rounded(case.inputs(np.random.default_rng(0)))
     low, full = outputs(BF16, case, host), outputs(FP32, case, host)
+    stats = full
+    if case.name == "residual_layernorm_forward":  # its statistics are those of the sum as stored, in bf16
+        stats = dict(zip(("out", "mean", "rstd"), FP32.layernorm_forward(low["residual"], host["w"][0],
+                                                                          host["bias"][0]), strict=True))
     for name, kind in case.outputs.items():
         if kind == "f32":
-            assert np.array_equal(low[name], full[name]), name
+            assert np.array_equal(low[name], stats[name]), name
             continue
         assert is_bf16(low[name]), name
         rel = np.linalg.norm(low[name] - full[name]) / np.linalg.norm(full[name])

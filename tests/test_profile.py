@@ -11,6 +11,7 @@ from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
 from xtrain_dist.profile import (
     OpProfiler,
+    compute_share,
     gpt2_num_params,
     llmc_flops_per_token,
     mfu,
@@ -44,16 +45,18 @@ def test_a_profiled_step_is_the_same_step_and_every_op_is_counted(rng):
     report = profiler.report()
     calls = {t.name: t.calls for t in report["ops"]}
     assert calls == {
-        "encoder_forward": 1, "layernorm_forward": 2 * L + 1, "matmul_forward": 4 * L + 1,
-        "attention_forward": L, "residual_forward": 2 * L, "gelu_forward": L, "fused_classifier": 1,
-        "matmul_backward": 4 * L + 1, "layernorm_backward": 2 * L + 1, "attention_backward": L,
-        "gelu_backward": L, "encoder_backward": 1, "global_norm_squared": 1, "clip_coefficient": 1,
+        "encoder_forward": 1, "layernorm_forward": 1, "residual_layernorm_forward": 2 * L, "matmul_forward": 3 * L + 1,
+        "matmul_gelu_forward": L, "attention_forward": L, "fused_classifier": 1,
+        "matmul_backward": 3 * L + 1, "matmul_backward_gelu": L, "layernorm_backward": 2 * L + 1,
+        "attention_backward": L, "encoder_backward": 1, "global_norm_squared": 1, "clip_coefficient": 1,
         "adamw_update": 1}
     # the matmuls' flops, counted independently: per token, 2 x (every block's weights + the classifier)
     block_weights = C * 3 * C + C * C + C * 4 * C + 4 * C * C
     flops = {t.name: t.flops for t in report["ops"]}
-    assert flops["matmul_forward"] == 2 * B * T * (L * block_weights + C * 512)
-    assert flops["matmul_backward"] == 2 * flops["matmul_forward"]
+    assert flops["matmul_forward"] + flops["matmul_gelu_forward"] == 2 * B * T * (L * block_weights + C * 512)
+    assert flops["matmul_gelu_forward"] == 2 * B * T * L * C * 4 * C
+    assert flops["matmul_backward"] + flops["matmul_backward_gelu"] == \
+        2 * (flops["matmul_forward"] + flops["matmul_gelu_forward"])
     assert flops["attention_forward"] == 4 * B * T * T * C * L
     assert flops["attention_backward"] == 8 * B * T * T * C * L  # dq, dk from the scores; datt, dv from y
     assert 0 < report["ops_s"] <= report["span_s"] and report["gaps_s"] == report["span_s"] - report["ops_s"]
@@ -124,7 +127,14 @@ def test_bench_gpu_writes_the_profile_of_our_step(rng):
            "profile": OpProfiler.rows(profiler.report())}
     text = bench_gpu.markdown(BENCH_GPU_HEADER, [row])
     assert "### Where our step's time goes: tiny, 2 x 16, fp32" in text
-    assert "| matmul_backward | 9 |" in text and "| adamw_update | 1 |" in text
+    assert "| matmul_backward | 7 |" in text and "| matmul_backward_gelu | 2 |" in text
+    assert "| adamw_update | 1 |" in text
+    # the split the targets read: products and attention, the other ops, the gaps, adding up to the step
+    compute, other, between = compute_share(row["profile"])
+    shares = {r["op"]: r["share"] for r in row["profile"]}
+    assert compute == pytest.approx(sum(v for op, v in shares.items() if op.startswith(("matmul", "attention"))))
+    assert other > 0 and compute + other + between == pytest.approx(sum(shares.values()))
+    assert f"Products and attention: {100 * compute:.1f}% of the step; the other ops: {100 * other:.1f}%" in text
     # the memory column compares what each allocator holds from the driver, and says so
     assert "| loss (1st) | peak GiB held |" in text and "torch.cuda.max_memory_reserved for PyTorch" in text
 

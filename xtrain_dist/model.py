@@ -147,7 +147,10 @@ def check_attention(attention: str) -> str:
 # What backward recomputes instead of forward keeping it (llm.c's -r): 0 nothing; 1 each block's GELU output,
 # the largest activation after attention's probabilities (B*T*4C); 2 also the two layernorm outputs
 # (2 B*T*C), from the layernorm's input, which is kept anyway. The same op on the same input gives the same
-# bits, so a run's parameters do not depend on the level: only its memory and its time do.
+# bits, so a run's parameters do not depend on the level: only its memory and its time do. One exception:
+# with --matmul cublaslt in bf16, level 0 runs c_fc's GELU in the product's epilogue, on the float32 sum
+# before its rounding, which backward cannot run again without the product; levels 1 and 2 run the GELU
+# kernel on the stored sum, forward and backward, so their bits are each other's and a rounding off level 0's.
 RECOMPUTE_LEVELS = (0, 1, 2)
 
 
@@ -298,6 +301,13 @@ class GPT2:
         self.grads.fill(0)
 
     # ---------------------------------------------------------------- forward
+    def _layernorm_after(self, layer: int):
+        """(weight, bias) of the layernorm that reads the residual stream block `layer` writes (-1: the
+        embeddings): the next block's ln_1, or ln_f after the last block."""
+        if layer + 1 < self.config.n_layer:
+            return self.p.h[layer + 1].ln_1_weight, self.p.h[layer + 1].ln_1_bias
+        return self.p.ln_f_weight, self.p.ln_f_bias
+
     def forward(self, ids, targets=None, dloss: float | None = None, cache: KVCache | None = None):
         """ids, targets: (B, T) int32 on the backend.
 
@@ -309,9 +319,11 @@ class GPT2:
         A cache (generation): ids are the positions after those it holds, and attention reads it."""
         ops, p, n_head = self.ops, self.p, self.config.n_head
         x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
+        # every residual sum is followed by a layernorm (ln_2 in the block, then the next block's ln_1 or ln_f):
+        # one op makes both, so the stream is written once and not read back (residual_layernorm_forward)
+        ln1, ln1_mean, ln1_rstd = ops.layernorm_forward(x, *self._layernorm_after(-1))
         acts = []
         for layer, w in enumerate(p.h):
-            ln1, ln1_mean, ln1_rstd = ops.layernorm_forward(x, w.ln_1_weight, w.ln_1_bias)
             qkv = ops.matmul_forward(ln1, w.attn_c_attn_weight, w.attn_c_attn_bias)
             if cache is not None:
                 atty, att = cache.attention(layer, qkv, n_head), None
@@ -320,18 +332,20 @@ class GPT2:
             else:
                 atty, att = ops.attention_forward(qkv, n_head)
             attproj = ops.matmul_forward(atty, w.attn_c_proj_weight, w.attn_c_proj_bias)
-            x_mid = ops.residual_forward(x, attproj)
-            ln2, ln2_mean, ln2_rstd = ops.layernorm_forward(x_mid, w.ln_2_weight, w.ln_2_bias)
-            fch = ops.matmul_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
-            fch_gelu = ops.gelu_forward(fch)
+            x_mid, ln2, ln2_mean, ln2_rstd = ops.residual_layernorm_forward(x, attproj, w.ln_2_weight, w.ln_2_bias)
+            if self.recompute < 1:  # bias and GELU after the product in one op (an epilogue: cublaslt)
+                fch, fch_gelu = ops.matmul_gelu_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
+            else:  # GELU as backward runs it again: the same op on the same stored input (RECOMPUTE_LEVELS)
+                fch = ops.matmul_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
+                fch_gelu = ops.gelu_forward(fch)
             fcproj = ops.matmul_forward(fch_gelu, w.mlp_c_proj_weight, w.mlp_c_proj_bias)
             keep_ln, keep_gelu = self.recompute < 2, self.recompute < 1
             acts.append(_LayerActs(x, ln1 if keep_ln else None, ln1_mean, ln1_rstd, qkv, atty, att, x_mid,
                                    ln2 if keep_ln else None, ln2_mean, ln2_rstd, fch, fch_gelu if keep_gelu else None))
-            x = ops.residual_forward(x_mid, fcproj)
+            x, ln1, ln1_mean, ln1_rstd = ops.residual_layernorm_forward(x_mid, fcproj, *self._layernorm_after(layer))
+        lnf, lnf_mean, lnf_rstd = ln1, ln1_mean, ln1_rstd  # after the last block, ln1 is ln_f's
         if cache is not None:
             cache.length += ids.shape[1]
-        lnf, lnf_mean, lnf_rstd = ops.layernorm_forward(x, p.ln_f_weight, p.ln_f_bias)
         logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection: (B, T, Vp)
         V = self.config.vocab_size
         if targets is None:
@@ -360,10 +374,10 @@ class GPT2:
         for a, w, gw in zip(reversed(acts), reversed(p.h), reversed(g.h), strict=True):
             # MLP: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
             fch_gelu = ops.gelu_forward(a.fch) if a.fch_gelu is None else a.fch_gelu  # --recompute 1
-            dfch_gelu = ops.matmul_backward(gw.mlp_c_proj_weight, gw.mlp_c_proj_bias, dres, fch_gelu,
-                                            w.mlp_c_proj_weight)
+            # c_proj's backward and GELU's in one op (the derivative in the product's epilogue: cublaslt)
+            dfch = ops.matmul_backward_gelu(gw.mlp_c_proj_weight, gw.mlp_c_proj_bias, dres, fch_gelu,
+                                            w.mlp_c_proj_weight, a.fch)
             del fch_gelu  # a recomputed one goes now, not at the next block's
-            dfch = ops.gelu_backward(dfch_gelu, a.fch)
             ln2 = ops.layernorm_forward(a.x_mid, w.ln_2_weight, w.ln_2_bias)[0] if a.ln2 is None else a.ln2
             dln2 = ops.matmul_backward(gw.mlp_c_fc_weight, gw.mlp_c_fc_bias, dfch, ln2, w.mlp_c_fc_weight)
             del ln2

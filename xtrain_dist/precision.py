@@ -22,7 +22,8 @@ from .errors import XtrainError
 DTYPES = ("fp32", "bf16")
 # --matmul (cuda): the library a linear layer's product with a bias goes through. cublas: cublasGemmEx into
 # a float32 product, then kernels/matmul.cu's add_bias; cublaslt: one cuBLASLt call whose epilogue adds the
-# bias before the single rounding (backend/cuda/cublaslt.py). Products without a bias take cublasGemmEx either way.
+# bias before the single rounding (backend/cuda/cublaslt.py), and with it the MLP's GELU, GELU's derivative
+# and the bias gradients (cuda/ops.py). Products without a bias take cublasGemmEx either way.
 MATMULS = ("cublas", "cublaslt")
 
 

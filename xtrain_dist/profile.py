@@ -7,13 +7,14 @@ previous work to the end of this op's kernels, and the marks cost no synchronisa
 seconds only in `report()`). What no op covers, the gaps between spans, is time the device spent
 waiting for the host to launch the next op: the launch-bound part of a step.
 
-Matrix products and attention also get their arithmetic rate: matmul_forward does 2·rows·in·out flops,
-matmul_backward twice that (dinp and dweight); attention (standard or flash) counts the full T×T
-square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same counts as nanogpt_flops_per_token below,
-which gives the MFU of training runs on GPUs and of bin/bench_gpu (which also gives llm.c's count,
-llmc_flops_per_token). Every op also gets the rate at which it moved the bytes it cannot avoid moving
-(op_bytes): for the ops bound by memory, not arithmetic (layernorm, GELU, the residual, the classifier's
-softmax, AdamW), that GB/s against the GPU's (PEAK_GBPS) says how far each is from its bound.
+Matrix products and attention also get their arithmetic rate: matmul_forward and matmul_gelu_forward do
+2·rows·in·out flops, matmul_backward and matmul_backward_gelu twice that (dinp and dweight); attention
+(standard or flash) counts the full T×T square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same
+counts as nanogpt_flops_per_token below, which gives the MFU of training runs on GPUs and of bin/bench_gpu
+(which also gives llm.c's count, llmc_flops_per_token). Every op also gets the rate at which it moved the
+bytes it cannot avoid moving (op_bytes): for the ops bound by memory, not arithmetic (layernorm, GELU, the
+residual, the classifier's softmax, AdamW), that GB/s against the GPU's (PEAK_GBPS) says how far each is
+from its bound.
 
     profiler = OpProfiler(backend)
     model = GPT2(config, profiler, seed=1)      # every op the model or AdamW calls is timed
@@ -39,12 +40,13 @@ ATTENTION_SQUARES = {"attention_forward": (0, 2), "flash_attention_forward": (0,
 
 def op_flops(name: str, args: tuple) -> float:
     """Floating-point operations of one call, for the ops whose count is plain; 0 for the others."""
-    if name in ("matmul_forward", "matmul_backward"):
-        weight = args[1] if name == "matmul_forward" else args[4]
-        inp = args[0] if name == "matmul_forward" else args[3]
+    if name in ("matmul_forward", "matmul_gelu_forward", "matmul_backward", "matmul_backward_gelu"):
+        forward = name in ("matmul_forward", "matmul_gelu_forward")
+        weight = args[1] if forward else args[4]
+        inp = args[0] if forward else args[3]
         in_features, out_features = weight.shape
         rows = inp.size // in_features
-        return (2.0 if name == "matmul_forward" else 4.0) * rows * in_features * out_features
+        return (2.0 if forward else 4.0) * rows * in_features * out_features
     if name in ATTENTION_SQUARES:
         where_qkv, squares = ATTENTION_SQUARES[name]
         batch, seq, three_c = args[where_qkv].shape
@@ -53,8 +55,9 @@ def op_flops(name: str, args: tuple) -> float:
 
 
 # the arguments each op updates in place, read and then written (the others are read, or written alone)
-IN_PLACE = {"matmul_backward": (0, 1), "layernorm_backward": (1, 2), "encoder_backward": (0, 1),
-            "adamw_update": (0, 2, 3), "fused_classifier": (0,), "scale": (0,), "bf16_round": (0,)}
+IN_PLACE = {"matmul_backward": (0, 1), "matmul_backward_gelu": (0, 1), "layernorm_backward": (1, 2),
+            "encoder_backward": (0, 1), "adamw_update": (0, 2, 3), "fused_classifier": (0,), "scale": (0,),
+            "bf16_round": (0,)}
 
 
 def _arrays(values):
@@ -225,6 +228,16 @@ class OpProfiler:
     def markdown(report: dict) -> str:
         return rows_markdown(OpProfiler.rows(report)) + (
             f"| **step (first mark to last)** | | {report['span_s'] * 1e3:.2f} | 100% | | |\n")
+
+
+def compute_share(rows: list[dict]) -> tuple[float, float, float]:
+    """(products and attention, the other ops, between ops): shares of the step in OpProfiler.rows, the
+    split of the GPU's time the performance targets read (the other ops are the passes over memory)."""
+    between = sum(r["share"] for r in rows if r["calls"] is None)
+    compute = sum(r["share"] for r in rows if r["calls"] is not None
+                  and (r["op"].startswith("matmul") or "attention" in r["op"]))
+    other = sum(r["share"] for r in rows if r["calls"] is not None) - compute
+    return compute, other, between
 
 
 def rows_markdown(rows: list[dict]) -> str:

@@ -9,7 +9,13 @@
 #      and the WMMA ones it replaced) against each of PyTorch's SDPA backends at 8x12x1024x64,
 #      16x12x1024x64 and 4x16x2048x64
 #      (BENCH_ATTENTION_ARGS, default its own); a minute, so it goes before the long bench_gpu runs
-#   2. bin/bench_gpu, once per entry of BENCH_GPU_RUNS from the BENCH_GPU_FROM-th (default the first), each
+#   2. bin/bench_gemm: the products alone, ours against PyTorch's, which says whether the profile's product
+#      times are cuBLAS's or ours (BENCH_GEMM_ARGS, default gpt2-124m at 8192 rows); the open questions
+#      first, since it is short: each product in PyTorch's operand order ("product tn"), the cuBLASLt
+#      epilogues (bias gradient, GELU and its derivative) against PyTorch's, and a cuBLASLt call's host
+#      cost through ctypes and through nvmath-python, installed for this step alone from .whl/nvmath/ where
+#      it is carried (docs/gpu_session.md) and missing
+#   3. bin/bench_gpu, once per entry of BENCH_GPU_RUNS from the BENCH_GPU_FROM-th (default the first), each
 #      into its own folder $OUT/run<i>, most wanted first (torch.compile's compile, 20-40 s a shape and mode,
 #      and max-autotune's, minutes, are most of the time). The target shapes first: gpt2-124m bf16 at 16 and
 #      64 x 1024 per GPU, ours with flash attention (--matmul cublas and cublaslt) against torch.compile in
@@ -21,8 +27,6 @@
 #      (44.5 with standard attention), well inside an H100's 80 GB. Every row of ours has its per-op profile
 #      (one step more). bench_gpu writes its files after every row, so a run its cap stops keeps the rows it
 #      finished; what the budget leaves out is listed, with its run number, for BENCH_GPU_FROM to start at.
-#   3. bin/bench_gemm: the products alone, ours against PyTorch's, which says whether the profile's product
-#      times are cuBLAS's or ours (BENCH_GEMM_ARGS, default gpt2-124m at 8192 rows)
 #   4. compute-sanitizer racecheck over the op tests with what is left of the budget
 #   5. $OUT/bench_results.md: our best row against PyTorch's best over every run (gpu_session/bench_summary),
 #      each step's exit status and the tables' files
@@ -58,6 +62,18 @@ echo "## bench_attention"
 step bench_attention 120 $PY bin/bench_attention $BENCH_ATTENTION_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench_attention.txt"
 attention_rc=${PIPESTATUS[0]}
 
+echo "## bench_gemm"
+nvmath_site=""
+nvmath_wheel=$(ls .whl/nvmath/nvmath_python-*.whl 2>/dev/null | tail -n 1)
+if [ -n "$nvmath_wheel" ] && ! $PY -c "import nvmath.bindings.cublasLt" 2>/dev/null; then
+  nvmath_site=$(mktemp -d)  # outside $OUT: the results do not carry a library
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$nvmath_site" "$nvmath_wheel" \
+    > "$OUT/nvmath.txt" 2>&1 || nvmath_site=""
+fi
+step bench_gemm 75 env PYTHONPATH="${nvmath_site:+$nvmath_site:}${PYTHONPATH:-}" $PY bin/bench_gemm $BENCH_GEMM_ARGS \
+  --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.txt"
+gemm_rc=${PIPESTATUS[0]}
+
 IFS=';' read -ra runs <<< "$BENCH_GPU_RUNS"
 gpu_rc=0
 report=()
@@ -76,10 +92,6 @@ for i in "${!runs[@]}"; do
   [ "$rc" = 0 ] || [ "$rc" = 124 ] || gpu_rc=$rc
   report+=("- run $(( i + 1 )): \`bin/bench_gpu $args\`: exit $rc (${written:-no results file})")
 done
-echo "## bench_gemm"
-step bench_gemm 45 $PY bin/bench_gemm $BENCH_GEMM_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.txt"
-gemm_rc=${PIPESTATUS[0]}
-
 sanitize racecheck 600
 race_rc=$?
 

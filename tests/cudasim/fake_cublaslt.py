@@ -11,8 +11,12 @@ is imported, not now: the checkout's xtrain_dist may not be on the path yet). Th
 - The heuristic refuses an A of one row or column, as the library has.
 - cublasLtMatmul checks that the layouts agree with the operation (op(A) rows x k, op(B) k x cols, D rows
   x cols), that the algorithm came from the heuristic, that the pointers are as aligned as the preference
-  promised (the bias as D), the workspace as large, and that it runs on the current stream; then computes
-  through fake_cupy's gemm with the bias added to the float32 product before the one rounding to D's type.
+  promised (the bias and the aux matrix as D), the workspace as large, and that it runs on the current
+  stream; then computes through fake_cupy's gemm, the epilogue acting on the float32 product before the one
+  rounding to D's type: BIAS adds the bias; GELU_AUX_BIAS adds it, writes the sum to the aux matrix (D's type,
+  its own leading dimension, a multiple of 8 as cublasLt.h requires) and applies GELU, the tanh approximation
+  in float32; DGELU multiplies by GELU's derivative at the aux matrix; BGRADA writes the sum of op(A) over k
+  to the bias pointer (in D's type, as cublasLt.h says of a bias gradient). beta is D's own (C is D).
 """
 
 from __future__ import annotations
@@ -24,10 +28,26 @@ import itertools
 import sys
 
 import numpy as np
-from fake_cupy import _ELEMENT, _gemm, _gemm_operation, _memory, _queue, _to_float, get_current_stream, raw_operation
+from fake_cupy import (
+    _ELEMENT,
+    CUDA_R_16BF,
+    _bf16_bits,
+    _gemm,
+    _gemm_operation,
+    _memory,
+    _queue,
+    _to_float,
+    get_current_stream,
+    raw_operation,
+)
 
 SUCCESS, INVALID_VALUE, NOT_SUPPORTED = 0, 7, 15
-DESC_SIZES = {0: 4, 1: 4, 3: 4, 4: 4, 7: 4, 8: 8, 26: 4}  # cublasLt.h's types of the attributes we know
+# cublasLtEpilogue_t and cublasLtMatmulDescAttributes_t, cublasLt.h's values (tests/test_cublaslt.py checks them)
+DEFAULT, BIAS, GELU_AUX_BIAS, DGELU, BGRADA = 1, 4, 164, 192, 256
+TRANSA, TRANSB, EPILOGUE, BIAS_POINTER, AUX_POINTER, AUX_LD, AUX_DATA_TYPE, BIAS_DATA_TYPE = 3, 4, 7, 8, 11, 12, 22, 26
+GELU_SCALE, GELU_CUBIC = np.float32(np.sqrt(2.0 / np.pi)), np.float32(0.044715)
+# cublasLt.h's sizes of the attributes we know (tests/test_cublaslt.py reads them from the header)
+DESC_SIZES = {0: 4, 1: 4, 3: 4, 4: 4, 7: 4, 8: 8, 11: 8, 12: 8, 22: 4, 26: 4}
 PREF_SIZES = {1: 8, 5: 4, 6: 4, 7: 4, 8: 4}
 ALGO_MARK = 0x5EED
 
@@ -56,53 +76,55 @@ class FakeCublasLt:
     def cublasLtGetVersion():
         return 0
 
-    def cublasLtCreate(self, out_ref):
-        return self._new(out_ref, kind="handle")
+    def cublasLtCreate(self, lightHandle):
+        return self._new(lightHandle, kind="handle")
 
-    def cublasLtMatmulDescCreate(self, out_ref, compute, scale_type):
-        return self._new(out_ref, kind="desc", compute=compute, scale_type=scale_type,
-                         attributes={3: 0, 4: 0, 7: 1, 8: None, 26: -1})
+    def cublasLtMatmulDescCreate(self, matmulDesc, computeType, scaleType):
+        return self._new(matmulDesc, kind="desc", compute=computeType, scale_type=scaleType,
+                         attributes={TRANSA: 0, TRANSB: 0, EPILOGUE: DEFAULT, BIAS_POINTER: None, AUX_POINTER: None,
+                                     AUX_LD: 0, AUX_DATA_TYPE: -1, BIAS_DATA_TYPE: -1})
 
-    def cublasLtMatmulDescSetAttribute(self, desc, attribute, ref, size):
-        if not self._sized(ref, size, DESC_SIZES, attribute):
+    def cublasLtMatmulDescSetAttribute(self, matmulDesc, attr, buf, sizeInBytes):
+        if not self._sized(buf, sizeInBytes, DESC_SIZES, attr):
             return INVALID_VALUE
-        self._get(desc)["attributes"][attribute] = ref._obj.value
+        self._get(matmulDesc)["attributes"][attr] = buf._obj.value
         return SUCCESS
 
-    def cublasLtMatrixLayoutCreate(self, out_ref, kind, rows, cols, ld):  # ld is checked by the product
-        return self._new(out_ref, kind="layout", type=kind, rows=rows, cols=cols, ld=ld)
+    def cublasLtMatrixLayoutCreate(self, matLayout, type, rows, cols, ld):  # the header's names
+        return self._new(matLayout, kind="layout", type=type, rows=rows, cols=cols, ld=ld)  # ld: the product checks
 
-    def cublasLtMatmulPreferenceCreate(self, out_ref):
-        return self._new(out_ref, kind="preference", attributes={1: 0, 5: 256, 6: 256, 7: 256, 8: 256})
+    def cublasLtMatmulPreferenceCreate(self, pref):
+        return self._new(pref, kind="preference", attributes={1: 0, 5: 256, 6: 256, 7: 256, 8: 256})
 
-    def cublasLtMatmulPreferenceSetAttribute(self, preference, attribute, ref, size):
-        if not self._sized(ref, size, PREF_SIZES, attribute):
+    def cublasLtMatmulPreferenceSetAttribute(self, pref, attr, buf, sizeInBytes):
+        if not self._sized(buf, sizeInBytes, PREF_SIZES, attr):
             return INVALID_VALUE
-        self._get(preference)["attributes"][attribute] = ref._obj.value
+        self._get(pref)["attributes"][attr] = buf._obj.value
         return SUCCESS
 
-    def cublasLtMatmulAlgoGetHeuristic(self, handle, desc, a, b, c, d, preference, count, result_ref, found_ref):
-        if count < 1:
+    def cublasLtMatmulAlgoGetHeuristic(self, lightHandle, operationDesc, Adesc, Bdesc, Cdesc, Ddesc, preference,
+                                       requestedAlgoCount, heuristicResultsArray, returnAlgoCount):
+        if requestedAlgoCount < 1:
             return INVALID_VALUE
         # the library has answered INVALID_VALUE for an A of one row or column (PyTorch's addmm keeps such
         # products off cuBLASLt for it); the backend must not ask
-        layout_a = self._get(a)
+        layout_a = self._get(Adesc)
         if 1 in (layout_a["rows"], layout_a["cols"]):
             return INVALID_VALUE
-        result = result_ref._obj
+        result = heuristicResultsArray._obj
         result.algo.data[0], result.algo.data[1] = ALGO_MARK, self._get(preference)["attributes"][1]
         result.algo.data[2:6] = [self._get(preference)["attributes"][i] for i in (5, 6, 7, 8)]
         result.workspaceSize, result.state = 0, SUCCESS
-        found_ref._obj.value = 1
+        returnAlgoCount._obj.value = 1
         return SUCCESS
 
-    def cublasLtMatmul(self, handle, desc, alpha_ref, A, a_layout, B, b_layout, beta_ref, C, c_layout, D, d_layout,
-                       algo_ref, workspace, workspace_bytes, stream):
-        op = self._get(desc)
+    def cublasLtMatmul(self, lightHandle, computeDesc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo,
+                       workspace, workspaceSizeInBytes, stream):
+        op = self._get(computeDesc)
         attrs = op["attributes"]
-        la, lb, lc, ld = (self._get(x) for x in (a_layout, b_layout, c_layout, d_layout))
-        algo = algo_ref._obj
-        transa, transb = attrs[3], attrs[4]
+        la, lb, lc, ld = (self._get(x) for x in (Adesc, Bdesc, Cdesc, Ddesc))
+        chosen = algo._obj
+        transa, transb = attrs[TRANSA], attrs[TRANSB]
         m, n = ld["rows"], ld["cols"]
         k = la["cols"] if transa == 0 else la["rows"]
         if (la["rows"] if transa == 0 else la["cols"]) != m or (lb["rows"], lb["cols"]) != ((k, n) if transb == 0
@@ -110,44 +132,94 @@ class FakeCublasLt:
             return INVALID_VALUE
         if lc != ld or C != D or la["type"] != lb["type"]:
             return NOT_SUPPORTED
-        if algo.data[0] != ALGO_MARK or workspace_bytes < algo.data[1]:
+        if chosen.data[0] != ALGO_MARK or workspaceSizeInBytes < chosen.data[1]:
             return INVALID_VALUE
-        for pointer, promised in zip((A, B, C, D), algo.data[2:6], strict=True):
+        for pointer, promised in zip((A, B, C, D), chosen.data[2:6], strict=True):
             if pointer % promised:
                 return NOT_SUPPORTED  # the algorithm was chosen for an alignment this pointer lacks
         if stream != get_current_stream().ptr:
             raise AssertionError(f"cublasLtMatmul on stream {stream:#x}, the thread's current one is "
                                  f"{get_current_stream().ptr:#x}")
-        bias_type = bias_ptr = None
-        if attrs[7] == 4:  # CUBLASLT_EPILOGUE_BIAS
-            bias_type, bias_ptr = ld["type"] if attrs[26] == -1 else attrs[26], attrs[8]
+        epilogue = attrs[EPILOGUE]
+        if epilogue not in (DEFAULT, BIAS, GELU_AUX_BIAS, DGELU, BGRADA):
+            return NOT_SUPPORTED
+        d_item = np.dtype(_ELEMENT[ld["type"]]).itemsize
+        bias_ptr = aux_ptr = None
+        if epilogue in (BIAS, GELU_AUX_BIAS, BGRADA):
+            bias_type = ld["type"] if attrs[BIAS_DATA_TYPE] == -1 else attrs[BIAS_DATA_TYPE]
+            bias_ptr = attrs[BIAS_POINTER]
             if not bias_ptr:
                 return INVALID_VALUE
             if bias_type != ld["type"]:
-                return NOT_SUPPORTED  # the bias has D's type (the only combination this module asks for)
-            if bias_ptr % algo.data[5]:
+                return NOT_SUPPORTED  # the bias (or its gradient) has D's type: all the backend asks for
+            if bias_ptr % chosen.data[5]:
                 return NOT_SUPPORTED  # the bias is read like D: as aligned as D's promise (cublaslt.py says why)
-        elif attrs[7] != 1:
-            return NOT_SUPPORTED
-        if not (isinstance(alpha_ref._obj, ctypes.c_float) and isinstance(beta_ref._obj, ctypes.c_float)):
+        if epilogue in (GELU_AUX_BIAS, DGELU):
+            aux_ptr, aux_ld = attrs[AUX_POINTER], attrs[AUX_LD]
+            aux_type = ld["type"] if attrs[AUX_DATA_TYPE] == -1 else attrs[AUX_DATA_TYPE]
+            if not aux_ptr or aux_ld < m or aux_ld % 8:
+                return INVALID_VALUE  # cublasLt.h: "divisible by 8 and no less than the number of rows"
+            if aux_type != ld["type"]:
+                return NOT_SUPPORTED
+            if aux_ptr % chosen.data[5]:
+                return NOT_SUPPORTED  # as aligned as D's promise, like the bias
+        if not (isinstance(alpha._obj, ctypes.c_float) and isinstance(beta._obj, ctypes.c_float)):
             return INVALID_VALUE  # the scale type is float32 (cublasLtMatmulDescCreate's scaleType)
-        alpha, beta = alpha_ref._obj.value, beta_ref._obj.value
+        alpha_value, beta_value = alpha._obj.value, beta._obj.value
+        if beta_value != 0.0 and epilogue != BGRADA and epilogue != DEFAULT:
+            return NOT_SUPPORTED  # not a combination the backend asks for, so not one this stand-in models
+        d_type = ld["type"]
 
         def run():  # now, or at each launch of the graph a capture records it into
+            stream_now = get_current_stream()
             bias = None
-            if bias_ptr is not None:
-                item = np.dtype(_ELEMENT[bias_type]).itemsize
-                raw_operation(get_current_stream(), "cublasLtMatmul (bias)", [(bias_ptr, bias_ptr + m * item, False)])
-                bias = _to_float(_memory(bias_ptr, _ELEMENT[bias_type], m), bias_type)
+            if epilogue in (BIAS, GELU_AUX_BIAS):
+                raw_operation(stream_now, "cublasLtMatmul (bias)", [(bias_ptr, bias_ptr + m * d_item, False)])
+                bias = _to_float(_memory(bias_ptr, _ELEMENT[d_type], m), d_type)
+            aux = None
+            if aux_ptr is not None:
+                end = aux_ptr + (aux_ld * (n - 1) + m) * d_item
+                raw_operation(stream_now, "cublasLtMatmul (aux)", [(aux_ptr, end, epilogue == GELU_AUX_BIAS)])
+                flat = _memory(aux_ptr, _ELEMENT[d_type], aux_ld * (n - 1) + m)
+                aux = np.lib.stride_tricks.as_strided(flat, (m, n), (flat.itemsize, aux_ld * flat.itemsize),
+                                                      writeable=True)
+            if epilogue == BGRADA:
+                raw_operation(stream_now, "cublasLtMatmul (bias gradient)", [(bias_ptr, bias_ptr + m * d_item, True)])
+
+            def finish(result, op_a):
+                if epilogue == GELU_AUX_BIAS:
+                    aux[...] = _bf16_bits(result) if d_type == CUDA_R_16BF else result
+                    return _gelu(result)
+                if epilogue == DGELU:
+                    return result * _gelu_derivative(_to_float(aux, d_type))
+                if epilogue == BGRADA:
+                    sums = op_a.sum(axis=1, dtype=np.float32)
+                    _memory(bias_ptr, _ELEMENT[d_type], m)[...] = _bf16_bits(sums) if d_type == CUDA_R_16BF else sums
+                return result
+
             _gemm_operation("cublasLtMatmul", transa, transb, m, n, k, A, la["type"], la["ld"], B, lb["type"],
                             lb["ld"], D, ld["type"], ld["ld"])
-            raw_operation(get_current_stream(), "cublasLtMatmul (workspace)",
-                          [(workspace, workspace + workspace_bytes, True)])
-            _gemm(transa, transb, m, n, k, alpha, A, la["type"], la["ld"], B, lb["type"], lb["ld"], beta, D,
-                  ld["type"], ld["ld"], op["compute"], bias=bias)
+            raw_operation(stream_now, "cublasLtMatmul (workspace)",
+                          [(workspace, workspace + workspaceSizeInBytes, True)])
+            _gemm(transa, transb, m, n, k, alpha_value, A, la["type"], la["ld"], B, lb["type"], lb["ld"], beta_value,
+                  D, ld["type"], ld["ld"], op["compute"], bias=bias,
+                  epilogue=None if epilogue in (DEFAULT, BIAS) else finish)
 
         _queue(stream, run)
         return SUCCESS
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation in float32, as cuBLASLt's GELU epilogues compute it (and numpy_ops' gelu_forward)."""
+    return np.float32(0.5) * x * (1 + np.tanh(GELU_SCALE * (x + GELU_CUBIC * x * x * x)))
+
+
+def _gelu_derivative(x: np.ndarray) -> np.ndarray:
+    """d gelu / dx, numpy_ops.gelu_backward's grouping, in float32."""
+    x2 = x * x
+    th = np.tanh(GELU_SCALE * x * (1 + GELU_CUBIC * x2))
+    slope = np.float32(0.5) * GELU_SCALE * x * (1 + np.float32(3) * GELU_CUBIC * x2) * (1 - th * th)
+    return (th + 1) * np.float32(0.5) + slope
 
 
 class _SetLibraryOnImport(importlib.abc.MetaPathFinder):

@@ -160,6 +160,9 @@ def _allocate(shape, dtype, fill: int | None = POISON_BYTE) -> ndarray:
     elif pool is not None:
         pool.sizes.add(-(-nbytes // ALIGN))
     raw = np.empty(nbytes + 2 * GUARD + ALIGN, np.uint8)
+    capture = get_current_stream().capture
+    if capture is not None:  # the graph's pool owns what the capture allocated, for every launch of the graph
+        capture.held.append(raw)
     start = -raw.ctypes.data % ALIGN + GUARD
     raw[:] = GUARD_BYTE
     if fill is not None:
@@ -244,6 +247,10 @@ class Graph:
         self.origin = origin
         self.streams = [origin]  # the origin and the streams that joined through an event
         self.work: list = []     # (the stream it was queued on, what runs it)
+        # the memory allocated during the capture: a kernel's closure holds its arrays, but a library call
+        # (cuBLAS, cuBLASLt) holds only addresses, and an array only such calls touch (the GELU epilogue's
+        # outputs) would otherwise be freed under the graph, where CUDA's graph pool keeps it
+        self.held: list = []
         self.lock = threading.Lock()
 
     def record(self, stream, run) -> None:
@@ -912,9 +919,10 @@ def _operand(ptr, kind, op, rows, cols, ld, what) -> np.ndarray:
 
 
 def _gemm(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute,
-          bias: np.ndarray | None = None):
+          bias: np.ndarray | None = None, epilogue=None):
     """C = alpha op(A) op(B) + beta C, column-major; `bias` (m float32 values, cuBLASLt's bias epilogue) is
-    added to each column of the float32 product before the one rounding to C's type."""
+    added to each column of the float32 product before the one rounding to C's type, and then
+    `epilogue(result, op(A))` (cuBLASLt's other epilogues, fake_cublaslt.py) gives the value rounded."""
     if Atype != Btype or compute not in _SUPPORTED.get((Atype, Ctype), ()):
         raise CUBLASError(f"CUBLAS_STATUS_NOT_SUPPORTED: A/B type {Atype}, C type {Ctype}, compute {compute}")
     if min(m, n, k) < 0:
@@ -932,6 +940,8 @@ def _gemm(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
     result = np.float32(alpha) * (a @ b)
     if bias is not None:
         result = result + bias[:, None]
+    if epilogue is not None:
+        result = epilogue(result.astype(np.float32), a)
     if beta != 0.0:
         if Ctype == CUDA_R_16BF:  # as cuBLAS 13 does on an H100: the product is rounded to bf16 first
             result = _to_float(_bf16_bits(result.astype(np.float32)), CUDA_R_16BF)

@@ -286,6 +286,13 @@ class NumpyBackend:
         out = centered * rstd * weight + bias
         return self.store(out), mean[..., 0], rstd[..., 0]
 
+    def residual_layernorm_forward(self, a, b, weight, bias):
+        """The residual connection and the layernorm that follows it, in one op (one kernel on the GPU):
+        residual = a + b, stored in the activation dtype, then layernorm_forward of that stored value.
+        -> (residual, out, mean, rstd)"""
+        residual = self.residual_forward(a, b)
+        return (residual, *self.layernorm_forward(residual, weight, bias))
+
     def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
         """Accumulate into dinp (the residual stream's gradient), dweight and dbias.
 
@@ -325,6 +332,21 @@ class NumpyBackend:
         if dbias is not None:
             dbias += dout2.sum(axis=0)
         return self.store((dout2 @ weight.T).reshape(inp.shape))
+
+    def matmul_gelu_forward(self, inp, weight, bias):
+        """The MLP's first layer and its GELU: pre = matmul_forward(inp, weight, bias), out = gelu_forward(pre).
+        -> (pre, out); backward needs pre (matmul_backward_gelu). One kernel after the product on the GPU
+        (kernels/gelu.cu's bias_gelu_forward), or none: --matmul cublaslt's GELU_AUX_BIAS epilogue, which
+        applies GELU to the float32 sum before pre's rounding, so under bf16 it is a rounding away from
+        this (cuda/ops.py)."""
+        pre = self.matmul_forward(inp, weight, bias)
+        return pre, self.gelu_forward(pre)
+
+    def matmul_backward_gelu(self, dweight, dbias, dout, inp, weight, pre):
+        """The MLP's second layer's backward and the GELU's before it: matmul_backward, then gelu_backward of
+        its input gradient at pre (the GELU's input). -> the gradient of pre. On the GPU with --matmul cublaslt
+        the GELU's derivative is the product's DGELU epilogue, applied before the one rounding (cuda/ops.py)."""
+        return self.gelu_backward(self.matmul_backward(dweight, dbias, dout, inp, weight), pre)
 
     # ------------------------------------------------------------------ attention (kernels/attention.cu)
 
@@ -589,8 +611,9 @@ class NumpyBackend:
 # Every op and plumbing function a backend has; cuda/ops.py's CudaBackend has the same (a test checks it).
 OPS = ("to_host", "to_host_later", "from_host", "upload", "from_host_act", "synchronize", "bind_side_thread",
        "fence", "wait", "timestamp", "elapsed",
-       "encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
-       "matmul_backward", "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
+       "encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
+       "layernorm_backward", "matmul_forward", "matmul_backward", "matmul_gelu_forward", "matmul_backward_gelu",
+       "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
        "flash_attention_forward", "flash_attention_backward",
        "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_forward", "fused_classifier",
        "global_norm_squared", "clip_coefficient", "scale", "adamw_update", "lowp_copy", "bf16_round")

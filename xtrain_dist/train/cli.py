@@ -103,8 +103,9 @@ def build_parser() -> OneLineParser:
                    help="seconds a rank may wait in a collective")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
     p.add_argument("--matmul", choices=MATMULS, default="cublas",
-                   help="cuda: cublaslt adds a linear layer's bias in the product's epilogue, rounding once, "
-                        "instead of a kernel after a float32 product (default cublas)")
+                   help="cuda: cublaslt puts a linear layer's bias (and the MLP's GELU, its derivative and "
+                        "every bias gradient) in the products' epilogues instead of kernels around them "
+                        "(default cublas)")
     p.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
                    help="cuda: auto captures the training step once as a CUDA graph and replays it, where the "
                         "communicator allows (otherwise the run says why in one line and runs without); off "

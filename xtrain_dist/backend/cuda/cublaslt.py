@@ -1,4 +1,5 @@
-"""cuBLASLt through ctypes, for the one thing cublasGemmEx cannot do: add a bias with a single rounding.
+"""cuBLASLt through ctypes, for what cublasGemmEx cannot do: work in the product's epilogue, on the float32
+accumulator, before the output's one rounding.
 
 A linear layer's forward is out = inp @ weight + bias. cublasGemmEx can only add a bias it finds in C
 (beta = 1), and with a bf16 output it rounds the product to bf16 before adding C, so the result is
@@ -6,13 +7,34 @@ rounded twice (kernels/matmul.cu). The default path therefore writes a float32 p
 bias in a kernel of its own, which costs a float32 write and read of the whole output. cuBLASLt's bias
 epilogue adds the bias to the float32 accumulator inside the product and rounds once: the same value
 the numpy oracle computes (numpy_ops.matmul_forward), with neither the extra pass nor the float32 buffer.
-llm.c does the same (llmc/matmul.cuh). `--matmul cublaslt` asks for it.
+llm.c does the same (llmc/matmul.cuh). `--matmul cublaslt` asks for it, and for the other epilogues the
+backend uses (cuda/ops.py): GELU after c_fc's bias, keeping the pre-GELU sum for backward
+(GELU_AUX_BIAS), GELU's derivative on c_proj's input gradient (DGELU), and each layer's bias gradient
+computed by its weight-gradient product (BGRADA), each of which takes a whole pass over an activation
+away.
 
 CuPy does not expose cuBLASLt, so this module binds the functions it needs with ctypes. Each
-`LtMatmul` (one per backend, so per rank) owns a handle and a workspace, and keeps one plan per shape:
-the operation and layout descriptors and the algorithm cuBLASLt's heuristic picks for them, asked once.
-The enum values and struct layout below are cublasLt.h's; tests/test_cublaslt.py checks them against the
-header and the library where it finds them.
+`LtMatmul` (one per backend, so per rank) owns a handle and a workspace, and keeps one plan per shape
+and epilogue: the operation and layout descriptors and the algorithm cuBLASLt's heuristic picks for
+them, asked once. The enum values, attribute types, struct layout and function prototypes below are
+cublasLt.h's; tests/test_cublaslt.py checks them against the header (compiled, and read as text) and
+the library where it finds them.
+
+The binding: ctypes or nvmath-python. NVIDIA's nvmath-python (`nvmath.bindings.cublasLt`, 1.0.0) binds
+the same C functions with typed enums (create, matmul_desc_create, matmul_desc_set_attribute,
+matmul_algo_get_heuristic, matmul, each taking the same handles and device addresses as integers), so it
+would replace the hand-copied enums and structs here. `pip download nvmath-python` fetches a 5.5 MB wheel
+(cp311, manylinux_2_28), which needs cuda-bindings, cuda-core and cuda-pathfinder besides the cuBLAS
+wheel this module already loads; on 2026-11-26 it imported beside cuda-bindings 13.5.0 and cuda-core 1.2.2
+(on a machine without a GPU, where its first call stops at the missing driver), and its matmul and
+matmul_desc_set_attribute take the arguments this module passes, in the same order, as integers.
+The criterion: a step makes about 100 cuBLASLt calls (GPT-2 124M: 12 layers x 9 products with an
+epilogue), each paying the binding's host cost on the critical path of a launch-bound step; nvmath is
+worth the dependency where its per-call cost is no more than ctypes' (a few microseconds each, so at most
+~0.5 ms a step either way) and it loads beside CuPy's cuBLAS without a second copy of the library.
+bin/bench_gemm --lt-bindings times both on a GPU (the call alone, plans cached, the product 64 x 64 x 64
+so that the GPU keeps up); until that is measured, ctypes stays: it needs
+no dependency, and the header tests keep its copies honest.
 """
 
 from __future__ import annotations
@@ -31,17 +53,36 @@ STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 
 CUBLASLT_MATMUL_DESC_TRANSA = 3          # int32_t (cublasOperation_t)
 CUBLASLT_MATMUL_DESC_TRANSB = 4          # int32_t
 CUBLASLT_MATMUL_DESC_EPILOGUE = 7        # uint32_t (cublasLtEpilogue_t)
-CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8    # const void*
+CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8    # const void* (the bias), or void* (the bias gradient it writes)
+CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11  # void* (GELU_AUX_BIAS writes the pre-GELU matrix; DGELU reads it)
+CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12       # int64_t, in elements; a multiple of 8 for GELU's
+CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE = 22  # int32_t (cudaDataType)
 CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26  # int32_t (cudaDataType)
-CUBLASLT_EPILOGUE_BIAS = 4
 CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1    # uint64_t
 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES = 5  # uint32_t, then B, C, D at 6, 7, 8
 CUDA_R_32F = 0  # library_types.h: cudaDataType, as the scale (alpha, beta) type
+
+# cublasLtEpilogue_t: what the product does to its float32 accumulator before D's one rounding
+CUBLASLT_EPILOGUE_DEFAULT = 1         # nothing
+CUBLASLT_EPILOGUE_BIAS = 4            # + bias (D's rows long), broadcast along D's columns
+CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 164  # aux = + bias; D = gelu(+ bias) (tanh approximation)
+CUBLASLT_EPILOGUE_DGELU = 192         # D = product * gelu'(aux)
+CUBLASLT_EPILOGUE_BGRADA = 256        # bias gradient = sum of op(A) over k (D's rows long), written to the bias pointer
+EPILOGUE_NAMES = {CUBLASLT_EPILOGUE_DEFAULT: "no", CUBLASLT_EPILOGUE_BIAS: "a bias",
+                  CUBLASLT_EPILOGUE_GELU_AUX_BIAS: "a bias + GELU", CUBLASLT_EPILOGUE_DGELU: "a GELU-gradient",
+                  CUBLASLT_EPILOGUE_BGRADA: "a bias-gradient"}
+# the epilogues that read or write the bias pointer, and those that read or write the aux matrix
+BIAS_EPILOGUES = (CUBLASLT_EPILOGUE_BIAS, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, CUBLASLT_EPILOGUE_BGRADA)
+AUX_EPILOGUES = (CUBLASLT_EPILOGUE_GELU_AUX_BIAS, CUBLASLT_EPILOGUE_DGELU)
+AUX_LD_MULTIPLE = 8  # cublasLt.h: a GELU aux matrix's leading dimension "must be divisible by 8"
 
 # The attributes this module sets, with the C type cublasLt.h gives each: the library checks the size.
 DESC_ATTRIBUTE_TYPES = {CUBLASLT_MATMUL_DESC_TRANSA: ctypes.c_int32, CUBLASLT_MATMUL_DESC_TRANSB: ctypes.c_int32,
                         CUBLASLT_MATMUL_DESC_EPILOGUE: ctypes.c_uint32,
                         CUBLASLT_MATMUL_DESC_BIAS_POINTER: ctypes.c_void_p,
+                        CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER: ctypes.c_void_p,
+                        CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: ctypes.c_int64,
+                        CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE: ctypes.c_int32,
                         CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: ctypes.c_int32}
 PREF_ATTRIBUTE_TYPES = {CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: ctypes.c_uint64,
                         **{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES + i: ctypes.c_uint32 for i in range(4)}}
@@ -141,10 +182,12 @@ def alignment(pointer: int) -> int:
 
 
 class LtMatmul:
-    """D = op(A) op(B) + bias (bias broadcast along D's columns, added to the float32 accumulator, one
-    rounding to D's type) on a stream, in cuBLAS's column-major terms: A is rows x k after op, B k x cols,
-    D rows x cols, each with a leading dimension; the bias has `rows` elements. Made on the rank's thread,
-    with the rank's device current: the handle and workspace belong to that device."""
+    """D = epilogue(op(A) op(B) + beta D) on a stream, in cuBLAS's column-major terms: A is rows x k after op,
+    B k x cols, D rows x cols, each with a leading dimension. The epilogue (EPILOGUE_NAMES) acts on the
+    float32 accumulator before D's one rounding: + bias (`rows` elements, broadcast along D's columns), that
+    then GELU with the pre-GELU sum written to `aux`, times GELU's derivative at `aux`, or the bias gradient
+    (the sum of op(A) over k, `rows` elements) written to `bias`. Made on the rank's thread, with the rank's
+    device current: the handle and workspace belong to that device."""
 
     def __init__(self, cupy, library=None, workspace_bytes: int = WORKSPACE_BYTES):
         self._lib = library if library is not None else load_library()
@@ -159,33 +202,56 @@ class LtMatmul:
                     a: int, a_type: int, ld_a: int, b: int, ld_b: int,
                     d: int, d_type: int, ld_d: int, bias: int, bias_type: int, compute: int, stream: int) -> None:
         """Enqueue D = op(A) op(B) + bias on `stream` (pointers are device addresses, A and B share a_type)."""
-        # C is D (beta = 0 never reads it). The preferences have no entry for the bias, and an algorithm's
-        # vector loads may need it as aligned as D: D's entry is the smaller of the two alignments, so that
-        # the algorithm chosen suits the bias too (PyTorch's addmm tells the heuristic the bias's alignment in
-        # that same entry). The biases are views into the flat parameters, at any element offset.
-        d_aligned = min(alignment(d), alignment(bias))
+        self.matmul(op_a, op_b, rows, cols, k, a, a_type, ld_a, b, ld_b, d, d_type, ld_d, compute, stream,
+                    CUBLASLT_EPILOGUE_BIAS, bias=bias, bias_type=bias_type)
+
+    def matmul(self, op_a: int, op_b: int, rows: int, cols: int, k: int, a: int, a_type: int, ld_a: int,
+               b: int, ld_b: int, d: int, d_type: int, ld_d: int, compute: int, stream: int,
+               epilogue: int = CUBLASLT_EPILOGUE_DEFAULT, bias: int = 0, bias_type: int = -1, aux: int = 0,
+               ld_aux: int = 0, accumulate: bool = False) -> None:
+        """Enqueue D = epilogue(op(A) op(B) [+ D if accumulate]) on `stream` (device addresses; A and B share
+        a_type; the aux matrix, where the epilogue has one, has D's type and rows and ld_aux)."""
+        # C is D (beta = 0 never reads it). The preferences have no entry for the bias or the aux matrix, and
+        # an algorithm's vector loads may need them as aligned as D: D's entry is the smallest of the
+        # alignments, so that the algorithm chosen suits them too (PyTorch's addmm tells the heuristic the
+        # bias's alignment in that same entry). The biases are views into the flat parameters, at any offset.
+        d_aligned = min(alignment(d), alignment(bias) if bias else MAX_ALIGNMENT,
+                        alignment(aux) if aux else MAX_ALIGNMENT)
         aligned = (alignment(a), alignment(b), d_aligned, d_aligned)
-        key = (op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, aligned)
+        # beta is an argument of the call, not of the descriptors: the plan serves both
+        key = (op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, epilogue, ld_aux,
+               aligned)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan(key, bias)
+            plan = self._plans[key] = self._plan(key, bias, aux)
         desc, layout_a, layout_b, layout_d, algo = plan
-        # the bias pointer changes from call to call (each layer's own); the plan was made for its alignment
-        set_attribute(self._lib, "cublasLtMatmulDescSetAttribute", desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)
+        # the bias and aux pointers change from call to call (each layer's own); the plan was made for their
+        # alignment
+        if epilogue in BIAS_EPILOGUES:
+            set_attribute(self._lib, "cublasLtMatmulDescSetAttribute", desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)
+        if epilogue in AUX_EPILOGUES:
+            set_attribute(self._lib, "cublasLtMatmulDescSetAttribute", desc,
+                          CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)
+        beta = self._one if accumulate else self._zero
         check(self._lib, "cublasLtMatmul", self._handle, desc, ctypes.byref(self._one), a, layout_a, b, layout_b,
-              ctypes.byref(self._zero), d, layout_d, d, layout_d, ctypes.byref(algo), self._workspace.data.ptr,
+              ctypes.byref(beta), d, layout_d, d, layout_d, ctypes.byref(algo), self._workspace.data.ptr,
               self._workspace_bytes, stream)
 
-    def _plan(self, key: tuple, bias: int) -> tuple:
-        """The descriptors for one shape and alignment, and the algorithm the heuristic ranks first for them."""
-        op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, aligned = key
+    def _plan(self, key: tuple, bias: int, aux: int) -> tuple:
+        """The descriptors for one shape, epilogue and alignment, and the algorithm the heuristic ranks first."""
+        op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, epilogue, ld_aux, aligned = key
         lib = self._lib
         desc = _P()
         check(lib, "cublasLtMatmulDescCreate", ctypes.byref(desc), compute, CUDA_R_32F)
-        for attribute, value in ((CUBLASLT_MATMUL_DESC_TRANSA, op_a), (CUBLASLT_MATMUL_DESC_TRANSB, op_b),
-                                 (CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS),
-                                 (CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type),
-                                 (CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)):
+        attributes = [(CUBLASLT_MATMUL_DESC_TRANSA, op_a), (CUBLASLT_MATMUL_DESC_TRANSB, op_b),
+                      (CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue)]
+        if epilogue in BIAS_EPILOGUES:
+            attributes += [(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type), (CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)]
+        if epilogue in AUX_EPILOGUES:
+            attributes += [(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, d_type),
+                           (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld_aux),
+                           (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)]
+        for attribute, value in attributes:
             set_attribute(lib, "cublasLtMatmulDescSetAttribute", desc, attribute, value)
         layouts = []
         # stored shapes: A is rows x k, or k x rows when transposed; B is k x cols, or cols x k
@@ -207,6 +273,7 @@ class LtMatmul:
         check(lib, "cublasLtMatmulAlgoGetHeuristic", self._handle, desc, layout_a, layout_b, layout_d, layout_d,
               preference, 1, ctypes.byref(result), ctypes.byref(found))
         if found.value < 1 or result.state != CUBLAS_STATUS_SUCCESS:
-            raise XtrainError(f"cuBLASLt has no algorithm for a {rows} x {k} x {cols} product with a bias epilogue "
-                              f"(types {a_type} -> {d_type}, compute {compute}); run without --matmul cublaslt")
+            raise XtrainError(f"cuBLASLt has no algorithm for a {rows} x {k} x {cols} product with "
+                              f"{EPILOGUE_NAMES[epilogue]} epilogue (types {a_type} -> {d_type}, compute {compute}); "
+                              "run without --matmul cublaslt")
         return desc, layout_a, layout_b, layout_d, result.algo

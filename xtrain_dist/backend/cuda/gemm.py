@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import cublaslt
 from .device import cupy
 
 CUDA_R_16BF = 14  # cudaDataType_t, library_types.h (CUDA_R_32F is 0)
@@ -31,7 +32,6 @@ class CublasProducts:
         self._cuda_type = {np.dtype(np.float32): cupy.cuda.runtime.CUDA_R_32F, np.dtype(np.uint16): CUDA_R_16BF}
         self._lt = None
         if matmul == "cublaslt":
-            from . import cublaslt
             self._lt = cublaslt.LtMatmul(cupy)  # this device's handle and workspace, made on the rank's thread
 
     def _types(self, a, b, out) -> tuple[int, int, int]:
@@ -61,14 +61,33 @@ class CublasProducts:
     def _gemm_bias(self, a, b, bias, out) -> None:
         """out = a @ b + bias (bias broadcast over rows), rounded once to out's type: cuBLASLt's bias
         epilogue. out is row-major, so cuBLAS computes out^T = b^T a^T, whose rows are bias's elements."""
+        self._gemm_lt(a, b, out, cublaslt.CUBLASLT_EPILOGUE_BIAS, bias=bias)
+
+    def _gemm_lt(self, a, b, out, epilogue: int, bias=None, aux=None, accumulate: bool = False) -> None:
+        """out = epilogue(a @ b [+ out if accumulate]) through cuBLASLt, for a row-major out (cublaslt.LtMatmul
+        says what each epilogue does). In cuBLAS's terms the product is out^T = b^T a^T, so D's rows are out's
+        columns: a bias, or the bias gradient written into `bias`, has out.shape[1] elements; the GELU aux
+        matrix is row-major like out and of its shape and type (GELU_AUX_BIAS writes it, DGELU reads it)."""
         self._check_stream()
         first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
-        if _matrix_layout(out, "output")[0] != "C" or bias.shape != (rows,) or not bias.flags.c_contiguous:
-            raise ValueError(f"cuda_ops gemm: a bias {bias.shape} for an output {out.shape} with strides {out.strides}")
+        if _matrix_layout(out, "output")[0] != "C":
+            raise ValueError(f"cuda_ops gemm: an epilogue needs a row-major output, got strides {out.strides}")
+        bias_ptr, bias_type, aux_ptr, ld_aux = 0, -1, 0, 0
+        if bias is not None:
+            if bias.shape != (rows,) or not bias.flags.c_contiguous:
+                raise ValueError(f"cuda_ops gemm: a bias {bias.shape} for an output {out.shape} with strides "
+                                 f"{out.strides}")
+            bias_ptr, bias_type = bias.data.ptr, self._cuda_type[bias.dtype]
+        if aux is not None:
+            order, ld_aux = _matrix_layout(aux, "aux")
+            if order != "C" or aux.shape != out.shape or aux.dtype != out.dtype or ld_aux % cublaslt.AUX_LD_MULTIPLE:
+                raise ValueError(f"cuda_ops gemm: a GELU aux {aux.shape} {aux.dtype} strides {aux.strides} for an "
+                                 f"output {out.shape} {out.dtype}")
+            aux_ptr = aux.data.ptr
         ab_type, c_type, compute = self._types(a, b, out)
-        self._lt.matmul_bias(op1, op2, rows, cols, k, first.data.ptr, ab_type, ld1, second.data.ptr, ld2,
-                             out.data.ptr, c_type, ldc, bias.data.ptr, self._cuda_type[bias.dtype], compute,
-                             cupy.cuda.get_current_stream().ptr)
+        self._lt.matmul(op1, op2, rows, cols, k, first.data.ptr, ab_type, ld1, second.data.ptr, ld2,
+                        out.data.ptr, c_type, ldc, compute, cupy.cuda.get_current_stream().ptr, epilogue,
+                        bias=bias_ptr, bias_type=bias_type, aux=aux_ptr, ld_aux=ld_aux, accumulate=accumulate)
 
     def _gemm_batched(self, a, b, out, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0) -> None:
         """out[i] = alpha * op(a[i]) @ op(b[i]) for (batch, rows, cols) arrays with contiguous rows (C-contiguous,
@@ -109,7 +128,13 @@ def _gemm_plan(a, b, out, cublas):
     column-major X^T with leading dimension ld; the transpose of such an array (an F-ordered `.T` view)
     as X itself. For a row-major out we ask cuBLAS for out^T = b^T a^T, for an F-ordered out (dwte.T)
     for out = a b; each operand then needs a transpose or not depending on which of the two ways it is
-    stored. Pure: takes anything with .shape, .strides and .itemsize."""
+    stored. Pure: takes anything with .shape, .strides and .itemsize.
+
+    The layouts decide the ops, not the order: with Conv1D's weights (in, out), a forward is "NN", its
+    input gradient "TN" and its weight gradient "NT", where PyTorch's nn.Linear (out, in) has "TN", "NN"
+    and "NT". Putting the other operand first would need a column-major output, which the next op cannot
+    read; bin/bench_gemm's "product tn" rows time our product with the weight stored (out, in), to say
+    whether the layout is worth changing for the shapes where cuBLAS is slower on NN."""
     m, k = a.shape
     n = b.shape[1]
     if b.shape[0] != k or out.shape != (m, n):

@@ -14,6 +14,7 @@ import numpy as np
 from ...errors import XtrainError
 from ...precision import check_dtype, check_matmul
 from .. import numpy_ops
+from . import cublaslt
 from .compile import Kernels, kernel_constant
 from .device import check_stream, cupy, device_count, on_stream
 from .gemm import CublasProducts, _matrix_layout
@@ -302,6 +303,22 @@ class CudaBackend(CublasProducts):
                      np.int32(vec))
         return out, mean, rstd
 
+    def residual_layernorm_forward(self, a, b, weight, bias):
+        a, b = _contiguous(a), _contiguous(b)
+        self._act(a, b, weight, bias)
+        if a.shape != b.shape:
+            raise ValueError(f"residual_layernorm_forward: shapes {a.shape} and {b.shape} differ")
+        C = a.shape[-1]
+        rows = a.size // C
+        residual, out = cupy.empty_like(a), cupy.empty_like(a)
+        mean = cupy.empty(a.shape[:-1], dtype=cupy.float32)
+        rstd = cupy.empty(a.shape[:-1], dtype=cupy.float32)
+        vec = _vec(self._vec_x, residual, out, a, b, weight, bias, row=C)
+        self._launch(self._k.residual_layernorm_forward, (_cdiv(rows, LAYERNORM_ROWS_PER_BLOCK),),
+                     (LAYERNORM_BLOCK,), residual, out, mean, rstd, a, b, weight, bias, np.int64(rows), np.int32(C),
+                     np.float32(self.LN_EPS), np.int32(vec))
+        return residual, out, mean, rstd
+
     def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
         for a in (dinp, dout, inp, mean, rstd):
             _contiguous(a)
@@ -324,10 +341,25 @@ class CudaBackend(CublasProducts):
                      _contiguous(dweight), partial_dw, _contiguous(dbias), partial_db, np.int32(splits), np.int32(C))
 
     # ------------------------------------------------------------------ matmul (cuBLAS; bias in kernels/matmul.cu)
-    def matmul_forward(self, inp, weight, bias=None):
+    # --matmul cublaslt folds what follows or precedes a product into the product's epilogue (cublaslt.py):
+    # the bias of every forward product, the c_fc layer's GELU (GELU_AUX_BIAS, which also writes the
+    # pre-GELU sum backward needs), GELU's derivative into the c_proj layer's input gradient (DGELU), and
+    # every bias gradient into its weight-gradient product (BGRADA). Each epilogue acts on the float32
+    # accumulator before the output's one rounding: in fp32 the same values as the kernels, in bf16 the two
+    # GELU epilogues skip the rounding of the product the kernels' path makes between the product and GELU.
+    # cuBLASLt's heuristic has refused an A of one row or column: such products stay on the kernels' path.
+
+    def _lt_takes(self, *dims: int) -> bool:
+        """Whether --matmul cublaslt runs a product whose cuBLASLt A has these sizes."""
+        return self._lt is not None and min(dims) > 1
+
+    def _linear_inputs(self, inp, weight):
         self._act(inp, weight)
         IC, OC = weight.shape
-        inp2 = _contiguous(inp).reshape(-1, IC)
+        return IC, OC, _contiguous(inp).reshape(-1, IC)
+
+    def matmul_forward(self, inp, weight, bias=None):
+        IC, OC, inp2 = self._linear_inputs(inp, weight)
         if bias is None:
             # rows padded to ROW_ALIGN elements: an odd width (bin/bench_gemm's unpadded V = 50257) makes every
             # row but the first start off cuBLAS's aligned paths, in this product and both of its backward
@@ -335,30 +367,52 @@ class CudaBackend(CublasProducts):
             # (config.py) and so of ROW_ALIGN: their rows come back contiguous
             out = cupy.empty((inp2.shape[0], _round_up(OC, ROW_ALIGN)), dtype=self.act_dtype)[:, :OC]
             self._gemm(inp2, weight, out)
-        else:
-            out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
+        elif self._lt_takes(IC, OC):  # product + bias rounded once, in one cuBLASLt call
             self._act(bias)
-            # product + bias rounded once, in one cuBLASLt call; a weight with one row or column stays on the
-            # path below, which computes the same values: cuBLASLt's heuristic has refused such products
-            if self._lt is not None and min(IC, OC) > 1:
-                self._gemm_bias(inp2, weight, bias, out)
-            else:  # the float32 product, then + bias rounded to floatX once (matmul.cu says why not beta = 1)
-                product = out if out.dtype == np.float32 else cupy.empty(out.shape, dtype=cupy.float32)
-                self._gemm(inp2, weight, product)
-                vec = _vec(self._vec_x, out, product, _contiguous(bias), row=OC)
-                self._launch(self._k.add_bias, _chunk_grid(out.size, self._vec_x, vec), (BLOCK,),
-                             out, product, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
+            out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
+            self._gemm_bias(inp2, weight, bias, out)
+        else:  # the float32 product, then + bias rounded to floatX once (matmul.cu says why not beta = 1)
+            self._act(bias)
+            out = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
+            product = out if out.dtype == np.float32 else cupy.empty(out.shape, dtype=cupy.float32)
+            self._gemm(inp2, weight, product)
+            vec = _vec(self._vec_x, out, product, _contiguous(bias), row=OC)
+            self._launch(self._k.add_bias, _chunk_grid(out.size, self._vec_x, vec), (BLOCK,),
+                         out, product, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
         return out.reshape(*inp.shape[:-1], OC)
 
-    def matmul_backward(self, dweight, dbias, dout, inp, weight):
-        _f32(dweight)
-        self._act(dout, inp, weight)
-        IC, OC = weight.shape
-        dout2, _ = _rows(dout, OC)  # the classifier's rows are padded (matmul_forward)
-        inp2 = _contiguous(inp).reshape(-1, IC)
-        self._gemm(inp2.T, dout2, dweight, beta=1.0)  # dweight += inp^T dout, in place (dwte.T too)
+    def matmul_gelu_forward(self, inp, weight, bias):
+        IC, OC, inp2 = self._linear_inputs(inp, weight)
+        self._act(bias)
+        pre = cupy.empty((inp2.shape[0], OC), dtype=self.act_dtype)
+        out = cupy.empty_like(pre)
+        if self._lt_takes(IC, OC) and OC % cublaslt.AUX_LD_MULTIPLE == 0:
+            self._gemm_lt(inp2, weight, out, cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias=bias, aux=pre)
+        else:  # the float32 product, then bias and GELU in one kernel (gelu.cu)
+            product = pre if pre.dtype == np.float32 else cupy.empty(pre.shape, dtype=cupy.float32)
+            self._gemm(inp2, weight, product)
+            vec = _vec(self._vec_x, pre, out, product, _contiguous(bias), row=OC)
+            self._launch(self._k.bias_gelu_forward, _chunk_grid(out.size, self._vec_x, vec), (BLOCK,),
+                         pre, out, product, bias, np.int64(out.size), np.int32(OC), np.int32(vec))
+        shape = (*inp.shape[:-1], OC)
+        return pre.reshape(shape), out.reshape(shape)
+
+    def _weight_gradients(self, dweight, dbias, dout2, inp2) -> None:
+        """dweight += inp2^T dout2 (in place, dwte.T too); dbias += the column sums of dout2."""
+        OC = dout2.shape[1]
         if dbias is not None:
             _f32(dbias)
+        if dbias is not None and self._lt_takes(OC, dout2.shape[0]):
+            # the bias gradient in the weight gradient's product; cuBLASLt writes it, so into a scratch vector
+            # that a one-split column sum then adds to dbias
+            column_sums = cupy.empty(OC, dtype=cupy.float32)
+            self._gemm_lt(inp2.T, dout2, dweight, cublaslt.CUBLASLT_EPILOGUE_BGRADA, bias=column_sums,
+                          accumulate=True)
+            self._launch(self._k.bias_backward_finish, (_cdiv(OC, BLOCK),), (BLOCK,),
+                         _contiguous(dbias), column_sums, np.int32(1), np.int32(OC))
+            return
+        self._gemm(inp2.T, dout2, dweight, beta=1.0)
+        if dbias is not None:
             dout2 = _contiguous(dout2)
             rows = dout2.shape[0]
             splits, rows_per_split = _column_splits(rows)
@@ -369,9 +423,33 @@ class CudaBackend(CublasProducts):
                          partial, dout2, np.int64(rows), np.int32(OC), np.int32(rows_per_split), np.int32(vec))
             self._launch(self._k.bias_backward_finish, (_cdiv(OC, BLOCK),), (BLOCK,),
                          _contiguous(dbias), partial, np.int32(splits), np.int32(OC))
+
+    def matmul_backward(self, dweight, dbias, dout, inp, weight):
+        _f32(dweight)
+        self._act(dout)
+        IC, OC, inp2 = self._linear_inputs(inp, weight)
+        dout2, _ = _rows(dout, OC)  # the classifier's rows are padded (matmul_forward)
+        self._weight_gradients(dweight, dbias, dout2, inp2)
         dinp = cupy.empty((dout2.shape[0], IC), dtype=self.act_dtype)
         self._gemm(dout2, weight.T, dinp)
         return dinp.reshape(inp.shape)
+
+    def matmul_backward_gelu(self, dweight, dbias, dout, inp, weight, pre):
+        _f32(dweight)
+        self._act(dout, pre)
+        IC, OC, inp2 = self._linear_inputs(inp, weight)
+        dout2, _ = _rows(dout, OC)
+        pre2 = _contiguous(pre).reshape(-1, IC)
+        if pre2.shape[0] != dout2.shape[0]:
+            raise ValueError(f"matmul_backward_gelu: pre {pre.shape} for an input {inp.shape}")
+        self._weight_gradients(dweight, dbias, dout2, inp2)
+        dpre = cupy.empty((dout2.shape[0], IC), dtype=self.act_dtype)
+        if self._lt_takes(IC, OC) and IC % cublaslt.AUX_LD_MULTIPLE == 0:
+            self._gemm_lt(dout2, weight.T, dpre, cublaslt.CUBLASLT_EPILOGUE_DGELU, aux=pre2)
+        else:  # the input gradient, then GELU's derivative in place (gelu.cu)
+            self._gemm(dout2, weight.T, dpre)
+            self._elementwise(self._k.gelu_backward, dpre, dpre, pre2)
+        return dpre.reshape(pre.shape)
 
     # ------------------------------------------------------------------ attention (kernels/attention.cu)
     def _head_launch(self, token_major, head_major: tuple, B: int, NH: int, T: int, hs: int):
