@@ -62,6 +62,7 @@ def test_plot_metrics_refuses_a_file_with_nothing_to_plot(tmp_path):
     ("bench_collectives", ["--out", ""]), ("bench_cpu", ["--out", ""]), ("bench_ddp", ["--out", ""]),
     ("bench_gpu", ["--out", ""]), ("bench_gemm", ["--out", ""]), ("bench_recompute", ["1", "2", "16", "--out", ""]),
     ("bench_sample", ["--out", ""]), ("fit_overhead_model", ["--out", ""]), ("fit_overhead_model", ["--ddp", ""]),
+    ("bench_plan", ["--out", ""]),
     ("prepare_corpus", ["--out", ""]),
     ("plot_metrics", ["m.jsonl", "-o", ""]), ("plot_metrics", ["", "-o", "p.png"]),
 ])
@@ -213,11 +214,12 @@ RUNNABLE = {
     "bench_gemm": ["--preset", "tiny", "--tokens", "16", "--no-torch"],
     "bench_sample": ["--presets", "tiny", "--prompts", "4", "--tokens", "2", "--repeats", "1"],
     "bench_recompute": ["2", "4", "16", "--model", "tiny", "--repeats", "1"],
+    "bench_plan": ["--steps", "1", "--mpi", "off"],
 }
 
 
 @pytest.mark.parametrize("name", [
-    "bench_collectives", "bench_ddp", "bench_gpu", "bench_gemm", "bench_recompute",
+    "bench_collectives", "bench_ddp", "bench_gpu", "bench_gemm", "bench_recompute", "bench_plan",
     pytest.param("bench_cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                                         reason="bench_cpu says PyTorch is missing first")),
     pytest.param("bench_sample", marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
