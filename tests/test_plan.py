@@ -234,3 +234,17 @@ def test_measured_figures_come_from_results_files(tmp_path, capsys):
 def row_ms(path: Path) -> float:
     rows = json.loads(path.read_text())["rows"]
     return max((r for r in rows if r["impl"].startswith("ours")), key=lambda r: r["mfu"])["ms"]
+
+
+def test_bench_plan_predicts_a_gpu_row_from_another_shapes_mfu():
+    from tests.bin_scripts import load_script
+    rows = load_script("bench_plan").gpu_rows()
+    by_key = {(r["preset"], r["batch"], r["seq"], r["precision"], r["impl"], r["file"]): r for r in rows}
+    doubled = next(r for k, r in by_key.items() if k[:5] == ("gpt2-124m", 16, 1024, "bf16", "ours flash lt"))
+    source = next(r for k, r in by_key.items() if k[:5] == ("gpt2-124m", 8, 1024, "bf16", "ours flash lt"))
+    # FLOPs grow with the batch, so at 8 x 1024's MFU twice the batch takes twice the step the MFU implies
+    flops = 16 * 1024 * flops_per_token(Shape.of(model_config("gpt2-124m", 50257)), 1024)
+    assert doubled["from_shape"] == "8x1024" and doubled["from_mfu"] == source["measured_mfu"]
+    assert doubled["predicted_ms"] == pytest.approx(flops / (989.4e12 * source["measured_mfu"]) * 1e3)
+    assert doubled["predicted_bytes"] == least(device_memory(Shape.of(model_config("gpt2-124m", 50257)), Mesh(),
+                                                             Run(batch=16, seq=1024, attention="flash")))

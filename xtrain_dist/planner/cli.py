@@ -221,7 +221,7 @@ def ms(seconds: float) -> str:
 
 
 def row(label: str, value: str, note: str = "") -> str:
-    return f"  {label:<46}{value:>12}" + (f"  {note}" if note else "")
+    return f"  {label:<52}{value:>12}" + (f"  {note}" if note else "")
 
 
 def report_lines(shape: Shape, mesh: Mesh, run: Run, hw: Hardware, t: StepTime, memory_gib: float) -> list[str]:
