@@ -198,6 +198,15 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
     (["--pp", 13, "--bus-gbps", 1], "--pp (13) must be at most the number of layers (12)"),
     (["--gpus", 4, "--batch", 2, "--bus-gbps", 1],
      "--batch (2) must be at least --dp (4): every data-parallel rank needs a sequence"),
+    (["--mfu", 1.5, "--bus-gbps", 1], "--mfu must be a number > 0 and at most 1, got '1.5'"),
+    (["--overlap", -1, "--bus-gbps", 1], "--overlap must be a number from 0 to 1, got '-1'"),
+    (["--tp", 16, "--heads", 16, "--layers", 2, "--d-model", 64, "--bus-gbps", 1],
+     "--tp (16) must be at most --node-gpus (8): its all-reduces run every layer and need a node's links"),
+    (["--layers", 2, "--d-model", 64, "--heads", 4, "--from-bench-gpu", "x.json", "--bus-gbps", 1],
+     "--from-bench-gpu needs --model: bench_gpu measures presets, not a custom shape"),
+    (["--bus-gbps", 1, "--from-bench-collectives", "x.json"],
+     "--bus-gbps and --from-bench-collectives both given: use one"),
+    (["--bus-gbps", 1, "--json", "/"], "--json '/' is a folder, not a file"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     code, out, err = run_cli(argv, capsys)

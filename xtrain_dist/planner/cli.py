@@ -5,11 +5,13 @@ memory, the step's time by part, and the scaling table out. The arithmetic is pl
 docs/planning.md works an example. Tensor and pipeline parallelism are projections by Megatron-LM's
 formulas: the trainer itself splits only the data (dp, with --zero 1 for the optimizer state).
 
-    xtrain-plan --model gpt2-124m --gpus 8 --batch 64 --seq 1024 --bus-gbps 360
-    xtrain-plan --layers 126 --d-model 16384 --d-ff 53248 --heads 128 --seq 8192 --gpus 1024 --tp 8 --pp 8 \\
-        --zero 1 --recompute 2 --attention flash --batch 512 --grad-accum 32 --bus-gbps 360 --inter-node-gbps 45
+    xtrain-plan --model gpt2-124m --gpus 8 --batch 64 --bus-gbps 370 --inter-node-gbps 40
+    xtrain-plan --layers 126 --d-model 16384 --d-ff 53248 --heads 128 --vocab 128256 --seq 8192 \\
+        --gpus 1024 --tp 8 --pp 16 --zero 1 --sequence-parallel --recompute 2 --attention flash \\
+        --batch 512 --grad-accum 64 --bus-gbps 370 --inter-node-gbps 40
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -40,6 +42,24 @@ from .projection import (
     scaling_table,
     step_time,
 )
+
+
+def share_of_one(allow_zero: bool):
+    """An argparse type: a number in (0, 1], or [0, 1] where `allow_zero`."""
+    what = "a number from 0 to 1" if allow_zero else "a number > 0 and at most 1"
+
+    def check(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not (0 <= value <= 1 if allow_zero else 0 < value <= 1):
+            raise argparse.ArgumentTypeError(f"must be {what}, got '{text}'")
+        return value
+
+    check.__name__ = what
+    return check
+
 
 # --gpu -> (profile.PEAK_TFLOPS key, memory in GiB as the driver reports it: 80 GB parts show 79.2)
 GPUS = {"h100": ("H100 SXM", 79.2), "h100-pcie": ("H100 PCIe", 79.2), "h200": ("H200", 139.8),
@@ -124,7 +144,7 @@ def build_parser() -> OneLineParser:
     hw.add_argument("--gpu", choices=tuple(GPUS), default="h100", help="its peak (profile.py) and memory")
     hw.add_argument("--peak-tflops", type=positive_float, default=None,
                     help="a device's peak at --precision instead of --gpu's (a CPU's, measured)")
-    hw.add_argument("--mfu", type=positive_float, default=0.4, help="the share of the peak a step reaches")
+    hw.add_argument("--mfu", type=share_of_one(False), default=0.4, help="the share of the peak a step reaches")
     hw.add_argument("--from-bench-gpu", type=path_arg, default=None,
                     help="a bin/bench_gpu JSON: the MFU it measured for the preset at --precision")
     hw.add_argument("--bus-gbps", type=positive_float, default=None,
@@ -140,7 +160,7 @@ def build_parser() -> OneLineParser:
     hw.add_argument("--latency-us", type=non_negative_float, default=None,
                     help="the fixed cost of one collective call (default 0, or --from-bench-collectives')")
     hw.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MiB")
-    hw.add_argument("--overlap", type=non_negative_float, default=1.0,
+    hw.add_argument("--overlap", type=share_of_one(True), default=1.0,
                     help="the share of backward under which gradient buckets travel")
     out = ap.add_argument_group("output")
     out.add_argument("--max-gpus", type=positive_int, default=1024, help="the scaling table's last row")
@@ -191,6 +211,8 @@ def plan_inputs(args) -> tuple[Shape, Mesh, Run, Hardware, dict]:
     part, memory_gib = GPUS[args.gpu]
     peak = (args.peak_tflops or PEAK_TFLOPS[part][args.precision]) * 1e12
     mfu = args.mfu
+    if args.from_bench_gpu and preset is None:
+        raise XtrainError("--from-bench-gpu needs --model: bench_gpu measures presets, not a custom shape")
     if args.from_bench_gpu:
         mfu, row = bench_gpu_mfu(args.from_bench_gpu, preset, args.precision)
         sources["mfu"] = {"file": str(args.from_bench_gpu), "batch": row.get("batch"), "seq": row.get("seq"),
@@ -273,6 +295,8 @@ def main(argv=None) -> int:
     def run_plan() -> int:
         args = build_parser().parse_args(argv)
         shape, mesh, run, hw, sources = plan_inputs(args)
+        if args.json:
+            files.check_writable(args.json, "--json")
         t = step_time(shape, mesh, run, hw)
         rows = scaling_table(shape, mesh, run, hw, args.max_gpus)
         print("\n".join(report_lines(shape, mesh, run, hw, t, sources["gpu"]["memory_gib"])))
