@@ -257,3 +257,19 @@ def test_bench_plan_predicts_a_gpu_row_from_another_shapes_mfu():
     assert doubled["predicted_ms"] == pytest.approx(flops / (989.4e12 * source["measured_mfu"]) * 1e3)
     assert doubled["predicted_bytes"] == least(device_memory(Shape.of(model_config("gpt2-124m", 50257)), Mesh(),
                                                              Run(batch=16, seq=1024, attention="flash")))
+
+
+def test_tensor_and_pipeline_communication_worked_by_hand():
+    shape = Shape(n_layer=4, n_head=2, d_model=32, d_ff=64, vocab_size=100, n_ctx=16)
+    run = Run(batch=8, seq=16, precision="bf16", grad_accum=4)
+    hw = Hardware(peak_flops=1e12, mfu=1.0, bus_gbps=10.0, inter_node_gbps=1.0, tp_bus_gbps=10.0, node_gpus=2,
+                  latency_s=1e-5)
+    t = step_time(shape, Mesh(tp=2, pp=2), run, hw)
+    message = 2 * 16 * 32 * 2  # a micro-batch of 2 sequences' activations, in bf16
+    # 2 layers a stage, 4 micro-batches, 4 all-reduces each over the 2 tp devices: 2 (2 - 1) / 2 of the message
+    assert t.tp_comm_s == pytest.approx(4 * 2 * 4 * (message / 10e9 + 1e-5))
+    # tp x pp = 4 devices is more than the 2 of a node: the stages send between nodes, twice a micro-batch
+    assert t.pp_comm_s == pytest.approx(2 * 4 * message / 1e9)
+    assert t.bubble_s == pytest.approx(t.compute_s * (2 - 1) / 4)
+    assert t.compute_s == pytest.approx(8 * 16 * flops_per_token(shape, 16) / 4 / 1e12)
+    assert t.step_s == pytest.approx(t.compute_s + t.bubble_s + t.tp_comm_s + t.pp_comm_s)

@@ -14,6 +14,8 @@ The step time is compute plus what communication the overlap does not hide:
     ring(S,n) = 2 (n - 1) / n x S / bus bandwidth            (a ring all-reduce of S bytes over n devices)
     tp comm   = 4 all-reduces per layer and micro-batch of b x T x C activations (2 forward, 2 backward),
                 on the critical path
+    pp comm   = 2 sends per micro-batch of b x T x C activations (forward, and their gradient back), at
+                the inter-node bandwidth once tp x pp spans more than a node
     dp comm   = ring(gradient bytes, dp), plus a per-call latency for each bucket; the buckets go out
                 while backward runs, so the exposed part is
                 max(the last bucket's time, dp comm - overlap x backward of the last micro-batch)
@@ -227,8 +229,10 @@ def step_time(shape: Shape, mesh: Mesh, run: Run, hw: Hardware) -> StepTime:
     if mesh.tp > 1:
         tp_comm = 4 * layers * run.grad_accum * (
             ring_all_reduce_s(activation_msg, mesh.tp, hw.tp_bus_gbps) + hw.latency_s)
-    # a pipeline boundary sends each micro-batch's activations forward and their gradient back
-    pp_comm = 2 * run.grad_accum * activation_msg / (hw.tp_bus_gbps * 1e9) if mesh.pp > 1 else 0.0
+    # a pipeline boundary sends each micro-batch's activations forward and their gradient back; the stages
+    # share a node's links while tp x pp fits in one node, and cross nodes once it does not
+    stage_link = hw.tp_bus_gbps if mesh.tp * mesh.pp <= hw.node_gpus else hw.inter_node_gbps
+    pp_comm = 2 * run.grad_accum * activation_msg / (stage_link * 1e9) if mesh.pp > 1 else 0.0
     size = device_params(shape, mesh)
     bus = hw.bus_gbps if mesh.gpus <= hw.node_gpus else hw.inter_node_gbps
     grad_bytes = GRAD_ITEMSIZE[run.grad_compress] * size
