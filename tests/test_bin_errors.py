@@ -62,7 +62,7 @@ def test_plot_metrics_refuses_a_file_with_nothing_to_plot(tmp_path):
     ("bench_collectives", ["--out", ""]), ("bench_cpu", ["--out", ""]), ("bench_ddp", ["--out", ""]),
     ("bench_gpu", ["--out", ""]), ("bench_gemm", ["--out", ""]), ("bench_recompute", ["1", "2", "16", "--out", ""]),
     ("bench_sample", ["--out", ""]), ("fit_overhead_model", ["--out", ""]), ("fit_overhead_model", ["--ddp", ""]),
-    ("prepare_corpus", ["--out", ""]), ("bench_attention", ["--out", ""]),
+    ("bench_plan", ["--out", ""]), ("prepare_corpus", ["--out", ""]), ("bench_attention", ["--out", ""]),
     ("plot_metrics", ["m.jsonl", "-o", ""]), ("plot_metrics", ["", "-o", "p.png"]),
 ])
 def test_an_empty_path_is_refused_not_read_as_the_current_folder(name, args):
@@ -225,11 +225,12 @@ RUNNABLE = {
     "bench_attention": ["--shapes", "1x1x16x64", "--no-torch"],
     "bench_sample": ["--presets", "tiny", "--prompts", "4", "--tokens", "2", "--repeats", "1"],
     "bench_recompute": ["2", "4", "16", "--model", "tiny", "--repeats", "1"],
+    "bench_plan": ["--steps", "1", "--mpi", "off"],
 }
 
 
 @pytest.mark.parametrize("name", [
-    "bench_collectives", "bench_ddp", "bench_gpu", "bench_gemm", "bench_attention", "bench_recompute",
+    "bench_collectives", "bench_ddp", "bench_gpu", "bench_gemm", "bench_attention", "bench_recompute", "bench_plan",
     pytest.param("bench_cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                                         reason="bench_cpu says PyTorch is missing first")),
     pytest.param("bench_sample", marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

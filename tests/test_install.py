@@ -77,8 +77,8 @@ def test_the_wheel_holds_the_kernels_and_the_data(installed):
 
 def test_every_console_script_answers_help(installed):
     bin_dir, work, env = installed
-    assert SCRIPTS == ["xtrain-eval", "xtrain-hellaswag", "xtrain-plot", "xtrain-prepare-hellaswag", "xtrain-sample",
-                       "xtrain-tokenize", "xtrain-train"]
+    assert SCRIPTS == ["xtrain-eval", "xtrain-hellaswag", "xtrain-plan", "xtrain-plot", "xtrain-prepare-hellaswag",
+                       "xtrain-sample", "xtrain-tokenize", "xtrain-train"]
     for script in SCRIPTS:
         out = run([bin_dir / script, "--help"], work, env)
         assert out.stdout.startswith(f"usage: {script} "), (script, out.stdout)

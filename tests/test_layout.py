@@ -15,8 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "xtrain_dist"
 # top-level module, named by its first component under xtrain_dist.
 LAYERS = [
     # the thin entry modules of `python -m`
-    {"train_ddp", "evaluate", "sample", "hellaswag", "tokenize_corpus", "prepare_hellaswag", "plot_metrics"},
-    {"train"},                                              # the command line, pre-flight, job, loop
+    {"train_ddp", "evaluate", "sample", "hellaswag", "tokenize_corpus", "prepare_hellaswag", "plot_metrics", "plan"},
+    {"train", "planner"},                                   # the training command; the planner
     {"bench"},                                              # the benchmarks' shared code and PyTorch peer
     {"eval", "parallel", "checkpoint", "data"},             # what the loop calls
     {"model", "optim", "backend"},                          # the model, its optimizer, its ops
