@@ -204,10 +204,12 @@ def test_bench_gemm_bad_arguments_cost_no_device_time(args, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--shapes", "8x12x1024"], "--shapes: '8x12x1024' is not BxNHxTxHS (four positive integers)"),
+    (["--shapes", "8x12x1024"],
+     "--shapes must be BxNHxTxHS shapes of four positive integers (separated by commas), got '8x12x1024'"),
     (["--shapes", "8x12x1024x128"],
      "--shapes: our flash attention takes 64-channel heads, 8 x 12 x 1024 x 128 has 128"),
-    (["--impls", "ours,xformers"], "--impls: unknown 'xformers' (choose from ours, ours-wmma, torch-flash, "),
+    (["--impls", "ours,xformers"], "--impls must be one or more of ours, ours-wmma, torch-flash, torch-cudnn, "
+                                   "torch-efficient (separated by commas), got 'xformers'"),
     (["--reps", "0"], "--reps must be a positive integer, got '0'"),
 ])
 def test_bench_attention_bad_arguments_cost_no_device_time(args, message):

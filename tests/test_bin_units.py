@@ -587,7 +587,8 @@ def test_bench_attention_counts_causal_work_as_flashattention_does():
     assert bench.causal_flops("forward", 1, 1, 2, 1) == 8  # two 2 x 2 x 1 products, half of them
     assert bench.parse_shapes("8x12x1024x64, 4x16x2048x64") == [(8, 12, 1024, 64), (4, 16, 2048, 64)]
     for bad in ("8x12x1024", "8x0x1024x64", "8x12x1024x64x1", ""):
-        with pytest.raises(XtrainError, match=r"^--shapes: '.*' is not BxNHxTxHS \(four positive integers\)$"):
+        with pytest.raises(XtrainError, match=r"^--shapes must be BxNHxTxHS shapes of four positive integers "
+                                              r"\(separated by commas\), got '.*'$"):
             bench.parse_shapes(bad)
 
 
