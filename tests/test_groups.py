@@ -2,8 +2,14 @@
 ranks: the sums stay inside a group, messages arrive whole and in order, the ring gives every rank the
 bits of a numpy oracle adding in the ring's order, and a failure anywhere ends every group."""
 
+import os
+import re
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,3 +280,78 @@ def test_a_mesh_that_does_not_fit_the_world_is_one_line():
     with pytest.raises(RankFailed) as info:
         run_thread_ranks(4, lambda rank, comm: DeviceMesh(comm, dp=2, tp=3), timeout_s=5)
     assert str(info.value.error) == "a mesh of dp 2 x tp 3 x pp 1 = 6 ranks does not fit a world of 4"
+
+
+# -------------------------------------------------------------------- processes: MPI and TCP
+WORKER = Path(__file__).resolve().parent / "groups_worker.py"
+MPIRUN = Path(sys.executable).parent / "mpirun"
+needs_mpi = pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+
+
+def process_env(**extra):
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_", "MPI_LOCAL"))
+             and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    root = str(WORKER.parent.parent)
+    return {**clean, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1", **extra}
+
+
+def tcp_processes(world, *args):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "tcp", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=process_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                              LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                              MASTER_PORT=str(port)))
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], outs
+
+
+@needs_mpi
+def test_groups_point_to_point_ring_and_mesh_across_mpi_processes():
+    out = subprocess.run([str(MPIRUN), "-n", "4", sys.executable, str(WORKER), "mpi"], capture_output=True,
+                         text=True, timeout=120, env=process_env())
+    assert out.returncode == 0, out.stderr
+    assert sorted(re.findall(r"\bOK (\d) [0-9a-f]{64}", out.stdout)) == ["0", "1", "2", "3"]
+    # the world ring's bits are every rank's; the group rings differ between evens and odds
+    assert len(set(re.findall(r"[0-9a-f]{64}", out.stdout))) == 2
+
+
+@needs_mpi
+def test_a_message_of_another_size_ends_the_mpi_job_with_one_line():
+    out = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, str(WORKER), "mpi", "mismatch"],
+                         capture_output=True, text=True, timeout=60, env=process_env())
+    assert out.returncode != 0
+    assert "rank 1: recv aborted: rank 0 sent more than 4 float32 elements where rank 1 receives 4: " \
+           "the ranks disagree on the message" in out.stderr, out.stderr
+
+
+def test_groups_point_to_point_and_ring_across_tcp_processes():
+    codes, outs = tcp_processes(3)
+    assert codes == [0, 0, 0], [err for _, err in outs]
+    assert [out.split()[:2] for out, _ in outs] == [["OK", "0"], ["OK", "1"], ["OK", "2"]]
+
+
+def test_a_message_of_another_size_ends_every_tcp_process_with_one_line():
+    codes, outs = tcp_processes(2, "mismatch")
+    assert codes == [1, 1], outs
+    assert outs[1][1].strip().splitlines()[-1] == (
+        "rank 1: recv aborted: rank 0 sent 20 bytes in recv where rank 1 expects 16: "
+        "the processes disagree on the buffer size")
+
+
+def test_a_tcp_peer_that_never_sends_ends_at_the_timeout():
+    t0 = time.monotonic()
+    codes, outs = tcp_processes(2, "silent", "1")
+    assert codes == [1, 1] and time.monotonic() - t0 < 30, outs
+    assert outs[1][1].strip().splitlines()[-1] == (
+        "rank 1: recv aborted: rank 1 waited more than 1 s for rank 0 in recv: a peer process is stuck or dead")
