@@ -2,6 +2,7 @@
 ranks: the sums stay inside a group, messages arrive whole and in order, the ring gives every rank the
 bits of a numpy oracle adding in the ring's order, and a failure anywhere ends every group."""
 
+import inspect
 import os
 import re
 import socket
@@ -355,3 +356,14 @@ def test_a_tcp_peer_that_never_sends_ends_at_the_timeout():
     assert codes == [1, 1] and time.monotonic() - t0 < 30, outs
     assert outs[1][1].strip().splitlines()[-1] == (
         "rank 1: recv aborted: rank 1 waited more than 1 s for rank 0 in recv: a peer process is stuck or dead")
+
+
+def test_nccl_split_send_and_recv_take_the_arguments_we_pass():
+    """The NCCL communicator calls Communicator.split(color, key) and the raw send/recv positionally."""
+    core = pytest.importorskip("nccl.core", reason="nccl4py is not installed")
+    from nccl.bindings import nccl as raw
+    assert list(inspect.signature(core.Communicator.split).parameters)[:3] == ["self", "color", "key"]
+    for name in ("send", "recv"):
+        signature = getattr(raw, name).__doc__.splitlines()[0]  # Cython's embedded "name(type arg, ...)"
+        params = [p.split()[-1] for p in signature[signature.index("(") + 1:signature.rindex(")")].split(",")]
+        assert params == [f"{name}buff", "count", "datatype", "peer", "comm", "stream"], signature
