@@ -19,6 +19,8 @@ import numpy as np
 
 from .local import _chunk
 
+ALL_REDUCES = ("library", "ring")  # --all-reduce: the communicator's own all-reduce, or this ring
+
 
 def ring_chunks(n: int, world: int) -> list[tuple[int, int]]:
     """[lo, hi) of each of the world chunks of an n-element buffer."""
