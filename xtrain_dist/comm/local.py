@@ -73,6 +73,13 @@ class _Barrier:
             self._cond.notify_all()
 
 
+class _Message:
+    """A point-to-point message in a mailbox: its data, and whether the receiver has copied it."""
+
+    def __init__(self, data):
+        self.data, self.taken = data, False
+
+
 class LocalGroup:
     """The state the thread ranks of one process share.
 
@@ -222,13 +229,16 @@ class LocalCommunicator:
 
     # ---------------------------------------------------------------- point-to-point
     def send(self, buf, peer: int) -> None:
-        """Post a copy of buf for peer and return (thread ranks buffer every message)."""
+        """Post a copy of buf for peer and return (thread ranks buffer a plain send)."""
+        self._post_message(_Message(buf.reshape(-1).copy()), buf, peer)
+
+    def _post_message(self, message: "_Message", buf, peer: int) -> None:
         check_peer(self, peer)
         self._check()
         _sync_device(buf)
         group = self.group
         with group._mail_ready:
-            group._mail.setdefault((self.rank, peer), []).append(buf.reshape(-1).copy())
+            group._mail.setdefault((self.rank, peer), []).append(message)
             group._mail_ready.notify_all()
 
     def recv(self, buf, peer: int) -> None:
@@ -244,17 +254,32 @@ class LocalCommunicator:
                             f"{peer}: the peer is stuck, dead or never sends it")
                 self._check()
             message = box.pop(0)
-        if message.size != out.size or message.dtype != out.dtype:
-            group.abort(f"rank {peer} sent {message.size} {message.dtype} elements where rank {self.rank} "
+        data = message.data
+        if data.size != out.size or data.dtype != out.dtype:
+            group.abort(f"rank {peer} sent {data.size} {data.dtype} elements where rank {self.rank} "
                         f"receives {out.size} {out.dtype}: the ranks disagree on the message")
             self._check()
-        out[...] = message
+        out[...] = data
         _sync_device(buf)
+        with group._mail_ready:  # a sendrecv's sender may now reuse its buffer
+            message.taken = True
+            group._mail_ready.notify_all()
 
     def sendrecv(self, send, dest: int, recv, source: int) -> None:
-        """send to dest and receive from source, neither waiting on the other (a ring step)."""
-        self.send(send, dest)
+        """send to dest and receive from source, neither waiting on the other (a ring step). The message
+        is send itself, not a copy: the receiver copies it once, and this returns when it has."""
+        message = _Message(send.reshape(-1))
+        self._post_message(message, send, dest)
         self.recv(recv, source)
+        group = self.group
+        with group._mail_ready:
+            taken = group._mail_ready.wait_for(lambda: message.taken or group.abort_reason is not None,
+                                               group.timeout_s)
+            self._check()
+            if not taken:
+                group.abort(f"rank {self.rank} waited more than {group.timeout_s:g} s for rank {dest} to receive "
+                            "its message: the peer is stuck, dead or never receives it")
+                self._check()
 
     def _check(self) -> None:
         if self.group.abort_reason is not None:
