@@ -259,7 +259,7 @@ class TcpCommunicator:
         self._recv(peer, "recv", _flat(buf), seq=self._received[peer])
 
     def sendrecv(self, send, dest: int, recv, source: int) -> None:
-        """The send runs on a helper thread while this one receives: two ranks sending each other a
+        """The send runs on a second thread while this one receives: two ranks sending each other a
         buffer larger than the sockets' buffers would otherwise both wait in sendall."""
         failed = []
 
