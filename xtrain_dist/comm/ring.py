@@ -15,6 +15,8 @@ size x 2(N-1)/N / time. The sum order differs from the library all-reduce's rank
 the two agree within float32 rounding, not bit for bit.
 """
 
+import contextlib
+
 import numpy as np
 
 from .local import _chunk
@@ -39,16 +41,24 @@ def ring_all_reduce(comm, buf, scratch=None) -> None:
     if scratch is None or scratch.size < longest or scratch.dtype != flat.dtype:
         scratch = _empty_like(flat, longest)
     next_rank, prev_rank = (rank + 1) % world, (rank - 1) % world
-    for step in range(world - 1):
-        send_lo, send_hi = chunks[(rank - step) % world]
-        recv_lo, recv_hi = chunks[(rank - step - 1) % world]
-        incoming = scratch[:recv_hi - recv_lo]
-        comm.sendrecv(flat[send_lo:send_hi], next_rank, incoming, prev_rank)
-        flat[recv_lo:recv_hi] += incoming  # addition commutes bit for bit: this is incoming + ours
-    for step in range(world - 1):
-        send_lo, send_hi = chunks[(rank + 1 - step) % world]
-        recv_lo, recv_hi = chunks[(rank - step) % world]
-        comm.sendrecv(flat[send_lo:send_hi], next_rank, flat[recv_lo:recv_hi], prev_rank)
+    with _on_comm_stream(comm):
+        for step in range(world - 1):  # reduce-scatter
+            send_lo, send_hi = chunks[(rank - step) % world]
+            recv_lo, recv_hi = chunks[(rank - step - 1) % world]
+            incoming = scratch[:recv_hi - recv_lo]
+            comm.sendrecv(flat[send_lo:send_hi], next_rank, incoming, prev_rank)
+            flat[recv_lo:recv_hi] += incoming  # addition commutes bit for bit: this is incoming + ours
+        for step in range(world - 1):  # all-gather
+            send_lo, send_hi = chunks[(rank + 1 - step) % world]
+            recv_lo, recv_hi = chunks[(rank - step) % world]
+            comm.sendrecv(flat[send_lo:send_hi], next_rank, flat[recv_lo:recv_hi], prev_rank)
+
+
+def _on_comm_stream(comm):
+    """An NCCL communicator bound to a stream of its own: the additions go on that stream too, in order
+    with the transfers (a CuPy stream is a context manager that makes it the current one)."""
+    stream = getattr(comm, "stream", None)
+    return stream if stream is not None else contextlib.nullcontext()
 
 
 def _empty_like(flat, n: int):
