@@ -5,9 +5,12 @@
 ENGINE is mpi (under mpirun) or tcp (torchrun-style variables). CASE `check` (the default) runs every
 check and prints `OK rank digest`; `mismatch` has rank 0 send 5 floats where rank 1 receives 4, and
 `silent` has rank 1 wait for a message rank 0 never sends: both must end every process with one line.
+`dead`: rank 2 dies after a split; rank 0 waits for it on the world, rank 1 waits in its group for rank 0,
+and both must end at once, not at the timeout.
 """
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -92,12 +95,22 @@ def silent(rank, comm):
         comm.barrier()
 
 
+def dead(rank, comm):
+    group = comm.split(0 if rank < 2 else 1)
+    if rank == 2:
+        os._exit(3)  # no goodbye: its sockets close with the process
+    if rank == 0:
+        comm.barrier()  # waits for rank 2
+    else:
+        group.recv(np.empty(1, np.float32), 0)  # rank 0 never sends: released when rank 0 aborts
+
+
 if __name__ == "__main__":
     engine, case = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "check"
     launch = detect_launch()
     world = open_world(engine, launch=launch, local_world=1, timeout_s=float(sys.argv[3]) if len(sys.argv) > 3
                        else 60, rdzv_timeout_s=60)
-    body = {"check": check, "mismatch": mismatch, "silent": silent}[case]
+    body = {"check": check, "mismatch": mismatch, "silent": silent, "dead": dead}[case]
     try:
         digests = run_thread_ranks(1, lambda local, comm: body(comm.rank, comm), group=world)
     except Exception as e:  # one line, and the other processes end too

@@ -369,6 +369,29 @@ def test_nccl_split_send_and_recv_take_the_arguments_we_pass():
         assert params == [f"{name}buff", "count", "datatype", "peer", "comm", "stream"], signature
 
 
+def test_a_tcp_process_that_dies_outside_a_group_ends_the_group_within_the_timeout():
+    """Rank 0's star reads rank 1 (alive, waiting in its group) before rank 2 (dead), so over TCP the death
+    is seen at --comm-timeout, not at once; rank 0's abort then closes the group's sockets under rank 1."""
+    t0 = time.monotonic()
+    codes, outs = tcp_processes(3, "dead", "2")
+    assert codes == [1, 1, 3] and time.monotonic() - t0 < 30, outs
+    lines = [err.strip().splitlines()[-1] for _, err in outs[:2]]
+    assert lines[0].startswith("rank 0: barrier aborted: rank 0 waited more than 2 s for rank 1 in barrier") or \
+        lines[0].startswith("rank 0: barrier aborted: the connection to rank 1 broke"), lines[0]
+    assert lines[1].startswith("rank 1: recv aborted: "), lines[1]
+
+
+def test_groups_across_rank_threads_of_several_processes_are_refused_in_one_line():
+    from xtrain_dist.comm.hybrid import HybridCommunicator
+    from xtrain_dist.comm.local import LocalGroup
+    from xtrain_dist.errors import XtrainError
+    hybrid = HybridCommunicator(LocalGroup(2).communicator(0), LocalGroup(1).communicator(0), 0, 2)
+    with pytest.raises(XtrainError) as info:
+        hybrid.split(0)
+    assert str(info.value).startswith("groups and point-to-point across rank threads of several processes are not "
+                                      "built: run one rank thread per process")
+
+
 # -------------------------------------------------------------------- training with --all-reduce ring
 @pytest.fixture(scope="module")
 def corpus():
