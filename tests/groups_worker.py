@@ -12,6 +12,7 @@ and both must end at once, not at the timeout.
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,7 @@ def silent(rank, comm):
     if rank == 1:
         comm.recv(np.empty(4, np.float32), 0)
     else:
+        time.sleep(3)  # alive and busy past rank 1's timeout, then finds the job aborted
         comm.barrier()
 
 

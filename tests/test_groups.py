@@ -369,15 +369,15 @@ def test_nccl_split_send_and_recv_take_the_arguments_we_pass():
         assert params == [f"{name}buff", "count", "datatype", "peer", "comm", "stream"], signature
 
 
-def test_a_tcp_process_that_dies_outside_a_group_ends_the_group_within_the_timeout():
-    """Rank 0's star reads rank 1 (alive, waiting in its group) before rank 2 (dead), so over TCP the death
-    is seen at --comm-timeout, not at once; rank 0's abort then closes the group's sockets under rank 1."""
+def test_a_tcp_process_that_dies_outside_a_group_ends_the_group_at_once():
+    """Rank 0 waits for rank 1 (alive, waiting in its group for rank 0) while rank 2 is dead: each wait looks
+    at the world's other connections, so one of them sees rank 2's closed and its abort closes its sockets
+    under the other (which of the two sees it first is a race): far sooner than the 60 s timeout."""
     t0 = time.monotonic()
-    codes, outs = tcp_processes(3, "dead", "2")
-    assert codes == [1, 1, 3] and time.monotonic() - t0 < 30, outs
+    codes, outs = tcp_processes(3, "dead", "60")
+    assert codes == [1, 1, 3] and time.monotonic() - t0 < 20, outs
     lines = [err.strip().splitlines()[-1] for _, err in outs[:2]]
-    assert lines[0].startswith("rank 0: barrier aborted: rank 0 waited more than 2 s for rank 1 in barrier") or \
-        lines[0].startswith("rank 0: barrier aborted: the connection to rank 1 broke"), lines[0]
+    assert re.match(r"rank 0: barrier aborted: the connection to rank [12] broke in barrier", lines[0]), lines[0]
     assert lines[1].startswith("rank 1: recv aborted: "), lines[1]
 
 

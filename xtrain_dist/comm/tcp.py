@@ -8,7 +8,8 @@ fast path (MPI and NCCL are those).
 
 Every message starts with (operation, sequence number, byte count), so processes that call different
 collectives, or the same one with different sizes, fail with a line that says so instead of mixing data.
-A peer that dies closes its socket: the others see it at once; a stuck one is caught by the timeout.
+A peer that dies closes its socket: the others see it at once (a rank waiting for one peer looks at the
+world's other connections too, `_await_message`); a stuck one is caught by the timeout.
 
 Point-to-point needs a connection between any two ranks, not only to rank 0: `connect_all` (collective,
 run once by open_world) and `split` make one. Every rank listens on a fresh port, the addresses (and a
@@ -20,9 +21,11 @@ number. An abort closes the sockets of every communicator split from the same wo
 """
 
 import os
+import select
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 
@@ -33,6 +36,7 @@ _HEADER = struct.Struct("!BIQ")  # operation, sequence number, payload bytes
 _OPS = {1: "all_reduce", 2: "all_gather", 3: "broadcast", 4: "barrier", 5: "send"}
 _ADDRESS = 64  # bytes of a listening address in the exchange: host (utf-8, zero padded) then port
 _HELLO = struct.Struct("!I16s")  # a new connection's first bytes: the connecting rank, the token
+PROBE_S = 0.2  # while waiting for a message, how often the other connections are checked for a dead peer
 _CODE = {name: code for code, name in _OPS.items()} | {"recv": 5}  # a send's message, as its receiver names it
 
 
@@ -84,6 +88,7 @@ class TcpCommunicator:
         view = memoryview(out).cast("B") if out is not None else memoryview(bytearray(0))
         seq = self.seq if seq is None else seq
         try:
+            self._await_message(conn, peer, what)
             header = _recv_into(conn, bytearray(_HEADER.size))
             op, got_seq, nbytes = _HEADER.unpack(header)
             if (op, got_seq) != (_CODE[what], seq):
@@ -99,6 +104,18 @@ class TcpCommunicator:
             raise self._fail(what, peer, e) from None
         self.abort(reason)
         raise CommAborted(f"{what} aborted: {reason}")
+
+    def _await_message(self, conn, peer: int, what: str) -> None:
+        """Wait until conn has bytes to read, looking every PROBE_S at the world's other connections: a
+        process that died is seen at once, also while this rank waits on another one that is alive (rank 0's
+        star reading rank 1 while rank 2 is gone, or a group waiting on a rank that waits on the dead)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not select.select([conn], [], [], PROBE_S)[0]:
+            dead = _closed_peer(self._family[0].peers)
+            if dead is not None:
+                raise self._fail(what, dead, ConnectionError("connection closed"))
+            if time.monotonic() > deadline:
+                raise self._fail(what, peer, TimeoutError())
 
     def _begin(self, what: str) -> None:
         if self.abort_reason is not None:
@@ -301,6 +318,19 @@ def _flat(buf):
     if not buf.flags.c_contiguous:
         raise ValueError("communicator buffers must be contiguous")
     return buf.reshape(-1)
+
+
+def _closed_peer(peers) -> int | None:
+    """The index of a connection whose peer has closed it (readable, and nothing to read), or None."""
+    for index, sock in enumerate(peers):
+        if sock is None:
+            continue
+        try:
+            if select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK):
+                return index
+        except (OSError, ValueError):  # reset, or closed here meanwhile
+            return index
+    return None
 
 
 def _recv_into(conn, view):
