@@ -244,7 +244,7 @@ def test_mesh_coordinates_are_arange_reshaped_pp_dp_tp():
         assert np.argwhere(grid == rank)[0].tolist() == list(mesh_coordinates(rank, 3, 4, 2))
 
 
-@pytest.mark.parametrize("dp, tp, pp", [(2, 2, 2), (1, 2, 2), (2, 1, 3), (4, 1, 1)])
+@pytest.mark.parametrize("dp, tp, pp", [(2, 2, 2), (1, 2, 2), (2, 1, 3), (4, 1, 1), (1, 1, 1)])
 def test_the_mesh_groups_and_the_pipeline_neighbours(dp, tp, pp):
     grid = np.arange(dp * tp * pp).reshape(pp, dp, tp)
 

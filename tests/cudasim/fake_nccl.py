@@ -252,11 +252,14 @@ _mail: dict[tuple, list] = {}
 _mail_ready = threading.Condition()
 
 
-def _split(self: Communicator, color: int | None = None, key: int = 0, config=None) -> Communicator:
-    found = {}
+def _split(self: Communicator, color: int | None = None, key: int = 0, config=None) -> Communicator | None:
+    """nccl4py's Communicator.split; color None joins no group (nccl4py gives a null communicator: None here)."""
+    found = {"comm": None}
 
     def finish(parts):
         self.splits = getattr(self, "splits", 0) + 1  # every rank splits in the same order: a common name
+        if color is None:
+            return
         members = sorted((int(k), r) for r, (c, k) in enumerate(parts) if c == color)
         with _lock:
             clique = _split_cliques.setdefault((id(self.clique), self.splits, color), _Clique(len(members)))
