@@ -292,10 +292,12 @@ class NcclCommunicator:
 
     # ---------------------------------------------------------------- groups
     def split(self, color: int, key: int | None = None) -> "NcclCommunicator":
-        """ncclCommSplit, after this rank's queued work (the split must find no operation in flight).
-        The group shares the world's watchdog and abort: a failure anywhere aborts every communicator."""
+        """ncclCommSplit. First a barrier, watched by the watchdog: every rank is then at the split, which
+        blocks until all are (a rank that never came would leave it waiting with no timeout), and no
+        operation is in flight, as ncclCommSplit requires. The group shares the world's watchdog and
+        abort: a failure anywhere aborts every communicator."""
         check_split(color, key)
-        self.synchronize()
+        self.barrier()
         parent = self.nccl_comm
         if parent is None:
             with self.world._lock:
