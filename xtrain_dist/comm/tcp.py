@@ -9,7 +9,9 @@ fast path (MPI and NCCL are those).
 Every message starts with (operation, sequence number, byte count), so processes that call different
 collectives, or the same one with different sizes, fail with a line that says so instead of mixing data.
 A peer that dies closes its socket: the others see it at once (a rank waiting for one peer looks at the
-world's other connections too, `_await_message`); a stuck one is caught by the timeout.
+world's other connections too, `_await_message`); a stuck one is caught by the timeout. So a process
+that closes its connections while others still exchange messages is taken for dead: a job ends with a
+collective of the whole world before any process closes.
 
 Point-to-point needs a connection between any two ranks, not only to rank 0: `connect_all` (collective,
 run once by open_world) and `split` make one. Every rank listens on a fresh port, the addresses (and a
