@@ -176,10 +176,11 @@ def test_collectives_over_mpi_processes(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("wrote ") == 1
     data = json.loads((tmp_path / "collectives.json").read_text())
-    assert data["comm"] == "mpi" and len(data["rows"]) == 8
+    assert data["comm"] == "mpi" and len(data["rows"]) == 10
     for row in data["rows"]:
         assert row["world"] == 2 and row["algbw_gbs"] > 0
-        factor = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "broadcast": 1.0}[row["op"]]
+        factor = {"all_reduce": 1.0, "ring_all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5,
+                  "broadcast": 1.0}[row["op"]]
         assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * factor)
 
 

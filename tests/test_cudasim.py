@@ -491,6 +491,7 @@ def run_showing_progress(command, env, label, request, tmp_path, timeout=1200):
         return process.returncode, "".join(lines), stderr.read()
 
 
+NCCL_MODULES = ["tests/test_nccl.py", "tests/test_nccl_groups.py"]
 # A shuffled order drawn from the clock each run (printed on failure; XTRAIN_CUDASIM_ORDER=<it> replays it).
 SHUFFLED = str(2 + time.time_ns() % 2**31)
 
@@ -498,7 +499,7 @@ SHUFFLED = str(2 + time.time_ns() % 2**31)
 @pytest.mark.parametrize("order, select, devices", [("forward", CUDA_MODULES, "1"),
                                                     ("reverse", OP_TESTS + CUDA_MODULES, "1"),
                                                     (SHUFFLED, OP_TESTS + CUDA_MODULES, "1"),
-                                                    ("forward", ["tests/test_nccl.py"], "2")],
+                                                    ("forward", NCCL_MODULES, "2")],
                          ids=["cuda-forward", "cuda-ops-reverse", "cuda-ops-shuffled", "nccl-2-gpus"])
 def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices, request, tmp_path):
     """Every kernel against its numpy oracle (fp32 and bf16, flash attention included), the whole tiny

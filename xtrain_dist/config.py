@@ -103,6 +103,7 @@ class TrainConfig:
     grad_compress: str = "none"     # none | bf16: round gradients to bfloat16 for the reduction
     zero: int = 0                   # 1: ZeRO-1, optimizer state sharded over the ranks
     grad_accum: int = 1             # micro-batches per optimizer step; communication after the last
+    all_reduce: str = "library"     # library | ring: the communicator's all-reduce, or comm/ring.py's over send/recv
     # ---- precision (precision.py) ----
     dtype: str = "fp32"             # fp32 | bf16: bf16 activations and matmuls, fp32 master weights and grads
     attention: str = "standard"     # standard | flash: keep the T x T probabilities, or recompute them (model.py)

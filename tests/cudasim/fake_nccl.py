@@ -238,7 +238,75 @@ def _bindings() -> types.ModuleType:
 
     raw.all_reduce, raw.reduce_scatter, raw.all_gather = queued(all_reduce), queued(reduce_scatter), queued(all_gather)
     raw.broadcast, raw.reduce = queued(broadcast), queued(reduce)
+    raw.send, raw.recv = queued(_send), queued(_recv)
     return raw
+
+
+# ---------------------------------------------------------------------------- groups and point-to-point
+# A split is a collective of the parent clique that makes one new clique per color; a send posts a copy
+# into the (sender, receiver) mailbox of its clique and returns, a recv waits for the oldest message
+# there, so a send and a recv in one group (or in either order on two threads) meet as NCCL's do.
+
+_split_cliques: dict[tuple, _Clique] = {}
+_mail: dict[tuple, list] = {}
+_mail_ready = threading.Condition()
+
+
+def _split(self: Communicator, color: int | None = None, key: int = 0, config=None) -> Communicator | None:
+    """nccl4py's Communicator.split; color None joins no group (nccl4py gives a null communicator: None here)."""
+    found = {"comm": None}
+
+    def finish(parts):
+        self.splits = getattr(self, "splits", 0) + 1  # every rank splits in the same order: a common name
+        if color is None:
+            return
+        members = sorted((int(k), r) for r, (c, k) in enumerate(parts) if c == color)
+        with _lock:
+            clique = _split_cliques.setdefault((id(self.clique), self.splits, color), _Clique(len(members)))
+            comm = Communicator(clique, [r for _, r in members].index(self.rank))
+            _comms[comm.ptr] = comm
+        found["comm"] = comm
+
+    _collective(self.ptr, ("split",), np.array([-1 if color is None else color, key], np.int64), finish)
+    return found["comm"]
+
+
+def _send(send, count, data_type, peer, comm, stream):
+    _queued(stream, "send", send, count, send, 0, data_type)
+    sender = _comms.get(int(comm))
+    if sender is None or sender.aborted:
+        raise NcclError("ncclInvalidArgument: a destroyed or aborted communicator", 4)
+    with _mail_ready:
+        _mail.setdefault((id(sender.clique), sender.rank, peer), []).append(
+            (data_type, _memory(send, data_type, count).copy()))
+        _mail_ready.notify_all()
+
+
+def _recv(recv, count, data_type, peer, comm, stream):
+    _queued(stream, "recv", recv, 0, recv, count, data_type)
+    receiver = _comms.get(int(comm))
+    if receiver is None or receiver.aborted:
+        raise NcclError("ncclInvalidArgument: a destroyed or aborted communicator", 4)
+    with _mail_ready:
+        box = _mail.setdefault((id(receiver.clique), peer, receiver.rank), [])
+        if not _mail_ready.wait_for(lambda: box or receiver.aborted, TIMEOUT_S) or receiver.aborted:
+            raise NcclError(f"ncclRemoteError: rank {receiver.rank}'s recv: rank {peer} never sent "
+                            f"(fake NCCL, {TIMEOUT_S:g} s)", 6)
+        sent_type, data = box.pop(0)
+    if (sent_type, data.size) != (data_type, count):
+        raise NcclError(f"ncclInvalidUsage: rank {peer} sent {data.size} elements of type {sent_type}, "
+                        f"rank {receiver.rank} receives {count} of type {data_type}")
+    _memory(recv, data_type, count)[:] = data
+
+
+def _abort_and_wake_receivers(self: Communicator, _abort=Communicator.abort) -> None:
+    _abort(self)
+    with _mail_ready:  # a recv waiting on a peer that aborted returns now, as ncclCommAbort releases it
+        _mail_ready.notify_all()
+
+
+Communicator.split = _split
+Communicator.abort = _abort_and_wake_receivers
 
 
 def install() -> None:

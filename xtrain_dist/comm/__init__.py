@@ -16,6 +16,14 @@ rank r owns elements [sum(counts[:r]), sum(counts[:r+1])); a count may be 0. Non
 (the buffer size divisible by the world size). That is MPI's Reduce_scatter/Allgatherv; on NCCL,
 equal counts are ncclReduceScatter/ncclAllGather and unequal ones a group of ncclReduce/ncclBroadcast,
 one per rank. ZeRO-1 needs them: its shards and its gradient buckets do not divide evenly.
+
+Groups are made by `split(color, key)`, MPI's Comm_split and NCCL's ncclCommSplit one for one (rather
+than `new_group(ranks)`, which every rank would have to call with every group's list): a rank says only
+which group it joins, the call is collective over the communicator split, and the new communicator has
+the whole protocol, collectives and point-to-point. Groups split from one world fail together: an abort
+of any of them (a rank that died, a timeout) aborts them all. `send`/`recv`/`sendrecv` move one buffer
+between two ranks of a communicator; a message of another size than the receiver's buffer is an error
+that names both, and a peer that never sends is caught by the timeout.
 """
 
 from typing import Protocol
@@ -51,6 +59,19 @@ class Communicator(Protocol):
     def abort(self, reason: str) -> None:
         """Make every rank's pending and future collectives raise CommAborted (called on failure)."""
 
+    def split(self, color: int, key: int | None = None) -> "Communicator":
+        """Collective over this communicator: a new communicator of the ranks that passed the same color,
+        ranked by (key, rank in this one); key None keeps this one's order. MPI_Comm_split, ncclCommSplit."""
+
+    def send(self, buf, peer: int) -> None:
+        """Send buf to rank peer (blocking; it may wait until peer receives: pair it, or use sendrecv)."""
+
+    def recv(self, buf, peer: int) -> None:
+        """buf = the next message from rank peer, of exactly buf's size and type (blocking)."""
+
+    def sendrecv(self, send, dest: int, recv, source: int) -> None:
+        """send to dest and recv from source at once: a ring of these never deadlocks."""
+
 
 def shard_offsets(total: int, world_size: int, counts=None) -> list[int]:
     """The world_size + 1 boundaries of the shares in a reduce_scatter/all_gather buffer of `total`
@@ -75,3 +96,27 @@ def rank_share_offsets(total: int, world_size: int, rank: int, counts, given: in
     if given != share:
         raise ValueError(f"rank {rank}: {role} has {given} elements, its share is {share}")
     return offsets
+
+
+def check_split(color, key) -> None:
+    """A split's color is a non-negative int (every rank joins a group), its key an int or None; bad
+    arguments are a bug of the caller: ValueError."""
+    if isinstance(color, bool) or not isinstance(color, int) or color < 0:
+        raise ValueError(f"a group's color must be a non-negative integer, got {color!r}")
+    if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
+        raise ValueError(f"a group's key must be an integer, got {key!r}")
+
+
+def split_members(colors_and_keys) -> dict[int, list[int]]:
+    """{color: the ranks that passed it, ordered by (key, rank)}, from every rank's (color, key)."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for rank, (color, key) in enumerate(colors_and_keys):
+        groups.setdefault(color, []).append((key, rank))
+    return {color: [rank for _, rank in sorted(members)] for color, members in sorted(groups.items())}
+
+
+def check_peer(comm, peer) -> None:
+    """A point-to-point peer is another rank of the communicator."""
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < comm.world_size or peer == comm.rank:
+        raise ValueError(f"rank {comm.rank}: peer {peer!r} is not another rank of this communicator "
+                          f"(0 .. {comm.world_size - 1})")

@@ -8,7 +8,13 @@ MPI_THREAD_SERIALIZED and the process communicators stay one-rank-per-process. E
 bits: the cross-process result is computed once per element and copied.
 """
 
+from ..errors import XtrainError
 from . import rank_share_offsets, shard_offsets
+
+# A group or a message between rank threads of different processes would need the process communicator
+# from threads other than the leader: said plainly rather than half done.
+NOT_BUILT = ("groups and point-to-point across rank threads of several processes are not built: run one rank "
+             "thread per process (mpirun -n N, torchrun --nproc-per-node N)")
 
 
 class HybridCommunicator:
@@ -61,6 +67,18 @@ class HybridCommunicator:
         if self.leader:
             self.inter.barrier()
         self.local.barrier()
+
+    def split(self, color: int, key: int | None = None):
+        raise XtrainError(NOT_BUILT)
+
+    def send(self, buf, peer: int) -> None:
+        raise XtrainError(NOT_BUILT)
+
+    def recv(self, buf, peer: int) -> None:
+        raise XtrainError(NOT_BUILT)
+
+    def sendrecv(self, send, dest: int, recv, source: int) -> None:
+        raise XtrainError(NOT_BUILT)
 
     def abort(self, reason: str) -> None:
         self.local.abort(reason)

@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from . import CommAborted, rank_share_offsets
+from . import CommAborted, check_peer, check_split, rank_share_offsets, split_members
 
 # Elements summed per pass: 512 KiB of float32, half of this machine's L2, so the accumulator stays
 # in cache while each rank's slice of the block streams through it.
@@ -73,23 +73,43 @@ class _Barrier:
             self._cond.notify_all()
 
 
-class LocalGroup:
-    """The state the thread ranks of one process share."""
+class _Message:
+    """A point-to-point message in a mailbox: its data, and whether the receiver has copied it."""
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0):
+    def __init__(self, data):
+        self.data, self.taken = data, False
+
+
+class LocalGroup:
+    """The state the thread ranks of one process share.
+
+    A group made by split is a child of the group it was split from; all groups split from one world
+    are one family, and an abort of any of them aborts every one: a rank waiting in a sub-group for a
+    peer whose other group failed is released, not left to hang."""
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0, parent: "LocalGroup | None" = None):
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._barrier = _Barrier(world_size)
         self._posted = [None] * world_size
         self.abort_reason: str | None = None
+        self._root = self if parent is None else parent._root
+        self._family: list[LocalGroup] = []
+        self._root._family.append(self)
+        # point-to-point: one mailbox per (sender, receiver), messages in the order they were sent
+        self._mail = {}
+        self._mail_ready = threading.Condition()
 
     def communicator(self, rank: int) -> "LocalCommunicator":
         return LocalCommunicator(self, rank)
 
     def abort(self, reason: str) -> None:
-        if self.abort_reason is None:
-            self.abort_reason = reason
-        self._barrier.abort()
+        for group in list(self._root._family):
+            if group.abort_reason is None:
+                group.abort_reason = reason
+            group._barrier.abort()
+            with group._mail_ready:
+                group._mail_ready.notify_all()
 
 
 class LocalCommunicator:
@@ -105,9 +125,9 @@ class LocalCommunicator:
         try:
             group._barrier.wait(group.timeout_s)
         except threading.BrokenBarrierError:
-            if group.abort_reason is None:  # the barrier broke by timing out
-                group.abort_reason = (f"rank {self.rank} waited more than {group.timeout_s:g} s in {what}: "
-                                      "a peer rank is stuck or dead")
+            if group.abort_reason is None:  # the barrier broke by timing out: every group of the family ends
+                group.abort(f"rank {self.rank} waited more than {group.timeout_s:g} s in {what}: "
+                            "a peer rank is stuck or dead")
             raise CommAborted(f"{what} aborted: {group.abort_reason}") from None
 
     def _post(self, buf, what: str):
@@ -189,6 +209,77 @@ class LocalCommunicator:
 
     def abort(self, reason: str) -> None:
         self.group.abort(reason)
+
+    # ---------------------------------------------------------------- groups
+    def split(self, color: int, key: int | None = None) -> "LocalCommunicator":
+        """Collective: the ranks that pass the same color form a new group, ranked by (key, rank)."""
+        check_split(color, key)
+        group = self.group
+        group._posted[self.rank] = (color, self.rank if key is None else key)
+        self._wait("split")
+        if self.rank == 0:  # one rank makes the groups, so every member holds the same objects
+            group._split = {}
+            for members in split_members(group._posted).values():
+                sub = LocalGroup(len(members), group.timeout_s, parent=group)
+                group._split.update({r: (sub, new) for new, r in enumerate(members)})
+        self._wait("split")
+        sub, new_rank = group._split[self.rank]
+        self._wait("split")  # every rank has read its group before the next collective posts again
+        return sub.communicator(new_rank)
+
+    # ---------------------------------------------------------------- point-to-point
+    def send(self, buf, peer: int) -> None:
+        """Post a copy of buf for peer and return (thread ranks buffer a plain send)."""
+        self._post_message(_Message(buf.reshape(-1).copy()), buf, peer)
+
+    def _post_message(self, message: "_Message", buf, peer: int) -> None:
+        check_peer(self, peer)
+        self._check()
+        _sync_device(buf)
+        group = self.group
+        with group._mail_ready:
+            group._mail.setdefault((self.rank, peer), []).append(message)
+            group._mail_ready.notify_all()
+
+    def recv(self, buf, peer: int) -> None:
+        """buf = the oldest message from peer not yet received; waits for it at most the timeout."""
+        check_peer(self, peer)
+        group, out = self.group, buf.reshape(-1)
+        with group._mail_ready:
+            box = group._mail.setdefault((peer, self.rank), [])
+            arrived = group._mail_ready.wait_for(lambda: box or group.abort_reason is not None, group.timeout_s)
+            self._check()
+            if not arrived:
+                group.abort(f"rank {self.rank} waited more than {group.timeout_s:g} s for a message from rank "
+                            f"{peer}: the peer is stuck, dead or never sends it")
+                self._check()
+            message = box.pop(0)
+        data = message.data
+        if data.size != out.size or data.dtype != out.dtype:
+            group.abort(f"rank {peer} sent {data.size} {data.dtype} elements where rank {self.rank} "
+                        f"receives {out.size} {out.dtype}: the ranks disagree on the message")
+            self._check()
+        out[...] = data
+        _sync_device(buf)
+        with group._mail_ready:  # a sendrecv's sender may now reuse its buffer
+            message.taken = True
+            group._mail_ready.notify_all()
+
+    def sendrecv(self, send, dest: int, recv, source: int) -> None:
+        """send to dest and receive from source, neither waiting on the other (a ring step). The message
+        is send itself, not a copy: the receiver copies it once, and this returns when it has."""
+        message = _Message(send.reshape(-1))
+        self._post_message(message, send, dest)
+        self.recv(recv, source)
+        group = self.group
+        with group._mail_ready:
+            taken = group._mail_ready.wait_for(lambda: message.taken or group.abort_reason is not None,
+                                               group.timeout_s)
+            self._check()
+            if not taken:
+                group.abort(f"rank {self.rank} waited more than {group.timeout_s:g} s for rank {dest} to receive "
+                            "its message: the peer is stuck, dead or never receives it")
+                self._check()
 
     def _check(self) -> None:
         if self.group.abort_reason is not None:

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from ..errors import XtrainError, install_hint
-from . import CommAborted, rank_share_offsets
+from . import CommAborted, check_peer, check_split, rank_share_offsets
 from .local import _chunk
 
 
@@ -69,6 +69,8 @@ def abort_job(code: int = 1) -> None:
 
 
 class MpiCommunicator:
+    _parent = None  # the communicator this one was split from: an abort of either reaches both
+
     def __init__(self, comm=None, timeout_s: float = 300.0):
         MPI = self.MPI = mpi_module()
         # Rank threads call MPI, and they are not the main thread: MPI must allow that.
@@ -80,22 +82,30 @@ class MpiCommunicator:
         self.timeout_s = timeout_s
         self.abort_reason: str | None = None
 
-    def _wait(self, request, what: str) -> None:
+    def _reason(self) -> str | None:
+        """Why this communicator, or one it was split from, was aborted (None: it was not)."""
+        comm = self
+        while comm is not None:
+            if comm.abort_reason is not None:
+                return comm.abort_reason
+            comm = comm._parent
+        return None
+
+    def _wait(self, request, what: str, status=None, stuck: str = "a peer process is stuck or dead") -> None:
         deadline = time.monotonic() + self.timeout_s
         polls = 0
-        while not request.Test():
-            if self.abort_reason is not None:
-                raise CommAborted(f"{what} aborted: {self.abort_reason}")
+        while not (request.Test() if status is None else request.Test(status)):
+            if self._reason() is not None:
+                raise CommAborted(f"{what} aborted: {self._reason()}")
             if time.monotonic() > deadline:
-                self.abort(f"rank {self.rank} waited more than {self.timeout_s:g} s in {what}: "
-                           "a peer process is stuck or dead")
-                raise CommAborted(f"{what} aborted: {self.abort_reason}")
+                self.abort(f"rank {self.rank} waited more than {self.timeout_s:g} s in {what}: {stuck}")
+                raise CommAborted(f"{what} aborted: {self._reason()}")
             polls += 1
             time.sleep(0 if polls < 1000 else 0.0005)  # spin briefly, then stop burning a core
 
     def _check(self, what: str) -> None:
-        if self.abort_reason is not None:
-            raise CommAborted(f"{what} aborted: {self.abort_reason}")
+        if self._reason() is not None:
+            raise CommAborted(f"{what} aborted: {self._reason()}")
 
     def _chunks(self, n: int) -> tuple[list[int], list[int]]:
         bounds = [_chunk(n, self.world_size, r) for r in range(self.world_size)]
@@ -153,9 +163,64 @@ class MpiCommunicator:
         self._check("barrier")
         self._wait(self.comm.Ibarrier(), "barrier")
 
+    # ---------------------------------------------------------------- groups
+    def split(self, color: int, key: int | None = None) -> "MpiCommunicator":
+        """MPI_Comm_split. The colors and keys are gathered first with the polled all_gather, so a rank
+        that never comes is caught by the timeout, not left in a blocking MPI_Comm_split."""
+        check_split(color, key)
+        self._check("split")
+        key = self.rank if key is None else key
+        everyone = np.empty(2 * self.world_size, np.int64)
+        self.all_gather(np.array([color, key], np.int64), everyone)  # every rank is here: Split cannot hang
+        sub = MpiCommunicator(self.comm.Split(color, key), self.timeout_s)
+        sub._parent = self
+        return sub
+
+    # ---------------------------------------------------------------- point-to-point
+    def send(self, buf, peer: int) -> None:
+        check_peer(self, peer)
+        self._check("send")
+        self._wait(self.comm.Isend(_flat(buf), dest=peer), "send",
+                   stuck=f"rank {peer} is stuck, dead or never receives")
+
+    def recv(self, buf, peer: int) -> None:
+        check_peer(self, peer)
+        self._check("recv")
+        self._finish_recv(self.comm.Irecv(_flat(buf), source=peer), buf, peer)
+
+    def sendrecv(self, send, dest: int, recv, source: int) -> None:
+        check_peer(self, dest)
+        check_peer(self, source)
+        self._check("sendrecv")
+        receiving = self.comm.Irecv(_flat(recv), source=source)
+        self._wait(self.comm.Isend(_flat(send), dest=dest), "sendrecv",
+                   stuck=f"rank {dest} is stuck, dead or never receives")
+        self._finish_recv(receiving, recv, source)
+
+    def _finish_recv(self, request, buf, peer: int) -> None:
+        status = self.MPI.Status()
+        try:
+            self._wait(request, "recv", status, stuck=f"rank {peer} is stuck, dead or never sends")
+        except self.MPI.Exception as e:  # MPI_ERR_TRUNCATE: the message is longer than buf
+            self._disagree(peer, f"more than {buf.size}", buf, e.Get_error_string())
+        got = status.Get_count(self.MPI._typedict[buf.dtype.char])
+        if got != buf.size:
+            self._disagree(peer, str(got), buf)
+
+    def _disagree(self, peer: int, sent: str, buf, detail: str = "") -> None:
+        self.abort(f"rank {peer} sent {sent} {buf.dtype} elements where rank {self.rank} receives {buf.size}: "
+                   "the ranks disagree on the message" + (f" ({detail.strip()})" if detail else ""))
+        self._check("recv")
+
     def abort(self, reason: str) -> None:
-        """Make this process's pending and later collectives raise; the job itself ends through
-        abort_job once the failing process has said why."""
+        """Make this process's pending and later collectives raise, on this communicator and on every one
+        split from the same world; the job itself ends through abort_job once the failing process has
+        said why."""
+        root = self
+        while root._parent is not None:
+            root = root._parent
+        if root.abort_reason is None:
+            root.abort_reason = reason
         if self.abort_reason is None:
             self.abort_reason = reason
 

@@ -33,7 +33,7 @@ import threading
 import time
 
 from ..errors import XtrainError, install_hint
-from . import CommAborted, rank_share_offsets
+from . import CommAborted, check_peer, check_split, rank_share_offsets
 
 WATCHDOG_PERIOD_S = 0.2
 
@@ -77,6 +77,7 @@ class NcclWorld:
         self.dtypes = _data_types(self.nccl)
         uid = self.nccl.UniqueId.from_bytes(unique_id)
         self.comms = []
+        self.groups = []  # (local, communicator) of every group split off (ncclCommSplit): aborted with the world
         try:
             self.nccl.group_start()
             try:
@@ -107,7 +108,8 @@ class NcclWorld:
         with self._lock:
             if self.abort_reason is None:
                 self.abort_reason = reason
-            comms, self.comms = self.comms, []
+            comms, self.comms = self.comms + [c for _, c in self.groups], []
+            self.groups = []
         for comm in comms:
             with contextlib.suppress(Exception):  # already broken: nothing more to release
                 comm.abort()
@@ -115,7 +117,7 @@ class NcclWorld:
     def _watch(self) -> None:
         success, in_progress = int(self.raw.Result.Success), int(self.raw.Result.InProgress)
         while not self._closed.wait(WATCHDOG_PERIOD_S) and self.abort_reason is None:
-            for local, comm in enumerate(list(self.comms)):
+            for local, comm in list(enumerate(self.comms)) + list(self.groups):
                 try:
                     status = int(comm.get_async_error())
                 except Exception:
@@ -139,7 +141,8 @@ class NcclWorld:
         """End the communicators cleanly (finalize in one group, as several ranks share this thread)."""
         self._closed.set()
         with self._lock:
-            comms, self.comms = self.comms, []
+            comms, self.comms = [c for _, c in self.groups] + self.comms, []  # groups end before their parent
+            self.groups = []
         if not comms:
             return
         try:
@@ -160,9 +163,15 @@ class NcclWorld:
 class NcclCommunicator:
     """One rank thread's view: the Communicator protocol over CuPy arrays on this rank's device."""
 
-    def __init__(self, world: NcclWorld, local: int, stream=None):
+    def __init__(self, world: NcclWorld, local: int, stream=None, group=None):
+        """group: an nccl.core Communicator split off the world (None: the world's own)."""
         self.world, self.local = world, local
-        self.rank, self.world_size = world.global_rank(local), world.world_size
+        self.nccl_comm = group
+        if group is None:
+            self.rank, self.world_size = world.global_rank(local), world.world_size
+        else:
+            self.rank, self.world_size = int(group.rank), int(group.nranks)
+        self.handle = world.handles[local] if group is None else world.raw.Comm(group.ptr)
         self.device = world.devices[local]
         self.stream = stream  # a cupy Stream, or None: the calling thread's current stream
 
@@ -187,7 +196,7 @@ class NcclCommunicator:
         captured = stream.is_capturing()
         try:
             with cupy.cuda.Device(self.device):
-                call(self.world.handles[self.local])
+                call(self.handle)
                 if captured:
                     return
                 event = cupy.cuda.Event(disable_timing=True)
@@ -280,6 +289,62 @@ class NcclCommunicator:
             time.sleep(0.0002)
         if self.world.abort_reason is not None:
             raise CommAborted(f"aborted: {self.world.abort_reason}")
+
+    # ---------------------------------------------------------------- groups
+    def split(self, color: int, key: int | None = None) -> "NcclCommunicator":
+        """ncclCommSplit. First a barrier, watched by the watchdog: every rank is then at the split, which
+        blocks until all are (a rank that never came would leave it waiting with no timeout), and no
+        operation is in flight, as ncclCommSplit requires. The group shares the world's watchdog and
+        abort: a failure anywhere aborts every communicator."""
+        check_split(color, key)
+        self.barrier()
+        parent = self.nccl_comm
+        if parent is None:
+            with self.world._lock:
+                parent = self.world.comms[self.local] if self.world.comms else None
+        if parent is None:
+            raise CommAborted(f"split aborted: {self.world.abort_reason}")
+        try:
+            with self.world.cupy.cuda.Device(self.device):
+                group = parent.split(color, self.rank if key is None else key)
+        except Exception as e:
+            reason = f"ncclCommSplit failed on rank {self.rank}: {_nccl_message(self.world.nccl, e)}"
+            self.world.abort(reason)
+            raise CommAborted(reason) from None
+        with self.world._lock:
+            self.world.groups.append((self.local, group))
+        return NcclCommunicator(self.world, self.local, self.stream, group)
+
+    # ---------------------------------------------------------------- point-to-point
+    def send(self, buf, peer: int, *, dtype: str | None = None, stream=None) -> None:
+        """ncclSend, enqueued on the rank's stream (the peer's matching recv completes it)."""
+        check_peer(self, peer)
+        data_type, s = self._args(buf, dtype, stream)
+        raw = self.world.raw
+        self._run("send", lambda h: raw.send(buf.data.ptr, buf.size, data_type, peer, h, s.ptr), s)
+
+    def recv(self, buf, peer: int, *, dtype: str | None = None, stream=None) -> None:
+        check_peer(self, peer)
+        data_type, s = self._args(buf, dtype, stream)
+        raw = self.world.raw
+        self._run("recv", lambda h: raw.recv(buf.data.ptr, buf.size, data_type, peer, h, s.ptr), s)
+
+    def sendrecv(self, send, dest: int, recv, source: int, *, dtype: str | None = None, stream=None) -> None:
+        """ncclSend and ncclRecv in one group: NCCL starts both together, so a ring of them cannot deadlock."""
+        check_peer(self, dest)
+        check_peer(self, source)
+        data_type, s = self._args(send, dtype, stream)
+        raw, nccl = self.world.raw, self.world.nccl
+
+        def call(h):
+            nccl.group_start()
+            try:
+                raw.send(send.data.ptr, send.size, data_type, dest, h, s.ptr)
+                raw.recv(recv.data.ptr, recv.size, data_type, source, h, s.ptr)
+            finally:
+                nccl.group_end()
+
+        self._run("sendrecv", call, s)
 
     def abort(self, reason: str) -> None:
         self.world.abort(reason)

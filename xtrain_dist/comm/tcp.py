@@ -8,27 +8,50 @@ fast path (MPI and NCCL are those).
 
 Every message starts with (operation, sequence number, byte count), so processes that call different
 collectives, or the same one with different sizes, fail with a line that says so instead of mixing data.
-A peer that dies closes its socket: the others see it at once; a stuck one is caught by the timeout.
+A peer that dies closes its socket: the others see it at once (a rank waiting for one peer looks at the
+world's other connections too, `_await_message`); a stuck one is caught by the timeout. So a process
+that closes its connections while others still exchange messages is taken for dead: a job ends with a
+collective of the whole world before any process closes.
+
+Point-to-point needs a connection between any two ranks, not only to rank 0: `connect_all` (collective,
+run once by open_world) and `split` make one. Every rank listens on a fresh port, the addresses (and a
+random token from rank 0, which each new connection must present) go round through the star, and each
+rank connects to the lower ranks and accepts the higher ones. A group made by split is a star around its
+own rank 0 over those connections, so its collectives never share a socket with another communicator's.
+A point-to-point message carries its own count per pair of ranks instead of the collective's sequence
+number. An abort closes the sockets of every communicator split from the same world.
 """
 
+import os
+import select
 import socket
 import struct
+import threading
+import time
 
 import numpy as np
 
-from . import CommAborted, rank_share_offsets
+from . import CommAborted, check_peer, check_split, rank_share_offsets, split_members
 from .rendezvous import close_all
 
 _HEADER = struct.Struct("!BIQ")  # operation, sequence number, payload bytes
-_OPS = {1: "all_reduce", 2: "all_gather", 3: "broadcast", 4: "barrier"}
-_CODE = {name: code for code, name in _OPS.items()}
+_OPS = {1: "all_reduce", 2: "all_gather", 3: "broadcast", 4: "barrier", 5: "send"}
+_ADDRESS = 64  # bytes of a listening address in the exchange: host (utf-8, zero padded) then port
+_HELLO = struct.Struct("!I16s")  # a new connection's first bytes: the connecting rank, the token
+PROBE_S = 0.2  # while waiting for a message, how often the other connections are checked for a dead peer
+_CODE = {name: code for code, name in _OPS.items()} | {"recv": 5}  # a send's message, as its receiver names it
 
 
 class TcpCommunicator:
     def __init__(self, rank: int, world_size: int, peers: list, timeout_s: float = 300.0):
-        """peers: on rank 0, the connection to each rank by index (index 0 unused); elsewhere [conn to rank 0]."""
+        """peers: the connection to each rank by index (None for itself), or, outside rank 0, [conn to rank 0]."""
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        if rank != 0 and len(peers) == 1:
+            peers = [peers[0]] + [None] * (world_size - 1)
         self.peers = peers
+        self._family = [self]  # every communicator split from the same world (shared list)
+        self._sent = [0] * world_size  # point-to-point messages sent to / received from each rank
+        self._received = [0] * world_size
         for s in peers:
             if s is not None:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -38,7 +61,7 @@ class TcpCommunicator:
 
     # ---------------------------------------------------------------- wire
     def _conn(self, peer: int):
-        return self.peers[peer] if self.rank == 0 else self.peers[0]
+        return self.peers[peer]
 
     def _fail(self, what: str, peer: int, err: BaseException) -> CommAborted:
         if self.abort_reason is not None:
@@ -51,25 +74,28 @@ class TcpCommunicator:
         self.abort(reason)
         return CommAborted(f"{what} aborted: {reason}")
 
-    def _send(self, peer: int, what: str, data) -> None:
+    def _send(self, peer: int, what: str, data, seq: int | None = None) -> None:
         payload = memoryview(np.ascontiguousarray(data)).cast("B") if data is not None else b""
         try:
-            self._conn(peer).sendall(_HEADER.pack(_CODE[what], self.seq, len(payload)))
+            self._conn(peer).sendall(_HEADER.pack(_CODE[what], self.seq if seq is None else seq, len(payload)))
             if len(payload):
                 self._conn(peer).sendall(payload)
         except OSError as e:
             raise self._fail(what, peer, e) from None
 
-    def _recv(self, peer: int, what: str, out) -> None:
-        """Receive the peer's message for this collective into `out` (a contiguous array, or None)."""
+    def _recv(self, peer: int, what: str, out, seq: int | None = None) -> None:
+        """Receive the peer's message for this collective (or point-to-point message number seq) into
+        `out` (a contiguous array, or None)."""
         conn = self._conn(peer)
         view = memoryview(out).cast("B") if out is not None else memoryview(bytearray(0))
+        seq = self.seq if seq is None else seq
         try:
+            self._await_message(conn, peer, what)
             header = _recv_into(conn, bytearray(_HEADER.size))
-            op, seq, nbytes = _HEADER.unpack(header)
-            if (op, seq) != (_CODE[what], self.seq):
-                reason = (f"rank {peer} is in {_OPS.get(op, op)} #{seq} while rank {self.rank} is in {what} "
-                          f"#{self.seq}: the processes call collectives in different orders")
+            op, got_seq, nbytes = _HEADER.unpack(header)
+            if (op, got_seq) != (_CODE[what], seq):
+                reason = (f"rank {peer} is in {_OPS.get(op, op)} #{got_seq} while rank {self.rank} is in {what} "
+                          f"#{seq}: the processes call collectives in different orders")
             elif nbytes != len(view):
                 reason = (f"rank {peer} sent {nbytes} bytes in {what} where rank {self.rank} expects {len(view)}: "
                           "the processes disagree on the buffer size")
@@ -80,6 +106,18 @@ class TcpCommunicator:
             raise self._fail(what, peer, e) from None
         self.abort(reason)
         raise CommAborted(f"{what} aborted: {reason}")
+
+    def _await_message(self, conn, peer: int, what: str) -> None:
+        """Wait until conn has bytes to read, looking every PROBE_S at the world's other connections: a
+        process that died is seen at once, also while this rank waits on another one that is alive (rank 0's
+        star reading rank 1 while rank 2 is gone, or a group waiting on a rank that waits on the dead)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not select.select([conn], [], [], PROBE_S)[0]:
+            dead = _closed_peer(self._family[0].peers)
+            if dead is not None:
+                raise self._fail(what, dead, ConnectionError("connection closed"))
+            if time.monotonic() > deadline:
+                raise self._fail(what, peer, TimeoutError())
 
     def _begin(self, what: str) -> None:
         if self.abort_reason is not None:
@@ -157,20 +195,144 @@ class TcpCommunicator:
             self._send(0, "barrier", None)
             self._recv(0, "barrier", None)
 
+    # ---------------------------------------------------------------- groups
+    def connect_all(self) -> None:
+        """Collective: connect every pair of ranks, so any two can exchange point-to-point messages."""
+        self.peers = self._links(list(range(self.world_size)), self._exchange_addresses(0, self.rank))[1]
+
+    def split(self, color: int, key: int | None = None) -> "TcpCommunicator":
+        check_split(color, key)
+        key = self.rank if key is None else key
+        return self._links(None, self._exchange_addresses(color, key))[0]
+
+    def _exchange_addresses(self, color: int, key: int):
+        """Collective: open a listener; return it, every rank's (color, key, address) and rank 0's token."""
+        self._begin("split")
+        # listen where this process already reaches the others: the address of its connections
+        local = next((c.getsockname()[0] for c in self.peers if c is not None), "127.0.0.1")
+        listener = socket.create_server((local, 0), backlog=self.world_size)
+        host, port = listener.getsockname()[:2]
+        mine = np.zeros(_ADDRESS + 16 + 16, np.uint8)
+        encoded = host.encode()[:_ADDRESS - 2]
+        mine[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+        mine[_ADDRESS - 2:_ADDRESS] = np.frombuffer(struct.pack("!H", port), np.uint8)
+        mine[_ADDRESS:_ADDRESS + 16] = np.frombuffer(struct.pack("!qq", color, key), np.uint8)
+        mine[_ADDRESS + 16:] = np.frombuffer(os.urandom(16), np.uint8)
+        everyone = np.empty(mine.size * self.world_size, np.uint8)
+        try:
+            self.all_gather(mine, everyone)
+        except BaseException:
+            listener.close()
+            raise
+        records = everyone.reshape(self.world_size, -1)
+        table = []
+        for record in records:
+            raw = record.tobytes()
+            host, (port,) = raw[:_ADDRESS - 2].rstrip(b"\0").decode(), struct.unpack("!H", raw[_ADDRESS - 2:_ADDRESS])
+            table.append((*struct.unpack("!qq", raw[_ADDRESS:_ADDRESS + 16]), (host, port)))
+        return listener, table, records[0].tobytes()[_ADDRESS + 16:]
+
+    def _links(self, members, exchanged):
+        """Connect this rank to the other members of its group (all ranks of the same color when members
+        is None); return the group's communicator and its connections by group rank."""
+        listener, table, token = exchanged
+        if members is None:
+            members = split_members([(c, k) for c, k, _ in table])[table[self.rank][0]]
+        me = members.index(self.rank)
+        links = [None] * len(members)
+        try:
+            listener.settimeout(self.timeout_s)
+            for lower in range(me):  # connect to the lower ranks (their backlog holds us until they accept)
+                conn = socket.create_connection(table[members[lower]][2], timeout=self.timeout_s)
+                conn.sendall(_HELLO.pack(me, token))
+                links[lower] = conn
+            for _ in range(len(members) - 1 - me):  # accept the higher ones
+                conn, _ = listener.accept()
+                conn.settimeout(self.timeout_s)
+                who, presented = _HELLO.unpack(bytes(_recv_into(conn, bytearray(_HELLO.size))))
+                if presented != token or not me < who < len(members) or links[who] is not None:
+                    conn.close()
+                    raise ConnectionError("a connection that is not a rank of this group")
+                links[who] = conn
+        except OSError as e:
+            close_all(links)
+            raise self._fail("split", members[0], e) from None
+        finally:
+            listener.close()
+        group = TcpCommunicator(me, len(members), links, self.timeout_s)
+        group._family = self._family
+        self._family.append(group)
+        return group, links
+
+    # ---------------------------------------------------------------- point-to-point
+    def send(self, buf, peer: int) -> None:
+        check_peer(self, peer)
+        self._begin_p2p("send", peer)
+        self._sent[peer] += 1
+        self._send(peer, "send", _flat(buf), seq=self._sent[peer])
+
+    def recv(self, buf, peer: int) -> None:
+        check_peer(self, peer)
+        self._begin_p2p("recv", peer)
+        self._received[peer] += 1
+        self._recv(peer, "recv", _flat(buf), seq=self._received[peer])
+
+    def sendrecv(self, send, dest: int, recv, source: int) -> None:
+        """The send runs on a second thread while this one receives: two ranks sending each other a
+        buffer larger than the sockets' buffers would otherwise both wait in sendall."""
+        failed = []
+
+        def sending():
+            try:
+                self.send(send, dest)
+            except BaseException as e:
+                failed.append(e)
+
+        sender = threading.Thread(target=sending, name=f"tcp-send-{self.rank}", daemon=True)
+        sender.start()
+        try:
+            self.recv(recv, source)
+        finally:
+            sender.join()
+        if failed:
+            raise failed[0]
+
+    def _begin_p2p(self, what: str, peer: int) -> None:
+        if self.abort_reason is not None:
+            raise CommAborted(f"{what} aborted: {self.abort_reason}")
+        if self.peers[peer] is None:
+            raise ValueError(f"rank {self.rank} has no connection to rank {peer}: call connect_all first")
+
     def abort(self, reason: str) -> None:
-        """Close every connection: the peers' pending and next messages fail at once."""
-        if self.abort_reason is None:
-            self.abort_reason = reason
-        close_all(self.peers)
+        """Close every connection of every communicator split from the same world: the peers' pending and
+        next messages fail at once."""
+        for comm in list(self._family):
+            if comm.abort_reason is None:
+                comm.abort_reason = reason
+            close_all(comm.peers)
 
     def close(self) -> None:
-        close_all(self.peers)
+        for comm in list(self._family):
+            close_all(comm.peers)
 
 
 def _flat(buf):
     if not buf.flags.c_contiguous:
         raise ValueError("communicator buffers must be contiguous")
     return buf.reshape(-1)
+
+
+def _closed_peer(peers) -> int | None:
+    """The index of a connection whose peer has closed it (readable, and nothing to read), or None."""
+    for index, sock in enumerate(peers):
+        if sock is None:
+            continue
+        try:
+            if select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK):
+                return index
+        except (OSError, ValueError):  # reset, or closed here meanwhile
+            return index
+    return None
 
 
 def _recv_into(conn, view):

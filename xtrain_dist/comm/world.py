@@ -129,6 +129,7 @@ def open_world(engine: str, *, launch: Launch | None = None, local_world: int = 
         _, peers = rendezvous(launch, bind=rdzv_bind, advertise=rdzv_advertise, timeout_s=rdzv_timeout_s,
                               fingerprint=fingerprint, log=log)
         inter = TcpCommunicator(launch.process_rank, launch.num_processes, peers, timeout_s)
+        inter.connect_all()  # point-to-point between any two processes, not only through rank 0
     else:
         raise XtrainError(f"unknown communicator engine '{engine}'")
     if local_world == 1:

@@ -19,6 +19,7 @@ from ..checkpoint.store import RUN_CONFIG
 from ..comm import CommAborted
 from ..comm.launch_env import Launch, detect_launch, local_world_for
 from ..comm.rendezvous import report_failure_before_world
+from ..comm.ring import ALL_REDUCES
 from ..command import (
     OneLineParser,
     command_name,
@@ -170,6 +171,9 @@ def build_parser() -> OneLineParser:
                       help="bf16: round gradients to bfloat16 for the reduction")
     sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
     sync.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    sync.add_argument("--all-reduce", choices=ALL_REDUCES, default="library",
+                      help="how gradients are all-reduced: library, the communicator's own (default), or ring, "
+                           "the textbook ring over send/recv (comm/ring.py)")
     prec = p.add_argument_group("precision and memory (see docs/precision.md)")
     prec.add_argument("--attention", choices=ATTENTIONS, default="standard",
                       help="flash: keep one log-sum-exp per row instead of the T x T probabilities and recompute "
@@ -306,7 +310,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         sample_every=args.sample_every,
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
-        grad_accum=args.grad_accum, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
+        grad_accum=args.grad_accum, all_reduce=args.all_reduce, dtype=args.dtype, attention=args.attention,
+        recompute=args.recompute,
         cuda_graph=args.cuda_graph, options=_options(parser, args),
     ).resolved()
 

@@ -35,6 +35,8 @@ def unsupported(cfg, comm) -> str | None:
     """Why this rank's step cannot be captured, or None where it can."""
     if comm.world_size == 1:
         return None
+    if cfg.all_reduce == "ring":
+        return "the ring all-reduce (--all-reduce ring) is not captured: its steps are issued from the host"
     if type(comm).__name__ == "NcclCommunicator":
         return None
     if type(comm).__name__ == "LocalCommunicator":

@@ -9,6 +9,7 @@ import numpy as np
 from ..backend import get_backend
 from ..checkpoint import hf
 from ..checkpoint.resume import restore, save
+from ..comm.ring import RingAllReduce
 from ..comm.timed import TimedCommunicator
 from ..config import TrainConfig, model_config
 from ..data.corpus import Corpus
@@ -104,7 +105,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
                  recompute=cfg.recompute)
     # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
-    step_comm = TimedCommunicator(comm, clock=backend)
+    step_comm = TimedCommunicator(RingAllReduce(comm) if cfg.all_reduce == "ring" else comm, clock=backend)
     optimizer = make_optimizer(model, cfg, step_comm)
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size,

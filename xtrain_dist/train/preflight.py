@@ -10,7 +10,9 @@ from dataclasses import dataclass, replace
 from .. import files, precision
 from ..backend import numpy_ops, rank_device
 from ..checkpoint import hf, resume, store
+from ..comm.hybrid import NOT_BUILT
 from ..comm.launch_env import Launch, gpu_for
+from ..comm.ring import ALL_REDUCES
 from ..comm.world import choose_engine, config_fingerprint
 from ..config import PRESETS, TrainConfig, model_config
 from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -39,6 +41,8 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     if cfg.cuda_graph not in GRAPH_MODES:
         raise XtrainError(f"--cuda-graph must be one of {', '.join(GRAPH_MODES)}, not {cfg.cuda_graph!r}")
     ddp.check_config(cfg)
+    if cfg.all_reduce not in ALL_REDUCES:
+        raise XtrainError(f"--all-reduce must be one of {', '.join(ALL_REDUCES)}, not {cfg.all_reduce!r}")
     precision.check_config(cfg)
     check_recompute(cfg.recompute)
     if cfg.attention == "flash" and cfg.backend == "cuda":
@@ -119,6 +123,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         from ..backend.cuda.device import device_count
         gpus = device_count()
     engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
+    if cfg.all_reduce == "ring" and engine in ("mpi", "tcp") and local_world > 1:
+        raise XtrainError(f"--all-reduce ring sends between ranks, and {NOT_BUILT}")
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus, val_path=cfg.val_corpus or None)
     check_config(cfg, corpus)
     # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
