@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -359,7 +360,7 @@ def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
         try:
             raw.all_reduce(bufs[r].data.ptr, bufs[r].data.ptr, count, fake_nccl.FLOAT32, fake_nccl.SUM,
                            comms[r].ptr, 0)
-        except fake_nccl.NcclError as e:
+        except fake_nccl.NCCLError as e:
             errors.append(str(e))
 
     for counts in ((6, 6), (6, 5)):
@@ -371,6 +372,69 @@ def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
     np.testing.assert_array_equal(bufs[0].get(), 3 * np.arange(6))
     np.testing.assert_array_equal(bufs[1].get(), 3 * np.arange(6))
     assert len(errors) == 2 and all("ranks called different collectives" in e for e in errors), errors
+
+
+def _nccl4py_parameters(function) -> list[inspect.Parameter]:
+    """nccl4py's parameters of a function or method: from its signature, or (a Cython class such as
+    bindings.nccl.Comm) from the 'Name(type arg=default, ...)' line Cython embeds in the docstring."""
+    try:
+        return [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
+    except (TypeError, ValueError):
+        first = function.__doc__.splitlines()[0]
+        return [inspect.Parameter(p.split("=")[0].split()[-1], inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                  default=p.split("=")[1] if "=" in p else inspect.Parameter.empty)
+                for p in first[first.index("(") + 1:first.rindex(")")].split(",") if p.strip()]
+
+
+def _takes_what_nccl4py_takes(fake, real, what: str) -> None:
+    """The stand-in's parameters are nccl4py's first ones, same names and kinds; those it leaves out have defaults."""
+    ours = [p for p in inspect.signature(fake).parameters.values() if p.name != "self"]
+    theirs = _nccl4py_parameters(real)
+    assert [(p.name, p.kind) for p in ours] == [(p.name, p.kind) for p in theirs[:len(ours)]], (what, ours, theirs)
+    assert all(p.default is not inspect.Parameter.empty for p in theirs[len(ours):]), (what, ours, theirs)
+
+
+def test_the_nccl_stand_in_has_nccl4pys_names_values_and_parameters():
+    """fake_nccl held to the real nccl4py (the [test] extra installs it; it imports without a GPU), as
+    fake_cupy is held to CuPy: every name of its nccl.core and nccl.bindings.nccl exists in nccl4py, every
+    enum has nccl4py's value, every function and method takes nccl4py's parameters in nccl4py's order, a
+    property is a property there, and its errors are nccl4py's NCCLError (a status, 'RemoteError (6): ...')."""
+    real_core = pytest.importorskip("nccl.core", reason="nccl4py is not installed")
+    import fake_nccl
+    from nccl.bindings import nccl as real_raw
+
+    fake_raw = fake_nccl._bindings()
+    pairs = [(name, value, getattr(real_core, name, None)) for name, value in vars(fake_nccl.core_module()).items()
+             if not name.startswith("_")]
+    pairs += [(f"bindings.nccl.{name}", value, getattr(real_raw, name, None)) for name, value in vars(fake_raw).items()
+              if not name.startswith("_")]
+    assert len(pairs) == 14 + 8  # nothing left out of the check
+    for name, value, real in pairs:
+        assert real is not None, f"nccl4py has no {name}"
+        if isinstance(value, int):
+            assert int(real) == value, name
+        elif isinstance(value, types.SimpleNamespace):  # Result: the members nccl.py reads
+            assert {k: int(getattr(real, k)) for k in vars(value)} == vars(value), name
+        elif isinstance(value, type) and not issubclass(value, BaseException):
+            for attribute, member in vars(value).items():
+                if attribute.startswith("_"):
+                    continue
+                theirs = inspect.getattr_static(real, attribute, None)
+                assert theirs is not None, f"nccl4py's {name} has no {attribute}"
+                assert isinstance(member, property) == isinstance(theirs, property), f"{name}.{attribute}"
+                if not isinstance(member, property):
+                    _takes_what_nccl4py_takes(getattr(value, attribute), getattr(real, attribute),
+                                              f"{name}.{attribute}")
+        elif not isinstance(value, type):
+            _takes_what_nccl4py_takes(value, real, name)
+    # the instance attribute nccl.py reads of a communicator, a property in nccl4py
+    assert isinstance(inspect.getattr_static(real_core.Communicator, "ptr"), property)
+    assert issubclass(fake_nccl.NCCLError, Exception) and issubclass(real_raw.NCCLError, Exception)
+    _takes_what_nccl4py_takes(fake_nccl.NCCLError.__init__, real_raw.NCCLError.__init__, "NCCLError")
+    for status in (4, 5, 6):
+        assert str(fake_nccl.NCCLError(status)) == str(real_raw.NCCLError(status))
+        assert fake_nccl.NCCLError(status).status == real_raw.NCCLError(status).status == status
+        assert fake_nccl.get_error_string(status) == real_core.get_error_string(status)
 
 
 # ---------------------------------------------------------------------------- stream order (streams.py)
