@@ -330,17 +330,28 @@ def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices):
     across streams, commands and NCCL worlds in processes of their own) skip."""
     env = dict(os.environ, XTRAIN_CUDASIM="1", XTRAIN_CUDASIM_ORDER=order, XTRAIN_CUDASIM_DEVICES=devices,
                PYTHONUNBUFFERED="1")
-    # -rps lists every passed and skipped test by name, so a module that skipped whole (no GPU stand-in, an
-    # import gone wrong) is seen: a "N passed" closing line alone would hide it behind the other module's
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rps", "-p", "no:cacheprovider", *select],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    tail = "\n".join(result.stdout.splitlines()[-30:])
-    replay = f"XTRAIN_CUDASIM_ORDER={order} XTRAIN_CUDASIM_DEVICES={devices}"
-    assert result.returncode == 0, f"GPU tests on the simulator ({replay}) failed:\n{tail}\n{result.stderr[-2000:]}"
-    assert " passed" in tail.splitlines()[-1], tail
-    passed_in = {line.split()[1].split("::")[0] for line in result.stdout.splitlines() if line.startswith("PASSED ")}
+    options = [s for s in select if not s.endswith(".py")]
     modules = [s for s in select if s.endswith(".py")]
-    assert [m for m in modules if m not in passed_in] == [], f"modules with no test passed ({replay}):\n{tail}"
+    # one process per module, all at once: the simulator runs a launch on one core, and the modules are
+    # independent (kernels compile into a shared cache by atomic rename), so two modules take the time of
+    # the longer on two cores. -rps lists every passed and skipped test by name, so a module that skipped
+    # whole (no GPU stand-in, an import gone wrong) is seen, not hidden behind a "N passed" closing line.
+    runs = {module: subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rps", "-p", "no:cacheprovider",
+                                      *options, module], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True) for module in modules}
+    replay = f"XTRAIN_CUDASIM_ORDER={order} XTRAIN_CUDASIM_DEVICES={devices}"
+    for module, process in runs.items():
+        try:
+            stdout, stderr = process.communicate(timeout=1200)
+        except subprocess.TimeoutExpired:
+            for other in runs.values():
+                other.kill()
+            raise
+        tail = "\n".join(stdout.splitlines()[-30:])
+        assert process.returncode == 0, f"{module} on the simulator ({replay}) failed:\n{tail}\n{stderr[-2000:]}"
+        assert " passed" in tail.splitlines()[-1], tail
+        passed = [line for line in stdout.splitlines() if line.startswith(f"PASSED {module}::")]
+        assert passed, f"{module} passed no test on the simulator ({replay}):\n{tail}"
 
 
 def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
