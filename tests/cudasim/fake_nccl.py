@@ -2,9 +2,10 @@
 simulator's devices, so xtrain_dist/comm/nccl.py moves real data on the CPU.
 
 `install()` puts it in sys.modules beside fake_cupy (tests/conftest.py, when XTRAIN_CUDASIM=1). The
-surface is the one nccl.py uses and tests/test_nccl_logic.py checks against the real nccl4py: the
-unique id, Communicator.init / abort / finalize / destroy, group_start / group_end, the error strings,
-and the five collectives on raw pointers, counts, NCCL data types and streams.
+surface is the one nccl.py uses, each name with nccl4py's parameters (tests/test_cudasim.py holds it to
+the real nccl4py): the unique id, Communicator.init / abort / finalize / destroy, group_start /
+group_end, the error strings and NCCLError, and the five collectives on raw pointers, counts, NCCL data
+types and streams.
 
 Semantics. The communicators made from one unique id form a clique. A collective blocks its caller
 until every rank of the clique has called the same collective (name, count, type, root), copies every
