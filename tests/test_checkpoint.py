@@ -148,12 +148,18 @@ def test_the_folder_holds_the_files_the_manifest_vouches_for(saved):
 
 
 # ------------------------------------------------------------------------------- exact resume
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_continues_the_run_bitwise(corpus, tmp_path, world):
-    full = run(corpus, 8, world)
-    first = run(corpus, 4, world, save_dir=tmp_path / "ck")
+@pytest.mark.parametrize("world, options", [
+    (1, {}), (2, {}),
+    (3, {}),                                      # BATCH 4 on 3 ranks: 2, 1 and 1 sequences
+    (2, {"grad_accum": 2}),                       # two micro-batches of one sequence per rank
+    (3, {"batch": 7, "grad_accum": 2}),           # micro-batches of 2+1, 1+1, 1+1
+    (3, {"batch": 7, "grad_accum": 2, "zero": 1}),  # and ZeRO-1's uneven shards, one file per rank
+], ids=["world1", "world2", "world3", "world2-accum2", "world3-accum2", "world3-accum2-zero1"])
+def test_resume_continues_the_run_bitwise(corpus, tmp_path, world, options):
+    full = run(corpus, 8, world, **options)
+    first = run(corpus, 4, world, save_dir=tmp_path / "ck", **options)
     lines = []
-    resumed = run(corpus, 8, world, resume=tmp_path / "ck", log=lines.append)
+    resumed = run(corpus, 8, world, resume=tmp_path / "ck", log=lines.append, **options)
     assert first["losses"] == full["losses"][:4]
     assert resumed["start_step"] == 4 and resumed["losses"] == full["losses"][4:]
     assert resumed["param_sha256"] == full["param_sha256"]

@@ -253,7 +253,9 @@ def corpus():
 def _train(corpus, **kw):
     from xtrain_dist.train.job import train
 
-    cfg = TrainConfig(**{"steps": 10, "batch": 8, "seq": 64, "model": "tiny", "seed": 3, "dtype": "bf16",
+    # SEQ 32 and few steps: each test compares runs (to the bit, or to the emulation within a bound that holds
+    # at any length), and on the CPU simulator each step of each run is most of a test's time
+    cfg = TrainConfig(**{"steps": 4, "batch": 8, "seq": 32, "model": "tiny", "seed": 3, "dtype": "bf16",
                          **kw}).resolved()
     return train(cfg, corpus, log=lambda line: None)
 
@@ -287,8 +289,8 @@ def test_bf16_ddp_with_cublaslt_follows_numpy_bf16_bitwise_reproducibly(corpus):
 @pytest.mark.parametrize("options", [{"zero": 1}, {"grad_sync": "bucketed", "bucket_mb": 0.05},
                                      {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05, "grad_accum": 2}])
 def test_bf16_ddp_options_follow_numpy_bf16(corpus, options):
-    cuda = _train(corpus, backend="cuda", world_size=2, steps=5, **options)
-    numpy_run = _train(corpus, backend="numpy", world_size=2, steps=5, **options)
+    cuda = _train(corpus, backend="cuda", world_size=2, steps=3, **options)
+    numpy_run = _train(corpus, backend="numpy", world_size=2, steps=3, **options)
     np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=1e-3)
     assert len(set(cuda["param_sha256"])) == 1
 
@@ -358,7 +360,7 @@ def test_flash_attention_matches_the_emulation_and_the_standard_path(be, rng, mo
 def test_flash_attention_trains_like_the_emulation_and_the_standard_path(corpus):
     """A 64-channel-head model (small) on 2 virtual ranks: --attention flash follows the numpy emulation of
     the same and the GPU's standard attention, with bitwise ranks."""
-    common = {"model": "small", "seq": 128, "batch": 4, "steps": 4, "world_size": 2}
+    common = {"model": "small", "seq": 128, "batch": 2, "steps": 3, "world_size": 2}  # 128: two 64-row tiles
     flash = _train(corpus, backend="cuda", attention="flash", **common)
     emulated = _train(corpus, backend="numpy", attention="flash", **common)
     standard = _train(corpus, backend="cuda", **common)

@@ -22,6 +22,7 @@ import sys
 import tarfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -453,6 +454,7 @@ CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"]
 # where the simulator is, rather than what looks like a hang.
 PROGRESS = re.compile(r"^(\S+::\S+) ([A-Z]+)\s.*\[\s*(\d+)%\]\s*$")
 PROGRESS_EVERY = 30.0
+_REPORTING = threading.Lock()  # the modules run side by side, each reporting from its own thread
 
 
 def run_showing_progress(command, env, label, request, tmp_path, timeout=1200):
@@ -476,7 +478,7 @@ def run_showing_progress(command, env, label, request, tmp_path, timeout=1200):
                 if mark and reporter is not None and capture is not None and (
                         now - last_report >= PROGRESS_EVERY or mark.group(3) == "100"):
                     last_report = now
-                    with capture.global_and_fixture_disabled():
+                    with _REPORTING, capture.global_and_fixture_disabled():
                         reporter.write_line(f"  [{label}: {mark.group(3)}% after {now - start:.0f} s; "
                                             f"{mark.group(1)} {mark.group(2)}]")
             process.wait()
@@ -508,19 +510,35 @@ def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices, requ
     across streams, commands and NCCL worlds in processes of their own) skip."""
     env = dict(os.environ, XTRAIN_CUDASIM="1", XTRAIN_CUDASIM_ORDER=order, XTRAIN_CUDASIM_DEVICES=devices,
                PYTHONUNBUFFERED="1")
-    # -rps lists every passed and skipped test by name, so a module that skipped whole (no GPU stand-in, an
-    # import gone wrong) is seen: a "N passed" closing line alone would hide it behind the other module's
-    label = f"simulator, {request.node.callspec.id}"
-    returncode, stdout, stderr = run_showing_progress(
-        [sys.executable, "-m", "pytest", "-v", "-rps", "-p", "no:cacheprovider", *select], env, label, request,
-        tmp_path)
-    tail = "\n".join(stdout.splitlines()[-30:])
-    replay = f"XTRAIN_CUDASIM_ORDER={order} XTRAIN_CUDASIM_DEVICES={devices}"
-    assert returncode == 0, f"GPU tests on the simulator ({replay}) failed:\n{tail}\n{stderr[-2000:]}"
-    assert " passed" in tail.splitlines()[-1], tail
-    passed_in = {line.split()[1].split("::")[0] for line in stdout.splitlines() if line.startswith("PASSED ")}
+    options = [s for s in select if not s.endswith(".py")]
     modules = [s for s in select if s.endswith(".py")]
-    assert [m for m in modules if m not in passed_in] == [], f"modules with no test passed ({replay}):\n{tail}"
+    # one process per module, all at once: the simulator runs a launch on one core, and the modules are
+    # independent (kernels compile into a shared cache by atomic rename), so two modules take the time of
+    # the longer on two cores. -rps lists every passed and skipped test by name, so a module that skipped
+    # whole (no GPU stand-in, an import gone wrong) is seen, not hidden behind a "N passed" closing line.
+    results = {}
+
+    def run(module):
+        folder = tmp_path / Path(module).stem
+        folder.mkdir()
+        results[module] = run_showing_progress(
+            [sys.executable, "-m", "pytest", "-v", "-rps", "-p", "no:cacheprovider", *options, module], env,
+            f"simulator, {request.node.callspec.id}, {Path(module).stem}", request, folder)
+
+    threads = [threading.Thread(target=run, args=(module,)) for module in modules]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    replay = f"XTRAIN_CUDASIM_ORDER={order} XTRAIN_CUDASIM_DEVICES={devices}"
+    for module in modules:
+        assert module in results, f"{module} on the simulator ({replay}) did not finish within its limit"
+        returncode, stdout, stderr = results[module]
+        tail = "\n".join(stdout.splitlines()[-30:])
+        assert returncode == 0, f"{module} on the simulator ({replay}) failed:\n{tail}\n{stderr[-2000:]}"
+        assert " passed" in tail.splitlines()[-1], tail
+        passed = [line for line in stdout.splitlines() if line.startswith(f"PASSED {module}::")]
+        assert passed, f"{module} passed no test on the simulator ({replay}):\n{tail}"
 
 
 def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
@@ -540,7 +558,7 @@ def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
         try:
             raw.all_reduce(bufs[r].data.ptr, bufs[r].data.ptr, count, fake_nccl.FLOAT32, fake_nccl.SUM,
                            comms[r].ptr, 0)
-        except fake_nccl.NcclError as e:
+        except fake_nccl.NCCLError as e:
             errors.append(str(e))
 
     for counts in ((6, 6), (6, 5)):
@@ -552,6 +570,69 @@ def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
     np.testing.assert_array_equal(bufs[0].get(), 3 * np.arange(6))
     np.testing.assert_array_equal(bufs[1].get(), 3 * np.arange(6))
     assert len(errors) == 2 and all("ranks called different collectives" in e for e in errors), errors
+
+
+def _nccl4py_parameters(function) -> list[inspect.Parameter]:
+    """nccl4py's parameters of a function or method: from its signature, or (a Cython class such as
+    bindings.nccl.Comm) from the 'Name(type arg=default, ...)' line Cython embeds in the docstring."""
+    try:
+        return [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
+    except (TypeError, ValueError):
+        first = function.__doc__.splitlines()[0]
+        return [inspect.Parameter(p.split("=")[0].split()[-1], inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                  default=p.split("=")[1] if "=" in p else inspect.Parameter.empty)
+                for p in first[first.index("(") + 1:first.rindex(")")].split(",") if p.strip()]
+
+
+def _takes_what_nccl4py_takes(fake, real, what: str) -> None:
+    """The stand-in's parameters are nccl4py's first ones, same names and kinds; those it leaves out have defaults."""
+    ours = [p for p in inspect.signature(fake).parameters.values() if p.name != "self"]
+    theirs = _nccl4py_parameters(real)
+    assert [(p.name, p.kind) for p in ours] == [(p.name, p.kind) for p in theirs[:len(ours)]], (what, ours, theirs)
+    assert all(p.default is not inspect.Parameter.empty for p in theirs[len(ours):]), (what, ours, theirs)
+
+
+def test_the_nccl_stand_in_has_nccl4pys_names_values_and_parameters():
+    """fake_nccl held to the real nccl4py (the [test] extra installs it; it imports without a GPU), as
+    fake_cupy is held to CuPy: every name of its nccl.core and nccl.bindings.nccl exists in nccl4py, every
+    enum has nccl4py's value, every function and method takes nccl4py's parameters in nccl4py's order, a
+    property is a property there, and its errors are nccl4py's NCCLError (a status, 'RemoteError (6): ...')."""
+    real_core = pytest.importorskip("nccl.core", reason="nccl4py is not installed")
+    import fake_nccl
+    from nccl.bindings import nccl as real_raw
+
+    fake_raw = fake_nccl._bindings()
+    pairs = [(name, value, getattr(real_core, name, None)) for name, value in vars(fake_nccl.core_module()).items()
+             if not name.startswith("_")]
+    pairs += [(f"bindings.nccl.{name}", value, getattr(real_raw, name, None)) for name, value in vars(fake_raw).items()
+              if not name.startswith("_")]
+    assert len(pairs) == 14 + 8  # nothing left out of the check
+    for name, value, real in pairs:
+        assert real is not None, f"nccl4py has no {name}"
+        if isinstance(value, int):
+            assert int(real) == value, name
+        elif isinstance(value, types.SimpleNamespace):  # Result: the members nccl.py reads
+            assert {k: int(getattr(real, k)) for k in vars(value)} == vars(value), name
+        elif isinstance(value, type) and not issubclass(value, BaseException):
+            for attribute, member in vars(value).items():
+                if attribute.startswith("_"):
+                    continue
+                theirs = inspect.getattr_static(real, attribute, None)
+                assert theirs is not None, f"nccl4py's {name} has no {attribute}"
+                assert isinstance(member, property) == isinstance(theirs, property), f"{name}.{attribute}"
+                if not isinstance(member, property):
+                    _takes_what_nccl4py_takes(getattr(value, attribute), getattr(real, attribute),
+                                              f"{name}.{attribute}")
+        elif not isinstance(value, type):
+            _takes_what_nccl4py_takes(value, real, name)
+    # the instance attribute nccl.py reads of a communicator, a property in nccl4py
+    assert isinstance(inspect.getattr_static(real_core.Communicator, "ptr"), property)
+    assert issubclass(fake_nccl.NCCLError, Exception) and issubclass(real_raw.NCCLError, Exception)
+    _takes_what_nccl4py_takes(fake_nccl.NCCLError.__init__, real_raw.NCCLError.__init__, "NCCLError")
+    for status in (4, 5, 6):
+        assert str(fake_nccl.NCCLError(status)) == str(real_raw.NCCLError(status))
+        assert fake_nccl.NCCLError(status).status == real_raw.NCCLError(status).status == status
+        assert fake_nccl.get_error_string(status) == real_core.get_error_string(status)
 
 
 # ---------------------------------------------------------------------------- stream order (streams.py)

@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+from ddp_oracle import hand_synced_run
 
 from xtrain_dist.config import TrainConfig
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
@@ -39,10 +40,16 @@ def assert_curves_close(a, b, rtol):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_world_sizes_follow_world1_with_bitwise_equal_ranks(corpus, world1, world):
+    """The run is tests/ddp_oracle.py's hand-written step at its world size to the bit; that differs from
+    world 1 only in the order float32 adds the ranks' gradients (a few ulps, 2^-24 relative, of an element),
+    which AdamW's normalised step carries into the parameters at the same relative size: measured 1.2e-7
+    on the losses over 20 steps, where rank 0's gradient alone in the sum moves them by 7.8e-3."""
     report = run(corpus, world)
-    assert_curves_close(report["losses"], world1["losses"], 1e-3)
-    assert len(report["param_sha256"]) == world
-    assert len(set(report["param_sha256"])) == 1
+    cfg = TrainConfig(steps=20, batch=8, seq=32, model="tiny", seed=7, world_size=world).resolved()
+    oracle = hand_synced_run(corpus, cfg)
+    assert report["losses"] == oracle["losses"] and report["grad_norms"] == oracle["grad_norms"]
+    assert report["param_sha256"] == [oracle["param_sha256"]] * world
+    assert_curves_close(report["losses"], world1["losses"], 1e-5)
 
 
 def test_world1_learns(world1):

@@ -2,9 +2,10 @@
 simulator's devices, so xtrain_dist/comm/nccl.py moves real data on the CPU.
 
 `install()` puts it in sys.modules beside fake_cupy (tests/conftest.py, when XTRAIN_CUDASIM=1). The
-surface is the one nccl.py uses and tests/test_nccl_logic.py checks against the real nccl4py: the
-unique id, Communicator.init / abort / finalize / destroy, group_start / group_end, the error strings,
-and the five collectives on raw pointers, counts, NCCL data types and streams.
+surface is the one nccl.py uses, each name with nccl4py's parameters (tests/test_cudasim.py holds it to
+the real nccl4py): the unique id, Communicator.init / abort / finalize / destroy, group_start /
+group_end, the error strings and NCCLError, and the five collectives on raw pointers, counts, NCCL data
+types and streams.
 
 Semantics. The communicators made from one unique id form a clique. A collective blocks its caller
 until every rank of the clique has called the same collective (name, count, type, root), copies every
@@ -18,6 +19,7 @@ What it cannot see: several processes, NCCL's transports, its real summation ord
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import sys
@@ -38,10 +40,22 @@ _NUMPY = {FLOAT32: np.float32, FLOAT64: np.float64, INT32: np.int32, INT64: np.i
 TIMEOUT_S = float(os.environ.get("XTRAIN_CUDASIM_NCCL_TIMEOUT", "60"))
 
 
-class NcclError(RuntimeError):
-    def __init__(self, message: str, status: int = 5):  # ncclInvalidUsage
-        super().__init__(message)
+_RESULT_NAMES = {0: "Success", 4: "InvalidArgument", 5: "InvalidUsage", 6: "RemoteError", 7: "InProgress"}
+
+
+class NCCLError(Exception):
+    """nccl.bindings.nccl.NCCLError: a status and NCCL's words for it ('RemoteError (6): remote process ...')."""
+
+    def __init__(self, status: int):
         self.status = status
+        super().__init__(f"{_RESULT_NAMES.get(status, 'Result')} ({status}): {get_error_string(status)}")
+
+
+def _error(status: int, detail: str) -> NCCLError:
+    """NCCLError(status), its words followed by what the stand-in saw."""
+    error = NCCLError(status)
+    error.args = (f"{error.args[0]} ({detail})",)
+    return error
 
 
 class _Clique:
@@ -65,10 +79,10 @@ class UniqueId:
         self.raw = raw
 
     @staticmethod
-    def from_bytes(raw: bytes) -> UniqueId:
-        if len(raw) != 128:
-            raise ValueError(f"a unique id has 128 bytes, got {len(raw)}")
-        return UniqueId(bytes(raw))
+    def from_bytes(b: bytes) -> UniqueId:
+        if len(b) != 128:
+            raise ValueError(f"a unique id has 128 bytes, got {len(b)}")
+        return UniqueId(bytes(b))
 
     @property
     def as_bytes(self) -> bytes:  # a property in nccl4py too: nccl.py reads get_unique_id().as_bytes
@@ -86,13 +100,13 @@ class Communicator:
         self.aborted = False
 
     @staticmethod
-    def init(nranks: int, rank: int, uid: UniqueId) -> Communicator:
+    def init(nranks: int, rank: int, unique_id: UniqueId) -> Communicator:
         if not 0 <= rank < nranks:
-            raise NcclError(f"ncclInvalidArgument: rank {rank} of {nranks}", 4)
+            raise _error(4, f"rank {rank} of {nranks}")
         with _lock:
-            clique = _cliques.setdefault(uid.raw, _Clique(nranks))
+            clique = _cliques.setdefault(unique_id.raw, _Clique(nranks))
             if clique.nranks != nranks:
-                raise NcclError(f"ncclInvalidUsage: {nranks} ranks for a unique id first used with {clique.nranks}")
+                raise _error(5, f"{nranks} ranks for a unique id first used with {clique.nranks}")
             comm = Communicator(clique, rank)
             _comms[comm.ptr] = comm
         return comm
@@ -123,9 +137,10 @@ def group_end() -> None:
     pass
 
 
-def get_error_string(status: int) -> str:
-    return {0: "no error", 4: "invalid argument", 5: "invalid usage",
-            6: "remote process exited or there was a network error"}.get(int(status), f"NCCL status {status}")
+def get_error_string(nccl_result: int) -> str:
+    return {0: "no error", 4: "invalid argument (run with NCCL_DEBUG=WARN for details)",
+            5: "invalid usage (run with NCCL_DEBUG=WARN for details)",
+            6: "remote process exited or there was a network error"}.get(int(nccl_result), f"NCCL status {nccl_result}")
 
 
 # ---------------------------------------------------------------------------- the collectives
@@ -158,20 +173,20 @@ def _meet(comm: Communicator, what: str) -> None:
     try:
         comm.clique.barrier.wait(TIMEOUT_S)
     except threading.BrokenBarrierError:
-        raise NcclError(f"ncclRemoteError: rank {comm.rank}'s {what}: a peer aborted or never came "
-                        f"(fake NCCL, {TIMEOUT_S:g} s)", 6) from None
+        raise _error(6, f"rank {comm.rank}'s {what}: a peer aborted or never came (fake NCCL, "
+                           f"{TIMEOUT_S:g} s)") from None
 
 
 def _collective(handle, call: tuple, send: np.ndarray | None, finish) -> None:
     comm = _comms.get(int(handle))
     if comm is None or comm.aborted:
-        raise NcclError("ncclInvalidArgument: a destroyed or aborted communicator", 4)
+        raise _error(4, "a destroyed or aborted communicator")
     clique = comm.clique
     clique.calls[comm.rank] = call
     clique.data[comm.rank] = None if send is None else send.copy()
     _meet(comm, call[0])
     if any(c != clique.calls[0] for c in clique.calls):
-        error = NcclError(f"ncclInvalidUsage: ranks called different collectives: {clique.calls}")
+        error = _error(5, f"ranks called different collectives: {clique.calls}")
         _meet(comm, call[0])
         raise error
     finish(clique.data)
@@ -188,53 +203,62 @@ def _queued(stream, what: str, send: int, send_count: int, recv: int, recv_count
 
 def _bindings() -> types.ModuleType:
     raw = types.ModuleType("nccl.bindings.nccl")
-    raw.Comm = lambda ptr: int(ptr)
     raw.Result = types.SimpleNamespace(Success=0, InProgress=7)
+    raw.NCCLError = NCCLError
 
-    def all_reduce(send, recv, count, data_type, op, comm, stream):
-        _queued(stream, "all_reduce", send, count, recv, count, data_type)
-        out = _memory(recv, data_type, count)
-        _collective(comm, ("all_reduce", count, data_type, op), _memory(send, data_type, count),
-                    lambda parts: out.__setitem__(slice(None), _sum(parts, data_type)))
+    def Comm(handle=0):  # nccl4py's non-owning wrapper of a raw ncclComm_t; here the pointer is the handle
+        return int(handle)
 
-    def reduce_scatter(send, recv, recv_count, data_type, op, comm, stream):
+    raw.Comm = Comm
+
+    def all_reduce(sendbuff, recvbuff, count, datatype, op, comm, stream):
+        _queued(stream, "all_reduce", sendbuff, count, recvbuff, count, datatype)
+        out = _memory(recvbuff, datatype, count)
+        _collective(comm, ("all_reduce", count, datatype, op), _memory(sendbuff, datatype, count),
+                    lambda parts: out.__setitem__(slice(None), _sum(parts, datatype)))
+
+    def reduce_scatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream):
         rank = _comms[int(comm)].rank
         n = _comms[int(comm)].nranks
-        _queued(stream, "reduce_scatter", send, recv_count * n, recv, recv_count, data_type)
-        out = _memory(recv, data_type, recv_count)
-        _collective(comm, ("reduce_scatter", recv_count, data_type, op), _memory(send, data_type, recv_count * n),
+        _queued(stream, "reduce_scatter", sendbuff, recvcount * n, recvbuff, recvcount, datatype)
+        out = _memory(recvbuff, datatype, recvcount)
+        _collective(comm, ("reduce_scatter", recvcount, datatype, op), _memory(sendbuff, datatype, recvcount * n),
                     lambda parts: out.__setitem__(slice(None), _sum(
-                        [p[rank * recv_count:(rank + 1) * recv_count] for p in parts], data_type)))
+                        [p[rank * recvcount:(rank + 1) * recvcount] for p in parts], datatype)))
 
-    def all_gather(send, recv, send_count, data_type, comm, stream):
+    def all_gather(sendbuff, recvbuff, sendcount, datatype, comm, stream):
         n = _comms[int(comm)].nranks
-        _queued(stream, "all_gather", send, send_count, recv, send_count * n, data_type)
-        out = _memory(recv, data_type, send_count * n)
-        _collective(comm, ("all_gather", send_count, data_type), _memory(send, data_type, send_count),
+        _queued(stream, "all_gather", sendbuff, sendcount, recvbuff, sendcount * n, datatype)
+        out = _memory(recvbuff, datatype, sendcount * n)
+        _collective(comm, ("all_gather", sendcount, datatype), _memory(sendbuff, datatype, sendcount),
                     lambda parts: out.__setitem__(slice(None), np.concatenate(parts)))
 
-    def broadcast(send, recv, count, data_type, root, comm, stream):
+    def broadcast(sendbuff, recvbuff, count, datatype, root, comm, stream):
         rank = _comms[int(comm)].rank
-        _queued(stream, "broadcast", send, count if rank == root else 0, recv, count, data_type)
-        out = _memory(recv, data_type, count)
-        _collective(comm, ("broadcast", count, data_type, root),
-                    _memory(send, data_type, count) if rank == root else None,
+        _queued(stream, "broadcast", sendbuff, count if rank == root else 0, recvbuff, count, datatype)
+        out = _memory(recvbuff, datatype, count)
+        _collective(comm, ("broadcast", count, datatype, root),
+                    _memory(sendbuff, datatype, count) if rank == root else None,
                     lambda parts: out.__setitem__(slice(None), parts[root]))
 
-    def reduce(send, recv, count, data_type, op, root, comm, stream):
+    def reduce(sendbuff, recvbuff, count, datatype, op, root, comm, stream):
         rank = _comms[int(comm)].rank
-        _queued(stream, "reduce", send, count, recv, count if rank == root else 0, data_type)
+        _queued(stream, "reduce", sendbuff, count, recvbuff, count if rank == root else 0, datatype)
 
         def finish(parts):
             if rank == root:
-                _memory(recv, data_type, count)[:] = _sum(parts, data_type)
+                _memory(recvbuff, datatype, count)[:] = _sum(parts, datatype)
 
-        _collective(comm, ("reduce", count, data_type, op, root), _memory(send, data_type, count), finish)
+        _collective(comm, ("reduce", count, datatype, op, root), _memory(sendbuff, datatype, count), finish)
 
     def queued(collective):
         """The collective queued on its stream (the last argument): run now, or recorded into the graph that
         stream captures and run at each launch (NCCL calls are capturable)."""
-        return lambda *args: fake_cupy._queue(args[-1], lambda: collective(*args))
+        @functools.wraps(collective)  # keeps nccl4py's parameter names, which tests/test_nccl_logic.py checks
+        def run(*args):
+            fake_cupy._queue(args[-1], lambda: collective(*args))
+
+        return run
 
     raw.all_reduce, raw.reduce_scatter, raw.all_gather = queued(all_reduce), queued(reduce_scatter), queued(all_gather)
     raw.broadcast, raw.reduce = queued(broadcast), queued(reduce)
@@ -271,32 +295,31 @@ def _split(self: Communicator, color: int | None = None, key: int = 0, config=No
     return found["comm"]
 
 
-def _send(send, count, data_type, peer, comm, stream):
-    _queued(stream, "send", send, count, send, 0, data_type)
+def _send(sendbuff, count, datatype, peer, comm, stream):
+    _queued(stream, "send", sendbuff, count, sendbuff, 0, datatype)
     sender = _comms.get(int(comm))
     if sender is None or sender.aborted:
-        raise NcclError("ncclInvalidArgument: a destroyed or aborted communicator", 4)
+        raise _error(4, "a destroyed or aborted communicator")
     with _mail_ready:
         _mail.setdefault((id(sender.clique), sender.rank, peer), []).append(
-            (data_type, _memory(send, data_type, count).copy()))
+            (datatype, _memory(sendbuff, datatype, count).copy()))
         _mail_ready.notify_all()
 
 
-def _recv(recv, count, data_type, peer, comm, stream):
-    _queued(stream, "recv", recv, 0, recv, count, data_type)
+def _recv(recvbuff, count, datatype, peer, comm, stream):
+    _queued(stream, "recv", recvbuff, 0, recvbuff, count, datatype)
     receiver = _comms.get(int(comm))
     if receiver is None or receiver.aborted:
-        raise NcclError("ncclInvalidArgument: a destroyed or aborted communicator", 4)
+        raise _error(4, "a destroyed or aborted communicator")
     with _mail_ready:
         box = _mail.setdefault((id(receiver.clique), peer, receiver.rank), [])
         if not _mail_ready.wait_for(lambda: box or receiver.aborted, TIMEOUT_S) or receiver.aborted:
-            raise NcclError(f"ncclRemoteError: rank {receiver.rank}'s recv: rank {peer} never sent "
-                            f"(fake NCCL, {TIMEOUT_S:g} s)", 6)
+            raise _error(6, f"rank {receiver.rank}'s recv: rank {peer} never sent (fake NCCL, {TIMEOUT_S:g} s)")
         sent_type, data = box.pop(0)
-    if (sent_type, data.size) != (data_type, count):
-        raise NcclError(f"ncclInvalidUsage: rank {peer} sent {data.size} elements of type {sent_type}, "
-                        f"rank {receiver.rank} receives {count} of type {data_type}")
-    _memory(recv, data_type, count)[:] = data
+    if (sent_type, data.size) != (datatype, count):
+        raise _error(5, f"rank {peer} sent {data.size} elements of type {sent_type}, rank {receiver.rank} "
+                        f"receives {count} of type {datatype}")
+    _memory(recvbuff, datatype, count)[:] = data
 
 
 def _abort_and_wake_receivers(self: Communicator, _abort=Communicator.abort) -> None:
@@ -309,13 +332,22 @@ Communicator.split = _split
 Communicator.abort = _abort_and_wake_receivers
 
 
-def install() -> None:
-    if getattr(sys.modules.get("nccl.core"), "NcclError", None) is NcclError:
-        return  # installed already (site/sitecustomize.py, then conftest)
+CORE_NAMES = ("UniqueId", "Communicator", "get_unique_id", "group_start", "group_end", "get_error_string",
+              "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "INT32", "INT64", "UINT8", "SUM")
+
+
+def core_module() -> types.ModuleType:
+    """The stand-in's nccl.core: the names nccl.py uses, each one nccl4py's."""
     core = types.ModuleType("nccl.core")
-    for name in ("UniqueId", "Communicator", "get_unique_id", "group_start", "group_end", "get_error_string",
-                 "NcclError", "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "INT32", "INT64", "UINT8", "SUM"):
+    for name in CORE_NAMES:
         setattr(core, name, getattr(sys.modules[__name__], name))
+    return core
+
+
+def install() -> None:
+    if getattr(sys.modules.get("nccl.bindings.nccl"), "NCCLError", None) is NCCLError:
+        return  # installed already (site/sitecustomize.py, then conftest)
+    core = core_module()
     package, bindings = types.ModuleType("nccl"), types.ModuleType("nccl.bindings")
     bindings.nccl = _bindings()
     package.core, package.bindings = core, bindings

@@ -116,25 +116,34 @@ def adamw(module, cfg: TrainConfig, **options):
     `options` go to torch.optim.AdamW as they are (fused=True on a GPU)."""
     import torch
 
-    decay = [p for p in module.parameters() if p.dim() == 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **options)
+    return torch.optim.AdamW(param_groups(module, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             **options)
 
 
-def train_step(model, opt, ids, targets, step: int, cfg: TrainConfig):
+def param_groups(module, cfg: TrainConfig) -> list[dict]:
+    """The matrices (and embeddings) with weight decay, the vectors without."""
+    return [{"params": [p for p in module.parameters() if p.dim() == 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in module.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def train_step(model, opt, ids, targets, step: int, cfg: TrainConfig, loss_scale: float = 1.0,
+               float64_norm: bool = False):
     """One optimizer step as our trainer takes it: forward, backward, global-norm clipping, the lr of
-    `step` (from 0) on our schedule, AdamW. Returns the loss and the gradient norm before clipping, as
-    tensors (reading them is the caller's sync)."""
+    `step` (from 0) on our schedule, AdamW. Returns the loss times `loss_scale` and the gradient norm
+    before clipping, as tensors (reading them is the caller's sync); float64_norm: that norm summed in
+    float64, as ours is, rather than clip_grad_norm_'s float32 (2e-5 off on the tiny model's 370k numbers)."""
     import torch
 
     from ..optim import lr_at
 
     opt.zero_grad(set_to_none=False)
-    loss = model(ids, targets)
+    loss = model(ids, targets) * loss_scale
     loss.backward()  # under DDP: the ranks' gradients are averaged bucket by bucket as backward runs
+    exact = (torch.stack([p.grad.double().square().sum() for p in model.parameters()]).sum().sqrt()
+             if float64_norm else None)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if exact is not None:
+        norm = exact
     for group in opt.param_groups:
         group["lr"] = lr_at(step, cfg)
     opt.step()
@@ -144,18 +153,19 @@ def train_step(model, opt, ids, targets, step: int, cfg: TrainConfig):
 def ddp_run(cfg: TrainConfig, world: int, threads: int = 1, sdpa: bool = True) -> dict:
     """Train `cfg` (resolved; the shipped data where it names none) in PyTorch DDP: `world` processes on this
     machine, gloo over loopback, `threads` torch threads each, the same initial weights and the same
-    global batches, rank r taking the sequences i % world == r as ours do.
+    global batches, rank r taking the sequences i % world == r as ours do. cfg.zero == 1 steps with
+    PyTorch's ZeroRedundancyOptimizer around its AdamW, and cfg.grad_compress == "bf16" registers its
+    bf16_compress_hook.
 
-    DDP averages the ranks' gradients of their local mean losses; with equal shards (world divides
-    BATCH) that is the gradient of the global-batch mean loss, which our ranks get by summing gradients
-    of losses scaled by 1/(BATCH*SEQ). So the two runs compute the same thing by different code and
-    should agree to float32 rounding. Returns {"step_ms": per step (rank 0), "losses": global-batch
-    mean losses, "grad_norms": before clipping, "params": rank 0's final parameters by name,
-    "ranks_equal": every rank's parameters bitwise equal to rank 0's}."""
+    DDP averages the ranks' gradients of their local mean losses. A rank of n sequences scales its loss
+    by n * world / BATCH first (1 where world divides BATCH), so the average is the gradient of the
+    global-batch mean loss however the batch splits, which our ranks get by summing gradients of losses
+    scaled by 1/(BATCH*SEQ). So the two runs compute the same thing by different code and should agree
+    to float32 rounding. Returns {"step_ms": per step (rank 0), "losses": global-batch mean losses,
+    "grad_norms": before clipping, summed in float64 as ours are, "params": rank 0's final parameters by
+    name, "ranks_equal": every rank's parameters bitwise equal to rank 0's}."""
     import torch.multiprocessing as mp
 
-    if cfg.batch % world:
-        raise ValueError(f"PyTorch DDP needs equal shards: world {world} does not divide BATCH {cfg.batch}")
     with tempfile.TemporaryDirectory(prefix="xtrain-torch-ddp-") as tmp:
         # the rendezvous is a file, not a port: no race for a free port with other tests or runs
         try:
@@ -193,16 +203,32 @@ def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, 
         mcfg = model_config(cfg.model, corpus.vocab_size)
         module = build(mcfg, our_model.GPT2(mcfg, numpy_ops, seed=cfg.seed).state_dict(), sdpa=sdpa)
         model = DistributedDataParallel(module)  # PyTorch's defaults: 25 MiB buckets, overlapped with backward
-        opt = adamw(module, cfg)
+        if cfg.grad_compress == "bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            def bf16_compress(state, bucket):
+                # PyTorch's hook itself, under another name: DDP refuses the name bf16_compress_hook without
+                # NCCL, though gloo sums bfloat16 on the CPU as well
+                return default_hooks.bf16_compress_hook(state, bucket)
+
+            model.register_comm_hook(None, bf16_compress)
+        if cfg.zero:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(param_groups(module, cfg), optimizer_class=torch.optim.AdamW,
+                                          lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        else:
+            opt = adamw(module, cfg)
         sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=world)
+        loss_scale = sampler.n_local * world / cfg.batch
         step_ms, losses, norms = [], [], []
         for step in range(cfg.steps):
             ids, targets = (torch.from_numpy(a.astype(np.int64)) for a in sampler.next())
             t0 = time.perf_counter()
-            loss, norm = train_step(model, opt, ids, targets, step, cfg)
+            loss, norm = train_step(model, opt, ids, targets, step, cfg, loss_scale, float64_norm=True)
             step_ms.append((time.perf_counter() - t0) * 1e3)
             loss = loss.detach()
-            dist.all_reduce(loss)  # the shards' mean losses summed: world x the global-batch mean
+            dist.all_reduce(loss)  # the shards' scaled mean losses summed: world x the global-batch mean
             losses.append(loss.item() / world)
             norms.append(norm.item())  # of the averaged gradients: the same on every rank
         params = {name: p.detach().numpy() for name, p in module.state_dict().items()}
