@@ -606,7 +606,7 @@ def test_the_nccl_stand_in_has_nccl4pys_names_values_and_parameters():
              if not name.startswith("_")]
     pairs += [(f"bindings.nccl.{name}", value, getattr(real_raw, name, None)) for name, value in vars(fake_raw).items()
               if not name.startswith("_")]
-    assert len(pairs) == 14 + 8  # nothing left out of the check
+    assert len(pairs) == 14 + 10  # nothing left out of the check (send and recv among the bindings)
     for name, value, real in pairs:
         assert real is not None, f"nccl4py has no {name}"
         if isinstance(value, int):
@@ -1077,7 +1077,8 @@ def test_bench_collectives_over_nccl_on_two_simulated_gpus(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads((tmp_path / "collectives.json").read_text())["rows"]
     assert sorted({(r["op"], r["world"], r["bytes"]) for r in rows}) == sorted(
-        (op, 2, size) for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast") for size in (4096, 65536))
+        (op, 2, size) for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "ring_all_reduce")
+        for size in (4096, 65536))
 
 
 # ---------------------------------------------------------------------------------------- against CuPy itself

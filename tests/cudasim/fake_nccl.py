@@ -322,8 +322,11 @@ def _recv(recvbuff, count, datatype, peer, comm, stream):
     _memory(recvbuff, datatype, count)[:] = data
 
 
-def _abort_and_wake_receivers(self: Communicator, _abort=Communicator.abort) -> None:
-    _abort(self)
+_abort_alone = Communicator.abort
+
+
+def _abort_and_wake_receivers(self: Communicator) -> None:
+    _abort_alone(self)
     with _mail_ready:  # a recv waiting on a peer that aborted returns now, as ncclCommAbort releases it
         _mail_ready.notify_all()
 
