@@ -38,6 +38,16 @@ def should_compress(rows: int, cols: int, rank: int, min_rate: float = MIN_COMPR
     return (rows + cols) * rank * min_rate < rows * cols
 
 
+def sent_elements(layout, rank: int, min_rate: float = MIN_COMPRESSION_RATE) -> int:
+    """Elements each rank all-reduces in a compressed step: P (m x R) and Q (n x R) of every matrix that is
+    compressed, every other parameter whole. Multiply by 4 for the bytes of float32."""
+    total = 0
+    for s in layout:
+        r = min(rank, *s.shape) if len(s.shape) == 2 else 0
+        total += sum(s.shape) * r if r and should_compress(*s.shape, r, min_rate) else s.size
+    return total
+
+
 def gram_schmidt(a, xp=np) -> None:
     """Orthonormalise the columns of a (m x R, m >= R) in place, one after another (modified Gram-Schmidt,
     PyTorch's _orthogonalize_gram_schmidt). A column that is all zero (nothing left after the projections)
