@@ -265,3 +265,37 @@ def test_the_cuda_backend_is_refused_in_one_line():
     with pytest.raises(XtrainError, match=r"^--grad-compress powersgd runs on the numpy backend only: its CUDA path "
                                           r"is not written yet$"):
         ddp.check_config(cfg)
+
+
+# ---------------------------------------------------------------- bin/bench_powersgd
+def bench(*args, out):
+    import subprocess
+    import sys
+    script = Path(__file__).resolve().parents[1] / "bin" / "bench_powersgd"
+    return subprocess.run([sys.executable, str(script), *map(str, args), "--out", str(out)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_bench_powersgd_writes_its_rows(tmp_path):
+    import json
+
+    done = bench("--model", "tiny", "--batch", "4", "--seq", "16", "--steps", "4", "--start-step", "2",
+                 "--eval-every", "2", "--eval-batches", "1", "--ranks", "1,64", out=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["powersgd.json", "powersgd.md", "powersgd.png"]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "powersgd.json").read_text())["rows"]}
+    assert list(rows) == ["none", "bf16", "powersgd rank 1", "powersgd rank 64"]
+    assert all(r["ranks_equal"] and len(r["losses"]) == 4 and len(r["val_losses"]) == 2 for r in rows.values())
+    layout = GPT2(model_config("tiny", Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS).vocab_size),
+                  get_backend("numpy"), seed=0)
+    assert rows["none"]["bytes_compressed_step"] == rows["bf16"]["bytes_compressed_step"] == layout.size * 4
+    assert rows["powersgd rank 1"]["bytes_compressed_step"] == powersgd.sent_elements(layout.layout, 1) * 4
+    # rank 64 >= the tiny model's width: no matrix gains, every gradient goes whole
+    assert rows["powersgd rank 64"]["bytes_compressed_step"] == sum(s.size for s in layout.layout) * 4
+    assert rows["powersgd rank 1"]["losses"][:3] == rows["none"]["losses"][:3]  # steps 1-2 uncompressed
+
+
+def test_bench_powersgd_bad_ranks_are_one_line(tmp_path):
+    done = bench("--ranks", "1,x", out=tmp_path)
+    assert done.returncode != 0 and done.stderr.strip() == "bench_powersgd: error: --ranks must be comma-separated " \
+                                                           "integers, got '1,x'"
