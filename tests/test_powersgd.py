@@ -299,3 +299,19 @@ def test_bench_powersgd_bad_ranks_are_one_line(tmp_path):
     done = bench("--ranks", "1,x", out=tmp_path)
     assert done.returncode != 0 and done.stderr.strip() == "bench_powersgd: error: --ranks must be comma-separated " \
                                                            "integers, got '1,x'"
+
+
+def test_the_memory_bound_counts_the_error_buffers_and_q():
+    from xtrain_dist.train.memory import rank_memories
+
+    config = model_config("tiny", 200)
+    plain = TrainConfig(steps=1, batch=2, seq=16, model="tiny", world_size=2)
+    compressed = TrainConfig(steps=1, batch=2, seq=16, model="tiny", world_size=2, grad_compress="powersgd",
+                             powersgd_rank=2)
+    model = GPT2(config, get_backend("numpy"), seed=0)
+    sync = ddp.make_grad_sync(compressed, LocalGroup(1).communicator(0), model)
+    held = sum(e.nbytes for e in sync.powersgd.error.values()) + sum(q.nbytes for q in sync.powersgd.q.values())
+    sync.close()
+    assert held > 0
+    for a, b in zip(rank_memories(config, plain, 4), rank_memories(config, compressed, 4), strict=True):
+        assert b.gradients - a.gradients == held

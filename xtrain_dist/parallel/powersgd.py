@@ -48,6 +48,15 @@ def sent_elements(layout, rank: int, min_rate: float = MIN_COMPRESSION_RATE) -> 
     return total
 
 
+def state_elements(layout, rank: int, min_rate: float = MIN_COMPRESSION_RATE) -> int:
+    """Elements of a rank's PowerSGD state: every compressed matrix's error buffer (m x n) and Q (n x R)."""
+    total = 0
+    for s in layout:
+        if len(s.shape) == 2 and should_compress(*s.shape, min(rank, *s.shape), min_rate):
+            total += s.size + s.shape[1] * min(rank, *s.shape)
+    return total
+
+
 def gram_schmidt(a, xp=np) -> None:
     """Orthonormalise the columns of a (m x R, m >= R) in place, one after another (modified Gram-Schmidt,
     PyTorch's _orthogonalize_gram_schmidt). A column that is all zero (nothing left after the projections)
