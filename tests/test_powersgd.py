@@ -259,12 +259,35 @@ def test_bad_options_get_one_line(capsys, args, message):
     assert len(err) == 1 and err[0].endswith(message)
 
 
-def test_the_cuda_backend_is_refused_in_one_line():
-    """Checked before any rank starts (the command line first finds this machine has no GPU at all)."""
-    cfg = TrainConfig(steps=1, batch=4, seq=16, world_size=1, backend="cuda", grad_compress="powersgd")
-    with pytest.raises(XtrainError, match=r"^--grad-compress powersgd runs on the numpy backend only: its CUDA path "
-                                          r"is not written yet$"):
-        ddp.check_config(cfg)
+def test_the_cuda_backend_trains_as_numpy_does_on_the_simulator(tmp_path):
+    """--backend cuda on tests/cudasim (kernels on the CPU, the stream checker watching the communication
+    thread's own stream): PowerSGD through CuPy's arrays gives numpy's losses and norms, with ranks equal and
+    bucketed = flat bit for bit."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    command = ["-m", "xtrain_dist.train_ddp", "3", "4", "16", "--model", "tiny", "--world-size", "2",
+               "--grad-compress", "powersgd", "--powersgd-start-step", "1", "--powersgd-rank", "2",
+               "--bucket-mb", "0.05"]
+    reports = {}
+    for name, prefix, extra in (("numpy", [sys.executable], []),
+                                ("bucketed", [sys.executable, str(root / "tests" / "cudasim" / "run.py")],
+                                 ["--backend", "cuda"]),
+                                ("flat", [sys.executable, str(root / "tests" / "cudasim" / "run.py")],
+                                 ["--backend", "cuda", "--grad-sync", "flat"])):
+        done = subprocess.run([*prefix, *command, *extra, "--report", str(tmp_path / f"{name}.json")], cwd=root,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    for name in ("bucketed", "flat"):
+        assert len(set(reports[name]["param_sha256"])) == 1
+        np.testing.assert_allclose(reports[name]["losses"], reports["numpy"]["losses"], rtol=1e-5)
+        np.testing.assert_allclose(reports[name]["grad_norms"], reports["numpy"]["grad_norms"], rtol=1e-5)
+    assert reports["bucketed"]["param_sha256"] == reports["flat"]["param_sha256"]
+    assert reports["flat"]["cuda_graph"]["without"] == ("PowerSGD decides on the host whether a step compresses "
+                                                        "(--powersgd-start-step)")
 
 
 # ---------------------------------------------------------------- bin/bench_powersgd

@@ -133,12 +133,12 @@ class PowerSGD:
             gram_schmidt(self.q[s.name], xp)  # the warm start: last step's Q, made orthonormal again
         ps = self._packed([(s.shape[0], self.q[s.name].shape[1]) for s in matrices])
         for m, s, p in zip(grads, matrices, ps[1], strict=True):
-            xp.matmul(m, self.q[s.name], out=p)
+            p[...] = m @ self.q[s.name]
         self.comm.all_reduce(ps[0])
         qs = self._packed([self.q[s.name].shape for s in matrices])
         for m, p, q in zip(grads, ps[1], qs[1], strict=True):
             gram_schmidt(p, xp)
-            xp.matmul(m.T, p, out=q)
+            q[...] = m.T @ p
         self.comm.all_reduce(qs[0])
         self.elements_sent += ps[0].size + qs[0].size
         share = g.dtype.type(1 / self.comm.world_size)
