@@ -20,10 +20,14 @@ Vectors (biases, layernorms) and matrices for which (m + n) R x min_compression_
 all-reduced as they are, packed into one buffer per piece. Before --powersgd-start-step steps are done
 every piece is all-reduced as it is and no error is kept (PyTorch's start_powerSGD_iter).
 
-What differs from PyTorch's hook: Gram-Schmidt at every rank (PyTorch switches to QR above rank 2, whose
-bits depend on the LAPACK build); a column that is all zero stays zero instead of becoming NaN (PyTorch's
-orthogonalization_epsilon = 0 divides by its zero norm); Q starts from one seeded generator drawn once for
-every matrix in layout order, not from a fresh seed at the first compressed step.
+The same code runs on numpy and on CuPy arrays (the backend's `xp`; the products through cuBLAS there).
+
+What differs from PyTorch's hook: vectors and small matrices keep no error (PyTorch keeps each rank's
+difference from the mean for them, which sums to zero over the ranks); Gram-Schmidt at every rank
+(PyTorch switches to QR above rank 2, whose bits depend on the LAPACK build); a column that is all zero
+stays zero instead of becoming NaN (PyTorch's orthogonalization_epsilon = 0 divides by its zero norm);
+Q starts from one seeded generator drawn once for every matrix in layout order, not from a fresh seed at
+the first compressed step.
 """
 
 import numpy as np
