@@ -338,3 +338,11 @@ def test_the_memory_bound_counts_the_error_buffers_and_q():
     assert held > 0
     for a, b in zip(rank_memories(config, plain, 4), rank_memories(config, compressed, 4), strict=True):
         assert b.gradients - a.gradients == held
+
+
+def test_bench_powersgd_checks_its_out_folder_before_running(tmp_path):
+    a_file = tmp_path / "outfile"
+    a_file.write_text("kept")
+    done = bench("--model", "tiny", "--steps", "1", out=a_file)
+    assert done.returncode != 0 and done.stdout == ""  # nothing ran
+    assert done.stderr.strip() == f"bench_powersgd: error: --out '{a_file}' is a file, not a folder"
