@@ -175,7 +175,8 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     """Can this run continue the checkpoint cfg.resume? Returns (its step, notes for the log, the verified
     checkpoint with the bytes restore() loads: a shared_restore of it reads nothing again), or raises
     XtrainError naming what does not fit."""
-    ckpt = open_checkpoint(cfg.resume, read=(MODEL, CONFIG, STATE, "optimizer*", "powersgd*"))
+    powersgd = ("powersgd*",) if cfg.grad_compress == "powersgd" else ()  # the ranks' own PowerSGD state
+    ckpt = open_checkpoint(cfg.resume, read=(MODEL, CONFIG, STATE, "optimizer*", *powersgd))
     state, where = ckpt.state, f"checkpoint '{cfg.resume}'"
     notes = [ckpt.note] if ckpt.note else []
     model = {"preset": cfg.model, **asdict(model_config(cfg.model, corpus.vocab_size))}
