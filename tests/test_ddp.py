@@ -371,7 +371,7 @@ def test_accumulation_with_uneven_micro_batches(corpus):
      "BATCH (4) must be at least the world size times --grad-accum (2 x 3 = 6): every micro-batch needs a "
      "sequence on every rank"),
     (["--zero", "2"], "--zero must be one of 0, 1, got '2'"),
-    (["--grad-compress", "fp8"], "--grad-compress must be one of none, bf16, got 'fp8'"),
+    (["--grad-compress", "fp8"], "--grad-compress must be one of none, bf16, powersgd, got 'fp8'"),
 ])
 def test_bad_options_get_one_line(capsys, args, message):
     assert main(["2", "4", "16", *args]) == 2

@@ -100,7 +100,9 @@ class TrainConfig:
     # ---- gradient sync strategies, compression, ZeRO-1, accumulation (parallel/ddp.py, parallel/zero.py) ----
     grad_sync: str = "bucketed"     # per-param | flat | bucketed
     bucket_mb: float = 25.0         # bucketed: MiB per bucket, like torch DDP's bucket_cap_mb
-    grad_compress: str = "none"     # none | bf16: round gradients to bfloat16 for the reduction
+    grad_compress: str = "none"     # none | bf16 | powersgd: bf16 rounding, or low-rank factors (parallel/powersgd.py)
+    powersgd_rank: int = 1          # powersgd: the rank R of each matrix's P Q^T (PyTorch's default)
+    powersgd_start_step: int = 100  # powersgd: steps all-reduced uncompressed before compression starts
     zero: int = 0                   # 1: ZeRO-1, optimizer state sharded over the ranks
     grad_accum: int = 1             # micro-batches per optimizer step; communication after the last
     all_reduce: str = "library"     # library | ring: the communicator's all-reduce, or comm/ring.py's over send/recv

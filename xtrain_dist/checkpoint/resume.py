@@ -33,6 +33,7 @@ from .store import (
     open_checkpoint,
     optimizer_file,
     params_sha256,
+    powersgd_file,
     sha256_of,
     write_file,
     write_folder,
@@ -75,12 +76,20 @@ def _write_optimizer(path: Path, optimizer) -> None:
     write_file(path, lambda f: write_safetensors(f, {"m": state["m"], "v": state["v"]}, meta))
 
 
-def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model, optimizer, sampler) -> None:
+def _write_powersgd(path: Path, powersgd) -> None:
+    tensors = powersgd.state_dict()
+    write_file(path, lambda f: write_safetensors(f, tensors, {"format": "xtrain-dist powersgd",
+                                                              "rank": str(powersgd.rank)}))
+
+
+def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model, optimizer, sampler,
+         powersgd=None) -> None:
     """Write a checkpoint of the state after `step` steps to `folder`, replacing the one there atomically
     (store.write_folder).
 
     Every rank calls it: rank 0 writes the model and the run's state, the optimizer state is written
-    by rank 0 or, when it is sharded, by every rank for its shard; all ranks wait until it is in place."""
+    by rank 0 or, when it is sharded, by every rank for its shard; all ranks wait until it is in place.
+    With PowerSGD (`powersgd`, parallel/powersgd.py) every rank also writes its Q and error buffers."""
 
     def write(new: Path) -> None:
         if rank == 0:
@@ -94,6 +103,8 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
                 write_file(new / RUN_CONFIG, lambda f: f.write(cfg.options_toml().encode()))
         if optimizer.sharded or rank == 0:
             _write_optimizer(new / optimizer_file(rank if optimizer.sharded else None), optimizer)
+        if powersgd is not None:
+            _write_powersgd(new / powersgd_file(rank), powersgd)
 
     write_folder(folder, rank=rank, comm=comm, write=write)
 
@@ -164,7 +175,8 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     """Can this run continue the checkpoint cfg.resume? Returns (its step, notes for the log, the verified
     checkpoint with the bytes restore() loads: a shared_restore of it reads nothing again), or raises
     XtrainError naming what does not fit."""
-    ckpt = open_checkpoint(cfg.resume, read=(MODEL, CONFIG, STATE, "optimizer*"))
+    powersgd = ("powersgd*",) if cfg.grad_compress == "powersgd" else ()  # the ranks' own PowerSGD state
+    ckpt = open_checkpoint(cfg.resume, read=(MODEL, CONFIG, STATE, "optimizer*", *powersgd))
     state, where = ckpt.state, f"checkpoint '{cfg.resume}'"
     notes = [ckpt.note] if ckpt.note else []
     model = {"preset": cfg.model, **asdict(model_config(cfg.model, corpus.vocab_size))}
@@ -206,6 +218,15 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
         notes.append(f"resume: the checkpoint was trained with --dtype {saved_dtype}, this run uses {cfg.dtype}: "
                      "it continues from the saved float32 master weights and optimizer state, and its losses "
                      f"follow {cfg.dtype} arithmetic from step {step + 1} on")
+    if cfg.grad_compress == "powersgd" and any(name.startswith("powersgd.") for name in ckpt.contents):
+        saved_rank = saved.get("powersgd_rank")
+        if state["world_size"] != cfg.world_size:
+            raise XtrainError(f"{where} holds the PowerSGD error feedback of {state['world_size']} rank(s), this run "
+                              f"has {cfg.world_size}: each rank's error is its own, so resume with "
+                              f"{state['world_size']} rank(s)")
+        if saved_rank != cfg.powersgd_rank:
+            raise XtrainError(f"{where} was trained with --powersgd-rank {saved_rank}, this run has "
+                              f"{cfg.powersgd_rank}: its PowerSGD state cannot continue")
     if state["world_size"] != cfg.world_size:
         notes.append(f"resume: the checkpoint was written by {state['world_size']} rank(s), this run has "
                      f"{cfg.world_size}: the state resumes exactly, but gradient sums now round in another "
@@ -216,18 +237,20 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
 def shared_restore(path, ranks: int, opened: Checkpoint | None = None) -> Shared:
     """The checkpoint at `path` for `ranks` rank threads to restore from: check_resume's verified read
     where the caller has it (`opened`), else one read on first use."""
-    return Shared(ranks, opened, read=lambda: open_checkpoint(path, read=(MODEL, STATE, "optimizer*")), path=path)
+    return Shared(ranks, opened, read=lambda: open_checkpoint(path, read=(MODEL, STATE, "optimizer*", "powersgd*")),
+                  path=path)
 
 
-def restore(source, model, optimizer, sampler) -> int:
+def restore(source, model, optimizer, sampler, powersgd=None) -> int:
     """Load the parameters, optimizer and sampler state of the checkpoint (a path, or a shared_restore of
-    it; checked by check_resume) into this rank's objects; returns the step to continue from."""
+    it; checked by check_resume) into this rank's objects, and this rank's PowerSGD state where the run
+    compresses with it; returns the step to continue from."""
     shared = source if isinstance(source, Shared) else shared_restore(source, 1)
     with shared.use() as ckpt:
-        return _restore(ckpt, shared.path, model, optimizer, sampler)
+        return _restore(ckpt, shared.path, model, optimizer, sampler, powersgd)
 
 
-def _restore(ckpt: Checkpoint, path, model, optimizer, sampler) -> int:
+def _restore(ckpt: Checkpoint, path, model, optimizer, sampler, powersgd) -> int:
     state = ckpt.state
     model.load_state_dict(ckpt.model_state(model.config))
     # a version 1 checkpoint (wte's V rows) is this layout's first `used` elements: the rest, wte's padded
@@ -238,4 +261,10 @@ def _restore(ckpt: Checkpoint, path, model, optimizer, sampler) -> int:
     lo, hi = optimizer.state_range
     optimizer.load_state_dict(optimizer_state(ckpt, lo, hi, used))
     sampler.load_state(state["sampler"])
+    if powersgd is not None:
+        # a checkpoint of a run without PowerSGD leaves it as it starts: Q from the seed, no error yet
+        powersgd.steps_done = state["step"]
+        name = powersgd_file(powersgd.comm.rank)
+        if name in ckpt.contents:
+            powersgd.load_state_dict(ckpt.tensors(name)[0], f"checkpoint '{path}'")
     return state["step"]

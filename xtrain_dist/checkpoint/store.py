@@ -78,6 +78,11 @@ def optimizer_file(rank: int | None) -> str:
     return OPTIMIZER if rank is None else f"optimizer.rank{rank}.safetensors"
 
 
+def powersgd_file(rank: int) -> str:
+    """A rank's PowerSGD state (parallel/powersgd.py): every matrix's Q and the rank's own error buffers."""
+    return f"powersgd.rank{rank}.safetensors"
+
+
 def sha256_of(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 

@@ -12,7 +12,8 @@ strategies differ only in when they reduce and in what pieces:
 
 What reducing a piece means is the same for every strategy (`PieceReducer`): an all-reduce, or with
 ZeRO-1 a reduce-scatter that leaves each rank the part of the piece inside its own shard; with bf16
-compression the piece is rounded to bfloat16 before the sum and the sum rounded again after.
+compression the piece is rounded to bfloat16 before the sum and the sum rounded again after. PowerSGD
+(parallel/powersgd.py) reduces pieces of whole parameters instead, each matrix as a low-rank product.
 
 Every rank must issue the same collectives in the same order (the local communicator meets at
 barriers, NCCL matches calls by order). The pieces are a pure function of the layout and of
@@ -29,9 +30,10 @@ from ..comm.timed import TimedCommunicator
 from ..command import must_be, one_of
 from ..errors import XtrainError
 from ..model import ALIGN
+from .powersgd import PowerSGD
 
 MIB = 1 << 20  # --bucket-mb counts mebibytes, like torch DDP's bucket_cap_mb
-COMPRESSIONS = ("none", "bf16")
+COMPRESSIONS = ("none", "bf16", "powersgd")
 
 
 def bucket_bounds(size: int, bucket_mb: float, itemsize: int = 4) -> list[tuple[int, int]]:
@@ -40,6 +42,20 @@ def bucket_bounds(size: int, bucket_mb: float, itemsize: int = 4) -> list[tuple[
     cuts the same buckets."""
     elems = max(ALIGN, round(bucket_mb * MIB / itemsize / ALIGN) * ALIGN)
     return [(lo, min(lo + elems, size)) for lo in range(0, size, elems)]
+
+
+def block_bucket_bounds(model, bucket_mb: float) -> list[tuple[int, int]]:
+    """Buckets of whole parameters for PowerSGD: backward's announcements (model.layer_grad_ranges: a block
+    at a time) joined in order until a bucket holds bucket_mb, so each is compressed as soon as backward has
+    finished its last block."""
+    limit = bucket_mb * MIB / model.grads.dtype.itemsize
+    buckets = []
+    for lo, hi in model.layer_grad_ranges():
+        if buckets and buckets[-1][1] - buckets[-1][0] < limit:
+            buckets[-1] = (buckets[-1][0], hi)
+        else:
+            buckets.append((lo, hi))
+    return buckets
 
 
 class PieceReducer:
@@ -118,11 +134,11 @@ class BucketedGradSync:
     and finish() makes the compute stream wait for the communication stream's last fence. On the
     CPU the fences are None and the waits do nothing."""
 
-    def __init__(self, reduce_piece, model, bucket_mb: float):
+    def __init__(self, reduce_piece, model, bucket_mb: float, pieces=None):
         self.reduce_piece = reduce_piece
         self.comm = reduce_piece.comm
         self.size = model.size
-        self.pieces = bucket_bounds(model.size, bucket_mb, model.grads.dtype.itemsize)
+        self.pieces = pieces or bucket_bounds(model.size, bucket_mb, model.grads.dtype.itemsize)
         self._ready = 0    # grads[:_ready] is final in this step
         self._issued = 0   # buckets handed to the communication thread in this step
         self._work: queue.Queue = queue.Queue()
@@ -187,6 +203,20 @@ def _serve(work: queue.Queue, pieces, reduce_piece, errors: list, reduced: list,
 STRATEGIES = {"per-param": PerParamGradSync, "flat": FlatGradSync, "bucketed": BucketedGradSync}
 
 
+class PowerSGDGradSync:
+    """A strategy whose pieces PowerSGD reduces, and the step count PowerSGD keeps (its start step)."""
+
+    def __init__(self, strategy, powersgd: PowerSGD):
+        self.strategy, self.powersgd = strategy, powersgd
+        self.on_grads_ready, self.reset, self.close = strategy.on_grads_ready, strategy.reset, strategy.close
+        self.elements_sent = 0  # by each rank in the latest step
+
+    def finish(self) -> None:
+        self.strategy.finish()
+        self.elements_sent, self.powersgd.elements_sent = self.powersgd.elements_sent, 0
+        self.powersgd.step_done()
+
+
 def check_config(cfg) -> None:
     """The options of this module, checked before any rank starts: one line naming the problem."""
     if cfg.grad_sync not in STRATEGIES:
@@ -195,6 +225,11 @@ def check_config(cfg) -> None:
         raise XtrainError(f"--bucket-mb must be a positive number, got {cfg.bucket_mb:g}")
     if cfg.grad_compress not in COMPRESSIONS:
         raise XtrainError(must_be("--grad-compress", one_of(COMPRESSIONS), cfg.grad_compress))
+    if cfg.grad_compress == "powersgd":
+        if cfg.powersgd_rank < 1:
+            raise XtrainError(f"--powersgd-rank must be at least 1, got {cfg.powersgd_rank}")
+        if cfg.powersgd_start_step < 0:
+            raise XtrainError(f"--powersgd-start-step must be 0 or more, got {cfg.powersgd_start_step}")
     if cfg.zero not in (0, 1):
         raise XtrainError(f"--zero must be 0 or 1, got {cfg.zero}")
     if cfg.grad_accum < 1:
@@ -210,6 +245,14 @@ def make_grad_sync(cfg, comm, model, shards=None):
     check_config(cfg)
     if not isinstance(comm, TimedCommunicator):
         comm = TimedCommunicator(comm, clock=model.ops)
+    if cfg.grad_compress == "powersgd":
+        # every piece all-reduced whole, also under ZeRO-1 (whose update reads its own shard of the sums):
+        # the low-rank factors are not cut into shards
+        powersgd = PowerSGD(comm, model, cfg.powersgd_rank, cfg.powersgd_start_step, cfg.seed)
+        pieces = block_bucket_bounds(model, cfg.bucket_mb) if cfg.grad_sync == "bucketed" else None
+        strategy = STRATEGIES[cfg.grad_sync](powersgd, model, cfg.bucket_mb,
+                                             **({"pieces": pieces} if pieces else {}))
+        return PowerSGDGradSync(strategy, powersgd)
     reduce_piece = PieceReducer(comm, model.grads, model.ops, shards, cfg.grad_compress)
     return STRATEGIES[cfg.grad_sync](reduce_piece, model, cfg.bucket_mb)
 
@@ -231,6 +274,8 @@ def report_fields(cfg, results) -> dict:
         "grad_sync": cfg.grad_sync,
         "bucket_mb": cfg.bucket_mb,
         "grad_compress": cfg.grad_compress,
+        "powersgd_rank": cfg.powersgd_rank if cfg.grad_compress == "powersgd" else None,
+        "powersgd_start_step": cfg.powersgd_start_step if cfg.grad_compress == "powersgd" else None,
         "zero": cfg.zero,
         "grad_accum": cfg.grad_accum,
         "comm_s": mean("comm_ms"),

@@ -168,7 +168,13 @@ def build_parser() -> OneLineParser:
                       help="when and in what pieces gradients are reduced (default bucketed)")
     sync.add_argument("--bucket-mb", type=positive_float, default=25.0, help="bucketed: MiB per bucket (default 25)")
     sync.add_argument("--grad-compress", choices=ddp.COMPRESSIONS, default="none",
-                      help="bf16: round gradients to bfloat16 for the reduction")
+                      help="bf16: round gradients to bfloat16 for the reduction; powersgd: send each gradient "
+                           "matrix as a rank-R product with error feedback (see docs/ddp.md)")
+    sync.add_argument("--powersgd-rank", metavar="R", type=int, default=TrainConfig.powersgd_rank,
+                      help=f"powersgd: the rank of each matrix's approximation (default {TrainConfig.powersgd_rank})")
+    sync.add_argument("--powersgd-start-step", metavar="S", type=int, default=TrainConfig.powersgd_start_step,
+                      help="powersgd: the first S steps all-reduce gradients uncompressed (default "
+                           f"{TrainConfig.powersgd_start_step})")
     sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
     sync.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     sync.add_argument("--all-reduce", choices=ALL_REDUCES, default="library",
@@ -310,6 +316,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         sample_every=args.sample_every,
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
+        powersgd_rank=args.powersgd_rank, powersgd_start_step=args.powersgd_start_step,
         grad_accum=args.grad_accum, all_reduce=args.all_reduce, dtype=args.dtype, attention=args.attention,
         recompute=args.recompute,
         cuda_graph=args.cuda_graph, options=_options(parser, args),

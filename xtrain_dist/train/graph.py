@@ -33,6 +33,8 @@ MODES = ("auto", "off")
 
 def unsupported(cfg, comm) -> str | None:
     """Why this rank's step cannot be captured, or None where it can."""
+    if cfg.grad_compress == "powersgd":
+        return "PowerSGD decides on the host whether a step compresses (--powersgd-start-step)"
     if comm.world_size == 1:
         return None
     if cfg.all_reduce == "ring":

@@ -110,7 +110,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size,
                            overfit=cfg.overfit_batch)
-    start = restore(resume or cfg.resume, model, optimizer, sampler) if cfg.resume else 0
+    powersgd = getattr(grad_sync, "powersgd", None)  # --grad-compress powersgd: its state is saved and restored
+    start = restore(resume or cfg.resume, model, optimizer, sampler, powersgd) if cfg.resume else 0
     if cfg.init_from:
         hf.load_pretrained(init or cfg.init_from, model)
     evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
@@ -233,7 +234,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             events.write(record)
         for folder in cadence.saves(done, stopping):
             save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
-                 model=model, optimizer=optimizer, sampler=sampler)
+                 model=model, optimizer=optimizer, sampler=sampler, powersgd=powersgd)
             if rank == 0:
                 log(f"saved checkpoint '{folder}' at step {done}")
         if stopping:

@@ -20,6 +20,7 @@ from ..backend.cuda import cublaslt
 from ..config import GPTConfig
 from ..errors import XtrainError
 from ..model import param_layout
+from ..parallel.powersgd import state_elements
 from ..parallel.zero import shard_bounds
 
 GIB = float(1 << 30)
@@ -90,7 +91,9 @@ def gib(n: int) -> str:
 def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]:
     """The lower bound for every rank of a run with TrainConfig `cfg`, in rank order, with activations of
     `act_itemsize` bytes (4: float32, and numpy's bf16 emulation; 2: bf16 on a GPU)."""
-    _, size = param_layout(config)
+    layout, size = param_layout(config)
+    # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
+    compression = 4 * state_elements(layout, cfg.powersgd_rank) if cfg.grad_compress == "powersgd" else 0
     parameters = 4 * size + (size * act_itemsize if cfg.dtype != "fp32" else 0) + ITEMSIZE["u8"] * size
     shards = shard_bounds(size, cfg.world_size) if cfg.zero else [(0, size)] * cfg.world_size
     activations = {}  # by micro-batch rows: ranks differ by at most one row
@@ -107,7 +110,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
     for rank, (lo, hi) in enumerate(shards):
         # rank r takes the sequences i % world == r, then cuts them into --grad-accum micro-batches
         rows = len(range(rank, cfg.batch, cfg.world_size))
-        memories.append(RankMemory(parameters=parameters, gradients=4 * size, optimizer=2 * 4 * (hi - lo),
+        memories.append(RankMemory(parameters=parameters, gradients=4 * size + compression, optimizer=2 * 4 * (hi - lo),
                                    activations=saved_bytes(-(-rows // cfg.grad_accum)),
                                    # evaluate.Evaluator keeps every batch's windows of this rank's rows
                                    validation=cfg.eval_batches * rows * cfg.seq * 2 * ITEMSIZE["i32"],
