@@ -82,6 +82,10 @@ def test_every_console_script_answers_help(installed):
     for script in SCRIPTS:
         out = run([bin_dir / script, "--help"], work, env)
         assert out.stdout.startswith(f"usage: {script} "), (script, out.stdout)
+    # and a bad argument's line names the command as it was started, not the module behind it
+    bad = subprocess.run([bin_dir / "xtrain-train", "0", "2", "16"], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert (bad.returncode, bad.stderr) == (2, "xtrain-train: error: STEPS must be a positive integer, got '0'\n")
 
 
 def test_the_installed_trainer_trains_samples_and_compiles_as_the_checkout_does(installed, tmp_path):

@@ -154,7 +154,9 @@ def run_command(prog: str, main: Callable[[], int | None]) -> int:
     """Run a command line's `main` and turn how it ends into an exit status: an XtrainError (bad input, a
     missing engine, a path with a name too long for the file system, an allocation larger than memory) is
     the one line `prog: error: message` and status 2, Ctrl-C is `prog: interrupted` and 130. Anything else
-    is a bug and keeps its traceback."""
+    is a bug and keeps its traceback. Started as a console script, the lines name it (`xtrain-train: error:
+    ...`), as its usage line does."""
+    prog = command_name(prog)
     try:
         return main() or 0
     except XtrainError as e:

@@ -392,10 +392,10 @@ def _main(argv: list[str]) -> int:
         return 0
     except RankFailed as e:
         if isinstance(e.error, CommAborted):  # every rank here only saw the abort: the line says whose failure it was
-            print(f"{PROG}: error: rank {e.rank} stopped: {e.error}", file=sys.stderr)
+            print(f"{command_name(PROG)}: error: rank {e.rank} stopped: {e.error}", file=sys.stderr)
         else:
             detail = str(e.error) if isinstance(e.error, XtrainError) else f"{type(e.error).__name__}: {e.error}"
-            print(f"{PROG}: error: rank {e.rank} failed: {detail}", file=sys.stderr)
+            print(f"{command_name(PROG)}: error: rank {e.rank} failed: {detail}", file=sys.stderr)
         if os.environ.get("XTRAIN_TRACEBACK"):
             import traceback
             traceback.print_exception(e.error)
