@@ -22,26 +22,14 @@ if GPUS < 2:
 
 pytestmark = pytest.mark.gpu
 
+from groups_worker import rank_data, ring_oracle  # noqa: E402  (the same data and oracle as the CPU engines')
+
 from xtrain_dist.comm import CommAborted  # noqa: E402
-from xtrain_dist.comm.ring import ring_all_reduce, ring_chunks  # noqa: E402
+from xtrain_dist.comm.ring import ring_all_reduce  # noqa: E402
 from xtrain_dist.comm.world import open_world  # noqa: E402
 from xtrain_dist.train.launch import RankFailed, run_thread_ranks  # noqa: E402
 
 WORLD = min(GPUS, 4)
-
-
-def rank_data(rank, n):
-    return np.random.default_rng([n, rank]).standard_normal(n).astype(np.float32) * np.float32(10.0 ** rank)
-
-
-def ring_oracle(ranks, n):
-    out = np.empty(n, np.float32)
-    for c, (lo, hi) in enumerate(ring_chunks(n, len(ranks))):
-        total = rank_data(ranks[c], n)[lo:hi]
-        for step in range(1, len(ranks)):
-            total = total + rank_data(ranks[(c + step) % len(ranks)], n)[lo:hi]
-        out[lo:hi] = total
-    return out
 
 
 def on_ranks(body):
