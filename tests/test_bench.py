@@ -121,9 +121,10 @@ def test_collective_bandwidths_follow_nccl_tests(results):
     out, _ = results
     rows = json.loads((out / "collectives.json").read_text())["rows"]
     assert {(r["op"], r["world"]) for r in rows} == {(op, w) for op in ("all_reduce", "reduce_scatter", "all_gather",
-                                                                        "broadcast") for w in (2, 3)}
+                                                                        "broadcast", "ring_all_reduce") for w in (2, 3)}
     factor = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-              "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+              "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+              "ring_all_reduce": lambda n: 2 * (n - 1) / n}
     assert {r["size"] for r in rows} == {4096, 65536, 16 << 20}  # K and M are 2^10 and 2^20
     assert all(r["iters"] == 3 for r in rows)  # the timed iterations only: --warmup's are not in the mean
     assert "| all_reduce | 2 | 4 KiB | 3 |" in (out / "collectives.md").read_text()

@@ -180,8 +180,11 @@ class NumpyBackend:
     xp = np  # the array module the model allocates with
     name = "numpy"
 
-    def __init__(self, dtype: str = "fp32"):
+    def __init__(self, dtype: str = "fp32", epilogues: bool = False):
         self.dtype = check_dtype(dtype)
+        # the twin of --matmul cublaslt: GELU and its derivative inside the MLP's products, applied to the
+        # float32 result before its one rounding (matmul_gelu_forward, matmul_backward_gelu)
+        self.epilogues = epilogues
         self.act_dtype = np.dtype(np.float32)  # storage; bf16 values are float32 with 16 zero low bits
 
     def store(self, x):
@@ -338,14 +341,23 @@ class NumpyBackend:
         -> (pre, out); backward needs pre (matmul_backward_gelu). One kernel after the product on the GPU
         (kernels/gelu.cu's bias_gelu_forward), or none: --matmul cublaslt's GELU_AUX_BIAS epilogue, which
         applies GELU to the float32 sum before pre's rounding, so under bf16 it is a rounding away from
-        this (cuda/ops.py)."""
+        this (cuda/ops.py); with epilogues=True this backend computes it that way too."""
+        if self.epilogues:
+            exact = NumpyBackend("fp32")
+            pre = exact.matmul_forward(inp, weight, bias)
+            out = self.store(exact.gelu_forward(pre))
+            return self.store(pre), out
         pre = self.matmul_forward(inp, weight, bias)
         return pre, self.gelu_forward(pre)
 
     def matmul_backward_gelu(self, dweight, dbias, dout, inp, weight, pre):
         """The MLP's second layer's backward and the GELU's before it: matmul_backward, then gelu_backward of
         its input gradient at pre (the GELU's input). -> the gradient of pre. On the GPU with --matmul cublaslt
-        the GELU's derivative is the product's DGELU epilogue, applied before the one rounding (cuda/ops.py)."""
+        the GELU's derivative is the product's DGELU epilogue, applied before the one rounding (cuda/ops.py),
+        as this backend does with epilogues=True."""
+        if self.epilogues:
+            exact = NumpyBackend("fp32")
+            return self.store(exact.gelu_backward(exact.matmul_backward(dweight, dbias, dout, inp, weight), pre))
         return self.gelu_backward(self.matmul_backward(dweight, dbias, dout, inp, weight), pre)
 
     # ------------------------------------------------------------------ attention (kernels/attention.cu)
