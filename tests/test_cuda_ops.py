@@ -827,8 +827,9 @@ def test_a_cuda_run_gives_each_steps_mfu_against_its_gpus_peak(tmp_path, monkeyp
     assert [r["mfu"] for r in records] == pytest.approx([step_flops / (r["ms"] * 1e-3) / 1e8 for r in records])
     assert report["mfu"] == pytest.approx(step_flops / (report["ms_per_step"] * 1e-3) / 1e8)
     progress = [line for line in lines if line.startswith("step")]
-    assert [line.endswith(f"| MFU {100 * r['mfu']:4.1f}%") for line, r in zip(progress, records, strict=True)] == \
-        [True] * 3
+    # the MFU field, then the clock's (elapsed, left) last on the line
+    assert [line.split(" | ")[-2] == f"MFU {100 * r['mfu']:4.1f}%" and line.endswith(" left")
+            for line, r in zip(progress, records, strict=True)] == [True] * 3
 
 
 @pytest.mark.training
