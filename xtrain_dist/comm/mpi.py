@@ -133,13 +133,9 @@ class MpiCommunicator:
             return
         flat = _flat(buf)
         counts, offsets = self._chunks(flat.size)
-        mine, world = counts[self.rank], self.world_size
-        copies = self._exchange(flat, counts, offsets, "all_reduce")
-        total = copies[:mine]
-        for r in range(1, world):  # rank order: ((b0 + b1) + b2) + ...
-            total += copies[r * mine:(r + 1) * mine]
+        mine = counts[self.rank]
         lo = offsets[self.rank]
-        flat[lo:lo + mine] = total
+        self._reduce_share(flat, counts, offsets, flat[lo:lo + mine], "all_reduce")
         self._wait(self.comm.Iallgatherv(self.MPI.IN_PLACE, [flat, (counts, offsets)]), "all_reduce")
 
     def reduce_scatter(self, send, recv, counts=None) -> None:
@@ -148,26 +144,32 @@ class MpiCommunicator:
         flat, world = _flat(send), self.world_size
         offsets = rank_share_offsets(flat.size, world, self.rank, counts, recv.size, "recv")
         sizes = [offsets[r + 1] - offsets[r] for r in range(world)]
-        mine = sizes[self.rank]
-        copies = self._exchange(flat, sizes, offsets[:-1], "reduce_scatter")
-        out = _flat(recv)
-        out[...] = copies[:mine]
-        for r in range(1, world):
-            out += copies[r * mine:(r + 1) * mine]
+        self._reduce_share(flat, sizes, offsets[:-1], _flat(recv), "reduce_scatter")
 
-    def _exchange(self, flat, sizes, offsets, what: str):
-        """Step 1 of the all-reduce, an all-to-all by point-to-point messages: copies[r*mine:(r+1)*mine]
-        receives rank r's values of this rank's share (sizes[rank] elements at offsets[rank])."""
+    def _reduce_share(self, flat, sizes, offsets, out, what: str) -> None:
+        """Steps 1 and 2 of the all-reduce: out = the rank-order sum of every rank's values of this rank's
+        share of flat (sizes[rank] elements at offsets[rank]; out may be that share itself). Step 1 is an
+        all-to-all by point-to-point messages; this rank's own values are read where they are, not copied."""
         rank, world = self.rank, self.world_size
         mine = sizes[rank]
-        copies = np.empty(world * mine, flat.dtype)
+        own = flat[offsets[rank]:offsets[rank] + mine]
         peers = [r for r in range(world) if r != rank]
-        requests = [self.comm.Irecv(copies[r * mine:(r + 1) * mine], source=r, tag=EXCHANGE_TAG) for r in peers]
+        theirs = dict(zip(peers, np.empty((world - 1, mine), flat.dtype), strict=True))  # rank r's values of my share
+        requests = [self.comm.Irecv(theirs[r], source=r, tag=EXCHANGE_TAG) for r in peers]
         requests += [self.comm.Isend(flat[offsets[r]:offsets[r] + sizes[r]], dest=r, tag=EXCHANGE_TAG)
                      for r in peers]
-        copies[rank * mine:(rank + 1) * mine] = flat[offsets[rank]:offsets[rank] + mine]
         self._wait(_AllOf(self.MPI, requests), what)
-        return copies
+        # ((b0 + b1) + b2) + ...: the ranks before this one are summed first, then this rank's values are
+        # added to that prefix (IEEE addition commutes: prefix + own and own + prefix are the same bits)
+        if rank == 0:
+            out[...] = own
+        else:
+            prefix = theirs[0]
+            for r in range(1, rank):
+                prefix += theirs[r]
+            np.add(prefix, own, out=out)
+        for r in range(rank + 1, world):
+            out += theirs[r]
 
     def all_gather(self, send, recv, counts=None) -> None:
         """recv's share r = rank r's send, for every r (send may be recv's own share)."""
