@@ -2,7 +2,8 @@
 
     python tests/collectives_worker.py ENGINE [THREADS]
 
-ENGINE is mpi (under mpirun) or tcp (with torchrun-style RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
+ENGINE is mpi (under mpirun) or tcp (with torchrun-style RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT);
+mpi-tests-per-exchange (under mpirun) counts the MPI communicator's Tests instead (tests_per_exchange).
 Every rank checks its results against the rank-order sums it computes itself from every rank's
 (seeded) data, bit for bit, and prints one line: OK and a digest of everything it received.
 """
@@ -78,7 +79,30 @@ def check(rank, comm, threads):
     return digest.hexdigest()
 
 
+def tests_per_exchange():
+    """A 16 MiB all-reduce and reduce-scatter with a 10 ms nap before every Test that finds them pending:
+    the exchange must finish in a few Tests whatever its size, not in one Test per few KiB (MPICH's
+    Ialltoallv needs about a thousand here). Prints how many Tests found them pending."""
+    from xtrain_dist.comm import mpi
+    mpi.SPIN_POLLS, mpi.NAP_S = 0, 0.01
+    comm = mpi.MpiCommunicator(timeout_s=60)
+    rank, world, n = comm.rank, comm.world_size, 4 << 20
+    comm.barrier()
+    before = comm.unfinished_tests
+    buf = np.full(n, rank + 1, np.float32)
+    comm.all_reduce(buf)
+    assert (buf == world * (world + 1) // 2).all(), f"rank {rank}: all_reduce"
+    shard = np.empty(n // world, np.float32)
+    comm.reduce_scatter(np.arange(n, dtype=np.float32), shard)
+    assert shard.tobytes() == (world * np.arange(n, dtype=np.float32)[rank * shard.size:][:shard.size]).tobytes()
+    sys.stdout.write(f"PENDING {rank} {comm.unfinished_tests - before}\n")
+    sys.stdout.flush()
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "mpi-tests-per-exchange":
+        tests_per_exchange()
+        sys.exit()
     engine, threads = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
     launch = detect_launch()
     world = open_world(engine, launch=launch, local_world=threads, timeout_s=60, rdzv_timeout_s=60)

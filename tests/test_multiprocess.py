@@ -134,6 +134,18 @@ def test_mpi_all_reduce_is_the_rank_order_sum_whatever_mpich_picks(algorithm):
 
 
 @needs_mpi
+def test_mpi_exchange_finishes_in_a_few_tests_whatever_its_size():
+    """The polled wait naps between Tests; an exchange that MPI moves a few KiB per Test (MPICH's
+    Ialltoallv: about a thousand Tests for these 16 MiB) then takes seconds where it should take
+    milliseconds. Counted, not timed: each pending Test here is followed by a 10 ms nap."""
+    out = run([str(MPIRUN), "-n", "2", sys.executable, str(WORKER), "mpi-tests-per-exchange"])
+    assert out.returncode == 0, out.stderr
+    pending = dict(re.findall(r"\bPENDING (\d) (\d+)", out.stdout))
+    assert sorted(pending) == ["0", "1"], out.stdout
+    assert all(int(n) <= 100 for n in pending.values()), pending  # 1 s of naps: a peer's late start
+
+
+@needs_mpi
 def test_mpi_processes_with_rank_threads():
     out = run([str(MPIRUN), "-n", "2", sys.executable, str(WORKER), "mpi", "2"])
     assert out.returncode == 0, out.stderr

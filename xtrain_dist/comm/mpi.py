@@ -8,14 +8,21 @@ its version, the buffer size and a tuning variable, would differ from the thread
 "identical on every rank" would rest on each algorithm's implementation. So the all-reduce is spelt
 out as the thread communicator's:
 
-    1. Ialltoallv: rank r receives chunk r of every rank's buffer (chunk r has one owner);
+    1. exchange: rank r receives chunk r of every rank's buffer (chunk r has one owner);
     2. the owner sums the world copies of its chunk in rank order 0, 1, ..., world-1 (numpy, elementwise);
     3. Iallgatherv: every rank receives every owner's summed chunk, in place.
 
 Each element is added exactly once, by one process, in a fixed order; the other ranks only copy it.
 The traffic per rank is that of a ring all-reduce, 2(world-1)/world of the buffer.
 
-No call blocks forever: every collective is the non-blocking form, polled until done, the communicator
+Step 1 is one Irecv and one Isend per peer, not MPI_Ialltoallv. MPICH 5.0 (ch4, processes on one node)
+moves an Ialltoallv only inside MPI calls and about 8 KiB per call: 6417 Tests for a 100 MiB all-reduce
+at world 2, whatever MPIR_CVAR_IALLTOALLV_INTRA_ALGORITHM says. The polled wait below sleeps between
+Tests once it has spun a while, so each 8 KiB then cost a sleep: 3.5 s per 100 MiB all-reduce, where the
+point-to-point messages (a rendezvous the library completes as a whole) need 1 to 3 Tests however large.
+Iallgatherv and Ibcast finish in a few Tests at any size, so they stay collectives.
+
+No call blocks forever: every exchange is non-blocking, polled until done, the communicator
 is aborted, or the timeout passes. A rank that fails ends the job with MPI_Abort (`abort_job`), so a
 peer never waits in a collective for a process that has already given up.
 """
@@ -68,8 +75,16 @@ def abort_job(code: int = 1) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+# The tag of the all-reduce and reduce-scatter exchange, apart from send/recv's (MPI's default, 0): a
+# collective's messages never match a point-to-point receive posted between the same two processes.
+EXCHANGE_TAG = 1
+SPIN_POLLS, NAP_S = 1000, 0.0005  # _wait: Tests back to back, then a nap between Tests
+
+
 class MpiCommunicator:
     _parent = None  # the communicator this one was split from: an abort of either reaches both
+    unfinished_tests = 0  # Tests that found a request still pending, this communicator's lifetime
+    _received = None  # _receive_buffer's
 
     def __init__(self, comm=None, timeout_s: float = 300.0):
         MPI = self.MPI = mpi_module()
@@ -101,7 +116,8 @@ class MpiCommunicator:
                 self.abort(f"rank {self.rank} waited more than {self.timeout_s:g} s in {what}: {stuck}")
                 raise CommAborted(f"{what} aborted: {self._reason()}")
             polls += 1
-            time.sleep(0 if polls < 1000 else 0.0005)  # spin briefly, then stop burning a core
+            self.unfinished_tests += 1
+            time.sleep(0 if polls < SPIN_POLLS else NAP_S)  # spin briefly, then stop burning a core
 
     def _check(self, what: str) -> None:
         if self._reason() is not None:
@@ -118,15 +134,9 @@ class MpiCommunicator:
             return
         flat = _flat(buf)
         counts, offsets = self._chunks(flat.size)
-        mine, world = counts[self.rank], self.world_size
-        copies = np.empty(world * mine, flat.dtype)  # copies[r*mine:(r+1)*mine]: rank r's values of my chunk
-        self._wait(self.comm.Ialltoallv([flat, (counts, offsets)],
-                                        [copies, ([mine] * world, [r * mine for r in range(world)])]), "all_reduce")
-        total = copies[:mine]
-        for r in range(1, world):  # rank order: ((b0 + b1) + b2) + ...
-            total += copies[r * mine:(r + 1) * mine]
+        mine = counts[self.rank]
         lo = offsets[self.rank]
-        flat[lo:lo + mine] = total
+        self._reduce_share(flat, counts, offsets, flat[lo:lo + mine], "all_reduce")
         self._wait(self.comm.Iallgatherv(self.MPI.IN_PLACE, [flat, (counts, offsets)]), "all_reduce")
 
     def reduce_scatter(self, send, recv, counts=None) -> None:
@@ -135,15 +145,40 @@ class MpiCommunicator:
         flat, world = _flat(send), self.world_size
         offsets = rank_share_offsets(flat.size, world, self.rank, counts, recv.size, "recv")
         sizes = [offsets[r + 1] - offsets[r] for r in range(world)]
-        mine = sizes[self.rank]
-        copies = np.empty(world * mine, flat.dtype)
-        self._wait(self.comm.Ialltoallv([flat, (sizes, offsets[:-1])],
-                                        [copies, ([mine] * world, [r * mine for r in range(world)])]),
-                   "reduce_scatter")
-        out = _flat(recv)
-        out[...] = copies[:mine]
-        for r in range(1, world):
-            out += copies[r * mine:(r + 1) * mine]
+        self._reduce_share(flat, sizes, offsets[:-1], _flat(recv), "reduce_scatter")
+
+    def _reduce_share(self, flat, sizes, offsets, out, what: str) -> None:
+        """Steps 1 and 2 of the all-reduce: out = the rank-order sum of every rank's values of this rank's
+        share of flat (sizes[rank] elements at offsets[rank]; out may be that share itself). Step 1 is an
+        all-to-all by point-to-point messages; this rank's own values are read where they are, not copied."""
+        rank, world = self.rank, self.world_size
+        mine = sizes[rank]
+        own = flat[offsets[rank]:offsets[rank] + mine]
+        peers = [r for r in range(world) if r != rank]
+        theirs = dict(zip(peers, self._receive_buffer(world - 1, mine, flat.dtype), strict=True))  # rank r's values
+        requests = [self.comm.Irecv(theirs[r], source=r, tag=EXCHANGE_TAG) for r in peers]
+        requests += [self.comm.Isend(flat[offsets[r]:offsets[r] + sizes[r]], dest=r, tag=EXCHANGE_TAG)
+                     for r in peers]
+        self._wait(_AllOf(self.MPI, requests), what)
+        # ((b0 + b1) + b2) + ...: the ranks before this one are summed first, then this rank's values are
+        # added to that prefix (IEEE addition commutes: prefix + own and own + prefix are the same bits)
+        if rank == 0:
+            out[...] = own
+        else:
+            prefix = theirs[0]
+            for r in range(1, rank):
+                prefix += theirs[r]
+            np.add(prefix, own, out=out)
+        for r in range(rank + 1, world):
+            out += theirs[r]
+
+    def _receive_buffer(self, rows: int, n: int, dtype):
+        """rows x n elements, kept from call to call as the ring's scratch is: a fresh 50 MiB buffer per
+        100 MiB all-reduce costs its page faults every time (about a third of the call at world 2)."""
+        size = rows * n
+        if self._received is None or self._received.size < size or self._received.dtype != dtype:
+            self._received = np.empty(size, dtype)
+        return self._received[:size].reshape(rows, n)
 
     def all_gather(self, send, recv, counts=None) -> None:
         """recv's share r = rank r's send, for every r (send may be recv's own share)."""
@@ -226,6 +261,16 @@ class MpiCommunicator:
 
     def close(self) -> None:
         pass
+
+
+class _AllOf:
+    """Several requests polled as one (MPI_Testall)."""
+
+    def __init__(self, MPI, requests):
+        self.MPI, self.requests = MPI, requests
+
+    def Test(self):  # mpi4py's name, as _wait calls it
+        return self.MPI.Request.Testall(self.requests)
 
 
 def _flat(buf):
