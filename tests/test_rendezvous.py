@@ -573,11 +573,13 @@ def test_strangers_cannot_keep_the_ranks_out():
     assert len(logs) <= 3, logs  # one host: its first line, at most one more within 10 s, and the count
     first = re.fullmatch(r"rendezvous: refused a connection from 127\.0\.0\.1:(\d+): (.*)", logs[0])
     kind = [k for k, ports in strangers.ports.items() if int(first[1]) in ports]
-    assert kind and first[2] == {"silent": "no valid greeting (timed out)",
-                                 "flood": "no valid greeting (too many connections waiting to be heard)",
-                                 "drip": "no valid greeting (timed out)",
-                                 "garbage": "not an xtrain-dist process",
-                                 "forger": "wrong token (set the same XTRAIN_RDZV_TOKEN for every process)"}[kind[0]]
+    evicted = "no valid greeting (too many connections waiting to be heard)"
+    why = {"silent": "no valid greeting (timed out)", "flood": evicted, "drip": "no valid greeting (timed out)",
+           "garbage": "not an xtrain-dist process",
+           "forger": "wrong token (set the same XTRAIN_RDZV_TOKEN for every process)"}
+    # a silent or dripping connection still waiting when the flood fills the pending places is dropped as
+    # the oldest of the busiest host (all are 127.0.0.1 here), so either line is its own
+    assert kind and (first[2] == why[kind[0]] or (kind[0] in ("silent", "drip") and first[2] == evicted)), first
 
 
 @pytest.mark.parametrize("kind, why", [
