@@ -479,6 +479,25 @@ def test_a_save_dir_belongs_to_the_run_that_holds_it_until_that_run_ends_even_ki
     assert json.loads((folder / "trainer_state.json").read_text())["step"] == 3
 
 
+def stop_with_a_signal_burst(proc: subprocess.Popen, sender: str) -> tuple[str, str]:
+    """SIGTERM to a training process (in a process group of its own) once its first step is logged; with
+    sender "process group", the group's copy once the first is caught, as a launcher forwarding a signal the
+    group also got sends it (under `timeout`, timeout itself passes one on to the group). -> (stdout, stderr)
+    once it has ended; the group is killed whatever happens."""
+    try:
+        assert proc.stdout.readline().startswith("tiny: GPTConfig")
+        assert proc.stdout.readline().startswith("step     1/5000 |")  # training is under way
+        proc.send_signal(signal.SIGTERM)
+        if sender == "process group":  # the first one caught, the group's copy follows
+            assert proc.stderr.readline().startswith("train_ddp: SIGTERM: stopping after the step")
+            os.killpg(proc.pid, signal.SIGTERM)
+        return proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
 @pytest.mark.parametrize("sender", ["timeout", "process group"])
 def test_a_burst_of_stop_signals_still_ends_with_the_checkpoint_saved(tmp_path, sender):
     """coreutils timeout passes a signal (its own timer's SIGTERM, or one sent to it) to the child and then to
@@ -491,18 +510,7 @@ def test_a_burst_of_stop_signals_still_ends_with_the_checkpoint_saved(tmp_path, 
         command = ["timeout", "300", *command]  # a signal to timeout is passed on as its timer's would be
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # a process group of its own
-    try:
-        assert proc.stdout.readline().startswith("tiny: GPTConfig")
-        assert proc.stdout.readline().startswith("step     1/5000 |")  # training is under way
-        proc.send_signal(signal.SIGTERM)
-        if sender == "process group":  # the first one caught, the group's copy follows
-            assert proc.stderr.readline().startswith("train_ddp: SIGTERM: stopping after the step")
-            os.killpg(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    out, err = stop_with_a_signal_burst(proc, sender)
     assert proc.returncode == 143, err
     step = json.loads((folder / "trainer_state.json").read_text())["step"]
     assert out.splitlines()[-2] == f"saved checkpoint '{folder}' at step {step}", out

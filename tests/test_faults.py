@@ -38,7 +38,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli import stop_with_a_signal_burst
 from test_multiprocess import first_line_within, free_port, reaped, torchrun_style
 from test_rendezvous import Background, Strangers, serving
 
@@ -158,18 +158,7 @@ def stop_signal_burst(sender, repeats):
             folder = tmp_path / f"ck{i}"
             proc = train_process(5000, *TINY, "--save-dir", folder,
                                  command_prefix=["timeout", "300"] if sender == "timeout" else [])
-            try:
-                assert proc.stdout.readline().startswith("tiny: GPTConfig")
-                assert proc.stdout.readline().startswith("step     1/5000 |")  # training is under way
-                proc.send_signal(signal.SIGTERM)  # timeout passes it on to the run, then to its process group
-                if sender == "process group":
-                    assert proc.stderr.readline().startswith("train_ddp: SIGTERM: stopping after the step")
-                    os.killpg(proc.pid, signal.SIGTERM)
-                out, err = proc.communicate(timeout=60)
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+            out, err = stop_with_a_signal_burst(proc, sender)
             step = json.loads((folder / "trainer_state.json").read_text())["step"]
             assert f"saved checkpoint '{folder}' at step {step}" in out.splitlines()
             line = last_line(err).replace(str(folder), "{tmp}/ck").replace(f"step {step}", "step N")
