@@ -310,7 +310,7 @@ def main(argv=None) -> int:
             files.write_atomic(args.json, json.dumps(plan, indent=1) + "\n", "--json")
         return 0
 
-    return run_command(command_name("python -m xtrain_dist.plan"), run_plan)
+    return run_command("python -m xtrain_dist.plan", run_plan)  # run_command names a console script itself
 
 
 if __name__ == "__main__":
