@@ -410,15 +410,44 @@ def test_cublas_stand_in_follows_column_major_conventions(ta, tb):
     C, ldc = stored(c0)
     alpha, beta = np.array(1.5, np.float32), np.array(0.5, np.float32)
     cublas = sim._cublas_module()
-    cublas.gemmEx(0, ta, tb, m, n, k, alpha.ctypes.data, A.data.ptr, 0, lda, B.data.ptr, 0, ldb, beta.ctypes.data,
+    handle = cublas.create()  # its stream: the null stream
+    cublas.gemmEx(handle, ta, tb, m, n, k, alpha.ctypes.data, A.data.ptr, 0, lda, B.data.ptr, 0, ldb, beta.ctypes.data,
                   C.data.ptr, 0, ldc, cublas.CUBLAS_COMPUTE_32F, -1)
     got = C.get()[:, :m].T
     want = 1.5 * opa.astype(np.float32).astype(np.float64) @ opb.astype(np.float32) + 0.5 * c0.astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert np.isnan(C.get()[:, m:]).all()  # the padding is not touched
     with pytest.raises(sim.CUBLASError, match="CUBLAS_STATUS_NOT_SUPPORTED"):
-        cublas.gemmEx(0, ta, tb, m, n, k, alpha.ctypes.data, A.data.ptr, 14, lda, B.data.ptr, 0, ldb,
+        cublas.gemmEx(handle, ta, tb, m, n, k, alpha.ctypes.data, A.data.ptr, 14, lda, B.data.ptr, 0, ldb,
                       beta.ctypes.data, C.data.ptr, 0, ldc, cublas.CUBLAS_COMPUTE_32F, -1)
+
+
+def test_cublas_stand_in_refuses_to_point_a_handle_at_a_capturing_stream_as_cupy_does():
+    """CuPy 14.2 raised this on an H200 when the trainer captured its step while taking CuPy's per-thread
+    handle (get_cublas_handle sets the handle's stream on every call); a handle made and pointed at the
+    stream before the capture, as gemm.py's are, runs its products into the graph."""
+    cublas = sim._cublas_module()
+    stream = sim.Stream(non_blocking=True)
+    own = cublas.create()
+    cublas.setStream(own, stream.ptr)
+    A = upload(np.array([[2.0]], np.float32))
+    C = sim.empty((1, 1), np.float32)
+    sim.Stream.null.synchronize()  # the upload, on the null stream, before the non-blocking stream reads it
+    with stream:
+        stream.begin_capture()
+        with pytest.raises(NotImplementedError) as refused:
+            sim.get_cublas_handle()
+        assert str(refused.value) == "calling cuBLAS API during stream capture is currently unsupported"
+        with pytest.raises(NotImplementedError):
+            cublas.setStream(own, stream.ptr)
+        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+        cublas.gemmEx(own, 0, 0, 1, 1, 1, one.ctypes.data, A.data.ptr, 0, 1, A.data.ptr, 0, 1, zero.ctypes.data,
+                      C.data.ptr, 0, 1, cublas.CUBLAS_COMPUTE_32F, -1)
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    assert C.get()[0, 0] == 4.0
+    cublas.destroy(own)
 
 
 def test_cublas_stand_in_rounds_a_bf16_product_before_adding_a_bf16_c():
@@ -432,7 +461,7 @@ def test_cublas_stand_in_rounds_a_bf16_product_before_adding_a_bf16_c():
     got = {}
     for name, C, ctype in (("bf16", bf16(-1.0), sim.CUDA_R_16BF), ("f32", upload(np.array([-1.0], np.float32)),
                                                                   sim.CUDA_R_32F)):
-        cublas.gemmEx(0, 0, 0, 1, 1, 1, alpha.ctypes.data, A.data.ptr, sim.CUDA_R_16BF, 1, B.data.ptr,
+        cublas.gemmEx(cublas.create(), 0, 0, 1, 1, 1, alpha.ctypes.data, A.data.ptr, sim.CUDA_R_16BF, 1, B.data.ptr,
                       sim.CUDA_R_16BF, 1, beta.ctypes.data, C.data.ptr, ctype, 1, cublas.CUBLAS_COMPUTE_32F, -1)
         host = C.get()
         got[name] = float((host.astype(np.uint32) << 16).view(np.float32)[0]) if name == "bf16" else float(host[0])
@@ -1126,7 +1155,7 @@ def test_the_stand_in_has_real_cupys_names_values_and_parameters(monkeypatch, re
 
     for name, value in vars(fake_cublas).items():
         if callable(value) and not name.startswith("_") and not isinstance(value, type):
-            signature = re.search(rb"\b" + name.encode() + rb"\(intptr_t handle[^)]*\)", binding)
+            signature = re.search(rb"\b" + name.encode() + rb"\((intptr_t handle[^)]*)?\)", binding)  # create()
             assert signature, name
             assert _parameters(value) == _parameter_names(signature.group(0).decode()), name
 

@@ -197,8 +197,8 @@ class FakeCublasLt:
                     _memory(bias_ptr, _ELEMENT[d_type], m)[...] = _bf16_bits(sums) if d_type == CUDA_R_16BF else sums
                 return result
 
-            _gemm_operation("cublasLtMatmul", transa, transb, m, n, k, A, la["type"], la["ld"], B, lb["type"],
-                            lb["ld"], D, ld["type"], ld["ld"])
+            _gemm_operation(stream_now, "cublasLtMatmul", transa, transb, m, n, k, A, la["type"], la["ld"], B,
+                            lb["type"], lb["ld"], D, ld["type"], ld["ld"])
             raw_operation(stream_now, "cublasLtMatmul (workspace)",
                           [(workspace, workspace + workspaceSizeInBytes, True)])
             _gemm(transa, transb, m, n, k, alpha_value, A, la["type"], la["ld"], B, lb["type"], lb["ld"], beta_value,

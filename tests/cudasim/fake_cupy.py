@@ -14,12 +14,15 @@ sys.modules (tests/conftest.py does so when XTRAIN_CUDASIM=1). Then:
   0xFF bytes (NaN as float32), as the GPU tests' poisoned allocator does, so an output element a
   kernel forgets to write is seen; so are the 64 guard bytes on each side, so a read just outside
   the array gives NaN. Ufuncs that mix one with a host numpy array fail, as in CuPy.
-- cuBLAS. gemmEx and gemmStridedBatchedEx read their operands from memory with the column-major
-  conventions of the real library (op, leading dimensions, strides), check that the type combination
-  is one cuBLAS supports, and compute in float32 (numpy's BLAS), rounding once to the output type (bf16
-  outputs to nearest even); TF32 compute rounds float32 operands to TF32 first. A bf16 output with
-  beta != 0 is rounded twice, the product to bf16 before C is added, as cuBLAS 13 did on an H100
-  (kernels/matmul.cu).
+- cuBLAS. A handle has a stream (create, setStream, destroy), and its products run on that stream.
+  Setting a handle's stream while that stream captures is refused with CuPy's NotImplementedError, as
+  CuPy's binding does (so CuPy's per-thread handle, `cupy.cuda.device.get_cublas_handle()`, which points
+  itself at the current stream on every call, cannot be taken in a capture). gemmEx and
+  gemmStridedBatchedEx read their operands from memory with the column-major conventions of the real
+  library (op, leading dimensions, strides), check that the type combination is one cuBLAS supports, and
+  compute in float32 (numpy's BLAS), rounding once to the output type (bf16 outputs to nearest even);
+  TF32 compute rounds float32 operands to TF32 first. A bf16 output with beta != 0 is rounded twice, the
+  product to bf16 before C is added, as cuBLAS 13 did on an H100 (kernels/matmul.cu).
 - Streams and events. Every operation runs to completion when it is queued (event times are host
   times), so streams never overlap here; but every operation tells streams.py which bytes it reads
   and writes on which stream, and an access that no stream order, event or host synchronisation
@@ -679,11 +682,22 @@ def get_elapsed_time(start: Event, end: Event) -> float:
 
 _handles = threading.local()
 _handle_ids = itertools.count(1)
+_handle_streams: dict[int, int] = {}  # handle -> the stream pointer its products run on (0: the null stream)
+CUBLAS_IN_CAPTURE = "calling cuBLAS API during stream capture is currently unsupported"  # CuPy 14.2's words
+
+
+def _set_handle_stream(handle: int, stream_ptr: int) -> None:
+    """cublas.setStream, with CuPy's check before it: no stream may be set while that stream captures."""
+    if _stream_of(stream_ptr).is_capturing():
+        raise NotImplementedError(CUBLAS_IN_CAPTURE)
+    _handle_streams[handle] = stream_ptr
 
 
 def get_cublas_handle():
+    """CuPy's handle of the calling thread, pointed at the current stream on every call."""
     if not hasattr(_handles, "handle"):
         _handles.handle = next(_handle_ids)
+    _set_handle_stream(_handles.handle, get_current_stream().ptr)
     return _handles.handle
 
 
@@ -964,16 +978,15 @@ def _extent(ptr, kind, op, rows, cols, ld, batch=1, stride=0) -> tuple[int, int,
     return ptr, ptr + ((batch - 1) * stride + ld * (stored_cols - 1) + stored_rows) * item, False
 
 
-def _gemm_operation(what, transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc,
+def _gemm_operation(stream, what, transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc,
                     batch=1, strides=(0, 0, 0)) -> None:
-    """Tell streams.py what a gemm reads and writes, on the current stream (CuPy's cuBLAS wrappers set the
-    handle's stream to it on every call)."""
+    """Tell streams.py what a gemm reads and writes, on its handle's stream."""
     if min(m, n, k, batch) <= 0:
         return
     a = _extent(A, Atype, transa, m, k, lda, batch, strides[0])
     b = _extent(B, Btype, transb, k, n, ldb, batch, strides[1])
     c = _extent(C, Ctype, 0, m, n, ldc, batch, strides[2])
-    raw_operation(get_current_stream(), what, [a, b, (c[0], c[1], True)])
+    raw_operation(stream, what, [a, b, (c[0], c[1], True)])
 
 
 def _scalar(ptr: int) -> float:
@@ -988,35 +1001,50 @@ def _cublas_module() -> types.ModuleType:
     cublas.CUBLAS_POINTER_MODE_HOST, cublas.CUBLAS_POINTER_MODE_DEVICE = 0, 1
     cublas.CUBLASError = CUBLASError
 
+    def create():
+        handle = next(_handle_ids)
+        _handle_streams[handle] = 0
+        return handle
+
+    def destroy(handle):
+        del _handle_streams[handle]
+
+    def setStream(handle, stream):
+        _set_handle_stream(handle, stream)
+
     def setPointerMode(handle, mode):
-        pass
+        _handle_streams[handle]  # a KeyError for a destroyed or unknown handle, as cuBLAS's error for one
 
     def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
                computeType, algo):
         a, b = _scalar(alpha), _scalar(beta)  # host pointer mode: read when queued
+        stream = _stream_of(_handle_streams[handle])
 
         def run():
-            _gemm_operation("cublasGemmEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc)
+            _gemm_operation(stream, "cublasGemmEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype,
+                            ldc)
             _gemm(transa, transb, m, n, k, a, A, Atype, lda, B, Btype, ldb, b, C, Ctype, ldc, computeType)
 
-        _queue(None, run)
+        _queue(stream, run)
 
     def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
                              strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
         a, b = _scalar(alpha), _scalar(beta)
         item = {CUDA_R_32F: 4, CUDA_R_16BF: 2}
+        stream = _stream_of(_handle_streams[handle])
 
         def run():
-            _gemm_operation("cublasGemmStridedBatchedEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C,
-                            Ctype, ldc, batchCount, (strideA, strideB, strideC))
+            _gemm_operation(stream, "cublasGemmStridedBatchedEx", transa, transb, m, n, k, A, Atype, lda, B, Btype,
+                            ldb, C, Ctype, ldc, batchCount, (strideA, strideB, strideC))
             for i in range(batchCount):
                 _gemm(transa, transb, m, n, k, a, A + i * strideA * item[Atype], Atype, lda,
                       B + i * strideB * item[Btype], Btype, ldb, b, C + i * strideC * item[Ctype], Ctype,
                       ldc, computeType)
 
-        _queue(None, run)
+        _queue(stream, run)
 
-    cublas.setPointerMode, cublas.gemmEx, cublas.gemmStridedBatchedEx = setPointerMode, gemmEx, gemmStridedBatchedEx
+    for function in (create, destroy, setStream, setPointerMode, gemmEx, gemmStridedBatchedEx):
+        setattr(cublas, function.__name__, function)
     return cublas
 
 

@@ -9,6 +9,8 @@ its TF32 choice, and the cuBLASLt handle and workspace they use are the rank's o
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from . import cublaslt
@@ -30,9 +32,29 @@ class CublasProducts:
         self._compute = {np.dtype(np.float32): cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32
                          else cublas.CUBLAS_COMPUTE_32F, np.dtype(np.uint16): cublas.CUBLAS_COMPUTE_32F}
         self._cuda_type = {np.dtype(np.float32): cupy.cuda.runtime.CUDA_R_32F, np.dtype(np.uint16): CUDA_R_16BF}
+        self._cublas_handles: dict[int, int] = {}  # stream pointer -> that stream's handle
+        # at exit the process's end frees them, perhaps after CUDA's own teardown has begun
+        weakref.finalize(self, _destroy_handles, cublas, self._cublas_handles).atexit = False
+        self._new_cublas_handle(cupy.cuda.get_current_stream())
         self._lt = None
         if matmul == "cublaslt":
             self._lt = cublaslt.LtMatmul(cupy)  # this device's handle and workspace, made on the rank's thread
+
+    def _new_cublas_handle(self, stream) -> None:
+        """A cuBLAS handle of this backend's own for `stream` (the rank's, or a side thread's), its stream
+        and pointer mode set once, here, before any capture. Not CuPy's per-thread handle
+        (cupy.cuda.device.get_cublas_handle): CuPy points that one at the current stream on every call, and
+        refuses to while the stream captures a CUDA graph (NotImplementedError), which the trainer's
+        replayed step does."""
+        cublas = self._cublas
+        handle = cublas.create()
+        cublas.setStream(handle, stream.ptr)
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)  # alpha and beta: host floats
+        self._cublas_handles[stream.ptr] = handle
+
+    def _cublas_handle(self) -> int:
+        """The handle of the calling thread's stream (_check_stream has checked it is one of this backend's)."""
+        return self._cublas_handles[cupy.cuda.get_current_stream().ptr]
 
     def _types(self, a, b, out) -> tuple[int, int, int]:
         """(operand type, output type, compute type) for a product of a and b into out: the operands share
@@ -52,9 +74,7 @@ class CublasProducts:
         ab_type, c_type, compute = self._types(a, b, out)
         alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
         cublas = self._cublas
-        handle = _cublas_handle()
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        cublas.gemmEx(handle, op1, op2, rows, cols, k, alpha_h.ctypes.data,
+        cublas.gemmEx(self._cublas_handle(), op1, op2, rows, cols, k, alpha_h.ctypes.data,
                       first.data.ptr, ab_type, ld1, second.data.ptr, ab_type, ld2,
                       beta_h.ctypes.data, out.data.ptr, c_type, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
@@ -102,10 +122,8 @@ class CublasProducts:
         op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
         ab_type, c_type, compute = self._types(a, b, out)
         alpha_h, beta_h = np.array(alpha, np.float32), np.array(0.0, np.float32)
-        handle = _cublas_handle()
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.gemmStridedBatchedEx(
-            handle, op_b, op_a, n, m, k, alpha_h.ctypes.data,
+            self._cublas_handle(), op_b, op_a, n, m, k, alpha_h.ctypes.data,
             b.data.ptr, ab_type, ld_b, stride_b,
             a.data.ptr, ab_type, ld_a, stride_a,
             beta_h.ctypes.data, out.data.ptr, c_type, ld_out, stride_out,
@@ -114,10 +132,11 @@ class CublasProducts:
 
 # ---------------------------------------------------------------------------- handles and operand layouts
 
-def _cublas_handle():
-    """CuPy's cuBLAS handle of the calling thread and device. Taken per call, not cached by the backend:
-    a cached handle used from a side thread would have its stream repointed under the rank's thread."""
-    return cupy.cuda.device.get_cublas_handle()
+def _destroy_handles(cublas, handles: dict) -> None:
+    """The backend's cuBLAS handles, once it is gone (each holds a workspace on the device)."""
+    for handle in handles.values():
+        cublas.destroy(handle)
+    handles.clear()
 
 
 def _gemm_plan(a, b, out, cublas):

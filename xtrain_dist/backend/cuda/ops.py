@@ -203,8 +203,8 @@ class CudaBackend(CublasProducts):
                                 f"got {a.dtype}")
 
     def _launch(self, kernel, grid, block, *args) -> None:
-        """Queue a kernel on the calling thread's stream: the rank's, or a side thread's own (CuPy's
-        cuBLAS wrappers likewise set the handle's stream to the current one on every call)."""
+        """Queue a kernel on the calling thread's stream: the rank's, or a side thread's own (the products
+        likewise take the cuBLAS handle of that stream: gemm.py)."""
         self._check_stream()
         if 0 in tuple(grid):  # an empty tensor: nothing to do, and CUDA refuses a grid of size 0
             return
@@ -225,6 +225,7 @@ class CudaBackend(CublasProducts):
         stream.use()
         self._side_streams.add(stream.ptr)
         self._keep_alive.append(stream)
+        self._new_cublas_handle(stream)  # products on the side thread (PowerSGD's) run on its stream
         return stream
 
     def fence(self):
