@@ -170,7 +170,7 @@ def test_a_missing_library_is_one_line_naming_the_wheel(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_pathfinder)
     monkeypatch.setattr(ctypes, "CDLL", no_library)
     with pytest.raises(XtrainError) as error:
-        cublaslt._find_library()
+        cublaslt.find_library()
     assert str(error.value).startswith("--matmul cublaslt: cannot load libcublasLt (cuda.pathfinder: No module "
                                        "named 'cuda'; libcublasLt.so.13: cannot open shared object file")
     assert str(error.value).endswith("): pip install nvidia-cublas, the wheel CuPy's cuBLAS comes from")
@@ -243,9 +243,10 @@ def header_prototypes(text: str) -> dict[str, list[tuple[str, str]]]:
     return functions
 
 
-_HANDLES = ("cublasLtHandle_t", "cublasLtMatmulDesc_t", "cublasLtMatrixLayout_t", "cublasLtMatmulPreference_t",
-            "cudaStream_t")
-_SCALARS = {"size_t": ctypes.c_size_t, "uint64_t": ctypes.c_uint64, "int64_t": ctypes.c_int64, "int": ctypes.c_int}
+_HANDLES = ("cublasHandle_t", "cublasLtHandle_t", "cublasLtMatmulDesc_t", "cublasLtMatrixLayout_t",
+            "cublasLtMatmulPreference_t", "cudaStream_t")
+_SCALARS = {"size_t": ctypes.c_size_t, "uint64_t": ctypes.c_uint64, "int64_t": ctypes.c_int64, "int": ctypes.c_int,
+            "long long int": ctypes.c_longlong}
 
 
 def _ctype_fits(c_type: str, argtype) -> bool:
@@ -318,4 +319,37 @@ def test_the_binding_and_the_stand_in_take_each_functions_arguments_in_the_heade
             assert function == "cublasLtMatmulDescGetAttribute"  # only the tests read attributes back
             continue
         names = [p for p in inspect.signature(method).parameters if p != "self"]
+        assert names == [name for _, name in params], function
+
+
+# ---------------------------------------------------------------------------- cublas.py against cublas_api.h
+
+def _cublas_header() -> str:
+    return (Path(HEADER_DIRS[0]) / "cublas_api.h").read_text()
+
+
+@needs_header_file
+def test_the_cublas_binding_is_cublas_api_h():
+    """cuda/cublas.py binds cuBLAS itself, since CuPy's wrappers cannot be called while a stream captures a
+    graph: its enum values are cublas_api.h's, each function's ctypes argument types fit the header's
+    prototype position by position, and fake_cublas's method of that name takes the header's parameter
+    names in the header's order."""
+    import fake_cublas
+
+    from xtrain_dist.backend.cuda import cublas
+
+    text = _cublas_header()
+    enums = header_enums(text)
+    for name in ("CUBLAS_OP_N", "CUBLAS_OP_T", "CUBLAS_POINTER_MODE_HOST", "CUBLAS_COMPUTE_32F",
+                 "CUBLAS_COMPUTE_32F_FAST_TF32", "CUBLAS_GEMM_DEFAULT"):
+        assert enums[name] == getattr(cublas, name), name
+    assert enums["CUBLAS_POINTER_MODE_HOST"] == fake_cublas.POINTER_MODE_HOST
+    prototypes = header_prototypes(text)
+    assert [name for _, name in prototypes["cublasGemmStridedBatchedEx"]][10:12] == ["strideA", "B"]
+    for function, argtypes in cublas._SIGNATURES.items():
+        params = prototypes[function]
+        assert len(params) == len(argtypes), function
+        for (c_type, name), argtype in zip(params, argtypes, strict=True):
+            assert _ctype_fits(c_type, argtype), f"{function}: {c_type} {name} passed as {argtype}"
+        names = [p for p in inspect.signature(getattr(fake_cublas.FakeCublas, function)).parameters if p != "self"]
         assert names == [name for _, name in params], function

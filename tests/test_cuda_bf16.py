@@ -63,17 +63,17 @@ LT_CASES = [(shape, case) for shape, case in CASES
 @pytest.mark.parametrize("shape, case", LT_CASES, ids=[f"{shape}-{case.name}" for shape, case in LT_CASES])
 def test_cublaslt_epilogues_match_the_numpy_emulation(be_lt, rng, shape, case):
     """--matmul cublaslt: bf16 product + bf16 bias in the float32 accumulator, one rounding, as the
-    emulation computes it (and as the default path's float32 product + add_bias does); GELU and its
-    derivative in the epilogue, a rounding away from the emulation ("act2"); the bias gradient in the
-    weight gradient's product, float32. GELU's outputs are held to what the epilogues compute instead: the
-    emulation's ops in float32 with the one rounding after GELU (lt_emulation), within "act"."""
+    emulation computes it (and as the default path's float32 product + add_bias does); the bias gradient in
+    the weight gradient's product, float32. GELU and its derivative in the epilogue are held to what the
+    epilogues compute (lt_emulation: the emulation's ops in float32, one rounding after GELU), within "lt":
+    the kernel cuBLASLt picks for a small width may round once more (bf16_cases.py says what an H200 did)."""
     host = case.inputs(rng)
     want, got = run_case(REF, case, host), run_case(be_lt, case, host)
     kinds = dict(case.outputs)
     if "gelu" in case.name:
         epilogue = lt_emulation(case.name, upload(REF, host))
         want.update(epilogue)
-        kinds.update(dict.fromkeys(epilogue, "act"))
+        kinds.update(dict.fromkeys(list(epilogue) + (["pre"] if "pre" in kinds else []), "lt"))
     for name, kind in kinds.items():
         assert_bf16_close(got[name], want[name], kind, f"{case.name} {name} (cublaslt)")
 

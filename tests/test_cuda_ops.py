@@ -240,13 +240,17 @@ def test_the_mlp_products_with_gelu_match_their_twins(be, request, rng, matmul, 
     want_dw, want_db = dw0.copy(), db0.copy()
     want_dpre = ref.matmul_backward_gelu(want_dw, want_db, dout, want_out, w_proj, want_pre)
 
+    # cuBLASLt's GELU is an approximation of its own: on an H200 (bin/gelu_epilogue_errors, 1024 x 768 -> 3072,
+    # 2026-11-26) GELU up to 9.4e-6 off float64 and its derivative's product 2.4e-5, where gelu.cu's is float32
+    # rounding; its bounds are 3x that, still 5x below the erf form's distance from the tanh form (4.8e-4)
+    gelu_bound, dpre_slack = (3e-5, 3.0) if matmul == "cublaslt" else (2e-6, 1.0)
     pre, out = backend.matmul_gelu_forward(*(backend.from_host(a) for a in (x, w_fc, b_fc)))
     check(backend.to_host(pre), want_pre, 1e-5, "pre")
-    assert np.all(np.abs(backend.to_host(out) - want_out) <= 2e-6 * (1 + np.abs(want_pre))), "gelu"
+    assert np.all(np.abs(backend.to_host(out) - want_out) <= gelu_bound * (1 + np.abs(want_pre))), "gelu"
     dw, db = backend.from_host(dw0), backend.from_host(db0)
     dpre = backend.matmul_backward_gelu(dw, db, backend.from_host(dout), backend.from_host(want_out),
                                         backend.from_host(w_proj), backend.from_host(want_pre))
-    bound = 1e-5 * (1 + np.abs(want_pre) ** 3) * max(1.0, float(np.abs(want_dpre).max()))
+    bound = dpre_slack * 1e-5 * (1 + np.abs(want_pre) ** 3) * max(1.0, float(np.abs(want_dpre).max()))
     assert np.all(np.abs(backend.to_host(dpre) - want_dpre) <= bound), "dpre"
     check(backend.to_host(dw), want_dw, 1e-5, "dweight")
     check(backend.to_host(db), want_db, 1e-5, "dbias")

@@ -422,32 +422,43 @@ def test_cublas_stand_in_follows_column_major_conventions(ta, tb):
                       beta.ctypes.data, C.data.ptr, 0, ldc, cublas.CUBLAS_COMPUTE_32F, -1)
 
 
-def test_cublas_stand_in_refuses_to_point_a_handle_at_a_capturing_stream_as_cupy_does():
-    """CuPy 14.2 raised this on an H200 when the trainer captured its step while taking CuPy's per-thread
-    handle (get_cublas_handle sets the handle's stream on every call); a handle made and pointed at the
-    stream before the capture, as gemm.py's are, runs its products into the graph."""
-    cublas = sim._cublas_module()
+def test_cupys_cublas_refuses_a_capturing_stream_and_the_ctypes_binding_captures(monkeypatch):
+    """CuPy 14.2's cuBLAS wrappers point the handle at the current stream before every product and refused
+    to while the trainer captured its step on an H200 (NotImplementedError, these words); the stand-in does
+    the same. The backend's ctypes binding (cuda/cublas.py, on fake_cublas's stand-in library here) points
+    its handle once, before the capture, and its product goes into the graph and runs at each launch."""
+    import fake_cublas
+
+    from xtrain_dist.backend.cuda import cublas as ctypes_cublas
+
+    fake_cupy, cupy_cublas = _install_stand_in(monkeypatch)
+    monkeypatch.setattr(ctypes_cublas, "_library", fake_cublas.FakeCublas())
     stream = sim.Stream(non_blocking=True)
-    own = cublas.create()
-    cublas.setStream(own, stream.ptr)
+    cupys = cupy_cublas.create()
+    cupy_cublas.setStream(cupys, stream.ptr)
+    with stream:
+        ours = ctypes_cublas.Cublas(fake_cupy, stream.ptr)
     A = upload(np.array([[2.0]], np.float32))
     C = sim.empty((1, 1), np.float32)
     sim.Stream.null.synchronize()  # the upload, on the null stream, before the non-blocking stream reads it
+    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
     with stream:
         stream.begin_capture()
         with pytest.raises(NotImplementedError) as refused:
             sim.get_cublas_handle()
         assert str(refused.value) == "calling cuBLAS API during stream capture is currently unsupported"
-        with pytest.raises(NotImplementedError):
-            cublas.setStream(own, stream.ptr)
-        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
-        cublas.gemmEx(own, 0, 0, 1, 1, 1, one.ctypes.data, A.data.ptr, 0, 1, A.data.ptr, 0, 1, zero.ctypes.data,
-                      C.data.ptr, 0, 1, cublas.CUBLAS_COMPUTE_32F, -1)
+        with pytest.raises(NotImplementedError, match=r"^calling cuBLAS API during stream capture"):
+            cupy_cublas.gemmEx(cupys, 0, 0, 1, 1, 1, one.ctypes.data, A.data.ptr, 0, 1, A.data.ptr, 0, 1,
+                               zero.ctypes.data, C.data.ptr, 0, 1, cupy_cublas.CUBLAS_COMPUTE_32F, -1)
+        ours.gemm(0, 0, 1, 1, 1, 3.0, A.data.ptr, 0, 1, A.data.ptr, 0, 1, 0.0, C.data.ptr, 0, 1,
+                  ctypes_cublas.CUBLAS_COMPUTE_32F)
         graph = stream.end_capture()
+    assert np.isnan(C.get()[0, 0])  # captured, not run
     graph.launch(stream)
     stream.synchronize()
-    assert C.get()[0, 0] == 4.0
-    cublas.destroy(own)
+    assert C.get()[0, 0] == 12.0
+    ours.destroy()
+    cupy_cublas.destroy(cupys)
 
 
 def test_cublas_stand_in_rounds_a_bf16_product_before_adding_a_bf16_c():
@@ -1195,3 +1206,23 @@ def test_the_stand_in_cublas_constants_are_cupys(monkeypatch, real_cupy):
     assert constants
     for name, value in constants.items():
         assert getattr(real_cublas, name) == value, name
+
+
+def test_gelu_epilogue_errors_tells_the_simulators_one_rounding_from_two(tmp_path):
+    """bin/gelu_epilogue_errors, which measured cuBLASLt's GELU epilogues on an H200, on the simulator, whose
+    stand-in rounds once after the epilogue: each output equals its one-rounding candidate and differs from the
+    candidates that round twice or apply the erf form, so the table can tell the orders apart."""
+    env = dict(os.environ, XTRAIN_CUDASIM="1", PYTHONPATH=str(ROOT / "tests" / "cudasim" / "site"),
+               PYTHONDONTWRITEBYTECODE="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    result = subprocess.run([sys.executable, "bin/gelu_epilogue_errors", "--rows", "16", "--json",
+                             str(tmp_path / "gelu.json")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    equal = {(row["dtype"], row["output"], row["candidate"]): row["equal"]
+             for row in json.loads((tmp_path / "gelu.json").read_text())}
+    for output, once in (("pre", "rnd(p + b)"), ("out", "rnd(gelu_tanh(p + b))"), ("dpre", "rnd(g * dgelu_tanh(pre))")):
+        assert equal["bf16", output, once] > 0.99, output
+        others = [value for (dtype, name, _), value in equal.items() if dtype == "bf16" and name == output]
+        assert sorted(others)[-2] < 0.95, (output, others)  # every other candidate is told apart
+    assert "| bf16 | dpre | rnd(rnd(g) * dgelu_tanh(pre)) |" in result.stdout

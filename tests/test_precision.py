@@ -117,6 +117,27 @@ def test_the_gpu_tolerance_rejects_a_wrong_rounding():
     assert bf16_mismatch(got["att"], want["att"], "act") is not None
 
 
+def test_the_cublaslt_gelu_tolerance_admits_a_second_rounding_and_rejects_truncation():
+    """"lt" (cuBLASLt's GELU epilogues) admits what an H200's kernels for small widths did, the product rounded
+    to bf16 before the bias, or before GELU's derivative (which "act" refuses), and refuses the same two steps
+    truncated instead of rounded to nearest (norm-wise: 6e-3 against its 4e-3). Which GELU the epilogue
+    applies is below bf16's resolution; test_cuda_ops checks it in float32."""
+    rng = np.random.default_rng(4)
+    bf16 = lambda a: from_bf16_bits(bf16_bits(np.asarray(a, np.float32))).astype(np.float64)  # noqa: E731
+    truncated = lambda a: (np.asarray(a, np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)  # noqa: E731
+    x, w, b = bf16(rng.standard_normal((64, 128))), bf16(rng.standard_normal((128, 512)) * 0.3), bf16(
+        rng.standard_normal(512) * 0.5)
+    product = x @ w
+    pre = bf16(product + b)
+    assert bf16_mismatch(bf16(bf16(product) + b), pre, "lt") is None
+    assert bf16_mismatch(bf16(bf16(product) + b), pre, "act") is not None  # 2 ulps, as on the H200
+    assert "norm-wise" in bf16_mismatch(truncated(truncated(product) + b), pre, "lt")
+    g = rng.standard_normal(pre.shape)
+    derivative = 0.5 * (1 + np.tanh(np.sqrt(2 / np.pi) * pre)) + 0.1 * pre  # a smooth factor: the rounding matters
+    assert bf16_mismatch(bf16(bf16(g) * derivative), bf16(g * derivative), "lt") is None
+    assert "norm-wise" in bf16_mismatch(truncated(truncated(g) * derivative), bf16(g * derivative), "lt")
+
+
 def test_flash_attention_rounds_where_its_kernel_stores_bf16():
     """Flash attention is not in CASES (its kernel needs 64-channel heads), so its bf16 emulation, the oracle
     of kernels/flash_attention_mma.cu (and of the WMMA flash_attention.cu), is checked here. Forward rounds

@@ -13,7 +13,8 @@
 #      CLI trains with a falling loss (tests/test_kernels_compile.py, test_cuda_ops.py, test_cuda_bf16.py)
 #   3. the shipped corpus on the GPU: mini, 200 steps, cuda fp32 and bf16 at 1 and 2 virtual ranks, beside
 #      numpy fp32 and bf16
-#   4. the tf32 error table, then compute-sanitizer memcheck over the op tests (SANITIZERS, default
+#   4. the tf32 error table and cuBLASLt's GELU epilogues against candidate roundings (bin/gelu_epilogue_errors),
+#      then compute-sanitizer memcheck over the op tests (SANITIZERS, default
 #      memcheck; racecheck takes longer than this budget), each with what is left of the budget
 #   5. $OUT/cuda_results.md: device, commands, test summary, error tables, loss curves side by side
 #
@@ -101,6 +102,9 @@ for pid in "${errors_pids[@]}"; do wait "$pid" || errors_rc=$?; done
 tail -n 1 "$OUT"/kernel_errors_*.log
 step "kernel_errors tf32" 60 $PY bin/kernel_errors --tf32 $KERNEL_ERRORS_ARGS --json "$OUT/kernel_errors_tf32.json" \
   --markdown "$OUT/kernel_errors_tf32.md" || errors_rc=$?
+# what cuBLASLt's GELU epilogues round, against the candidates (the bf16 tests' "lt" bound rests on it)
+step "gelu_epilogue_errors" 40 $PY bin/gelu_epilogue_errors ${GELU_ROWS:+--rows $GELU_ROWS} \
+  --json "$OUT/gelu_epilogue_errors.json" > "$OUT/gelu_epilogue_errors.md" 2>&1 || errors_rc=$?
 
 sanitizer_rc=0
 for tool in ${SANITIZERS:-memcheck}; do  # racecheck: gpu_session/bench.sh, with what its budget leaves

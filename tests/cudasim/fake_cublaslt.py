@@ -222,13 +222,15 @@ def _gelu_derivative(x: np.ndarray) -> np.ndarray:
     return (th + 1) * np.float32(0.5) + slope
 
 
-class _SetLibraryOnImport(importlib.abc.MetaPathFinder):
-    """Loads xtrain_dist.backend.cuda.cublaslt as usual, then sets its library to the fake."""
+class SetLibraryOnImport(importlib.abc.MetaPathFinder):
+    """Loads module `name` (xtrain_dist.backend.cuda.cublaslt, or .cublas) as usual, then sets its library to
+    `make()`, a stand-in."""
 
-    NAME = "xtrain_dist.backend.cuda.cublaslt"
+    def __init__(self, name: str, make):
+        self.name, self.make = name, make
 
     def find_spec(self, name, path, target=None):
-        if name != self.NAME:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         try:
@@ -239,14 +241,19 @@ class _SetLibraryOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            module._library = FakeCublasLt()
+            module._library = self.make()
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+def install_library(name: str, make) -> None:
+    """Make module `name` find `make()` as its loaded library, now if it is imported, else when it is."""
+    if name in sys.modules:
+        sys.modules[name]._library = make()
+    elif not any(isinstance(f, SetLibraryOnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, SetLibraryOnImport(name, make))
+
+
 def install() -> None:
-    if _SetLibraryOnImport.NAME in sys.modules:
-        sys.modules[_SetLibraryOnImport.NAME]._library = FakeCublasLt()
-    elif not any(isinstance(f, _SetLibraryOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _SetLibraryOnImport())
+    install_library("xtrain_dist.backend.cuda.cublaslt", FakeCublasLt)

@@ -14,11 +14,11 @@ sys.modules (tests/conftest.py does so when XTRAIN_CUDASIM=1). Then:
   0xFF bytes (NaN as float32), as the GPU tests' poisoned allocator does, so an output element a
   kernel forgets to write is seen; so are the 64 guard bytes on each side, so a read just outside
   the array gives NaN. Ufuncs that mix one with a host numpy array fail, as in CuPy.
-- cuBLAS. A handle has a stream (create, setStream, destroy), and its products run on that stream.
-  Setting a handle's stream while that stream captures is refused with CuPy's NotImplementedError, as
-  CuPy's binding does (so CuPy's per-thread handle, `cupy.cuda.device.get_cublas_handle()`, which points
-  itself at the current stream on every call, cannot be taken in a capture). gemmEx and
-  gemmStridedBatchedEx read their operands from memory with the column-major conventions of the real
+- cuBLAS. CuPy's binding (`cupy_backends.cuda.libs.cublas`) points the handle at the current stream
+  before each product and on `cupy.cuda.device.get_cublas_handle()`, and refuses to while that stream
+  captures (NotImplementedError, CuPy 14.2's words), so a product through CuPy cannot go into a graph,
+  as on a GPU; the backend's own ctypes binding (fake_cublas.py stands in for its library) can. gemmEx
+  and gemmStridedBatchedEx read their operands from memory with the column-major conventions of the real
   library (op, leading dimensions, strides), check that the type combination is one cuBLAS supports, and
   compute in float32 (numpy's BLAS), rounding once to the output type (bf16 outputs to nearest even);
   TF32 compute rounds float32 operands to TF32 first. A bf16 output with beta != 0 is rounded twice, the
@@ -993,7 +993,43 @@ def _scalar(ptr: int) -> float:
     return float(_memory(ptr, np.float32, 1)[0])
 
 
+def _workspace_write(stream, what: str, workspace) -> None:
+    if workspace is not None:  # (start, size): a handle's own, written by each of its products
+        raw_operation(stream, f"{what} (workspace)", [(workspace[0], workspace[0] + workspace[1], True)])
+
+
+def gemm_ex(stream, transa, transb, m, n, k, alpha: float, A, Atype, lda, B, Btype, ldb, beta: float, C, Ctype, ldc,
+            computeType, workspace=None) -> None:
+    """cublasGemmEx queued on `stream` (alpha and beta: host pointer mode, read when queued)."""
+    def run():
+        _workspace_write(stream, "cublasGemmEx", workspace)
+        _gemm_operation(stream, "cublasGemmEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc)
+        _gemm(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, computeType)
+
+    _queue(stream, run)
+
+
+def gemm_strided_batched_ex(stream, transa, transb, m, n, k, alpha: float, A, Atype, lda, strideA, B, Btype, ldb,
+                            strideB, beta: float, C, Ctype, ldc, strideC, batchCount, computeType,
+                            workspace=None) -> None:
+    """cublasGemmStridedBatchedEx queued on `stream`."""
+    item = {CUDA_R_32F: 4, CUDA_R_16BF: 2}
+
+    def run():
+        _workspace_write(stream, "cublasGemmStridedBatchedEx", workspace)
+        _gemm_operation(stream, "cublasGemmStridedBatchedEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb,
+                        C, Ctype, ldc, batchCount, (strideA, strideB, strideC))
+        for i in range(batchCount):
+            _gemm(transa, transb, m, n, k, alpha, A + i * strideA * item[Atype], Atype, lda,
+                  B + i * strideB * item[Btype], Btype, ldb, beta, C + i * strideC * item[Ctype], Ctype, ldc,
+                  computeType)
+
+    _queue(stream, run)
+
+
 def _cublas_module() -> types.ModuleType:
+    """CuPy's binding of cuBLAS: each product wrapper first points the handle at the current stream (CuPy's
+    _setStream), which is refused while that stream captures."""
     cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
     cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T = 0, 1
     cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
@@ -1017,31 +1053,16 @@ def _cublas_module() -> types.ModuleType:
 
     def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
                computeType, algo):
-        a, b = _scalar(alpha), _scalar(beta)  # host pointer mode: read when queued
-        stream = _stream_of(_handle_streams[handle])
-
-        def run():
-            _gemm_operation(stream, "cublasGemmEx", transa, transb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype,
-                            ldc)
-            _gemm(transa, transb, m, n, k, a, A, Atype, lda, B, Btype, ldb, b, C, Ctype, ldc, computeType)
-
-        _queue(stream, run)
+        _set_handle_stream(handle, get_current_stream().ptr)
+        gemm_ex(get_current_stream(), transa, transb, m, n, k, _scalar(alpha), A, Atype, lda, B, Btype, ldb,
+                _scalar(beta), C, Ctype, ldc, computeType)
 
     def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
                              strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
-        a, b = _scalar(alpha), _scalar(beta)
-        item = {CUDA_R_32F: 4, CUDA_R_16BF: 2}
-        stream = _stream_of(_handle_streams[handle])
-
-        def run():
-            _gemm_operation(stream, "cublasGemmStridedBatchedEx", transa, transb, m, n, k, A, Atype, lda, B, Btype,
-                            ldb, C, Ctype, ldc, batchCount, (strideA, strideB, strideC))
-            for i in range(batchCount):
-                _gemm(transa, transb, m, n, k, a, A + i * strideA * item[Atype], Atype, lda,
-                      B + i * strideB * item[Btype], Btype, ldb, b, C + i * strideC * item[Ctype], Ctype,
-                      ldc, computeType)
-
-        _queue(stream, run)
+        _set_handle_stream(handle, get_current_stream().ptr)
+        gemm_strided_batched_ex(get_current_stream(), transa, transb, m, n, k, _scalar(alpha), A, Atype, lda,
+                                strideA, B, Btype, ldb, strideB, _scalar(beta), C, Ctype, ldc, strideC, batchCount,
+                                computeType)
 
     for function in (create, destroy, setStream, setPointerMode, gemmEx, gemmStridedBatchedEx):
         setattr(cublas, function.__name__, function)
@@ -1113,8 +1134,10 @@ def install() -> types.ModuleType:
     libs.cublas = _cublas_module()
     # here, not at the top: fake_cublaslt imports this module's memory and gemm; its install() hooks the
     # import of xtrain_dist's cublaslt, which then finds the stand-in as its loaded library
+    import fake_cublas
     import fake_cublaslt
     fake_cublaslt.install()
+    fake_cublas.install()
     backends.cuda, backends_cuda.libs = backends_cuda, libs
     sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": backends,
                         "cupy_backends.cuda": backends_cuda, "cupy_backends.cuda.libs": libs,

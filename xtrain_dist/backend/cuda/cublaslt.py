@@ -129,7 +129,7 @@ def load_library(path: str | None = None):
     with _library_lock:
         if _library is not None and path is None:
             return _library
-        library = ctypes.CDLL(path) if path else _find_library()
+        library = ctypes.CDLL(path) if path else find_library()
         for name, argtypes in _SIGNATURES.items():
             function = getattr(library, name)
             function.argtypes = argtypes
@@ -146,19 +146,21 @@ def describe_library() -> str:
     return f"{library._name}, version {library.cublasLtGetVersion()}"
 
 
-def _find_library():
+def find_library(name: str = "cublasLt", option: str = "--matmul cublaslt"):
+    """lib<name> (cublasLt, or cublas for cublas.py) as a ctypes library: where cuda.pathfinder finds NVIDIA's
+    wheel, else by soname; XtrainError naming `option` and everything tried where neither loads."""
     tried = []
     try:
         from cuda import pathfinder
-        return ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("cublasLt").abs_path)
+        return ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib(name).abs_path)
     except Exception as e:  # not installed, or no wheel: try the loader's search path
         tried.append(f"cuda.pathfinder: {e}")
-    for soname in ("libcublasLt.so.13", "libcublasLt.so"):
+    for soname in (f"lib{name}.so.13", f"lib{name}.so"):
         try:
             return ctypes.CDLL(soname)
         except OSError as e:
             tried.append(str(e))
-    raise XtrainError("--matmul cublaslt: cannot load libcublasLt (" + "; ".join(tried) +
+    raise XtrainError(f"{option}: cannot load lib{name} (" + "; ".join(tried) +
                       "): pip install nvidia-cublas, the wheel CuPy's cuBLAS comes from")
 
 

@@ -1,6 +1,6 @@
-"""Matrix products through cuBLAS (cublasGemmEx, cublasGemmStridedBatchedEx) and cuBLASLt (a product
-with its bias, cublaslt.py): the calls, the type tags of their operands, the per-thread cuBLAS handle,
-and the plans that hand row-major arrays and their transposed views to a column-major library.
+"""Matrix products through cuBLAS (cublasGemmEx, cublasGemmStridedBatchedEx: cublas.py) and cuBLASLt (a
+product with its epilogue, cublaslt.py): the calls, the type tags of their operands, a cuBLAS handle per
+stream, and the plans that hand row-major arrays and their transposed views to a column-major library.
 
 The products are methods of CudaBackend (CublasProducts is a mixin of it): they run on the rank's
 stream and are checked against it like its kernels, take their types from the backend's precision and
@@ -13,7 +13,7 @@ import weakref
 
 import numpy as np
 
-from . import cublaslt
+from . import cublas, cublaslt
 from .device import cupy
 
 CUDA_R_16BF = 14  # cudaDataType_t, library_types.h (CUDA_R_32F is 0)
@@ -25,36 +25,26 @@ class CublasProducts:
     rank's device and stream current."""
 
     def _init_products(self, allow_tf32: bool, matmul: str) -> None:
-        from cupy_backends.cuda.libs import cublas  # loads libcublas: only once a device is known
-
-        self._cublas = cublas
         # float32 operands: TF32 tensor cores if asked; bf16 operands: always float32 accumulation
         self._compute = {np.dtype(np.float32): cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32
                          else cublas.CUBLAS_COMPUTE_32F, np.dtype(np.uint16): cublas.CUBLAS_COMPUTE_32F}
         self._cuda_type = {np.dtype(np.float32): cupy.cuda.runtime.CUDA_R_32F, np.dtype(np.uint16): CUDA_R_16BF}
-        self._cublas_handles: dict[int, int] = {}  # stream pointer -> that stream's handle
+        self._cublas: dict[int, cublas.Cublas] = {}  # stream pointer -> that stream's handle (cublas.py)
         # at exit the process's end frees them, perhaps after CUDA's own teardown has begun
-        weakref.finalize(self, _destroy_handles, cublas, self._cublas_handles).atexit = False
+        weakref.finalize(self, _destroy_handles, self._cublas).atexit = False
         self._new_cublas_handle(cupy.cuda.get_current_stream())
         self._lt = None
         if matmul == "cublaslt":
             self._lt = cublaslt.LtMatmul(cupy)  # this device's handle and workspace, made on the rank's thread
 
     def _new_cublas_handle(self, stream) -> None:
-        """A cuBLAS handle of this backend's own for `stream` (the rank's, or a side thread's), its stream
-        and pointer mode set once, here, before any capture. Not CuPy's per-thread handle
-        (cupy.cuda.device.get_cublas_handle): CuPy points that one at the current stream on every call, and
-        refuses to while the stream captures a CUDA graph (NotImplementedError), which the trainer's
-        replayed step does."""
-        cublas = self._cublas
-        handle = cublas.create()
-        cublas.setStream(handle, stream.ptr)
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)  # alpha and beta: host floats
-        self._cublas_handles[stream.ptr] = handle
+        """A cuBLAS handle for `stream` (the rank's, or a side thread's), pointed at it once, here, before
+        any capture (cublas.py says why not CuPy's)."""
+        self._cublas[stream.ptr] = cublas.Cublas(cupy, stream.ptr)
 
-    def _cublas_handle(self) -> int:
+    def _handle(self) -> cublas.Cublas:
         """The handle of the calling thread's stream (_check_stream has checked it is one of this backend's)."""
-        return self._cublas_handles[cupy.cuda.get_current_stream().ptr]
+        return self._cublas[cupy.cuda.get_current_stream().ptr]
 
     def _types(self, a, b, out) -> tuple[int, int, int]:
         """(operand type, output type, compute type) for a product of a and b into out: the operands share
@@ -70,13 +60,10 @@ class CublasProducts:
         if beta != 0.0 and out.dtype != np.float32:  # see matmul.cu
             raise TypeError(f"cuda_ops gemm: beta = {beta} into a bf16 output would round twice: cuBLAS rounds "
                             "the product to bf16 before it adds C")
-        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
+        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out)
         ab_type, c_type, compute = self._types(a, b, out)
-        alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
-        cublas = self._cublas
-        cublas.gemmEx(self._cublas_handle(), op1, op2, rows, cols, k, alpha_h.ctypes.data,
-                      first.data.ptr, ab_type, ld1, second.data.ptr, ab_type, ld2,
-                      beta_h.ctypes.data, out.data.ptr, c_type, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
+        self._handle().gemm(op1, op2, rows, cols, k, alpha, first.data.ptr, ab_type, ld1, second.data.ptr, ab_type,
+                            ld2, beta, out.data.ptr, c_type, ldc, compute)
 
     def _gemm_bias(self, a, b, bias, out) -> None:
         """out = a @ b + bias (bias broadcast over rows), rounded once to out's type: cuBLASLt's bias
@@ -89,7 +76,7 @@ class CublasProducts:
         columns: a bias, or the bias gradient written into `bias`, has out.shape[1] elements; the GELU aux
         matrix is row-major like out and of its shape and type (GELU_AUX_BIAS writes it, DGELU reads it)."""
         self._check_stream()
-        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out, self._cublas)
+        first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out)
         if _matrix_layout(out, "output")[0] != "C":
             raise ValueError(f"cuda_ops gemm: an epilogue needs a row-major output, got strides {out.strides}")
         bias_ptr, bias_type, aux_ptr, ld_aux = 0, -1, 0, 0
@@ -117,29 +104,24 @@ class CublasProducts:
         batch, m, n = out.shape
         k = a.shape[1] if trans_a else a.shape[2]
         (ld_a, stride_a), (ld_b, stride_b), (ld_out, stride_out) = (_batched_layout(x) for x in (a, b, out))
-        cublas = self._cublas
         op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
         op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
         ab_type, c_type, compute = self._types(a, b, out)
-        alpha_h, beta_h = np.array(alpha, np.float32), np.array(0.0, np.float32)
-        cublas.gemmStridedBatchedEx(
-            self._cublas_handle(), op_b, op_a, n, m, k, alpha_h.ctypes.data,
-            b.data.ptr, ab_type, ld_b, stride_b,
-            a.data.ptr, ab_type, ld_a, stride_a,
-            beta_h.ctypes.data, out.data.ptr, c_type, ld_out, stride_out,
-            batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
+        self._handle().gemm_strided_batched(op_b, op_a, n, m, k, alpha, b.data.ptr, ab_type, ld_b, stride_b,
+                                            a.data.ptr, ab_type, ld_a, stride_a, 0.0, out.data.ptr, c_type, ld_out,
+                                            stride_out, batch, compute)
 
 
 # ---------------------------------------------------------------------------- handles and operand layouts
 
-def _destroy_handles(cublas, handles: dict) -> None:
-    """The backend's cuBLAS handles, once it is gone (each holds a workspace on the device)."""
+def _destroy_handles(handles: dict) -> None:
+    """The backend's cuBLAS handles, once it is gone."""
     for handle in handles.values():
-        cublas.destroy(handle)
+        handle.destroy()
     handles.clear()
 
 
-def _gemm_plan(a, b, out, cublas):
+def _gemm_plan(a, b, out):
     """The cublasGemmEx arguments for out = a @ b: (first, second, op1, op2, rows, cols, k, ld1, ld2, ldc).
 
     cuBLAS is column-major. A row-major X (rows ld elements apart: C-contiguous, ld = X.shape[1], or
@@ -163,8 +145,8 @@ def _gemm_plan(a, b, out, cublas):
         first, second, rows, cols, transposed = b, a, n, m, True
     else:
         first, second, rows, cols, transposed = a, b, m, n, False
-    op1, ld1 = _cublas_operand(first, transposed, cublas)
-    op2, ld2 = _cublas_operand(second, transposed, cublas)
+    op1, ld1 = _cublas_operand(first, transposed)
+    op2, ld2 = _cublas_operand(second, transposed)
     return first, second, op1, op2, rows, cols, k, ld1, ld2, ldc
 
 
@@ -182,7 +164,7 @@ def _matrix_layout(x, what: str = "operand") -> tuple[str, int]:
     raise ValueError(f"cuda_ops gemm: {what} strides {x.strides} are neither C nor F order")
 
 
-def _cublas_operand(x, transposed: bool, cublas) -> tuple[int, int]:
+def _cublas_operand(x, transposed: bool) -> tuple[int, int]:
     """(op, ld) that make cuBLAS read x (transposed=False) or x^T (transposed=True) from x's memory."""
     order, ld = _matrix_layout(x)
     if order == "C":  # memory holds x^T column-major
