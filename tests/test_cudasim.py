@@ -1091,8 +1091,9 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
 
 
 def test_the_bench_half_goes_on_from_the_run_it_is_told(tmp_path):
-    """A second device call goes on where the first one's budget stopped (BENCH_GPU_FROM=2): the runs before
-    it are not run, and the one it starts at keeps its number, so the two calls' folders sit side by side."""
+    """A second run of the bench half goes on where the first one's budget stopped (BENCH_GPU_FROM=2): the
+    runs before it are not run, nor bench_attention and bench_gemm, which came before run 1, and the one it
+    starts at keeps its number, so the two runs' folders sit side by side."""
     env = dict(os.environ, XTRAIN_CUDASIM="1", PYTHONPATH=str(ROOT / "tests" / "cudasim" / "site"),
                PYTHONDONTWRITEBYTECODE="1", PY=sys.executable, OUT=str(tmp_path), BUDGET="120", BENCH_GPU_FROM="2",
                BENCH_GPU_RUNS="60 --presets tiny --shapes 1x16 --bogus;60 --presets tiny --shapes 1x16 --precisions "
@@ -1104,6 +1105,8 @@ def test_the_bench_half_goes_on_from_the_run_it_is_told(tmp_path):
                    timeout=300)
     summary = (tmp_path / "bench_results.md").read_text()
     assert "run 1:" not in summary and not (tmp_path / "run1").exists(), summary
+    assert not list(tmp_path.glob("bench_attention-*")) and not list(tmp_path.glob("bench_gemm-*"))  # ran first
+    assert "- bench_attention and bench_gemm: not run (BENCH_GPU_FROM=2: the first run ran them)" in summary
     assert "- run 2: `bin/bench_gpu --presets tiny --shapes 1x16 --precisions fp32" in summary, summary
     assert "| tiny | 1 x 16 | fp32 | ours | 256 |" in summary, summary
 

@@ -58,21 +58,27 @@ require_gpu
 ensure_crt_headers
 cat "$OUT/crt.txt"
 
-echo "## bench_attention"
-step bench_attention 120 $PY bin/bench_attention $BENCH_ATTENTION_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench_attention.txt"
-attention_rc=${PIPESTATUS[0]}
+# a second run that goes on from bench_gpu run N > 1 (BENCH_GPU_FROM) skips what came before run 1 as well
+before_runs=$([ "$BENCH_GPU_FROM" -gt 1 ] && echo skip || echo run)
+attention_rc=0
+gemm_rc=0
+if [ "$before_runs" = run ]; then
+  echo "## bench_attention"
+  step bench_attention 120 $PY bin/bench_attention $BENCH_ATTENTION_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench_attention.txt"
+  attention_rc=${PIPESTATUS[0]}
 
-echo "## bench_gemm"
-nvmath_site=""
-nvmath_wheel=$(ls .whl/nvmath/nvmath_python-*.whl 2>/dev/null | tail -n 1)
-if [ -n "$nvmath_wheel" ] && ! $PY -c "import nvmath.bindings.cublasLt" 2>/dev/null; then
-  nvmath_site=$(mktemp -d)  # outside $OUT: the results do not carry a library
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$nvmath_site" "$nvmath_wheel" \
-    > "$OUT/nvmath.txt" 2>&1 || nvmath_site=""
+  echo "## bench_gemm"
+  nvmath_site=""
+  nvmath_wheel=$(ls .whl/nvmath/nvmath_python-*.whl 2>/dev/null | tail -n 1)
+  if [ -n "$nvmath_wheel" ] && ! $PY -c "import nvmath.bindings.cublasLt" 2>/dev/null; then
+    nvmath_site=$(mktemp -d)  # outside $OUT: the results do not carry a library
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$nvmath_site" "$nvmath_wheel" \
+      > "$OUT/nvmath.txt" 2>&1 || nvmath_site=""
 fi
 step bench_gemm 75 env PYTHONPATH="${nvmath_site:+$nvmath_site:}${PYTHONPATH:-}" $PY bin/bench_gemm $BENCH_GEMM_ARGS \
   --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.txt"
 gemm_rc=${PIPESTATUS[0]}
+fi
 
 IFS=';' read -ra runs <<< "$BENCH_GPU_RUNS"
 gpu_rc=0
@@ -109,8 +115,12 @@ best=$($PY bin/gpu_session/bench_summary "$OUT" 2>&1)
   echo "$best"
   echo
   printf '%s\n' "${report[@]}"
-  echo "- \`bin/bench_gemm $BENCH_GEMM_ARGS\`: exit $gemm_rc ($(cd "$OUT" && ls bench_gemm-*.md 2>/dev/null | tr '\n' ' '))"
-  echo "- \`bin/bench_attention $BENCH_ATTENTION_ARGS\`: exit $attention_rc ($(cd "$OUT" && ls bench_attention-*.md 2>/dev/null | tr '\n' ' '))"
+  if [ "$before_runs" = run ]; then
+    echo "- \`bin/bench_gemm $BENCH_GEMM_ARGS\`: exit $gemm_rc ($(cd "$OUT" && ls bench_gemm-*.md 2>/dev/null | tr '\n' ' '))"
+    echo "- \`bin/bench_attention $BENCH_ATTENTION_ARGS\`: exit $attention_rc ($(cd "$OUT" && ls bench_attention-*.md 2>/dev/null | tr '\n' ' '))"
+  else
+    echo "- bench_attention and bench_gemm: not run (BENCH_GPU_FROM=$BENCH_GPU_FROM: the first run ran them)"
+  fi
   echo "- compute-sanitizer racecheck: exit $race_rc ($race_word)"
   [ -f "$OUT/skipped.txt" ] && sed 's/^## /- /' "$OUT/skipped.txt"
   echo "- CUDA crt headers: $(tail -n 1 "$OUT/crt.txt")"
