@@ -10,9 +10,10 @@
 #   2. bin/gpu_session/bench.sh into $OUT/bench, with the rest of BUDGET (default 540): bench_attention and
 #      bench_gemm first (short: attention alone against PyTorch's SDPA backends; the products, their
 #      cuBLASLt epilogues and operand orders against PyTorch's), then bench_gpu, the target shapes first
-#      (gpt2-124m bf16 at 16 and 64 x 1024 per GPU, ours against torch.compile default and max-autotune at
-#      the padded vocabulary), then the fair-peer rows and the batch sweep's 8 and 32 x 1024 (what one run
-#      leaves out is listed, and docs/gpu_session.md says how a second run goes on), racecheck
+#      (gpt2-124m bf16 at 16 and 64 x 1024 per GPU, ours against torch.compile's default mode at the padded
+#      vocabulary), then the fair-peer rows, ours without graphs, the batch sweep's 8 and 32 x 1024, and
+#      max-autotune last (what one run leaves out is listed, and docs/gpu_session.md says how a second run
+#      goes on), racecheck
 #   3. with PACK_RESULTS=1, everything in $OUT/results.tar.gz, beside it only session.txt and the two
 #      summaries (a few files to copy off the GPU machine instead of dozens)
 # The benchmarks run even where a test failed: their numbers are the run's other half, and a failing

@@ -19,10 +19,11 @@
 #      into its own folder $OUT/run<i>, most wanted first (torch.compile's compile, 20-40 s a shape and mode,
 #      and max-autotune's, minutes, are most of the time). The target shapes first: gpt2-124m bf16 at 16 and
 #      64 x 1024 per GPU, ours with flash attention (--matmul cublas and cublaslt) against torch.compile in
-#      its default mode at nanoGPT's padded vocabulary (run 1), then max-autotune at 16, then at 64 x 1024
-#      (runs 2 and 3, a cap each, so that one slow compile cannot take the other's time); then the rows that
-#      show the peer was not weakened (PyTorch unpadded, eager) at those shapes; the per-GPU batch sweep's
-#      other two, 8 and 32 x 1024; our standard attention and max-autotune unpadded at the targets. No
+#      its default mode at nanoGPT's padded vocabulary (run 1); then the rows that show the peer was not
+#      weakened (PyTorch unpadded, eager) at those shapes (2, 3); ours without graphs and with standard
+#      attention (4); the per-GPU batch sweep's other two, 8 and 32 x 1024 (5); last max-autotune, padded at
+#      16, then 64 x 1024, then unpadded (6-8), whose compile took over 150 s a shape on an H200, so it has a
+#      cap of its own per shape and goes where it cannot take the others' time. No
 #      --recompute: train/memory.py's bound for gpt2-124m bf16 at 64 x 1024 with flash attention is 26.6 GiB
 #      (44.5 with standard attention), well inside an H100's 80 GB. Every row of ours has its per-op profile
 #      (one step more). bench_gpu writes its files after every row, so a run its cap stops keeps the rows it
@@ -41,13 +42,13 @@ BUDGET=${BUDGET:-330}
 TARGETS="--presets gpt2-124m --precisions bf16"
 BENCH_GPU_RUNS=${BENCH_GPU_RUNS:-"170 $TARGETS --shapes 16x1024,64x1024 --attentions flash --cuda-graphs on \
 --torch-modes compile-default --torch-vocabs padded;\
-150 $TARGETS --shapes 16x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs padded;\
-150 $TARGETS --shapes 64x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs padded;\
 150 $TARGETS --shapes 16x1024,64x1024 --attentions= --torch-modes compile-default,eager --torch-vocabs unpadded;\
 60 $TARGETS --shapes 16x1024,64x1024 --attentions= --torch-modes eager --torch-vocabs padded;\
-150 $TARGETS --shapes 8x1024,32x1024 --attentions flash --torch-modes compile-default,eager --torch-vocabs padded;\
 90 $TARGETS --shapes 16x1024,64x1024 --attentions flash,standard --cuda-graphs off --torch-modes=;\
-300 $TARGETS --shapes 16x1024,64x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs unpadded"}
+150 $TARGETS --shapes 8x1024,32x1024 --attentions flash --torch-modes compile-default,eager --torch-vocabs padded;\
+400 $TARGETS --shapes 16x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs padded;\
+400 $TARGETS --shapes 64x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs padded;\
+500 $TARGETS --shapes 16x1024,64x1024 --attentions= --torch-modes compile-max-autotune --torch-vocabs unpadded"}
 BENCH_GPU_FROM=${BENCH_GPU_FROM:-1}
 BENCH_GEMM_ARGS=${BENCH_GEMM_ARGS:---preset gpt2-124m --tokens 8192}
 BENCH_ATTENTION_ARGS=${BENCH_ATTENTION_ARGS:-}
