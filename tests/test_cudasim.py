@@ -946,8 +946,8 @@ def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
     assert [(r["precision"], r["layer"], r["pass"]) for r in rows] == [
         (p, layer, pass_) for p in ("fp32", "bf16") for layer in layers
         for pass_ in ("forward", "product", "product tn", "backward", *gelu.get(layer, ()))
-        + (("forward lt", "backward lt", *(f"{g} lt" for g in gelu.get(layer, ()))) if "lm_head" not in layer
-           else ())]
+        + (("forward lt", "backward lt", "backward bgrad lt", *(f"{g} lt" for g in gelu.get(layer, ())))
+           if "lm_head" not in layer else ())]
     assert all(r["ours_ms"] > 0 and "torch_ms" not in r for r in rows)
     assert len(list(tmp_path.glob("*.md"))) == 1
     costs = results["header"]["lt_call_us"]

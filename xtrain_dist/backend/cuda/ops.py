@@ -153,6 +153,10 @@ class CudaBackend(CublasProducts):
         self._keep_alive: list = []
         self._vec_x = 16 // self.act_dtype.itemsize  # elements of floatX per 16 bytes: 4 (fp32) or 8 (bf16)
         self._init_products(allow_tf32, matmul)  # cuBLAS, and cuBLASLt's handle and workspace if asked
+        # the bias gradient in the weight gradient's product (cuBLASLt's BGRADA) under --matmul cublaslt: off,
+        # since on an H200 (bin/bench_gemm, 2026-11-26) it saved nothing in bf16 and fp32, and c_attn's came to
+        # 5.0 ms against 0.13 ms without it; bench_gemm's "backward bgrad lt" rows time it with this set
+        self.bias_grad_epilogue = False
 
     # ------------------------------------------------------------------ host/device plumbing
     def to_host(self, a) -> np.ndarray:
@@ -344,10 +348,11 @@ class CudaBackend(CublasProducts):
     # ------------------------------------------------------------------ matmul (cuBLAS; bias in kernels/matmul.cu)
     # --matmul cublaslt folds what follows or precedes a product into the product's epilogue (cublaslt.py):
     # the bias of every forward product, the c_fc layer's GELU (GELU_AUX_BIAS, which also writes the
-    # pre-GELU sum backward needs), GELU's derivative into the c_proj layer's input gradient (DGELU), and
-    # every bias gradient into its weight-gradient product (BGRADA). Each epilogue acts on the float32
-    # accumulator before the output's one rounding: in fp32 the same values as the kernels, in bf16 the two
-    # GELU epilogues skip the rounding of the product the kernels' path makes between the product and GELU.
+    # pre-GELU sum backward needs), GELU's derivative into the c_proj layer's input gradient (DGELU), and,
+    # where bias_grad_epilogue is set, every bias gradient into its weight-gradient product (BGRADA). Each
+    # epilogue acts on the float32 accumulator before the output's one rounding: in fp32 the same values as
+    # the kernels, in bf16 the two GELU epilogues skip the rounding of the product the kernels' path makes
+    # between the product and GELU.
     # cuBLASLt's heuristic has refused an A of one row or column: such products stay on the kernels' path.
 
     def _lt_takes(self, *dims: int) -> bool:
@@ -403,7 +408,7 @@ class CudaBackend(CublasProducts):
         OC = dout2.shape[1]
         if dbias is not None:
             _f32(dbias)
-        if dbias is not None and self._lt_takes(OC, dout2.shape[0]):
+        if dbias is not None and self.bias_grad_epilogue and self._lt_takes(OC, dout2.shape[0]):
             # the bias gradient in the weight gradient's product; cuBLASLt writes it, so into a scratch vector
             # that a one-split column sum then adds to dbias
             column_sums = cupy.empty(OC, dtype=cupy.float32)
