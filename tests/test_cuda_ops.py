@@ -741,17 +741,22 @@ def test_a_step_replayed_from_a_cuda_graph_gives_the_same_bits(options):
 
 
 @pytest.mark.training
-def test_a_capture_that_fails_is_one_line_and_the_run_goes_on_without_graphs(monkeypatch):
+@pytest.mark.parametrize("refused", ["a host read", "CuPy's cuBLAS"])
+def test_a_capture_that_fails_is_one_line_and_the_run_goes_on_without_graphs(monkeypatch, refused):
     """A step that reads a device value on the host cannot be captured (the simulator refuses it, as a GPU
-    does): the capture is abandoned, the run says so in one line, runs that step and the rest without a
-    graph, and ends on the bits of --cuda-graph off."""
+    does), nor one that calls cuBLAS through CuPy's wrappers (CuPy refuses, as it did on an H200): the capture
+    is abandoned, the run says so in one line, runs that step and the rest without a graph, and ends on the
+    bits of --cuda-graph off."""
     if not getattr(cupy, "cudasim", False):
-        pytest.skip("the host read is planted through the simulator's refusal")
+        pytest.skip("the refusal is planted through the simulator's")
     norm = CudaBackend.global_norm_squared
 
     def with_a_host_read(self, buf):
         out = norm(self, buf)
-        float(out.sum())  # a host read: fine eagerly, refused in a capture
+        if refused == "a host read":
+            float(out.sum())  # fine eagerly, refused in a capture
+        else:
+            cupy.cuda.device.get_cublas_handle()  # points CuPy's handle at the stream: refused in a capture
         return out
 
     kw = dict(backend="cuda", world_size=1, steps=3, eval_batches=0, grad_sync="bucketed", bucket_mb=0.05)
@@ -760,8 +765,9 @@ def test_a_capture_that_fails_is_one_line_and_the_run_goes_on_without_graphs(mon
     lines = []
     graph = _train(cuda_graph="auto", log=lines.append, **kw)
     [line] = [line for line in lines if "graph" in line]
-    assert re.fullmatch(r"--cuda-graph auto: rank 0 runs without CUDA graphs: the capture failed: "
-                        r"cudaErrorStreamCaptureUnsupported: cudasim: a copy to the host .*", line), line
+    why = (r"cudaErrorStreamCaptureUnsupported: cudasim: a copy to the host .*" if refused == "a host read" else
+           r"CuPy: calling cuBLAS API during stream capture is currently unsupported")
+    assert re.fullmatch(r"--cuda-graph auto: rank 0 runs without CUDA graphs: the capture failed: " + why, line), line
     assert graph["cuda_graph"]["replayed_steps"] == 0
     assert graph["losses"] == off["losses"] and graph["param_sha256"] == off["param_sha256"]
 

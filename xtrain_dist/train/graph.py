@@ -76,10 +76,13 @@ class StepGraph:
                 self.stream.begin_capture()
                 try:
                     self.step()
-                except cupy.cuda.runtime.CUDARuntimeError as e:
+                except (cupy.cuda.runtime.CUDARuntimeError, NotImplementedError) as e:
+                    # the driver's refusal, or CuPy's of what it cannot do in a capture (a cuBLAS call through
+                    # its own wrappers did that on an H200)
                     _end_quietly(self.stream)
                     self.failed = True
-                    self.on_failure(f"the capture failed: {e}")
+                    refused = f"{e}" if isinstance(e, cupy.cuda.runtime.CUDARuntimeError) else f"CuPy: {e}"
+                    self.on_failure(f"the capture failed: {refused}")
                     # nothing of the step ran on the device: run it now
                     self.step()
                     return False
