@@ -104,6 +104,7 @@ def _block_params(config: GPTConfig, tp: int = 1):
 def check_tp(config: GPTConfig, tp: int) -> None:
     """A tensor-parallel group of tp ranks splits the heads (and with them C and 4C) evenly."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or config.n_head % tp:
+        # NH divisible by tp makes C and 4C so too: C is NH heads of C/NH channels
         raise XtrainError(must_be("--tp", f"a divisor of the model's {config.n_head} heads", tp))
 
 

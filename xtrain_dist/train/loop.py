@@ -9,6 +9,7 @@ import numpy as np
 from ..backend import get_backend
 from ..checkpoint import hf
 from ..checkpoint.resume import restore, save
+from ..comm.mesh import DeviceMesh
 from ..comm.ring import RingAllReduce
 from ..comm.timed import TimedCommunicator
 from ..config import TrainConfig, model_config
@@ -102,19 +103,26 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
     ops = OpProfiler(backend, active=False) if cfg.profile_step else backend
-    model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
-                 recompute=cfg.recompute)
+    # --tp: the world as dp x tp (comm/mesh.py); the gradient sync, the batch and evaluation are the data-parallel
+    # group's, and the model all-reduces over its tensor-parallel group. Without it every rank is one model.
+    mesh = DeviceMesh(comm, dp=comm.world_size // cfg.tp, tp=cfg.tp) if cfg.tp > 1 else None
+    data_comm = mesh.dp if mesh else comm
+    data_rank, data_world = data_comm.rank, data_comm.world_size
     # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
-    step_comm = TimedCommunicator(RingAllReduce(comm) if cfg.all_reduce == "ring" else comm, clock=backend)
+    step_comm = TimedCommunicator(RingAllReduce(data_comm) if cfg.all_reduce == "ring" else data_comm, clock=backend)
+    # the loss and the stop request go round the whole world, timed with the step's other collectives
+    world_comm = step_comm.timing(comm) if mesh else step_comm
+    model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
+                 recompute=cfg.recompute, tp=step_comm.timing(mesh.tp) if mesh else None)
     optimizer = make_optimizer(model, cfg, step_comm)
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
-    sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size,
+    sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
                            overfit=cfg.overfit_batch)
     powersgd = getattr(grad_sync, "powersgd", None)  # --grad-compress powersgd: its state is saved and restored
     start = restore(resume or cfg.resume, model, optimizer, sampler, powersgd) if cfg.resume else 0
     if cfg.init_from:
         hf.load_pretrained(init or cfg.init_from, model)
-    evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
+    evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, data_rank, data_world, backend)
                  if cfg.eval_batches else None)
     multiple_choice = None
     if cfg.hellaswag:
@@ -149,11 +157,12 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         model.zero_grad()
         for i, (ids, targets) in enumerate(batch):
             losses = model.forward(ids, targets, dloss)
-            readout[:1] += losses.sum(dtype=xp.float32) * np.float32(dloss)
+            if model.tp_rank == 0:  # the ranks of a tensor-parallel group have the same loss: count it once
+                readout[:1] += losses.sum(dtype=xp.float32) * np.float32(dloss)
             # backward accumulates into grads; only the last micro-batch's starts the communication
             model.backward(on_grads_ready=grad_sync.on_grads_ready if i == len(batch) - 1 else None)
         grad_sync.finish()
-        step_comm.all_reduce(readout[:2])
+        world_comm.all_reduce(readout[:2])
         norm_squared = optimizer.grad_norm_squared()
         optimizer.update(ops.clip_coefficient(norm_squared, cfg.grad_clip))
         readout[2:] = norm_squared
@@ -216,7 +225,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                               "stops here and saves nothing; lower --lr")
         if cadence.evaluates(done):
             if evaluator:
-                record["val_loss"] = evaluator.loss(model, comm)
+                record["val_loss"] = evaluator.loss(model, data_comm)
             if multiple_choice:
                 record["hellaswag"] = multiple_choice.accuracy(model, comm)
         if prompt is not None and cadence.samples(done):

@@ -20,7 +20,7 @@ from ..errors import XtrainError
 from ..eval import evaluate, hellaswag, sample
 from ..model import check_recompute
 from ..optim import check_schedule
-from ..parallel import ddp
+from ..parallel import ddp, tensor
 from . import memory, metrics, tensorboard
 from .cadence import Cadence, kept_folder
 from .graph import MODES as GRAPH_MODES
@@ -40,6 +40,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     check_schedule(cfg)
     if cfg.cuda_graph not in GRAPH_MODES:
         raise XtrainError(f"--cuda-graph must be one of {', '.join(GRAPH_MODES)}, not {cfg.cuda_graph!r}")
+    tensor.check_config(cfg, model)
     ddp.check_config(cfg)
     if cfg.all_reduce not in ALL_REDUCES:
         raise XtrainError(f"--all-reduce must be one of {', '.join(ALL_REDUCES)}, not {cfg.all_reduce!r}")
