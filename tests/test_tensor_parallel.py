@@ -1,7 +1,12 @@
 """--tp N (model.py's Megatron split, parallel/tensor.py, the dp x tp mesh in train/loop.py): one model cut over
 a tensor-parallel group is the model of one rank, step by step and in its checkpoints."""
 
+import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,7 +134,7 @@ def test_saved_activations_are_a_tensor_parallel_rank_s():
 
 # ---------------------------------------------------------------------------------------------- training
 def run(corpus, tmp_path, name, **kw):
-    cfg = TrainConfig(steps=20, batch=4, seq=32, model="tiny", seed=7, eval_batches=0,
+    cfg = TrainConfig(steps=20, batch=4, seq=32, model="tiny", seed=7, eval_batches=0, cpu_threads=1,
                       save_dir=str(tmp_path / name), **kw).resolved()
     return train(cfg, corpus, log=lambda line: None)
 
@@ -229,3 +234,41 @@ def test_a_tp_rank_s_memory_counts_its_shards(corpus):
     # stream and the logits are whole on every rank)
     assert one[0].activations / 2 < two[0].activations < one[0].activations
     assert len({m.activations for m in two}) == 1
+
+
+def test_an_mpi_library_without_thread_multiple_refuses_the_overlapped_sync(corpus, tmp_path, monkeypatch):
+    from xtrain_dist.comm.local import LocalCommunicator
+    from xtrain_dist.train.launch import RankFailed
+    monkeypatch.setattr(LocalCommunicator, "concurrent_groups", False, raising=False)  # as MpiCommunicator's may be
+    with pytest.raises(RankFailed) as info:
+        run(corpus, tmp_path, "refused", world_size=2, tp=2)
+    assert str(info.value.error) == (
+        "--tp with --grad-sync bucketed calls MPI from two threads at once (the tensor-parallel all-reduces and the "
+        "overlapped gradient sync), and this MPI library was initialised without MPI_THREAD_MULTIPLE: use "
+        "--grad-sync flat")
+    run(corpus, tmp_path, "flat", world_size=2, tp=2, grad_sync="flat")
+
+
+# ---------------------------------------------------------------------------------------------- MPI processes
+MPIRUN = Path(sys.executable).parent / "mpirun"
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+def test_dp_2_x_tp_2_through_mpi_processes_follows_world_one(world_one, tmp_path):
+    folder, one = world_one
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    out = subprocess.run([str(MPIRUN), "-n", "4", sys.executable, "-m", "xtrain_dist.train_ddp", "20", "4", "32",
+                          "--tp", "2", "--seed", "7", "--eval-batches", "0", "--report", str(tmp_path / "r.json"),
+                          "--save-dir", str(tmp_path / "mpi")], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["launch"]["comm"] == "mpi" and report["config"]["tp"] == 2
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    digests = report["param_sha256"]
+    assert digests[0] == digests[2] != digests[1] == digests[3]
+    reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "mpi")
+    for name, tensor in reference.items():
+        np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)

@@ -106,6 +106,10 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # --tp: the world as dp x tp (comm/mesh.py); the gradient sync, the batch and evaluation are the data-parallel
     # group's, and the model all-reduces over its tensor-parallel group. Without it every rank is one model.
     mesh = DeviceMesh(comm, dp=comm.world_size // cfg.tp, tp=cfg.tp) if cfg.tp > 1 else None
+    if mesh and cfg.grad_sync == "bucketed" and not getattr(comm, "concurrent_groups", True):
+        raise XtrainError("--tp with --grad-sync bucketed calls MPI from two threads at once (the tensor-parallel "
+                          "all-reduces and the overlapped gradient sync), and this MPI library was initialised "
+                          "without MPI_THREAD_MULTIPLE: use --grad-sync flat")
     data_comm = mesh.dp if mesh else comm
     data_rank, data_world = data_comm.rank, data_comm.world_size
     # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
