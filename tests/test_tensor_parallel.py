@@ -183,6 +183,17 @@ def test_training_at_tp_follows_world_one_and_keeps_shared_shards_bitwise_equal(
                                   models[0].params[s.offset: s.offset + s.size]), s.name
 
 
+@pytest.mark.parametrize("kw", [{"grad_sync": "flat", "all_reduce": "ring"}, {"grad_sync": "per-param"},
+                                {"grad_accum": 2, "attention": "flash", "recompute": 2}])
+def test_every_sync_and_option_of_the_step_runs_inside_the_mesh(corpus, world_one, tmp_path, kw):
+    _, one = world_one
+    report = run(corpus, tmp_path, "tp", world_size=4, tp=2, **kw)
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    digests = report["param_sha256"]
+    assert digests[0] == digests[2] != digests[1] == digests[3]
+
+
 def test_a_tp_2_checkpoint_resumes_at_tp_1_and_back(corpus, world_one, tmp_path):
     folder, one = world_one
     run(corpus, tmp_path, "tp", world_size=2, tp=2, keep_every=10)
