@@ -184,7 +184,7 @@ def test_training_at_tp_follows_world_one_and_keeps_shared_shards_bitwise_equal(
 
 
 @pytest.mark.parametrize("kw", [{"grad_sync": "flat", "all_reduce": "ring"}, {"grad_sync": "per-param"},
-                                {"grad_accum": 2, "attention": "flash", "recompute": 2}])
+                                {"grad_accum": 2, "attention": "flash", "recompute": 2}, {"zero": 1}])
 def test_every_sync_and_option_of_the_step_runs_inside_the_mesh(corpus, world_one, tmp_path, kw):
     _, one = world_one
     report = run(corpus, tmp_path, "tp", world_size=4, tp=2, **kw)
@@ -194,11 +194,14 @@ def test_every_sync_and_option_of_the_step_runs_inside_the_mesh(corpus, world_on
     assert digests[0] == digests[2] != digests[1] == digests[3]
 
 
-def test_a_tp_2_checkpoint_resumes_at_tp_1_and_back(corpus, world_one, tmp_path):
+@pytest.mark.parametrize("mesh", [{"world_size": 2, "tp": 2}, {"world_size": 4, "tp": 2, "zero": 1}])
+def test_a_tp_2_checkpoint_resumes_at_tp_1_and_back(corpus, world_one, tmp_path, mesh):
+    """The checkpoint holds the full model and AdamW state (gathered over the tensor-parallel group, and under
+    ZeRO-1 over the data-parallel one first), so it resumes on another mesh and world 1's on this one."""
     folder, one = world_one
-    run(corpus, tmp_path, "tp", world_size=2, tp=2, keep_every=10)
+    run(corpus, tmp_path, "tp", keep_every=10, **mesh)
     at_one = run(corpus, tmp_path, "resumed1", resume=str(kept_folder(tmp_path / "tp", 10)))
-    at_two = run(corpus, tmp_path, "resumed2", world_size=2, tp=2, resume=str(kept_folder(folder / "one", 10)))
+    at_two = run(corpus, tmp_path, "resumed2", resume=str(kept_folder(folder / "one", 10)), **mesh)
     for resumed in (at_one, at_two):
         assert resumed["start_step"] == 10
         relative = np.abs(np.array(resumed["losses"]) - one["losses"][10:]) / np.array(one["losses"][10:])
@@ -219,8 +222,8 @@ def test_tp_must_be_a_positive_integer(argv, line):
 @pytest.mark.parametrize("kw, line", [
     ({"world_size": 4, "tp": 3}, "--tp must be a divisor of the world size (4), got '3'"),
     ({"world_size": 8, "tp": 8}, "--tp must be a divisor of the model's 4 heads, got '8'"),
-    ({"world_size": 2, "tp": 2, "zero": 1}, "--tp 2 and --zero 1 do not work together yet: ZeRO-1 would shard the "
-     "optimizer state of each rank's shard again, and checkpoints do not gather that"),
+    ({"world_size": 2, "tp": 2, "grad_compress": "powersgd"}, "--tp 2 and --grad-compress powersgd do not work "
+     "together yet: PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
     ({"world_size": 2, "tp": 2, "sample_every": 5}, "--tp 2 and --sample-every do not work together yet: rank 0 "
      "draws samples alone, and a tensor-parallel forward needs every rank of its group"),
     ({"world_size": 4, "tp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "
@@ -245,6 +248,11 @@ def test_a_tp_rank_s_memory_counts_its_shards(corpus):
     # stream and the logits are whole on every rank)
     assert one[0].activations / 2 < two[0].activations < one[0].activations
     assert len({m.activations for m in two}) == 1
+    # ZeRO-1 shards each rank's buffer over its data-parallel group: ranks 0 and 1 hold the first half's state
+    from xtrain_dist.parallel.zero import shard_bounds
+    zero = memory.rank_memories(config, TrainConfig(steps=1, batch=4, seq=32, world_size=4, tp=2, zero=1), 4)
+    halves = [8 * (hi - lo) for lo, hi in shard_bounds(param_layout(config, 2)[1], 2)]
+    assert [m.optimizer for m in zero] == [halves[0], halves[0], halves[1], halves[1]]
 
 
 def test_an_mpi_library_without_thread_multiple_refuses_the_overlapped_sync(corpus, tmp_path, monkeypatch):

@@ -369,16 +369,19 @@ class GPT2:
         bounds = [0] + [ends[layer] for layer in reversed(range(self.config.n_layer))] + [self.size]
         return list(pairwise(bounds))
 
-    def grad_norm_squared(self):
-        """The squared norm of the whole model's gradient, a (1,) array. With tensor parallelism the shards'
-        squares are summed over the group and the replicated parameters' (equal on every rank) added once,
-        so every rank of the group gets the same bits."""
+    def grad_norm_squared(self, lo: int = 0, hi: int | None = None):
+        """The squared norm of the model's gradient in grads[lo:hi] (all of it by default), a (1,) array. With
+        tensor parallelism, that of the whole model's tensors there: the shards' squares summed over the
+        group and the replicated parameters' (equal on every rank) added once, so every rank of the group
+        gets the same bits. (ZeRO-1 asks for its shard's, which every rank of the group cuts alike.)"""
+        hi = self.size if hi is None else hi
         if self.tp is None:
-            return self.ops.global_norm_squared(self.grads)
-        parts = {"sharded": None, "replicated": None}
-        for kind, lo, hi in self._norm_ranges:
-            square = self.ops.global_norm_squared(self.grads[lo:hi])
-            parts[kind] = square if parts[kind] is None else parts[kind] + square
+            return self.ops.global_norm_squared(self.grads[lo:hi])
+        xp = self.ops.xp
+        parts = {"sharded": xp.zeros(1, dtype=self.grads.dtype), "replicated": xp.zeros(1, dtype=self.grads.dtype)}
+        for kind, start, end in self._norm_ranges:
+            if max(lo, start) < min(hi, end):
+                parts[kind] = parts[kind] + self.ops.global_norm_squared(self.grads[max(lo, start):min(hi, end)])
         self.tp.all_reduce(parts["sharded"])
         return parts["sharded"] + parts["replicated"]
 

@@ -61,8 +61,8 @@ def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler
         "dtype": cfg.dtype,
         "model": {"preset": cfg.model, **asdict(model.config)},
         "param_sha256": sha256_of(flat[:used]),
-        "optimizer": {"sharded": bool(optimizer.sharded), "step_count": optimizer.step_count,
-                      "files": [optimizer_file(r) for r in range(world_size)] if optimizer.sharded
+        "optimizer": {"sharded": saves_shards(model, optimizer), "step_count": optimizer.step_count,
+                      "files": [optimizer_file(r) for r in range(world_size)] if saves_shards(model, optimizer)
                       else [optimizer_file(None)]},
         "schedule": {name: getattr(cfg, name) for name in SCHEDULE},
         "sampler": sampler.state(),
@@ -73,13 +73,24 @@ def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler
     }
 
 
+def saves_shards(model, optimizer) -> bool:
+    """Whether every rank writes its own optimizer file: ZeRO-1's shards of one whole model. A tensor-parallel
+    run writes one file of the full layout instead (optimizer_state_to_save)."""
+    return bool(optimizer.sharded) and model.tp is None
+
+
 def optimizer_state_to_save(model, optimizer) -> dict:
     """The optimizer's state_dict, in the full layout where the model holds tensor-parallel shards: m and v
-    gathered and joined like the parameters (a collective of the group)."""
+    (gathered first over the data-parallel group under ZeRO-1) gathered and joined like the parameters (a
+    collective of both groups)."""
     if model.tp is None:
         return optimizer.state_dict()
-    return {"step_count": optimizer.step_count, "start": 0,
-            "m": model.gather_flat(optimizer.m), "v": model.gather_flat(optimizer.v)}
+    m, v = optimizer.m, optimizer.v
+    if optimizer.sharded:  # the shard's m and v into the rank's whole flat buffer, over the data-parallel group
+        m, v = (model.ops.xp.zeros(model.size, dtype=part.dtype) for part in (optimizer.m, optimizer.v))
+        optimizer.comm.all_gather(optimizer.m, m, optimizer.counts)
+        optimizer.comm.all_gather(optimizer.v, v, optimizer.counts)
+    return {"step_count": optimizer.step_count, "start": 0, "m": model.gather_flat(m), "v": model.gather_flat(v)}
 
 
 def _write_optimizer(path: Path, state: dict) -> None:
@@ -103,9 +114,9 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
     With PowerSGD (`powersgd`, parallel/powersgd.py) every rank also writes its Q and error buffers.
     With tensor parallelism every rank first gathers its group's shards (a collective of the group), so the
     files hold the full model and its optimizer state whatever --tp was: a run resumes at any --tp."""
-    gathers = rank == 0 or model.tp is not None
+    gathers, shards = rank == 0 or model.tp is not None, saves_shards(model, optimizer)
     flat = model.gather_flat(model.params) if gathers else None
-    optimizer_state = optimizer_state_to_save(model, optimizer) if gathers or optimizer.sharded else None
+    optimizer_state = optimizer_state_to_save(model, optimizer) if gathers or shards else None
 
     def write(new: Path) -> None:
         if rank == 0:
@@ -118,8 +129,8 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
                                                   flat))
             if cfg.options:
                 write_file(new / RUN_CONFIG, lambda f: f.write(cfg.options_toml().encode()))
-        if optimizer.sharded or rank == 0:
-            _write_optimizer(new / optimizer_file(rank if optimizer.sharded else None), optimizer_state)
+        if shards or rank == 0:
+            _write_optimizer(new / optimizer_file(rank if shards else None), optimizer_state)
         if powersgd is not None:
             _write_powersgd(new / powersgd_file(rank), powersgd)
 
@@ -280,7 +291,8 @@ def _restore(ckpt: Checkpoint, path, model, optimizer, sampler, powersgd) -> int
     if model.tp is None:
         lo, hi = optimizer.state_range
         optimizer.load_state_dict(optimizer_state(ckpt, lo, hi, used))
-    else:  # AdamW of the rank's shards: m and v of the full layout, cut like the parameters
+    else:  # AdamW of the rank's shards: m and v of the full layout, cut like the parameters (ZeRO-1 then takes
+        # its part of them)
         full = optimizer_state(ckpt, 0, model.full_size, used)
         optimizer.load_state_dict({**full, "m": model.shard_flat(full["m"]), "v": model.shard_flat(full["v"])})
     sampler.load_state(state["sampler"])

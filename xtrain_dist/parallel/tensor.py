@@ -17,8 +17,6 @@ from ..model import check_tp
 NOT_YET = (
     ("--backend cuda", lambda cfg: cfg.backend == "cuda",
      "the tensor-parallel step is checked against one rank on the numpy backend only"),
-    ("--zero 1", lambda cfg: cfg.zero == 1,
-     "ZeRO-1 would shard the optimizer state of each rank's shard again, and checkpoints do not gather that"),
     ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
      "PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
     ("--sample-every", lambda cfg: cfg.sample_every > 0,

@@ -99,7 +99,10 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
     # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
     compression = 4 * state_elements(layout, cfg.powersgd_rank) if cfg.grad_compress == "powersgd" else 0
     parameters = 4 * size + (size * act_itemsize if cfg.dtype != "fp32" else 0) + ITEMSIZE["u8"] * size
-    shards = shard_bounds(size, cfg.world_size) if cfg.zero else [(0, size)] * cfg.world_size
+    dp = cfg.world_size // tp
+    # ZeRO-1 shards the rank's flat buffer over its data-parallel group: world rank r holds shard r // tp
+    shards = shard_bounds(size, dp) if cfg.zero else [(0, size)] * dp
+    shards = [shards[rank // tp] for rank in range(cfg.world_size)]
     activations = {}  # by micro-batch rows: ranks differ by at most one row
 
     def saved_bytes(rows: int) -> int:
@@ -114,7 +117,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
     for rank, (lo, hi) in enumerate(shards):
         # rank r takes the sequences i % dp == its data-parallel index (r // tp: tp is the mesh's fastest
         # axis), then cuts them into --grad-accum micro-batches
-        rows = len(range(rank // tp, cfg.batch, cfg.world_size // tp))
+        rows = len(range(rank // tp, cfg.batch, dp))
         memories.append(RankMemory(parameters=parameters, gradients=4 * size + compression, optimizer=2 * 4 * (hi - lo),
                                    activations=saved_bytes(-(-rows // cfg.grad_accum)),
                                    # evaluate.Evaluator keeps every batch's windows of this rank's rows
