@@ -134,8 +134,9 @@ def test_saved_activations_are_a_tensor_parallel_rank_s():
 
 # ---------------------------------------------------------------------------------------------- training
 def run(corpus, tmp_path, name, **kw):
-    cfg = TrainConfig(steps=20, batch=4, seq=32, model="tiny", seed=7, eval_batches=0, cpu_threads=1,
-                      save_dir=str(tmp_path / name), **kw).resolved()
+    kw = {"steps": 20, "batch": 4, "seq": 32, "model": "tiny", "seed": 7, "eval_batches": 0, "cpu_threads": 1,
+          "save_dir": str(tmp_path / name), **kw}
+    cfg = TrainConfig(**kw).resolved()
     return train(cfg, corpus, log=lambda line: None)
 
 
@@ -291,3 +292,14 @@ def test_dp_2_x_tp_2_through_mpi_processes_follows_world_one(world_one, tmp_path
     reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "mpi")
     for name, tensor in reference.items():
         np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
+
+
+def test_evaluation_and_hellaswag_are_each_data_parallel_group_s(corpus, tmp_path):
+    from test_hellaswag import random_examples, write
+    path = write(tmp_path / "hs.bin", random_examples(10, seed=4))
+    reports = [run(corpus, tmp_path, f"eval{world}", world_size=world, tp=tp, eval_every=10, eval_batches=2,
+                   hellaswag=str(path)) for world, tp in ((1, 1), (4, 2))]
+    (loss_one, loss_tp), (score_one, score_tp) = ([r[key] for r in reports] for key in ("val_losses", "hellaswag"))
+    assert [step for step, _ in loss_tp] == [step for step, _ in score_tp] == [10, 20]
+    np.testing.assert_allclose([v for _, v in loss_tp], [v for _, v in loss_one], rtol=1e-5)
+    assert score_tp == score_one

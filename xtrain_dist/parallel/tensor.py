@@ -21,8 +21,6 @@ NOT_YET = (
      "PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
     ("--sample-every", lambda cfg: cfg.sample_every > 0,
      "rank 0 draws samples alone, and a tensor-parallel forward needs every rank of its group"),
-    ("--hellaswag", lambda cfg: bool(cfg.hellaswag),
-     "its scoring has not been split over the data-parallel groups"),
 )
 
 

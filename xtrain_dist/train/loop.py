@@ -132,8 +132,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     if cfg.hellaswag:
         examples = hellaswag or load_hellaswag(cfg, corpus)
         # about the positions of the rank's training micro-batch, whose activations fit
-        tokens = max(1, cfg.batch // comm.world_size // cfg.grad_accum) * cfg.seq
-        multiple_choice = HellaSwag(examples, tokens, rank, comm.world_size, backend)
+        tokens = max(1, cfg.batch // data_world // cfg.grad_accum) * cfg.seq
+        multiple_choice = HellaSwag(examples, tokens, data_rank, data_world, backend)
     # --sample-every: rank 0 draws from a generator of its own (the batch sampler's is every rank's), so
     # sampling never changes what the run trains on
     prompt = (prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
@@ -231,7 +231,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             if evaluator:
                 record["val_loss"] = evaluator.loss(model, data_comm)
             if multiple_choice:
-                record["hellaswag"] = multiple_choice.accuracy(model, comm)
+                record["hellaswag"] = multiple_choice.accuracy(model, data_comm)
         if prompt is not None and cadence.samples(done):
             record["sample"] = continuation(model, corpus.tokenizer, prompt, cfg.sample_tokens, seed=cfg.seed,
                                             show_prompt=bool(cfg.sample_prompt))
