@@ -225,8 +225,6 @@ def test_tp_must_be_a_positive_integer(argv, line):
     ({"world_size": 8, "tp": 8}, "--tp must be a divisor of the model's 4 heads, got '8'"),
     ({"world_size": 2, "tp": 2, "grad_compress": "powersgd"}, "--tp 2 and --grad-compress powersgd do not work "
      "together yet: PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
-    ({"world_size": 2, "tp": 2, "sample_every": 5}, "--tp 2 and --sample-every do not work together yet: rank 0 "
-     "draws samples alone, and a tensor-parallel forward needs every rank of its group"),
     ({"world_size": 4, "tp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "
      "(the world size over --tp) times --grad-accum (2 x 2 = 4): every micro-batch needs a sequence in every "
      "data-parallel group"),
@@ -294,12 +292,16 @@ def test_dp_2_x_tp_2_through_mpi_processes_follows_world_one(world_one, tmp_path
         np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
 
 
-def test_evaluation_and_hellaswag_are_each_data_parallel_group_s(corpus, tmp_path):
+def test_evaluation_hellaswag_and_samples_at_tp_are_world_one_s(corpus, tmp_path):
+    """Each data-parallel group scores its share of the held-out set; rank 0's tensor-parallel group draws the
+    samples together (with one seed, on logits that are the same bits on each of its ranks)."""
     from test_hellaswag import random_examples, write
     path = write(tmp_path / "hs.bin", random_examples(10, seed=4))
     reports = [run(corpus, tmp_path, f"eval{world}", world_size=world, tp=tp, eval_every=10, eval_batches=2,
-                   hellaswag=str(path)) for world, tp in ((1, 1), (4, 2))]
+                   hellaswag=str(path), sample_every=10, sample_tokens=16) for world, tp in ((1, 1), (4, 2))]
     (loss_one, loss_tp), (score_one, score_tp) = ([r[key] for r in reports] for key in ("val_losses", "hellaswag"))
     assert [step for step, _ in loss_tp] == [step for step, _ in score_tp] == [10, 20]
     np.testing.assert_allclose([v for _, v in loss_tp], [v for _, v in loss_one], rtol=1e-5)
     assert score_tp == score_one
+    samples = [r["samples"] for r in reports]
+    assert [step for step, _ in samples[1]] == [10, 20] and samples[1] == samples[0]

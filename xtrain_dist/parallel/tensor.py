@@ -19,8 +19,6 @@ NOT_YET = (
      "the tensor-parallel step is checked against one rank on the numpy backend only"),
     ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
      "PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
-    ("--sample-every", lambda cfg: cfg.sample_every > 0,
-     "rank 0 draws samples alone, and a tensor-parallel forward needs every rank of its group"),
 )
 
 

@@ -135,9 +135,10 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         tokens = max(1, cfg.batch // data_world // cfg.grad_accum) * cfg.seq
         multiple_choice = HellaSwag(examples, tokens, data_rank, data_world, backend)
     # --sample-every: rank 0 draws from a generator of its own (the batch sampler's is every rank's), so
-    # sampling never changes what the run trains on
+    # sampling never changes what the run trains on; with --tp every rank of rank 0's tensor-parallel group
+    # runs the same draws beside it (their forward passes all-reduce together, their logits are the same bits)
     prompt = (prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
-              if cfg.sample_every and rank == 0 else None)
+              if cfg.sample_every and data_rank == 0 else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
@@ -239,7 +240,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         times = progress.times(done, ms / 1e3)
         if rank == 0 and cadence.logs(done, stopping):
             log(metrics.progress_line(record, cfg.steps, times))
-        if "sample" in record:
+        if rank == 0 and "sample" in record:
             log(f"--- sample at step {done} ---\n{record['sample']}\n---")
         if rank == 0 and cfg.metrics and (note := metrics.append(cfg.metrics, record)):  # a note: a torn line dropped
             log(note)
