@@ -12,8 +12,7 @@ from ..config import GPTConfig
 from ..errors import XtrainError
 from ..model import check_tp
 
-# What a run with --tp above 1 refuses, and why: each works on one rank's full model or state, and the
-# shards have not been taught to them yet. (option, the configuration's value that asks for it, why not)
+# What a run with --tp above 1 refuses, and why: (option, whether the configuration asks for it, why not)
 NOT_YET = (
     ("--backend cuda", lambda cfg: cfg.backend == "cuda",
      "the tensor-parallel step is checked against one rank on the numpy backend only"),
@@ -35,8 +34,3 @@ def check_config(cfg, config: GPTConfig) -> None:
         if asks(cfg):
             raise XtrainError(f"--tp {cfg.tp} and {option} do not work together yet: {why}")
 
-
-def data_parallel_size(cfg) -> int:
-    """The ranks that split the batch: the world over --tp (every rank of a tensor-parallel group trains on
-    the same sequences)."""
-    return cfg.world_size // cfg.tp

@@ -84,7 +84,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
 
     Args:
         rank: this rank's place in the job (0 .. comm.world_size - 1); it picks the rank's sequences of
-            every global batch (i % world == rank).
+            every global batch (i % world == rank; with --tp, i % dp == the rank's data-parallel index).
         comm: the rank's communicator (comm/): the gradient sync, the loss and the stop request use it.
         cfg: the run's configuration; corpus: its loaded token ids and tokenizer.
         device: the GPU the rank binds (cuda); None on the CPU.
@@ -112,7 +112,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                           "without MPI_THREAD_MULTIPLE: use --grad-sync flat")
     data_comm = mesh.dp if mesh else comm
     data_rank, data_world = data_comm.rank, data_comm.world_size
-    # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
+    # times the step's collectives on the backend's clock; evaluation and checkpoints use the communicators
+    # themselves
     step_comm = TimedCommunicator(RingAllReduce(data_comm) if cfg.all_reduce == "ring" else data_comm, clock=backend)
     # the loss and the stop request go round the whole world, timed with the step's other collectives
     world_comm = step_comm.timing(comm) if mesh else step_comm
