@@ -305,3 +305,12 @@ def test_evaluation_hellaswag_and_samples_at_tp_are_world_one_s(corpus, tmp_path
     assert score_tp == score_one
     samples = [r["samples"] for r in reports]
     assert [step for step, _ in samples[1]] == [10, 20] and samples[1] == samples[0]
+
+
+def test_a_bad_tp_on_the_command_line_is_one_line_and_exit_status_2():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "4", "32", "--world-size", "4",
+                          "--tp", "3"], capture_output=True, text=True, timeout=60, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert (out.returncode, out.stdout, out.stderr) == (
+        2, "", "train_ddp: error: --tp must be a divisor of the world size (4), got '3'\n")

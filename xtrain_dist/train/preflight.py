@@ -185,10 +185,11 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if launch.process_rank == 0:
         where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
         processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
+        mesh = f" (dp {cfg.world_size // cfg.tp} x tp {cfg.tp})" if cfg.tp > 1 else ""
         products = (" with TF32 products" if cfg.tf32 else "") + \
             (", biases in cuBLASLt's epilogue" if cfg.matmul == "cublaslt" else "")
         log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}"
-            f"{products}, {cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
+            f"{products}, {cfg.world_size} rank(s){mesh}{processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
     # the files' paths may differ from node to node; the token ids read from them may not, or ranks would
     # train on different data with nothing to say so
     same_everywhere = {k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS}
