@@ -314,3 +314,16 @@ def test_a_bad_tp_on_the_command_line_is_one_line_and_exit_status_2():
                          env={**os.environ, "PYTHONPATH": str(root)})
     assert (out.returncode, out.stdout, out.stderr) == (
         2, "", "train_ddp: error: --tp must be a divisor of the world size (4), got '3'\n")
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+def test_tp_over_rank_threads_of_several_processes_is_one_line(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    out = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "2", "4", "32",
+                          "--world-size", "4", "--tp", "2"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2, out.stderr
+    assert ("train_ddp: error: --tp splits the world into groups, and groups and point-to-point across rank threads "
+            "of several processes are not built: run one rank thread per process (mpirun -n N, torchrun "
+            "--nproc-per-node N)") in out.stderr.splitlines(), out.stderr

@@ -126,6 +126,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
     if cfg.all_reduce == "ring" and engine in ("mpi", "tcp") and local_world > 1:
         raise XtrainError(f"--all-reduce ring sends between ranks, and {NOT_BUILT}")
+    if cfg.tp > 1 and engine in ("mpi", "tcp") and local_world > 1:
+        raise XtrainError(f"--tp splits the world into groups, and {NOT_BUILT}")
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus, val_path=cfg.val_corpus or None)
     check_config(cfg, corpus)
     # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
