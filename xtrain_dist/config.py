@@ -71,6 +71,7 @@ class TrainConfig:
     model: str = "tiny"
     backend: str = "numpy"      # numpy | cuda
     world_size: int = 1
+    tp: int = 1                 # tensor-parallel ranks per model (parallel/tensor.py); world = dp x tp
     seed: int = 1337
     overfit_batch: bool = False     # every step trains on the first global batch (llm.c's -a): a sanity check
     # AdamW and the schedule (nanoGPT's defaults, lr for small models)

@@ -19,6 +19,22 @@ them in the embedding, so their gradient is zero, AdamW's m and v stay zero and 
 included) leaves them at zero, bit for bit. They are the last rows of the last parameter, so the Hugging Face
 tensors (V rows: `state_dict`) are a prefix of wte's view and the layout before them is unchanged.
 
+Tensor parallelism (--tp N, Megatron-LM's split of a block). The N ranks of a tensor-parallel group each hold
+a shard of every block's four matrices: c_attn by heads (rank r holds heads r*NH/N .. (r+1)*NH/N - 1, their q,
+k and v columns and biases), c_fc by columns ("column"), and the two c_proj by rows ("row"), so attention
+runs on the rank's own heads and the MLP on its own quarter-width columns. A row-parallel product gives each
+rank a partial sum of the (B, T, C) output, which one all-reduce over the group completes (Megatron's g);
+in backward a column-parallel product gives a partial sum of its input's gradient, completed the same way
+before the layernorm below it reads it (Megatron's f). Everything else is replicated: layernorms, the
+row-parallel biases, and the embeddings with the tied classifier. The classifier is replicated rather than
+split over the vocabulary: every rank computes the full (B, T, Vp) logits and the loss itself, which costs
+each rank the classifier's whole product and memory but keeps the fused classifier and the loss exactly
+those of one rank, with no parallel cross-entropy. Replicated parameters get equal gradients on every rank
+of the group by construction: each is computed from tensors that are bitwise equal there (the residual
+stream after each all-reduce, and its gradient after each), by the same ops in the same order. The
+layout's `split` says how each tensor is cut; the flat buffers hold the rank's shards (shard_flat), and
+checkpoints join them back into the full tensors (join_flats).
+
 Precision. `params` holds the float32 master weights, which the optimizer updates and checkpoints
 save. Forward and backward read `params_lowp`, the same layout in the backend's activation dtype:
 `params` itself under fp32, a bfloat16 copy under bf16 that AdamW rewrites in the pass that updates
@@ -47,6 +63,7 @@ class ParamSpec:
     init_std: float | None    # normal(0, std); None: ones for a layernorm weight, zeros otherwise
     decay: bool               # AdamW weight decay applies (matrices and embeddings only)
     rows: int = 0             # the rows that are parameters (wte: V of Vp); the rest, if any, stay zero. 0: all
+    split: str = "replicated"  # how --tp cuts the tensor: replicated, column, qkv (columns by heads) or row
 
     def __post_init__(self):
         if not self.rows:
@@ -68,35 +85,96 @@ class ParamSpec:
         return int(np.prod(self.hf_shape))
 
 
-def _block_params(config: GPTConfig):
-    """(suffix, shape, init_std) of one transformer block, in the order backward finishes them."""
+def _block_params(config: GPTConfig, tp: int = 1):
+    """(suffix, shape, init_std, split) of one transformer block, in the order backward finishes them; the
+    shapes are one tensor-parallel rank's shards of a group of tp ranks."""
     C = config.n_embd
     # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2 n_layer)
     proj_std = INIT_STD / np.sqrt(2 * config.n_layer)
     return [
-        ("mlp.c_proj.weight", (4 * C, C), proj_std), ("mlp.c_proj.bias", (C,), None),
-        ("mlp.c_fc.weight", (C, 4 * C), INIT_STD), ("mlp.c_fc.bias", (4 * C,), None),
-        ("ln_2.weight", (C,), None), ("ln_2.bias", (C,), None),
-        ("attn.c_proj.weight", (C, C), proj_std), ("attn.c_proj.bias", (C,), None),
-        ("attn.c_attn.weight", (C, 3 * C), INIT_STD), ("attn.c_attn.bias", (3 * C,), None),
-        ("ln_1.weight", (C,), None), ("ln_1.bias", (C,), None),
+        ("mlp.c_proj.weight", (4 * C // tp, C), proj_std, "row"), ("mlp.c_proj.bias", (C,), None, "replicated"),
+        ("mlp.c_fc.weight", (C, 4 * C // tp), INIT_STD, "column"), ("mlp.c_fc.bias", (4 * C // tp,), None, "column"),
+        ("ln_2.weight", (C,), None, "replicated"), ("ln_2.bias", (C,), None, "replicated"),
+        ("attn.c_proj.weight", (C // tp, C), proj_std, "row"), ("attn.c_proj.bias", (C,), None, "replicated"),
+        ("attn.c_attn.weight", (C, 3 * C // tp), INIT_STD, "qkv"), ("attn.c_attn.bias", (3 * C // tp,), None, "qkv"),
+        ("ln_1.weight", (C,), None, "replicated"), ("ln_1.bias", (C,), None, "replicated"),
     ]
 
 
-def param_layout(config: GPTConfig) -> tuple[list[ParamSpec], int]:
-    """The flat layout: every parameter's spec, and the total number of elements (padding included)."""
+def check_tp(config: GPTConfig, tp: int) -> None:
+    """A tensor-parallel group of tp ranks splits the heads (and with them C and 4C) evenly."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or config.n_head % tp:
+        # NH divisible by tp makes C and 4C so too: C is NH heads of C/NH channels
+        raise XtrainError(must_be("--tp", f"a divisor of the model's {config.n_head} heads", tp))
+
+
+def param_layout(config: GPTConfig, tp: int = 1) -> tuple[list[ParamSpec], int]:
+    """The flat layout: every parameter's spec, and the total number of elements (padding included). With
+    tp > 1, that of one rank of a tensor-parallel group of tp: its shards, in the same order."""
+    check_tp(config, tp)
     C = config.n_embd
-    entries = [("transformer.ln_f.weight", (C,), None), ("transformer.ln_f.bias", (C,), None)]
+    entries = [("transformer.ln_f.weight", (C,), None, "replicated"),
+               ("transformer.ln_f.bias", (C,), None, "replicated")]
     for layer in reversed(range(config.n_layer)):
-        entries += [(f"transformer.h.{layer}.{suffix}", shape, std) for suffix, shape, std in _block_params(config)]
-    entries = [(name, shape, std, 0) for name, shape, std in entries]
-    entries += [("transformer.wpe.weight", (config.n_ctx, C), INIT_STD, 0),
-                ("transformer.wte.weight", (config.padded_vocab_size, C), INIT_STD, config.vocab_size)]
+        entries += [(f"transformer.h.{layer}.{suffix}", *rest) for suffix, *rest in _block_params(config, tp)]
+    entries = [(name, shape, std, 0, split) for name, shape, std, split in entries]
+    entries += [("transformer.wpe.weight", (config.n_ctx, C), INIT_STD, 0, "replicated"),
+                ("transformer.wte.weight", (config.padded_vocab_size, C), INIT_STD, config.vocab_size, "replicated")]
     specs, offset = [], 0
-    for name, shape, std, rows in entries:
-        specs.append(ParamSpec(name, shape, offset, std, decay=len(shape) == 2, rows=rows))
+    for name, shape, std, rows, split in entries:
+        specs.append(ParamSpec(name, shape, offset, std, decay=len(shape) == 2, rows=rows, split=split))
         offset += -(-int(np.prod(shape)) // ALIGN) * ALIGN
     return specs, offset
+
+
+def _column_groups(split: str) -> int:
+    """How many blocks of columns a column split cuts each of: c_attn's q, k and v are cut alike (by heads)."""
+    return 3 if split == "qkv" else 1
+
+
+def shard_tensor(full: np.ndarray, split: str, tp: int, index: int) -> np.ndarray:
+    """Rank `index`'s shard of a full tensor (Conv1D's (in, out) layout) in a tensor-parallel group of tp."""
+    if split == "replicated":
+        return full
+    if split == "row":
+        rows = full.shape[0] // tp
+        return full[index * rows: (index + 1) * rows]
+    grouped = full.reshape(*full.shape[:-1], _column_groups(split), -1)
+    width = grouped.shape[-1] // tp
+    return grouped[..., index * width: (index + 1) * width].reshape(*full.shape[:-1], -1)
+
+
+def join_shards(shards: list[np.ndarray], split: str) -> np.ndarray:
+    """The full tensor from every rank's shard, in rank order: shard_tensor undone."""
+    if split == "replicated":
+        return shards[0]
+    if split == "row":
+        return np.concatenate(shards, axis=0)
+    groups = _column_groups(split)
+    grouped = [s.reshape(*s.shape[:-1], groups, -1) for s in shards]
+    return np.concatenate(grouped, axis=-1).reshape(*shards[0].shape[:-1], -1)
+
+
+def shard_flat(full: np.ndarray, config: GPTConfig, tp: int, index: int, size: int | None = None) -> np.ndarray:
+    """A flat buffer of the full layout (parameters, or AdamW's m or v) as rank `index` of a tensor-parallel
+    group of tp holds it: its shards in param_layout(config, tp), zero-padded to `size` elements."""
+    specs, total = param_layout(config, tp)
+    out = np.zeros(size or total, dtype=full.dtype)
+    for f, s in zip(param_layout(config)[0], specs, strict=True):
+        tensor = full[f.offset: f.offset + f.size].reshape(f.shape)
+        out[s.offset: s.offset + s.size] = shard_tensor(tensor, s.split, tp, index).reshape(-1)
+    return out
+
+
+def join_flats(flats: list[np.ndarray], config: GPTConfig) -> np.ndarray:
+    """The full layout's flat buffer from every tensor-parallel rank's, in rank order: shard_flat undone."""
+    specs, _ = param_layout(config, len(flats))
+    full_specs, total = param_layout(config)
+    out = np.zeros(total, dtype=flats[0].dtype)
+    for f, s in zip(full_specs, specs, strict=True):
+        shards = [flat[s.offset: s.offset + s.size].reshape(s.shape) for flat in flats]
+        out[f.offset: f.offset + f.size] = join_shards(shards, s.split).reshape(-1)
+    return out
 
 
 def count_params(config: GPTConfig) -> int:
@@ -189,7 +267,8 @@ class KVCache:
 
     def __init__(self, model: "GPT2", batch: int):
         c, xp = model.config, model.ops.xp
-        shape = (c.n_layer, batch, c.n_head, c.n_ctx, c.n_embd // c.n_head)
+        # a tensor-parallel rank caches its own heads
+        shape = (c.n_layer, batch, c.n_head // model.tp_size, c.n_ctx, c.n_embd // c.n_head)
         self.keys = xp.zeros(shape, dtype=model.params_lowp.dtype)
         self.values = xp.zeros(shape, dtype=model.params_lowp.dtype)
         self.length = 0  # positions cached, in every layer
@@ -220,24 +299,32 @@ class GPT2:
     the parameters also in the activation dtype (`params_lowp`) when that is not float32."""
 
     def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32,
-                 attention: str = "standard", recompute: int = 0, init: np.ndarray | None = None):
+                 attention: str = "standard", recompute: int = 0, init: np.ndarray | None = None, tp=None):
         """init: the initial parameters init_weights(config, seed) would draw, already drawn (a benchmark building
-        many models of one seed draws them once: 3.4 s at GPT-2 124M); by default they are drawn here."""
+        many models of one seed draws them once: 3.4 s at GPT-2 124M); by default they are drawn here.
+        tp: the communicator of this rank's tensor-parallel group (comm/mesh.py's mesh.tp), or None: the
+        model holds the rank's shards and its passes all-reduce over the group (see the module's notes)."""
         check_attention(attention)
         self.config = config
         self.ops = backend
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.tp_size, self.tp_rank = (tp.world_size, tp.rank) if self.tp is not None else (1, 0)
+        self.n_head = config.n_head // self.tp_size  # the heads this rank attends with
+        self.full_size = param_layout(config)[1]  # of the full layout, which checkpoints hold
         # standard: attention keeps its (B, NH, T, T) probabilities for backward; flash: only a log-sum-exp
         # per row, and backward recomputes them (the same function, less memory and traffic)
         self.attention = attention
         self.recompute = check_recompute(recompute)  # see RECOMPUTE_LEVELS
-        self.layout, used = param_layout(config)
+        self.layout, used = param_layout(config, self.tp_size)
         # a caller that shards the buffers (ZeRO) may ask for a total divisible by the world size
         self.size = -(-used // pad_to_multiple) * pad_to_multiple
         self.num_params = count_params(config)  # without wte's padded rows; self.size counts them
         xp = backend.xp
         # dtype float64 is for the numpy gradient checks; training is float32
         host = np.zeros(self.size, dtype=dtype)
-        host[:used] = init_weights(config, seed) if init is None else init[:used]
+        full = init_weights(config, seed) if init is None else init[:self.full_size]
+        # every rank draws the full model and keeps its shards: the same model at any --tp
+        host[:used] = full if self.tp is None else shard_flat(full, config, self.tp_size, self.tp_rank)
         self.params = backend.from_host(host)
         # what forward and backward read: params itself, or its copy in the activation dtype (float64 values
         # rounded to bf16 in a float64 check: the numpy emulation computing in float64)
@@ -282,23 +369,98 @@ class GPT2:
         bounds = [0] + [ends[layer] for layer in reversed(range(self.config.n_layer))] + [self.size]
         return list(pairwise(bounds))
 
+    def grad_norm_squared(self, lo: int = 0, hi: int | None = None):
+        """The squared norm of the model's gradient in grads[lo:hi] (all of it by default), a (1,) array. With
+        tensor parallelism, that of the whole model's tensors there: the shards' squares summed over the
+        group and the replicated parameters' (equal on every rank) added once, so every rank of the group
+        gets the same bits. (ZeRO-1 asks for its shard's, which every rank of the group cuts alike.)"""
+        hi = self.size if hi is None else hi
+        if self.tp is None:
+            return self.ops.global_norm_squared(self.grads[lo:hi])
+        xp = self.ops.xp
+        parts = {"sharded": xp.zeros(1, dtype=self.grads.dtype), "replicated": xp.zeros(1, dtype=self.grads.dtype)}
+        for kind, start, end in self._norm_ranges:
+            if max(lo, start) < min(hi, end):
+                parts[kind] = parts[kind] + self.ops.global_norm_squared(self.grads[max(lo, start):min(hi, end)])
+        self.tp.all_reduce(parts["sharded"])
+        return parts["sharded"] + parts["replicated"]
+
+    @property
+    def _norm_ranges(self) -> list[tuple[str, int, int]]:
+        """(kind, lo, hi) runs of the flat buffer whose parameters are all sharded or all replicated."""
+        runs = []
+        for s, end in zip(self.layout, [s.offset for s in self.layout[1:]] + [self.size], strict=True):
+            kind = "replicated" if s.split == "replicated" else "sharded"
+            if runs and runs[-1][0] == kind:
+                runs[-1] = (kind, runs[-1][1], end)
+            else:
+                runs.append((kind, s.offset, end))
+        return runs
+
     # ---------------------------------------------------------------- state in Hugging Face names
-    def state_dict(self) -> dict[str, np.ndarray]:
+    def gather_flat(self, buf) -> np.ndarray:
+        """A host copy of a flat buffer of this model's layout (the parameters, AdamW's m or v) in the full
+        layout, param_layout(config)'s: with tensor parallelism every rank's shards gathered and joined
+        (a collective of the group: every rank of it calls this)."""
+        if self.tp is None:
+            return np.array(self.ops.to_host(buf)[:self.full_size])
+        everyone = self.ops.xp.empty(buf.size * self.tp_size, dtype=buf.dtype)
+        self.tp.all_gather(buf, everyone)
+        flats = np.array(self.ops.to_host(everyone)).reshape(self.tp_size, buf.size)
+        return join_flats(list(flats), self.config)
+
+    def shard_flat(self, full: np.ndarray) -> np.ndarray:
+        """A host flat buffer of the full layout as this rank holds it: gather_flat undone, self.size long."""
+        if self.tp is None:
+            out = np.zeros(self.size, dtype=full.dtype)
+            out[:self.full_size] = full[:self.full_size]
+            return out
+        return shard_flat(full[:self.full_size], self.config, self.tp_size, self.tp_rank, self.size)
+
+    def state_dict(self, flat: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Host copies of the parameters under GPT2LMHeadModel's names and shapes (lm_head is tied to wte):
-        wte's V rows, without the padded ones."""
-        flat = self.ops.to_host(self.params)
-        return {s.name: flat[s.offset: s.offset + s.hf_size].reshape(s.hf_shape).copy() for s in self.layout}
+        wte's V rows, without the padded ones. The full tensors whatever the tensor parallelism: from
+        `flat`, gather_flat(params) already made, or gathered here (a collective of the group)."""
+        flat = self.gather_flat(self.params) if flat is None else flat
+        return {s.name: flat[s.offset: s.offset + s.hf_size].reshape(s.hf_shape).copy()
+                for s in param_layout(self.config)[0]}
+
+    def full_flat(self, state: dict[str, np.ndarray]) -> np.ndarray:
+        """The full layout's flat parameters on the host from tensors in state_dict's names and shapes."""
+        host = np.zeros(self.full_size, dtype=self.params.dtype)
+        for s in param_layout(self.config)[0]:
+            host[s.offset: s.offset + s.hf_size] = np.asarray(state[s.name]).reshape(-1)
+        return host
+
+    def load_flat(self, full: np.ndarray) -> None:
+        """Parameters from a host flat buffer of the full layout: this rank's shards of it."""
+        self.params[...] = self.ops.from_host(self.shard_flat(full))
+        self.refresh_lowp()
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Parameters in state_dict's names and shapes (V rows of wte): the padded rows become zero."""
-        host = np.zeros(self.size, dtype=self.params.dtype)
-        for s in self.layout:
-            host[s.offset: s.offset + s.hf_size] = np.asarray(state[s.name]).reshape(-1)
-        self.params[...] = self.ops.from_host(host)
-        self.refresh_lowp()
+        self.load_flat(self.full_flat(state))
 
     def zero_grad(self) -> None:
         self.grads.fill(0)
+
+    # ---------------------------------------------------------------- tensor parallelism
+    def _row_bias(self, bias):
+        """A row-parallel product's bias, on the group's first rank only: each rank's product is a partial
+        sum, and the all-reduce that completes them then adds the bias once. (Megatron adds it after the
+        all-reduce; here it rides in the product's own bias epilogue, which needs no op of its own.)"""
+        return bias if self.tp_rank == 0 else None
+
+    def _row_parallel(self, partial):
+        """Megatron's g: a row-parallel product's partial sums, completed over the group (in place)."""
+        if self.tp is not None:
+            self.tp.all_reduce(partial)
+        return partial
+
+    def _column_parallel_dinp(self, partial):
+        """Megatron's f in backward: the input gradient of a column-parallel product, a partial sum over
+        the rank's columns, completed over the group before the replicated layernorm reads it."""
+        return self._row_parallel(partial)
 
     # ---------------------------------------------------------------- forward
     def _layernorm_after(self, layer: int):
@@ -317,7 +479,7 @@ class GPT2:
         needs, with the logits already turned into their gradient for dloss * sum(losses) by the fused
         classifier.
         A cache (generation): ids are the positions after those it holds, and attention reads it."""
-        ops, p, n_head = self.ops, self.p, self.config.n_head
+        ops, p, n_head = self.ops, self.p, self.n_head
         x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
         # every residual sum is followed by a layernorm (ln_2 in the block, then the next block's ln_1 or ln_f):
         # one op makes both, so the stream is written once and not read back (residual_layernorm_forward)
@@ -331,14 +493,16 @@ class GPT2:
                 atty, att = ops.flash_attention_forward(qkv, n_head)
             else:
                 atty, att = ops.attention_forward(qkv, n_head)
-            attproj = ops.matmul_forward(atty, w.attn_c_proj_weight, w.attn_c_proj_bias)
+            attproj = self._row_parallel(ops.matmul_forward(atty, w.attn_c_proj_weight,
+                                                            self._row_bias(w.attn_c_proj_bias)))
             x_mid, ln2, ln2_mean, ln2_rstd = ops.residual_layernorm_forward(x, attproj, w.ln_2_weight, w.ln_2_bias)
             if self.recompute < 1:  # bias and GELU after the product in one op (an epilogue: cublaslt)
                 fch, fch_gelu = ops.matmul_gelu_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
             else:  # GELU as backward runs it again: the same op on the same stored input (RECOMPUTE_LEVELS)
                 fch = ops.matmul_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
                 fch_gelu = ops.gelu_forward(fch)
-            fcproj = ops.matmul_forward(fch_gelu, w.mlp_c_proj_weight, w.mlp_c_proj_bias)
+            fcproj = self._row_parallel(ops.matmul_forward(fch_gelu, w.mlp_c_proj_weight,
+                                                           self._row_bias(w.mlp_c_proj_bias)))
             keep_ln, keep_gelu = self.recompute < 2, self.recompute < 1
             acts.append(_LayerActs(x, ln1 if keep_ln else None, ln1_mean, ln1_rstd, qkv, atty, att, x_mid,
                                    ln2 if keep_ln else None, ln2_mean, ln2_rstd, fch, fch_gelu if keep_gelu else None))
@@ -362,7 +526,7 @@ class GPT2:
 
         on_grads_ready(start, end) is called each time grads[start:end] is final (see
         layer_grad_ranges), so gradient sync can reduce it while earlier blocks still compute."""
-        ops, p, g, n_head = self.ops, self.p, self.g, self.config.n_head
+        ops, p, g, n_head = self.ops, self.p, self.g, self.n_head
         ids, acts, x_final, lnf, lnf_mean, lnf_rstd, dlogits = self._saved
         self._saved = None
         ranges = iter(self.layer_grad_ranges())
@@ -379,7 +543,8 @@ class GPT2:
                                             w.mlp_c_proj_weight, a.fch)
             del fch_gelu  # a recomputed one goes now, not at the next block's
             ln2 = ops.layernorm_forward(a.x_mid, w.ln_2_weight, w.ln_2_bias)[0] if a.ln2 is None else a.ln2
-            dln2 = ops.matmul_backward(gw.mlp_c_fc_weight, gw.mlp_c_fc_bias, dfch, ln2, w.mlp_c_fc_weight)
+            dln2 = self._column_parallel_dinp(ops.matmul_backward(gw.mlp_c_fc_weight, gw.mlp_c_fc_bias, dfch, ln2,
+                                                                  w.mlp_c_fc_weight))
             del ln2
             ops.layernorm_backward(dres, gw.ln_2_weight, gw.ln_2_bias, dln2, a.x_mid, w.ln_2_weight,
                                    a.ln2_mean, a.ln2_rstd)  # dres is now d x_mid
@@ -391,7 +556,8 @@ class GPT2:
             else:
                 dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head)
             ln1 = ops.layernorm_forward(a.x_in, w.ln_1_weight, w.ln_1_bias)[0] if a.ln1 is None else a.ln1
-            dln1 = ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv, ln1, w.attn_c_attn_weight)
+            dln1 = self._column_parallel_dinp(ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv,
+                                                                  ln1, w.attn_c_attn_weight))
             del ln1
             ops.layernorm_backward(dres, gw.ln_1_weight, gw.ln_1_bias, dln1, a.x_in, w.ln_1_weight,
                                    a.ln1_mean, a.ln1_rstd)  # dres is now d x_in

@@ -81,8 +81,9 @@ class AdamW:
         self.schedule = schedule_buffer(self.ops)
 
     def grad_norm_squared(self):
-        """The squared global norm of the (reduced) gradients, a (1,) array."""
-        return self.ops.global_norm_squared(self.model.grads)
+        """The squared global norm of the (reduced) gradients, a (1,) array (the whole model's, also where
+        the model holds tensor-parallel shards: GPT2.grad_norm_squared)."""
+        return self.model.grad_norm_squared()
 
     def step(self, lr: float, grad_scale) -> None:
         """One update with gradients multiplied by grad_scale (a (1,) array: the clip coefficient)."""

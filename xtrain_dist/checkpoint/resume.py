@@ -45,21 +45,24 @@ SCHEDULE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "lr_schedule", "co
 # settings a resumed run may change (they take effect from its first step); anything that would
 # change the model, the data or the batches it draws must match the checkpoint
 CHANGEABLE = (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "backend", "grad_sync", "attention",
-              "recompute")
+              "recompute", "tp")
 
 
 # ---------------------------------------------------------------------------------------------- save
-def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler, world_size: int) -> dict:
+def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler, world_size: int,
+                  flat: np.ndarray | None = None) -> dict:
+    """flat: the full layout's parameters (GPT2.gather_flat), where the caller has them already."""
     used = layout_size(model.config)
+    flat = model.gather_flat(model.params) if flat is None else flat
     return {
         "format": FORMAT, "version": VERSION, "xtrain_dist_version": __version__,
         "step": step,
         "world_size": world_size,
         "dtype": cfg.dtype,
         "model": {"preset": cfg.model, **asdict(model.config)},
-        "param_sha256": sha256_of(model.ops.to_host(model.params)[:used]),
-        "optimizer": {"sharded": bool(optimizer.sharded), "step_count": optimizer.step_count,
-                      "files": [optimizer_file(r) for r in range(world_size)] if optimizer.sharded
+        "param_sha256": sha256_of(flat[:used]),
+        "optimizer": {"sharded": saves_shards(model, optimizer), "step_count": optimizer.step_count,
+                      "files": [optimizer_file(r) for r in range(world_size)] if saves_shards(model, optimizer)
                       else [optimizer_file(None)]},
         "schedule": {name: getattr(cfg, name) for name in SCHEDULE},
         "sampler": sampler.state(),
@@ -70,8 +73,27 @@ def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler
     }
 
 
-def _write_optimizer(path: Path, optimizer) -> None:
-    state = optimizer.state_dict()
+def saves_shards(model, optimizer) -> bool:
+    """Whether every rank writes its own optimizer file: ZeRO-1's shards of one whole model. A tensor-parallel
+    run writes one file of the full layout instead (optimizer_state_to_save)."""
+    return bool(optimizer.sharded) and model.tp is None
+
+
+def optimizer_state_to_save(model, optimizer) -> dict:
+    """The optimizer's state_dict, in the full layout where the model holds tensor-parallel shards: m and v
+    (gathered first over the data-parallel group under ZeRO-1) gathered and joined like the parameters (a
+    collective of both groups)."""
+    if model.tp is None:
+        return optimizer.state_dict()
+    m, v = optimizer.m, optimizer.v
+    if optimizer.sharded:  # the shard's m and v into the rank's whole flat buffer, over the data-parallel group
+        m, v = (model.ops.xp.zeros(model.size, dtype=part.dtype) for part in (optimizer.m, optimizer.v))
+        optimizer.comm.all_gather(optimizer.m, m, optimizer.counts)
+        optimizer.comm.all_gather(optimizer.v, v, optimizer.counts)
+    return {"step_count": optimizer.step_count, "start": 0, "m": model.gather_flat(m), "v": model.gather_flat(v)}
+
+
+def _write_optimizer(path: Path, state: dict) -> None:
     meta = {"format": "xtrain-dist optimizer", "step_count": str(state["step_count"]), "start": str(state["start"])}
     write_file(path, lambda f: write_safetensors(f, {"m": state["m"], "v": state["v"]}, meta))
 
@@ -89,20 +111,26 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
 
     Every rank calls it: rank 0 writes the model and the run's state, the optimizer state is written
     by rank 0 or, when it is sharded, by every rank for its shard; all ranks wait until it is in place.
-    With PowerSGD (`powersgd`, parallel/powersgd.py) every rank also writes its Q and error buffers."""
+    With PowerSGD (`powersgd`, parallel/powersgd.py) every rank also writes its Q and error buffers.
+    With tensor parallelism every rank first gathers its group's shards (a collective of the group), so the
+    files hold the full model and its optimizer state whatever --tp was: a run resumes at any --tp."""
+    gathers, shards = rank == 0 or model.tp is not None, saves_shards(model, optimizer)
+    flat = model.gather_flat(model.params) if gathers else None
+    optimizer_state = optimizer_state_to_save(model, optimizer) if gathers or shards else None
 
     def write(new: Path) -> None:
         if rank == 0:
-            tensors = model.state_dict()
+            tensors = model.state_dict(flat)
             write_file(new / MODEL, lambda f: write_safetensors(f, tensors, {"format": "pt"}))
             write_json(new / CONFIG, hf_config(model.config, corpus.tokenizer))
             write_file(new / TOKENIZER, lambda f: f.write(corpus.tokenizer.to_str().encode()))
             write_json(new / TOKENIZER_CONFIG, tokenizer_config(model.config, corpus.tokenizer))
-            write_json(new / STATE, trainer_state(step, cfg, corpus, model, optimizer, sampler, comm.world_size))
+            write_json(new / STATE, trainer_state(step, cfg, corpus, model, optimizer, sampler, comm.world_size,
+                                                  flat))
             if cfg.options:
                 write_file(new / RUN_CONFIG, lambda f: f.write(cfg.options_toml().encode()))
-        if optimizer.sharded or rank == 0:
-            _write_optimizer(new / optimizer_file(rank if optimizer.sharded else None), optimizer)
+        if shards or rank == 0:
+            _write_optimizer(new / optimizer_file(rank if shards else None), optimizer_state)
         if powersgd is not None:
             _write_powersgd(new / powersgd_file(rank), powersgd)
 
@@ -252,14 +280,21 @@ def restore(source, model, optimizer, sampler, powersgd=None) -> int:
 
 def _restore(ckpt: Checkpoint, path, model, optimizer, sampler, powersgd) -> int:
     state = ckpt.state
-    model.load_state_dict(ckpt.model_state(model.config))
+    # the full model, whatever --tp saved it: this rank loads its shards of it
+    flat = model.full_flat(ckpt.model_state(model.config))
     # a version 1 checkpoint (wte's V rows) is this layout's first `used` elements: the rest, wte's padded
-    # rows, is zero in the parameters load_state_dict wrote and in the m and v optimizer_state assembles
+    # rows, is zero in the parameters full_flat made and in the m and v optimizer_state assembles
     used = layout_size(model.config, ckpt.version)
-    if sha256_of(model.ops.to_host(model.params)[:used]) != state["param_sha256"]:
+    if sha256_of(flat[:used]) != state["param_sha256"]:
         raise XtrainError(f"checkpoint '{path}' is corrupt: its parameters do not hash to the saved param_sha256")
-    lo, hi = optimizer.state_range
-    optimizer.load_state_dict(optimizer_state(ckpt, lo, hi, used))
+    model.load_flat(flat)
+    if model.tp is None:
+        lo, hi = optimizer.state_range
+        optimizer.load_state_dict(optimizer_state(ckpt, lo, hi, used))
+    else:  # AdamW of the rank's shards: m and v of the full layout, cut like the parameters (ZeRO-1 then takes
+        # its part of them)
+        full = optimizer_state(ckpt, 0, model.full_size, used)
+        optimizer.load_state_dict({**full, "m": model.shard_flat(full["m"]), "v": model.shard_flat(full["v"])})
     sampler.load_state(state["sampler"])
     if powersgd is not None:
         # a checkpoint of a run without PowerSGD leaves it as it starts: Q from the seed, no error yet

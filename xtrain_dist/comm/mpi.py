@@ -97,6 +97,13 @@ class MpiCommunicator:
         self.timeout_s = timeout_s
         self.abort_reason: str | None = None
 
+    @property
+    def concurrent_groups(self) -> bool:
+        """Whether two threads of the process may be in MPI calls at once, on different communicators (as a
+        tensor-parallel rank's thread all-reducing over its group while its gradient sync's thread reduces
+        over the data-parallel one): MPI_THREAD_MULTIPLE, which MPI_THREAD_SERIALIZED is not."""
+        return self.MPI.Query_thread() >= self.MPI.THREAD_MULTIPLE
+
     def _reason(self) -> str | None:
         """Why this communicator, or one it was split from, was aborted (None: it was not)."""
         comm = self

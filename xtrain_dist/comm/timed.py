@@ -30,7 +30,7 @@ class HostClock:
 
 
 class TimedCommunicator:
-    def __init__(self, comm, clock=HostClock):
+    def __init__(self, comm, clock=HostClock, marks_of: "TimedCommunicator | None" = None):
         self.comm = comm
         self.rank = comm.rank
         self.world_size = comm.world_size
@@ -38,6 +38,12 @@ class TimedCommunicator:
         self._owner = threading.get_ident()
         self._lock = threading.Lock()
         self._spans: list[tuple[object, object, bool, bool]] = []  # (start, end, in a collective, exposed)
+        self._marks_of = marks_of or self  # whose marks this one's collectives add to
+
+    def timing(self, comm) -> "TimedCommunicator":
+        """Another communicator of the rank (a group of its mesh) whose collectives are timed into this one's
+        marks, so that one take() counts them all."""
+        return TimedCommunicator(comm, self.clock, marks_of=self)
 
     def take(self) -> tuple[float, float, int]:
         """(comm_s, exposed_s, calls) since the last take, and start counting afresh."""
@@ -70,8 +76,9 @@ class TimedCommunicator:
     def waited(self, start, end) -> None:
         """The rank's work stood still from one clock mark to the other, for communication run by another
         thread."""
-        with self._lock:
-            self._spans.append((start, end, False, True))
+        owner = self._marks_of
+        with owner._lock:
+            owner._spans.append((start, end, False, True))
 
     def _timed(self, collective, *args) -> None:
         start = self.clock.timestamp()
@@ -79,8 +86,9 @@ class TimedCommunicator:
             collective(*args)
         finally:
             end = self.clock.timestamp()
-            with self._lock:
-                self._spans.append((start, end, True, threading.get_ident() == self._owner))
+            owner = self._marks_of
+            with owner._lock:
+                owner._spans.append((start, end, True, threading.get_ident() == self._owner))
 
     def all_reduce(self, buf) -> None:
         self._timed(self.comm.all_reduce, buf)

@@ -60,7 +60,7 @@ class ShardedAdamW(AdamW):
         return self.lo, self.hi
 
     def grad_norm_squared(self):
-        partial = self.ops.global_norm_squared(self.model.grads[self.lo:self.hi])
+        partial = self.model.grad_norm_squared(self.lo, self.hi)
         self.comm.all_reduce(partial)
         return partial
 

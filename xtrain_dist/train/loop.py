@@ -9,6 +9,7 @@ import numpy as np
 from ..backend import get_backend
 from ..checkpoint import hf
 from ..checkpoint.resume import restore, save
+from ..comm.mesh import DeviceMesh
 from ..comm.ring import RingAllReduce
 from ..comm.timed import TimedCommunicator
 from ..config import TrainConfig, model_config
@@ -83,7 +84,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
 
     Args:
         rank: this rank's place in the job (0 .. comm.world_size - 1); it picks the rank's sequences of
-            every global batch (i % world == rank).
+            every global batch (i % world == rank; with --tp, i % dp == the rank's data-parallel index).
         comm: the rank's communicator (comm/): the gradient sync, the loss and the stop request use it.
         cfg: the run's configuration; corpus: its loaded token ids and tokenizer.
         device: the GPU the rank binds (cuda); None on the CPU.
@@ -102,30 +103,43 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
     ops = OpProfiler(backend, active=False) if cfg.profile_step else backend
+    # --tp: the world as dp x tp (comm/mesh.py); the gradient sync, the batch and evaluation are the data-parallel
+    # group's, and the model all-reduces over its tensor-parallel group. Without it every rank is one model.
+    mesh = DeviceMesh(comm, dp=comm.world_size // cfg.tp, tp=cfg.tp) if cfg.tp > 1 else None
+    if mesh and cfg.grad_sync == "bucketed" and not getattr(comm, "concurrent_groups", True):
+        raise XtrainError("--tp with --grad-sync bucketed calls MPI from two threads at once (the tensor-parallel "
+                          "all-reduces and the overlapped gradient sync), and this MPI library was initialised "
+                          "without MPI_THREAD_MULTIPLE: use --grad-sync flat")
+    data_comm = mesh.dp if mesh else comm
+    data_rank, data_world = data_comm.rank, data_comm.world_size
+    # times the step's collectives on the backend's clock; evaluation and checkpoints use the communicators
+    # themselves
+    step_comm = TimedCommunicator(RingAllReduce(data_comm) if cfg.all_reduce == "ring" else data_comm, clock=backend)
+    # the loss and the stop request go round the whole world, timed with the step's other collectives
+    world_comm = step_comm.timing(comm) if mesh else step_comm
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
-                 recompute=cfg.recompute)
-    # times the step's collectives on the backend's clock; evaluation and checkpoints use comm itself
-    step_comm = TimedCommunicator(RingAllReduce(comm) if cfg.all_reduce == "ring" else comm, clock=backend)
+                 recompute=cfg.recompute, tp=step_comm.timing(mesh.tp) if mesh else None)
     optimizer = make_optimizer(model, cfg, step_comm)
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
-    sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=comm.world_size,
+    sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
                            overfit=cfg.overfit_batch)
     powersgd = getattr(grad_sync, "powersgd", None)  # --grad-compress powersgd: its state is saved and restored
     start = restore(resume or cfg.resume, model, optimizer, sampler, powersgd) if cfg.resume else 0
     if cfg.init_from:
         hf.load_pretrained(init or cfg.init_from, model)
-    evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, rank, comm.world_size, backend)
+    evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, data_rank, data_world, backend)
                  if cfg.eval_batches else None)
     multiple_choice = None
     if cfg.hellaswag:
         examples = hellaswag or load_hellaswag(cfg, corpus)
         # about the positions of the rank's training micro-batch, whose activations fit
-        tokens = max(1, cfg.batch // comm.world_size // cfg.grad_accum) * cfg.seq
-        multiple_choice = HellaSwag(examples, tokens, rank, comm.world_size, backend)
+        tokens = max(1, cfg.batch // data_world // cfg.grad_accum) * cfg.seq
+        multiple_choice = HellaSwag(examples, tokens, data_rank, data_world, backend)
     # --sample-every: rank 0 draws from a generator of its own (the batch sampler's is every rank's), so
-    # sampling never changes what the run trains on
+    # sampling never changes what the run trains on; with --tp every rank of rank 0's tensor-parallel group
+    # runs the same draws beside it (their forward passes all-reduce together, their logits are the same bits)
     prompt = (prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
-              if cfg.sample_every and rank == 0 else None)
+              if cfg.sample_every and data_rank == 0 else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
@@ -149,11 +163,12 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         model.zero_grad()
         for i, (ids, targets) in enumerate(batch):
             losses = model.forward(ids, targets, dloss)
-            readout[:1] += losses.sum(dtype=xp.float32) * np.float32(dloss)
+            if model.tp_rank == 0:  # the ranks of a tensor-parallel group have the same loss: count it once
+                readout[:1] += losses.sum(dtype=xp.float32) * np.float32(dloss)
             # backward accumulates into grads; only the last micro-batch's starts the communication
             model.backward(on_grads_ready=grad_sync.on_grads_ready if i == len(batch) - 1 else None)
         grad_sync.finish()
-        step_comm.all_reduce(readout[:2])
+        world_comm.all_reduce(readout[:2])
         norm_squared = optimizer.grad_norm_squared()
         optimizer.update(ops.clip_coefficient(norm_squared, cfg.grad_clip))
         readout[2:] = norm_squared
@@ -216,9 +231,9 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                               "stops here and saves nothing; lower --lr")
         if cadence.evaluates(done):
             if evaluator:
-                record["val_loss"] = evaluator.loss(model, comm)
+                record["val_loss"] = evaluator.loss(model, data_comm)
             if multiple_choice:
-                record["hellaswag"] = multiple_choice.accuracy(model, comm)
+                record["hellaswag"] = multiple_choice.accuracy(model, data_comm)
         if prompt is not None and cadence.samples(done):
             record["sample"] = continuation(model, corpus.tokenizer, prompt, cfg.sample_tokens, seed=cfg.seed,
                                             show_prompt=bool(cfg.sample_prompt))
@@ -226,7 +241,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         times = progress.times(done, ms / 1e3)
         if rank == 0 and cadence.logs(done, stopping):
             log(metrics.progress_line(record, cfg.steps, times))
-        if "sample" in record:
+        if rank == 0 and "sample" in record:
             log(f"--- sample at step {done} ---\n{record['sample']}\n---")
         if rank == 0 and cfg.metrics and (note := metrics.append(cfg.metrics, record)):  # a note: a torn line dropped
             log(note)

@@ -28,12 +28,14 @@ ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
 
 
 def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
-                      recompute: int = 0) -> list[tuple[str, tuple, str]]:
+                      recompute: int = 0, tp: int = 1) -> list[tuple[str, tuple, str]]:
     """What GPT2.forward keeps for backward, array by array: (name, shape, kind), kind "act" for the
     activation dtype, "f32" or "i32" for arrays of that type whatever the precision. Its order and names
     follow GPT2.forward's `_saved` and `_LayerActs` (less what --recompute leaves to backward), which
-    tests/test_memory.py holds it to."""
+    tests/test_memory.py holds it to. With tp > 1, one tensor-parallel rank's: its heads' q, k, v,
+    attention and output, its share of the MLP's hidden width; the residual stream is whole on every rank."""
     C, NH, V = config.n_embd, config.n_head, config.padded_vocab_size  # the logits are Vp wide (model.py)
+    Ct, NHt = C // tp, NH // tp  # the rank's share of the attention's channels and heads
     arrays = [("ids", (B, T), "i32")]
     for layer in range(config.n_layer):
         def named(field, shape, kind, layer=layer):
@@ -42,15 +44,15 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
             named("x_in", (B, T, C), "act"),
             *([named("ln1", (B, T, C), "act")] if recompute < 2 else []),
             named("ln1_mean", (B, T), "f32"), named("ln1_rstd", (B, T), "f32"),
-            named("qkv", (B, T, 3 * C), "act"),
-            named("atty", (B, T, C), "act"),
+            named("qkv", (B, T, 3 * Ct), "act"),
+            named("atty", (B, T, Ct), "act"),
             # standard attention keeps the softmax probabilities; flash keeps one log-sum-exp per row
-            named("att", (B, NH, T, T), "act") if attention == "standard" else named("att", (B, NH, T), "f32"),
+            named("att", (B, NHt, T, T), "act") if attention == "standard" else named("att", (B, NHt, T), "f32"),
             named("x_mid", (B, T, C), "act"),
             *([named("ln2", (B, T, C), "act")] if recompute < 2 else []),
             named("ln2_mean", (B, T), "f32"), named("ln2_rstd", (B, T), "f32"),
-            named("fch", (B, T, 4 * C), "act"),
-            *([named("fch_gelu", (B, T, 4 * C), "act")] if recompute < 1 else []),
+            named("fch", (B, T, 4 * Ct), "act"),
+            *([named("fch_gelu", (B, T, 4 * Ct), "act")] if recompute < 1 else []),
         ]
     arrays += [("x", (B, T, C), "act"), ("lnf", (B, T, C), "act"), ("lnf_mean", (B, T), "f32"),
                ("lnf_rstd", (B, T), "f32"), ("dlogits", (B, T, V), "act")]
@@ -90,17 +92,22 @@ def gib(n: int) -> str:
 
 def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]:
     """The lower bound for every rank of a run with TrainConfig `cfg`, in rank order, with activations of
-    `act_itemsize` bytes (4: float32, and numpy's bf16 emulation; 2: bf16 on a GPU)."""
-    layout, size = param_layout(config)
+    `act_itemsize` bytes (4: float32, and numpy's bf16 emulation; 2: bf16 on a GPU). With --tp a rank
+    holds its tensor-parallel shards (param_layout(config, tp)) and takes its data-parallel group's rows."""
+    tp = cfg.tp
+    layout, size = param_layout(config, tp)
     # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
     compression = 4 * state_elements(layout, cfg.powersgd_rank) if cfg.grad_compress == "powersgd" else 0
     parameters = 4 * size + (size * act_itemsize if cfg.dtype != "fp32" else 0) + ITEMSIZE["u8"] * size
-    shards = shard_bounds(size, cfg.world_size) if cfg.zero else [(0, size)] * cfg.world_size
+    dp = cfg.world_size // tp
+    # ZeRO-1 shards the rank's flat buffer over its data-parallel group: world rank r holds shard r // tp
+    shards = shard_bounds(size, dp) if cfg.zero else [(0, size)] * dp
+    shards = [shards[rank // tp] for rank in range(cfg.world_size)]
     activations = {}  # by micro-batch rows: ranks differ by at most one row
 
     def saved_bytes(rows: int) -> int:
         if rows not in activations:
-            saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute)
+            saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute, tp)
             activations[rows] = sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
                                     for _, shape, kind in saved)
         return activations[rows]
@@ -108,8 +115,9 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
     lt_workspace = cublaslt.WORKSPACE_BYTES if cfg.matmul == "cublaslt" else 0
     memories = []
     for rank, (lo, hi) in enumerate(shards):
-        # rank r takes the sequences i % world == r, then cuts them into --grad-accum micro-batches
-        rows = len(range(rank, cfg.batch, cfg.world_size))
+        # rank r takes the sequences i % dp == its data-parallel index (r // tp: tp is the mesh's fastest
+        # axis), then cuts them into --grad-accum micro-batches
+        rows = len(range(rank // tp, cfg.batch, dp))
         memories.append(RankMemory(parameters=parameters, gradients=4 * size + compression, optimizer=2 * 4 * (hi - lo),
                                    activations=saved_bytes(-(-rows // cfg.grad_accum)),
                                    # evaluate.Evaluator keeps every batch's windows of this rank's rows

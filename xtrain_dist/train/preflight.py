@@ -20,7 +20,7 @@ from ..errors import XtrainError
 from ..eval import evaluate, hellaswag, sample
 from ..model import check_recompute
 from ..optim import check_schedule
-from ..parallel import ddp
+from ..parallel import ddp, tensor
 from . import memory, metrics, tensorboard
 from .cadence import Cadence, kept_folder
 from .graph import MODES as GRAPH_MODES
@@ -40,6 +40,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     check_schedule(cfg)
     if cfg.cuda_graph not in GRAPH_MODES:
         raise XtrainError(f"--cuda-graph must be one of {', '.join(GRAPH_MODES)}, not {cfg.cuda_graph!r}")
+    tensor.check_config(cfg, model)
     ddp.check_config(cfg)
     if cfg.all_reduce not in ALL_REDUCES:
         raise XtrainError(f"--all-reduce must be one of {', '.join(ALL_REDUCES)}, not {cfg.all_reduce!r}")
@@ -125,6 +126,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
     if cfg.all_reduce == "ring" and engine in ("mpi", "tcp") and local_world > 1:
         raise XtrainError(f"--all-reduce ring sends between ranks, and {NOT_BUILT}")
+    if cfg.tp > 1 and engine in ("mpi", "tcp") and local_world > 1:
+        raise XtrainError(f"--tp splits the world into groups, and {NOT_BUILT}")
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus, val_path=cfg.val_corpus or None)
     check_config(cfg, corpus)
     # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
@@ -184,10 +187,11 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if launch.process_rank == 0:
         where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
         processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
+        mesh = f" (dp {cfg.world_size // cfg.tp} x tp {cfg.tp})" if cfg.tp > 1 else ""
         products = (" with TF32 products" if cfg.tf32 else "") + \
             (", biases in cuBLASLt's epilogue" if cfg.matmul == "cublaslt" else "")
         log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}"
-            f"{products}, {cfg.world_size} rank(s){processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
+            f"{products}, {cfg.world_size} rank(s){mesh}{processes}{where}, batch {cfg.batch} x {cfg.seq} tokens")
     # the files' paths may differ from node to node; the token ids read from them may not, or ranks would
     # train on different data with nothing to say so
     same_everywhere = {k: v for k, v in cfg.to_dict().items() if k not in _PER_PROCESS_FIELDS}

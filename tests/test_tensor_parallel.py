@@ -1,0 +1,329 @@
+"""--tp N (model.py's Megatron split, parallel/tensor.py, the dp x tp mesh in train/loop.py): one model cut over
+a tensor-parallel group is the model of one rank, step by step and in its checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xtrain_dist.backend.numpy_ops import NumpyBackend
+from xtrain_dist.checkpoint.safetensors_io import read_safetensors
+from xtrain_dist.checkpoint.store import MODEL
+from xtrain_dist.comm.launch_env import Launch
+from xtrain_dist.comm.local import LocalGroup
+from xtrain_dist.config import GPTConfig, TrainConfig, model_config
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.errors import XtrainError
+from xtrain_dist.model import GPT2, join_flats, param_layout, shard_flat
+from xtrain_dist.train import loop, memory
+from xtrain_dist.train.cadence import kept_folder
+from xtrain_dist.train.cli import parse_config
+from xtrain_dist.train.job import train
+
+CONFIG = GPTConfig(vocab_size=100, n_ctx=16, n_layer=2, n_head=4, n_embd=32)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+
+def on_thread_ranks(world: int, fn) -> list:
+    """fn(comm) on `world` rank threads of one local group: their results in rank order."""
+    group = LocalGroup(world)
+    results, errors = [None] * world, []
+
+    def rank(r):
+        comm = group.communicator(r)
+        try:
+            results[r] = fn(comm)
+        except BaseException as err:  # raised on the test's thread below
+            errors.append(err)
+            comm.abort(str(err))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+class CountingGroup:
+    """A tensor-parallel communicator that notes the size of every all-reduce it passes on."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
+        self.all_reduced: list[int] = []
+
+    def all_reduce(self, buf):
+        self.all_reduced.append(buf.size)
+        self.comm.all_reduce(buf)
+
+    def all_gather(self, send, recv, counts=None):
+        self.comm.all_gather(send, recv, counts)
+
+
+# ---------------------------------------------------------------------------------------------- the split
+def test_shards_join_back_into_the_full_layout_and_cut_c_attn_by_heads():
+    full = np.random.default_rng(0).standard_normal(param_layout(CONFIG)[1]).astype(np.float32)
+    for tp in (1, 2, 4):
+        shards = [shard_flat(full, CONFIG, tp, r) for r in range(tp)]
+        assert np.array_equal(join_flats(shards, CONFIG), full)
+    specs = {s.name: s for s in param_layout(CONFIG)[0]}
+    c_attn = specs["transformer.h.0.attn.c_attn.weight"]
+    weight = full[c_attn.offset: c_attn.offset + c_attn.size].reshape(c_attn.shape)  # (C, 3C): q | k | v
+    local = {s.name: s for s in param_layout(CONFIG, 2)[0]}["transformer.h.0.attn.c_attn.weight"]
+    assert (local.shape, local.split) == ((32, 48), "qkv")
+    rank1 = shard_flat(full, CONFIG, 2, 1)[local.offset: local.offset + local.size].reshape(local.shape)
+    # rank 1 of 2 holds heads 2 and 3 (channels 16..31) of each of q, k and v
+    assert np.array_equal(rank1, np.concatenate([weight[:, 16:32], weight[:, 48:64], weight[:, 80:96]], axis=1))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_step_at_tp_is_world_one_s_with_four_all_reduces_of_b_t_c_per_layer(tp):
+    """In float64, where the sums' other order changes nothing above 1e-12: the same losses and gradients."""
+    rng = np.random.default_rng(1)
+    ids, targets = (rng.integers(0, CONFIG.vocab_size, (2, 8)).astype(np.int32) for _ in range(2))
+    one = GPT2(CONFIG, NumpyBackend(), seed=3, dtype=np.float64)
+    init = one.gather_flat(one.params)
+    # biases and gains away from their zeros and ones, so that a bias added on every rank would show
+    full = init + rng.standard_normal(one.full_size) * 0.05
+    one.load_flat(full)
+    losses = one.forward(ids, targets, 1 / 16)
+    one.backward()
+
+    def rank(comm):
+        group = CountingGroup(comm)
+        model = GPT2(CONFIG, NumpyBackend(), seed=3, tp=group, dtype=np.float64)
+        assert np.array_equal(model.gather_flat(model.params), init)  # the full draws, sliced: the same model
+        model.load_flat(full)
+        mine = model.forward(ids, targets, 1 / 16)
+        model.backward()
+        calls = list(group.all_reduced)
+        return mine, calls, model.gather_flat(model.params), model.gather_flat(model.grads), model.grad_norm_squared()
+
+    for mine, calls, params, grads, norm_squared in on_thread_ranks(tp, rank):
+        assert np.array_equal(params, full)
+        np.testing.assert_allclose(mine, losses, rtol=1e-12)
+        np.testing.assert_allclose(grads, one.grads[:one.full_size], rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(norm_squared, one.grad_norm_squared(), rtol=1e-12)
+        # Megatron's g after both row-parallel products in forward, f before both column-parallel ones in backward
+        assert calls == [2 * 8 * CONFIG.n_embd] * (4 * CONFIG.n_layer)
+
+
+def test_saved_activations_are_a_tensor_parallel_rank_s():
+    from test_memory import saved_arrays
+
+    def rank(comm):
+        model = GPT2(CONFIG, NumpyBackend(), seed=3, tp=comm)
+        ids = np.zeros((2, 8), dtype=np.int32)
+        model.forward(ids, ids, 1.0)
+        return [(name, shape) for name, shape, _ in saved_arrays(model)]
+
+    expected = [(name, shape) for name, shape, _ in memory.saved_activations(CONFIG, 2, 8, "standard", 0, tp=2)]
+    assert on_thread_ranks(2, rank) == [expected, expected]
+
+
+# ---------------------------------------------------------------------------------------------- training
+def run(corpus, tmp_path, name, **kw):
+    kw = {"steps": 20, "batch": 4, "seq": 32, "model": "tiny", "seed": 7, "eval_batches": 0, "cpu_threads": 1,
+          "save_dir": str(tmp_path / name), **kw}
+    cfg = TrainConfig(**kw).resolved()
+    return train(cfg, corpus, log=lambda line: None)
+
+
+def saved_params(tmp_path, name) -> dict:
+    return read_safetensors(tmp_path / name / MODEL)[0]
+
+
+@pytest.fixture(scope="module")
+def world_one(corpus, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp")
+    return folder, run(corpus, folder, "one", keep_every=10)
+
+
+@pytest.mark.parametrize("world, tp", [(2, 2), (4, 2)])
+def test_training_at_tp_follows_world_one_and_keeps_shared_shards_bitwise_equal(corpus, world_one, tmp_path,
+                                                                                 monkeypatch, world, tp):
+    models = []
+
+    class Recorded(GPT2):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            models.append(self)
+
+    monkeypatch.setattr(loop, "GPT2", Recorded)
+    folder, one = world_one
+    report = run(corpus, tmp_path, "tp", world_size=world, tp=tp)
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "tp")
+    # 20 steps of AdamW from float32 sums in another order (the products' split over ranks, then the all-reduce):
+    # AdamW's m / sqrt(v) magnifies their rounding where a gradient is near zero. Measured at most 8.4e-6 (tp 2,
+    # dp 2 x tp 2) and 2.1e-6 for plain data parallelism at world 2, on steps of lr = 1e-3; 2e-5 is 2% of one step
+    for name, tensor in reference.items():
+        np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
+    # the data-parallel replicas (ranks tp apart) hold the same shard, bit for bit, and the shards differ
+    digests = report["param_sha256"]
+    assert [digests[r] for r in range(world)] == [digests[r % tp] for r in range(world)]
+    assert len(set(digests)) == tp
+    # what every rank of a tensor-parallel group holds whole is bitwise the same on all of them
+    assert len(models) == world
+    replicated = [s for s in models[0].layout if s.split == "replicated"]
+    for model in models[1:]:
+        for s in replicated:
+            assert np.array_equal(model.params[s.offset: s.offset + s.size],
+                                  models[0].params[s.offset: s.offset + s.size]), s.name
+
+
+@pytest.mark.parametrize("kw", [{"grad_sync": "flat", "all_reduce": "ring"}, {"grad_sync": "per-param"},
+                                {"grad_accum": 2, "attention": "flash", "recompute": 2}, {"zero": 1}])
+def test_every_sync_and_option_of_the_step_runs_inside_the_mesh(corpus, world_one, tmp_path, kw):
+    _, one = world_one
+    report = run(corpus, tmp_path, "tp", world_size=4, tp=2, **kw)
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    digests = report["param_sha256"]
+    assert digests[0] == digests[2] != digests[1] == digests[3]
+
+
+@pytest.mark.parametrize("mesh", [{"world_size": 2, "tp": 2}, {"world_size": 4, "tp": 2, "zero": 1}])
+def test_a_tp_2_checkpoint_resumes_at_tp_1_and_back(corpus, world_one, tmp_path, mesh):
+    """The checkpoint holds the full model and AdamW state (gathered over the tensor-parallel group, and under
+    ZeRO-1 over the data-parallel one first), so it resumes on another mesh and world 1's on this one."""
+    folder, one = world_one
+    run(corpus, tmp_path, "tp", keep_every=10, **mesh)
+    at_one = run(corpus, tmp_path, "resumed1", resume=str(kept_folder(tmp_path / "tp", 10)))
+    at_two = run(corpus, tmp_path, "resumed2", resume=str(kept_folder(folder / "one", 10)), **mesh)
+    for resumed in (at_one, at_two):
+        assert resumed["start_step"] == 10
+        relative = np.abs(np.array(resumed["losses"]) - one["losses"][10:]) / np.array(one["losses"][10:])
+        assert relative.max() < 1e-5, relative.max()
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("argv, line", [
+    (["--tp", "0"], "--tp must be a positive integer, got '0'"),
+    (["--tp", "two"], "--tp must be a positive integer, got 'two'"),
+])
+def test_tp_must_be_a_positive_integer(argv, line):
+    with pytest.raises(XtrainError) as info:
+        parse_config(["5", "8", "32", *argv], Launch("single"))
+    assert str(info.value) == line
+
+
+@pytest.mark.parametrize("kw, line", [
+    ({"world_size": 4, "tp": 3}, "--tp must be a divisor of the world size (4), got '3'"),
+    ({"world_size": 8, "tp": 8}, "--tp must be a divisor of the model's 4 heads, got '8'"),
+    ({"world_size": 2, "tp": 2, "grad_compress": "powersgd"}, "--tp 2 and --grad-compress powersgd do not work "
+     "together yet: PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
+    ({"world_size": 4, "tp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "
+     "(the world size over --tp) times --grad-accum (2 x 2 = 4): every micro-batch needs a sequence in every "
+     "data-parallel group"),
+])
+def test_bad_tp_runs_are_one_line_before_any_rank_starts(corpus, kw, line):
+    cfg = TrainConfig(**{"steps": 2, "batch": 8, "seq": 32, "model": "tiny", **kw}).resolved()
+    with pytest.raises(XtrainError) as info:
+        train(cfg, corpus, log=lambda line: None)
+    assert str(info.value) == line
+
+
+def test_a_tp_rank_s_memory_counts_its_shards(corpus):
+    config = model_config("tiny", corpus.vocab_size)
+    cfg = TrainConfig(steps=1, batch=4, seq=32, world_size=4, tp=2)
+    two, one = memory.rank_memories(config, cfg, 4), memory.rank_memories(config, TrainConfig(steps=1, batch=4,
+                                                                                           seq=32, world_size=2), 4)
+    assert two[0].gradients == 4 * param_layout(config, 2)[1] < one[0].gradients
+    # each rank of the 2 x 2 mesh takes its data-parallel group's two rows, as each rank of world 2 does, and keeps
+    # its heads' and its MLP columns' activations of them: less than a whole model's, more than half (the residual
+    # stream and the logits are whole on every rank)
+    assert one[0].activations / 2 < two[0].activations < one[0].activations
+    assert len({m.activations for m in two}) == 1
+    # ZeRO-1 shards each rank's buffer over its data-parallel group: ranks 0 and 1 hold the first half's state
+    from xtrain_dist.parallel.zero import shard_bounds
+    zero = memory.rank_memories(config, TrainConfig(steps=1, batch=4, seq=32, world_size=4, tp=2, zero=1), 4)
+    halves = [8 * (hi - lo) for lo, hi in shard_bounds(param_layout(config, 2)[1], 2)]
+    assert [m.optimizer for m in zero] == [halves[0], halves[0], halves[1], halves[1]]
+
+
+def test_an_mpi_library_without_thread_multiple_refuses_the_overlapped_sync(corpus, tmp_path, monkeypatch):
+    from xtrain_dist.comm.local import LocalCommunicator
+    from xtrain_dist.train.launch import RankFailed
+    monkeypatch.setattr(LocalCommunicator, "concurrent_groups", False, raising=False)  # as MpiCommunicator's may be
+    with pytest.raises(RankFailed) as info:
+        run(corpus, tmp_path, "refused", world_size=2, tp=2)
+    assert str(info.value.error) == (
+        "--tp with --grad-sync bucketed calls MPI from two threads at once (the tensor-parallel all-reduces and the "
+        "overlapped gradient sync), and this MPI library was initialised without MPI_THREAD_MULTIPLE: use "
+        "--grad-sync flat")
+    run(corpus, tmp_path, "flat", world_size=2, tp=2, grad_sync="flat")
+
+
+# ---------------------------------------------------------------------------------------------- MPI processes
+MPIRUN = Path(sys.executable).parent / "mpirun"
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+def test_dp_2_x_tp_2_through_mpi_processes_follows_world_one(world_one, tmp_path):
+    folder, one = world_one
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    out = subprocess.run([str(MPIRUN), "-n", "4", sys.executable, "-m", "xtrain_dist.train_ddp", "20", "4", "32",
+                          "--tp", "2", "--seed", "7", "--eval-batches", "0", "--report", str(tmp_path / "r.json"),
+                          "--save-dir", str(tmp_path / "mpi")], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["launch"]["comm"] == "mpi" and report["config"]["tp"] == 2
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    digests = report["param_sha256"]
+    assert digests[0] == digests[2] != digests[1] == digests[3]
+    reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "mpi")
+    for name, tensor in reference.items():
+        np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
+
+
+def test_evaluation_hellaswag_and_samples_at_tp_are_world_one_s(corpus, tmp_path):
+    """Each data-parallel group scores its share of the held-out set; rank 0's tensor-parallel group draws the
+    samples together (with one seed, on logits that are the same bits on each of its ranks)."""
+    from test_hellaswag import random_examples, write
+    path = write(tmp_path / "hs.bin", random_examples(10, seed=4))
+    reports = [run(corpus, tmp_path, f"eval{world}", world_size=world, tp=tp, eval_every=10, eval_batches=2,
+                   hellaswag=str(path), sample_every=10, sample_tokens=16) for world, tp in ((1, 1), (4, 2))]
+    (loss_one, loss_tp), (score_one, score_tp) = ([r[key] for r in reports] for key in ("val_losses", "hellaswag"))
+    assert [step for step, _ in loss_tp] == [step for step, _ in score_tp] == [10, 20]
+    np.testing.assert_allclose([v for _, v in loss_tp], [v for _, v in loss_one], rtol=1e-5)
+    assert score_tp == score_one
+    samples = [r["samples"] for r in reports]
+    assert [step for step, _ in samples[1]] == [10, 20] and samples[1] == samples[0]
+
+
+def test_a_bad_tp_on_the_command_line_is_one_line_and_exit_status_2():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "4", "32", "--world-size", "4",
+                          "--tp", "3"], capture_output=True, text=True, timeout=60, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert (out.returncode, out.stdout, out.stderr) == (
+        2, "", "train_ddp: error: --tp must be a divisor of the world size (4), got '3'\n")
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+def test_tp_over_rank_threads_of_several_processes_is_one_line(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    out = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "2", "4", "32",
+                          "--world-size", "4", "--tp", "2"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2, out.stderr
+    assert ("train_ddp: error: --tp splits the world into groups, and groups and point-to-point across rank threads "
+            "of several processes are not built: run one rank thread per process (mpirun -n N, torchrun "
+            "--nproc-per-node N)") in out.stderr.splitlines(), out.stderr

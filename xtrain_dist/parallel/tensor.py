@@ -1,0 +1,36 @@
+"""--tp N: Megatron tensor parallelism on the ranks of a data-parallel x tensor-parallel mesh.
+
+The model does the splitting (model.py: each block's four matrices cut over the tensor-parallel group, the
+all-reduces after the row-parallel products and before the column-parallel ones in backward); the mesh
+(comm/mesh.py) lays the world out as dp x tp with tp fastest, so ranks 0 .. tp-1 are one model; and the
+data-parallel gradient sync runs inside each data-parallel group (the ranks holding the same shard). This
+module checks the option before any rank starts, and says what a tensor-parallel run cannot do yet.
+"""
+
+from ..command import must_be
+from ..config import GPTConfig
+from ..errors import XtrainError
+from ..model import check_tp
+
+# What a run with --tp above 1 refuses, and why: (option, whether the configuration asks for it, why not)
+NOT_YET = (
+    ("--backend cuda", lambda cfg: cfg.backend == "cuda",
+     "the tensor-parallel step is checked against one rank on the numpy backend only"),
+    ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
+     "PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
+)
+
+
+def check_config(cfg, config: GPTConfig) -> None:
+    """--tp divides the world and the model's heads, and asks for nothing NOT_YET lists: one line if not."""
+    if isinstance(cfg.tp, bool) or not isinstance(cfg.tp, int) or cfg.tp < 1:
+        raise XtrainError(must_be("--tp", "a positive integer", cfg.tp))
+    if cfg.world_size % cfg.tp:
+        raise XtrainError(must_be("--tp", f"a divisor of the world size ({cfg.world_size})", cfg.tp))
+    check_tp(config, cfg.tp)
+    if cfg.tp == 1:
+        return
+    for option, asks, why in NOT_YET:
+        if asks(cfg):
+            raise XtrainError(f"--tp {cfg.tp} and {option} do not work together yet: {why}")
+
