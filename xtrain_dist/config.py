@@ -71,7 +71,9 @@ class TrainConfig:
     model: str = "tiny"
     backend: str = "numpy"      # numpy | cuda
     world_size: int = 1
-    tp: int = 1                 # tensor-parallel ranks per model (parallel/tensor.py); world = dp x tp
+    tp: int = 1                 # tensor-parallel ranks per model (parallel/tensor.py); world = pp x dp x tp
+    pp: int = 1                 # pipeline stages per model (parallel/pipeline.py)
+    pp_schedule: str = "1f1b"   # gpipe | 1f1b
     seed: int = 1337
     overfit_batch: bool = False     # every step trains on the first global batch (llm.c's -a): a sanity check
     # AdamW and the schedule (nanoGPT's defaults, lr for small models)

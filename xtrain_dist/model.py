@@ -44,6 +44,7 @@ save. Forward and backward read `params_lowp`, the same layout in the backend's 
 from dataclasses import dataclass
 from itertools import pairwise
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -52,6 +53,7 @@ from .config import GPTConfig
 from .errors import XtrainError
 
 ALIGN = 32  # elements; 128 bytes of float32
+WTE = "transformer.wte.weight"
 INIT_STD = 0.02
 
 
@@ -108,18 +110,47 @@ def check_tp(config: GPTConfig, tp: int) -> None:
         raise XtrainError(must_be("--tp", f"a divisor of the model's {config.n_head} heads", tp))
 
 
-def param_layout(config: GPTConfig, tp: int = 1) -> tuple[list[ParamSpec], int]:
+def check_pp(config: GPTConfig, pp: int) -> None:
+    """A pipeline of pp stages gives every stage one block at least."""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or pp > config.n_layer:
+        raise XtrainError(must_be("--pp", f"at most the model's {config.n_layer} layers", pp))
+
+
+def stage_blocks(n_layer: int, pp: int, stage: int) -> range:
+    """The blocks stage `stage` of a pipeline of pp runs: n_layer cut into pp contiguous runs as even as
+    can be, the n_layer % pp extra blocks on the first stages (the last one also runs the classifier)."""
+    base, extra = divmod(n_layer, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def stage_of(name: str, config: GPTConfig, pp: int) -> int:
+    """The stage that holds a parameter (by its Hugging Face name); for wte, which the last stage holds too
+    (the tied classifier), the first."""
+    parts = name.split(".")
+    if parts[1] == "h":
+        layer = int(parts[2])
+        return next(s for s in range(pp) if layer in stage_blocks(config.n_layer, pp, s))
+    return pp - 1 if parts[1] == "ln_f" else 0
+
+
+def param_layout(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> tuple[list[ParamSpec], int]:
     """The flat layout: every parameter's spec, and the total number of elements (padding included). With
-    tp > 1, that of one rank of a tensor-parallel group of tp: its shards, in the same order."""
+    tp > 1, that of one rank of a tensor-parallel group of tp: its shards, in the same order. With pp > 1,
+    that of pipeline stage `stage`: its blocks, with wpe and wte on the first stage and ln_f and wte (the
+    tied classifier's copy) on the last, in the same order."""
     check_tp(config, tp)
+    check_pp(config, pp)
+    first, last, blocks = stage == 0, stage == pp - 1, stage_blocks(config.n_layer, pp, stage)
     C = config.n_embd
     entries = [("transformer.ln_f.weight", (C,), None, "replicated"),
-               ("transformer.ln_f.bias", (C,), None, "replicated")]
-    for layer in reversed(range(config.n_layer)):
+               ("transformer.ln_f.bias", (C,), None, "replicated")] if last else []
+    for layer in reversed(blocks):
         entries += [(f"transformer.h.{layer}.{suffix}", *rest) for suffix, *rest in _block_params(config, tp)]
     entries = [(name, shape, std, 0, split) for name, shape, std, split in entries]
-    entries += [("transformer.wpe.weight", (config.n_ctx, C), INIT_STD, 0, "replicated"),
-                ("transformer.wte.weight", (config.padded_vocab_size, C), INIT_STD, config.vocab_size, "replicated")]
+    entries += [("transformer.wpe.weight", (config.n_ctx, C), INIT_STD, 0, "replicated")] if first else []
+    entries += [("transformer.wte.weight", (config.padded_vocab_size, C), INIT_STD, config.vocab_size,
+                 "replicated")] if first or last else []
     specs, offset = [], 0
     for name, shape, std, rows, split in entries:
         specs.append(ParamSpec(name, shape, offset, std, decay=len(shape) == 2, rows=rows, split=split))
@@ -155,25 +186,43 @@ def join_shards(shards: list[np.ndarray], split: str) -> np.ndarray:
     return np.concatenate(grouped, axis=-1).reshape(*shards[0].shape[:-1], -1)
 
 
-def shard_flat(full: np.ndarray, config: GPTConfig, tp: int, index: int, size: int | None = None) -> np.ndarray:
+def shard_flat(full: np.ndarray, config: GPTConfig, tp: int, index: int, size: int | None = None, pp: int = 1,
+               stage: int = 0) -> np.ndarray:
     """A flat buffer of the full layout (parameters, or AdamW's m or v) as rank `index` of a tensor-parallel
-    group of tp holds it: its shards in param_layout(config, tp), zero-padded to `size` elements."""
-    specs, total = param_layout(config, tp)
+    group of tp, on pipeline stage `stage` of pp, holds it: its shards in param_layout(config, tp, pp, stage),
+    zero-padded to `size` elements."""
+    specs, total = param_layout(config, tp, pp, stage)
+    full_specs = {f.name: f for f in param_layout(config)[0]}
     out = np.zeros(size or total, dtype=full.dtype)
-    for f, s in zip(param_layout(config)[0], specs, strict=True):
+    for s in specs:
+        f = full_specs[s.name]
         tensor = full[f.offset: f.offset + f.size].reshape(f.shape)
         out[s.offset: s.offset + s.size] = shard_tensor(tensor, s.split, tp, index).reshape(-1)
     return out
 
 
-def join_flats(flats: list[np.ndarray], config: GPTConfig) -> np.ndarray:
-    """The full layout's flat buffer from every tensor-parallel rank's, in rank order: shard_flat undone."""
-    specs, _ = param_layout(config, len(flats))
+def join_flats(flats: list[np.ndarray], config: GPTConfig, pp: int = 1, stage: int = 0) -> np.ndarray:
+    """The full layout's flat buffer from every tensor-parallel rank's of one pipeline stage, in rank order:
+    shard_flat undone. The tensors of other stages stay zero."""
+    specs, _ = param_layout(config, len(flats), pp, stage)
     full_specs, total = param_layout(config)
+    full_specs = {f.name: f for f in full_specs}
     out = np.zeros(total, dtype=flats[0].dtype)
-    for f, s in zip(full_specs, specs, strict=True):
+    for s in specs:
+        f = full_specs[s.name]
         shards = [flat[s.offset: s.offset + s.size].reshape(s.shape) for flat in flats]
         out[f.offset: f.offset + f.size] = join_shards(shards, s.split).reshape(-1)
+    return out
+
+
+def join_stages(stage_flats: list[np.ndarray], config: GPTConfig) -> np.ndarray:
+    """The full layout's flat buffer from every pipeline stage's join_flats, in stage order: each tensor
+    from the stage that holds it (wte from the first, whose copy the last stage's equals)."""
+    pp = len(stage_flats)
+    full_specs, total = param_layout(config)
+    out = np.zeros(total, dtype=stage_flats[0].dtype)
+    for f in full_specs:
+        out[f.offset: f.offset + f.size] = stage_flats[stage_of(f.name, config, pp)][f.offset: f.offset + f.size]
     return out
 
 
@@ -256,6 +305,19 @@ class _LayerActs:
     fch_gelu: object  # None under recompute >= 1
 
 
+class Tape(NamedTuple):
+    """What one micro-batch's backward on this stage needs from its forward: stage_forward returns it and
+    stage_backward takes it, so a pipeline stage can hold several micro-batches in flight (1F1B). The head's
+    part (lnf .. dlogits) is None on a pipeline stage before the last."""
+    ids: object       # (B, T) int32: the embedding's backward reads them on the first stage
+    acts: list        # _LayerActs of each of the stage's blocks, in order
+    x: object         # the residual stream after the stage's last block
+    lnf: object
+    lnf_mean: object
+    lnf_rstd: object
+    dlogits: object   # the logits, turned into their gradient by the fused classifier
+
+
 class KVCache:
     """The keys and values of every position a generation has run, layer by layer, so that each new
     token runs the blocks for itself alone, its query attending over the cached keys (eval/sample.py).
@@ -299,23 +361,31 @@ class GPT2:
     the parameters also in the activation dtype (`params_lowp`) when that is not float32."""
 
     def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32,
-                 attention: str = "standard", recompute: int = 0, init: np.ndarray | None = None, tp=None):
+                 attention: str = "standard", recompute: int = 0, init: np.ndarray | None = None, tp=None,
+                 pp=None):
         """init: the initial parameters init_weights(config, seed) would draw, already drawn (a benchmark building
         many models of one seed draws them once: 3.4 s at GPT-2 124M); by default they are drawn here.
         tp: the communicator of this rank's tensor-parallel group (comm/mesh.py's mesh.tp), or None: the
-        model holds the rank's shards and its passes all-reduce over the group (see the module's notes)."""
+        model holds the rank's shards and its passes all-reduce over the group (see the module's notes).
+        pp: the communicator of this rank's pipeline group (mesh.pp), or None: the model holds its stage's
+        blocks (stage_blocks), the embeddings on the first stage, ln_f and the tied classifier on the last, and
+        runs them with stage_forward and stage_backward (see the module's notes)."""
         check_attention(attention)
         self.config = config
         self.ops = backend
         self.tp = tp if tp is not None and tp.world_size > 1 else None
         self.tp_size, self.tp_rank = (tp.world_size, tp.rank) if self.tp is not None else (1, 0)
+        self.pp = pp if pp is not None and pp.world_size > 1 else None
+        self.pp_size, self.stage = (pp.world_size, pp.rank) if self.pp is not None else (1, 0)
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.pp_size - 1
+        self.blocks = stage_blocks(config.n_layer, self.pp_size, self.stage)  # the blocks this rank runs
         self.n_head = config.n_head // self.tp_size  # the heads this rank attends with
         self.full_size = param_layout(config)[1]  # of the full layout, which checkpoints hold
         # standard: attention keeps its (B, NH, T, T) probabilities for backward; flash: only a log-sum-exp
         # per row, and backward recomputes them (the same function, less memory and traffic)
         self.attention = attention
         self.recompute = check_recompute(recompute)  # see RECOMPUTE_LEVELS
-        self.layout, used = param_layout(config, self.tp_size)
+        self.layout, used = param_layout(config, self.tp_size, self.pp_size, self.stage)
         # a caller that shards the buffers (ZeRO) may ask for a total divisible by the world size
         self.size = -(-used // pad_to_multiple) * pad_to_multiple
         self.num_params = count_params(config)  # without wte's padded rows; self.size counts them
@@ -324,7 +394,8 @@ class GPT2:
         host = np.zeros(self.size, dtype=dtype)
         full = init_weights(config, seed) if init is None else init[:self.full_size]
         # every rank draws the full model and keeps its shards: the same model at any --tp
-        host[:used] = full if self.tp is None else shard_flat(full, config, self.tp_size, self.tp_rank)
+        host[:used] = shard_flat(full, config, self.tp_size, self.tp_rank, pp=self.pp_size, stage=self.stage) \
+            if self.split_over_ranks else full
         self.params = backend.from_host(host)
         # what forward and backward read: params itself, or its copy in the activation dtype (float64 values
         # rounded to bf16 in a float64 check: the numpy emulation computing in float64)
@@ -338,7 +409,12 @@ class GPT2:
         self.decay_mask = backend.from_host(mask)
         self.p = _named_views(self.params_lowp, self.layout, config.n_layer)  # the weights the passes read
         self.g = _named_views(self.grads, self.layout, config.n_layer)
-        self._saved = None
+        self._saved = None  # forward's tape, for backward() without one
+
+    @property
+    def split_over_ranks(self) -> bool:
+        """Whether this rank holds part of the model only (tensor-parallel shards, or a pipeline stage)."""
+        return self.tp is not None or self.pp is not None
 
     @property
     def lowp_copy(self):
@@ -360,37 +436,48 @@ class GPT2:
     # ---------------------------------------------------------------- the layout, for gradient sync
     def layer_grad_ranges(self) -> list[tuple[int, int]]:
         """[start, end) of the flat buffer that becomes final at each announcement of backward, in order:
-        ln_f with the last block, then one block at a time, then both embeddings."""
+        ln_f with the last block, then one block at a time, then both embeddings. A pipeline stage's: its
+        blocks (ln_f with the last stage's last), then what its layout holds after them (the embeddings on the
+        first stage, wte on the last, nothing but padding on those between)."""
         ends = {}
         for s in self.layout:
             parts = s.name.split(".")
             key = int(parts[2]) if parts[1] == "h" else parts[1]
             ends[key] = s.offset + s.size
-        bounds = [0] + [ends[layer] for layer in reversed(range(self.config.n_layer))] + [self.size]
+        bounds = [0] + [ends[layer] for layer in reversed(self.blocks)] + [self.size]
         return list(pairwise(bounds))
 
     def grad_norm_squared(self, lo: int = 0, hi: int | None = None):
         """The squared norm of the model's gradient in grads[lo:hi] (all of it by default), a (1,) array. With
         tensor parallelism, that of the whole model's tensors there: the shards' squares summed over the
         group and the replicated parameters' (equal on every rank) added once, so every rank of the group
-        gets the same bits. (ZeRO-1 asks for its shard's, which every rank of the group cuts alike.)"""
+        gets the same bits. (ZeRO-1 asks for its shard's, which every rank of the group cuts alike.) With
+        pipeline parallelism, the stages' sums added over the pipeline group, the last stage's copy of wte
+        left out (the first stage's counts it), so every stage gets the whole model's."""
         hi = self.size if hi is None else hi
-        if self.tp is None:
+        if not self.split_over_ranks:
             return self.ops.global_norm_squared(self.grads[lo:hi])
         xp = self.ops.xp
-        parts = {"sharded": xp.zeros(1, dtype=self.grads.dtype), "replicated": xp.zeros(1, dtype=self.grads.dtype)}
+        parts = {kind: xp.zeros(1, dtype=self.grads.dtype) for kind in ("sharded", "replicated", "tied copy")}
         for kind, start, end in self._norm_ranges:
             if max(lo, start) < min(hi, end):
                 parts[kind] = parts[kind] + self.ops.global_norm_squared(self.grads[max(lo, start):min(hi, end)])
-        self.tp.all_reduce(parts["sharded"])
-        return parts["sharded"] + parts["replicated"]
+        if self.tp is not None:
+            self.tp.all_reduce(parts["sharded"])
+        stage = parts["sharded"] + parts["replicated"]
+        if self.pp is not None:
+            self.pp.all_reduce(stage)
+        return stage
 
     @property
     def _norm_ranges(self) -> list[tuple[str, int, int]]:
-        """(kind, lo, hi) runs of the flat buffer whose parameters are all sharded or all replicated."""
+        """(kind, lo, hi) runs of the flat buffer whose parameters are all sharded, all replicated, or the
+        last pipeline stage's copy of wte (the tied copy, which the norm counts on the first stage only)."""
         runs = []
         for s, end in zip(self.layout, [s.offset for s in self.layout[1:]] + [self.size], strict=True):
             kind = "replicated" if s.split == "replicated" else "sharded"
+            if s.name == WTE and not self.is_first:
+                kind = "tied copy"
             if runs and runs[-1][0] == kind:
                 runs[-1] = (kind, runs[-1][1], end)
             else:
@@ -400,22 +487,44 @@ class GPT2:
     # ---------------------------------------------------------------- state in Hugging Face names
     def gather_flat(self, buf) -> np.ndarray:
         """A host copy of a flat buffer of this model's layout (the parameters, AdamW's m or v) in the full
-        layout, param_layout(config)'s: with tensor parallelism every rank's shards gathered and joined
-        (a collective of the group: every rank of it calls this)."""
-        if self.tp is None:
+        layout, param_layout(config)'s: with tensor parallelism every rank's shards gathered and joined, with
+        pipeline parallelism every stage's tensors (collectives of the groups: every rank of them calls this)."""
+        if not self.split_over_ranks:
             return np.array(self.ops.to_host(buf)[:self.full_size])
-        everyone = self.ops.xp.empty(buf.size * self.tp_size, dtype=buf.dtype)
-        self.tp.all_gather(buf, everyone)
-        flats = np.array(self.ops.to_host(everyone)).reshape(self.tp_size, buf.size)
-        return join_flats(list(flats), self.config)
+        xp = self.ops.xp
+        if self.tp is None:
+            flats = [np.array(self.ops.to_host(buf))]
+        else:
+            everyone = xp.empty(buf.size * self.tp_size, dtype=buf.dtype)
+            self.tp.all_gather(buf, everyone)
+            flats = list(np.array(self.ops.to_host(everyone)).reshape(self.tp_size, buf.size))
+        stage_flat = join_flats(flats, self.config, self.pp_size, self.stage)
+        if self.pp is None:
+            return stage_flat
+        stages = xp.empty(stage_flat.size * self.pp_size, dtype=buf.dtype)
+        self.pp.all_gather(self.ops.from_host(stage_flat), stages)
+        return join_stages(list(np.array(self.ops.to_host(stages)).reshape(self.pp_size, -1)), self.config)
 
     def shard_flat(self, full: np.ndarray) -> np.ndarray:
         """A host flat buffer of the full layout as this rank holds it: gather_flat undone, self.size long."""
-        if self.tp is None:
+        if not self.split_over_ranks:
             out = np.zeros(self.size, dtype=full.dtype)
             out[:self.full_size] = full[:self.full_size]
             return out
-        return shard_flat(full[:self.full_size], self.config, self.tp_size, self.tp_rank, self.size)
+        return shard_flat(full[:self.full_size], self.config, self.tp_size, self.tp_rank, self.size, self.pp_size,
+                          self.stage)
+
+    def sum_tied_embedding_grads(self) -> None:
+        """Pipeline parallelism: the first stage's wte (the embedding) and the last's (the tied classifier) are
+        one parameter, so each adds the other's gradient to its own (Megatron's embedding group) before the
+        optimizer reads them. a + b and b + a are the same bits, so both copies get the same update and stay
+        equal. One sendrecv between the two stages; the stages between them have no wte."""
+        if self.pp is None or not (self.is_first or self.is_last):
+            return
+        peer = self.pp_size - 1 if self.is_first else 0
+        other = self.ops.xp.empty_like(self.g.wte)
+        self.pp.sendrecv(self.g.wte, peer, other, peer)
+        self.g.wte += other
 
     def state_dict(self, flat: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Host copies of the parameters under GPT2LMHeadModel's names and shapes (lm_head is tied to wte):
@@ -471,21 +580,41 @@ class GPT2:
         return self.p.ln_f_weight, self.p.ln_f_bias
 
     def forward(self, ids, targets=None, dloss: float | None = None, cache: KVCache | None = None):
-        """ids, targets: (B, T) int32 on the backend.
+        """ids, targets: (B, T) int32 on the backend. The whole model's forward (one pipeline stage).
 
         No targets: returns the logits of the V tokens (B, T, V), a view of the (B, T, Vp) product that leaves
         out the padded columns, so a caller never sees an id that is no token's. Targets but no dloss: returns
         per-token losses (B, T) (evaluation). Targets and dloss: returns the losses and keeps what backward()
-        needs, with the logits already turned into their gradient for dloss * sum(losses) by the fused
-        classifier.
+        needs (its tape), with the logits already turned into their gradient for dloss * sum(losses) by the
+        fused classifier.
         A cache (generation): ids are the positions after those it holds, and attention reads it."""
+        out, self._saved = self.stage_forward(ids, None, targets, dloss, cache)
+        return out
+
+    def backward(self, on_grads_ready=None) -> None:
+        """Accumulate the gradient of dloss * sum(losses) of the last forward into self.grads (see
+        stage_backward)."""
+        tape, self._saved = self._saved, None
+        self.stage_backward(tape, None, on_grads_ready)
+
+    def stage_forward(self, ids, inp=None, targets=None, dloss: float | None = None, cache: KVCache | None = None):
+        """This rank's part of the forward of one micro-batch -> (out, tape).
+
+        The first stage embeds ids; a later one starts from `inp`, the residual stream (B, T, C) the stage
+        before it sent. Every stage runs its blocks; the last one then the head, and `out` is what forward()
+        returns; on the others `out` is the residual stream after their last block, for the next stage.
+        The tape holds what stage_backward needs (None unless targets and dloss are given)."""
         ops, p, n_head = self.ops, self.p, self.n_head
-        x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
+        x = inp  # the residual stream the stage before sent, or on the first stage the embeddings of ids
+        if self.is_first:
+            x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
         # every residual sum is followed by a layernorm (ln_2 in the block, then the next block's ln_1 or ln_f):
-        # one op makes both, so the stream is written once and not read back (residual_layernorm_forward)
-        ln1, ln1_mean, ln1_rstd = ops.layernorm_forward(x, *self._layernorm_after(-1))
+        # one op makes both, so the stream is written once and not read back (residual_layernorm_forward); at
+        # the end of a stage before the last the next layernorm is the next stage's, so it runs the sum alone
+        ln1, ln1_mean, ln1_rstd = ops.layernorm_forward(x, *self._layernorm_after(self.blocks[0] - 1))
         acts = []
-        for layer, w in enumerate(p.h):
+        for layer in self.blocks:
+            w = p.h[layer]
             qkv = ops.matmul_forward(ln1, w.attn_c_attn_weight, w.attn_c_attn_bias)
             if cache is not None:
                 atty, att = cache.attention(layer, qkv, n_head), None
@@ -506,36 +635,50 @@ class GPT2:
             keep_ln, keep_gelu = self.recompute < 2, self.recompute < 1
             acts.append(_LayerActs(x, ln1 if keep_ln else None, ln1_mean, ln1_rstd, qkv, atty, att, x_mid,
                                    ln2 if keep_ln else None, ln2_mean, ln2_rstd, fch, fch_gelu if keep_gelu else None))
-            x, ln1, ln1_mean, ln1_rstd = ops.residual_layernorm_forward(x_mid, fcproj, *self._layernorm_after(layer))
-        lnf, lnf_mean, lnf_rstd = ln1, ln1_mean, ln1_rstd  # after the last block, ln1 is ln_f's
-        if cache is not None:
+            if layer == self.blocks[-1] and not self.is_last:
+                x = ops.residual_forward(x_mid, fcproj)
+            else:
+                x, ln1, ln1_mean, ln1_rstd = ops.residual_layernorm_forward(x_mid, fcproj,
+                                                                            *self._layernorm_after(layer))
+        if cache is not None and self.is_last:
             cache.length += ids.shape[1]
+        keep = targets is not None and dloss is not None
+        if not self.is_last:
+            return x, (Tape(ids, acts, x, None, None, None, None) if keep else None)
+        lnf, lnf_mean, lnf_rstd = ln1, ln1_mean, ln1_rstd  # after the last block, ln1 is ln_f's
         logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection: (B, T, Vp)
         V = self.config.vocab_size
         if targets is None:
-            return logits[..., :V]
+            return logits[..., :V], None
         if dloss is None:
-            return ops.crossentropy_forward(logits, targets, V)
+            return ops.crossentropy_forward(logits, targets, V), None
         losses = ops.fused_classifier(logits, targets, dloss, V)  # logits now hold dlogits, 0 past V
-        self._saved = (ids, acts, x, lnf, lnf_mean, lnf_rstd, logits)
-        return losses
+        return losses, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd, logits)
 
     # ---------------------------------------------------------------- backward
-    def backward(self, on_grads_ready=None) -> None:
-        """Accumulate the gradient of dloss * sum(losses) into self.grads.
+    def stage_backward(self, tape: Tape, dout=None, on_grads_ready=None):
+        """Accumulate this rank's part of the gradient of dloss * sum(losses) of one micro-batch (the one
+        stage_forward made `tape` for) into self.grads. Returns the gradient of the stage's input, for the
+        stage before it (None on the first stage).
 
+        The last stage starts from its classifier's gradient; a stage before it from `dout`, the gradient
+        of its output residual stream that the next stage sent (and writes into it).
         on_grads_ready(start, end) is called each time grads[start:end] is final (see
         layer_grad_ranges), so gradient sync can reduce it while earlier blocks still compute."""
         ops, p, g, n_head = self.ops, self.p, self.g, self.n_head
-        ids, acts, x_final, lnf, lnf_mean, lnf_rstd, dlogits = self._saved
-        self._saved = None
+        ids, acts, x_final, lnf, lnf_mean, lnf_rstd, dlogits = tape
         ranges = iter(self.layer_grad_ranges())
         announce = on_grads_ready or (lambda start, end: None)
 
-        dlnf = ops.matmul_backward(g.wte.T, None, dlogits, lnf, p.wte.T)
-        dres = self.ops.xp.zeros_like(x_final)  # gradient of the residual stream, carried down the blocks
-        ops.layernorm_backward(dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean, lnf_rstd)
-        for a, w, gw in zip(reversed(acts), reversed(p.h), reversed(g.h), strict=True):
+        if self.is_last:
+            dlnf = ops.matmul_backward(g.wte.T, None, dlogits, lnf, p.wte.T)
+            dres = self.ops.xp.zeros_like(x_final)  # gradient of the residual stream, carried down the blocks
+            ops.layernorm_backward(dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean,
+                                   lnf_rstd)
+        else:
+            dres = dout
+        for a, layer in zip(reversed(acts), reversed(self.blocks), strict=True):
+            w, gw = p.h[layer], g.h[layer]
             # MLP: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
             fch_gelu = ops.gelu_forward(a.fch) if a.fch_gelu is None else a.fch_gelu  # --recompute 1
             # c_proj's backward and GELU's in one op (the derivative in the product's epilogue: cublaslt)
@@ -562,5 +705,7 @@ class GPT2:
             ops.layernorm_backward(dres, gw.ln_1_weight, gw.ln_1_bias, dln1, a.x_in, w.ln_1_weight,
                                    a.ln1_mean, a.ln1_rstd)  # dres is now d x_in
             announce(*next(ranges))
-        ops.encoder_backward(g.wte, g.wpe, dres, ids)
+        if self.is_first:
+            ops.encoder_backward(g.wte, g.wpe, dres, ids)
         announce(*next(ranges))
+        return None if self.is_first else dres

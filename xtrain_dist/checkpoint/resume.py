@@ -45,7 +45,7 @@ SCHEDULE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "lr_schedule", "co
 # settings a resumed run may change (they take effect from its first step); anything that would
 # change the model, the data or the batches it draws must match the checkpoint
 CHANGEABLE = (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "backend", "grad_sync", "attention",
-              "recompute", "tp")
+              "recompute", "tp", "pp", "pp_schedule")
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -76,14 +76,14 @@ def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler
 def saves_shards(model, optimizer) -> bool:
     """Whether every rank writes its own optimizer file: ZeRO-1's shards of one whole model. A tensor-parallel
     run writes one file of the full layout instead (optimizer_state_to_save)."""
-    return bool(optimizer.sharded) and model.tp is None
+    return bool(optimizer.sharded) and not model.split_over_ranks
 
 
 def optimizer_state_to_save(model, optimizer) -> dict:
     """The optimizer's state_dict, in the full layout where the model holds tensor-parallel shards: m and v
     (gathered first over the data-parallel group under ZeRO-1) gathered and joined like the parameters (a
     collective of both groups)."""
-    if model.tp is None:
+    if not model.split_over_ranks:
         return optimizer.state_dict()
     m, v = optimizer.m, optimizer.v
     if optimizer.sharded:  # the shard's m and v into the rank's whole flat buffer, over the data-parallel group
@@ -114,7 +114,7 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
     With PowerSGD (`powersgd`, parallel/powersgd.py) every rank also writes its Q and error buffers.
     With tensor parallelism every rank first gathers its group's shards (a collective of the group), so the
     files hold the full model and its optimizer state whatever --tp was: a run resumes at any --tp."""
-    gathers, shards = rank == 0 or model.tp is not None, saves_shards(model, optimizer)
+    gathers, shards = rank == 0 or model.split_over_ranks, saves_shards(model, optimizer)
     flat = model.gather_flat(model.params) if gathers else None
     optimizer_state = optimizer_state_to_save(model, optimizer) if gathers or shards else None
 
@@ -288,7 +288,7 @@ def _restore(ckpt: Checkpoint, path, model, optimizer, sampler, powersgd) -> int
     if sha256_of(flat[:used]) != state["param_sha256"]:
         raise XtrainError(f"checkpoint '{path}' is corrupt: its parameters do not hash to the saved param_sha256")
     model.load_flat(flat)
-    if model.tp is None:
+    if not model.split_over_ranks:
         lo, hi = optimizer.state_range
         optimizer.load_state_dict(optimizer_state(ckpt, lo, hi, used))
     else:  # AdamW of the rank's shards: m and v of the full layout, cut like the parameters (ZeRO-1 then takes

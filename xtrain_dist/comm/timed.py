@@ -105,5 +105,14 @@ class TimedCommunicator:
     def barrier(self) -> None:
         self._timed(self.comm.barrier)
 
+    def send(self, buf, peer: int) -> None:
+        self._timed(self.comm.send, buf, peer)
+
+    def recv(self, buf, peer: int) -> None:
+        self._timed(self.comm.recv, buf, peer)
+
+    def sendrecv(self, send, dest: int, recv, source: int) -> None:
+        self._timed(self.comm.sendrecv, send, dest, recv, source)
+
     def abort(self, reason: str) -> None:
         self.comm.abort(reason)

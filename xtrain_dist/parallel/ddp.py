@@ -234,13 +234,15 @@ def check_config(cfg) -> None:
         raise XtrainError(f"--zero must be 0 or 1, got {cfg.zero}")
     if cfg.grad_accum < 1:
         raise XtrainError(f"--grad-accum must be at least 1, got {cfg.grad_accum}")
-    if cfg.tp == 1 and cfg.batch < cfg.world_size * cfg.grad_accum:
+    pp = getattr(cfg, "pp", 1)
+    if cfg.tp == 1 and pp == 1 and cfg.batch < cfg.world_size * cfg.grad_accum:
         raise XtrainError(f"BATCH ({cfg.batch}) must be at least the world size times --grad-accum "
                           f"({cfg.world_size} x {cfg.grad_accum} = {cfg.world_size * cfg.grad_accum}): "
                           "every micro-batch needs a sequence on every rank")
-    dp = cfg.world_size // cfg.tp
-    if cfg.tp > 1 and cfg.batch < dp * cfg.grad_accum:
-        raise XtrainError(f"BATCH ({cfg.batch}) must be at least the data-parallel size (the world size over --tp) "
+    dp = cfg.world_size // cfg.tp // pp
+    over = " and ".join(flag for flag, size in (("--tp", cfg.tp), ("--pp", pp)) if size > 1)
+    if over and cfg.batch < dp * cfg.grad_accum:
+        raise XtrainError(f"BATCH ({cfg.batch}) must be at least the data-parallel size (the world size over {over}) "
                           f"times --grad-accum ({dp} x {cfg.grad_accum} = {dp * cfg.grad_accum}): every "
                           "micro-batch needs a sequence in every data-parallel group")
 

@@ -27,7 +27,46 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..command import must_be, one_of
+from ..config import GPTConfig
+from ..errors import XtrainError
+from ..model import check_pp
+
 SCHEDULES = ("gpipe", "1f1b")  # --pp-schedule
+
+# What a run with --pp above 1 refuses, and why: (option, whether the configuration asks for it, why not)
+NOT_YET = (
+    ("--backend cuda", lambda cfg: cfg.backend == "cuda",
+     "the pipeline step is checked against one rank on the numpy backend only"),
+    ("--zero 1", lambda cfg: cfg.zero == 1,
+     "AdamW's state is not sharded over a stage's data-parallel group yet"),
+    ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
+     "PowerSGD's factors and error feedback are not cut into pipeline stages"),
+    ("--eval-batches", lambda cfg: cfg.eval_batches > 0,
+     "the validation loss runs the whole model on each rank; use --eval-batches 0"),
+    ("--hellaswag", lambda cfg: bool(cfg.hellaswag), "HellaSwag runs the whole model on each rank"),
+    ("--sample-every", lambda cfg: cfg.sample_every > 0, "sampling runs the whole model on rank 0"),
+)
+
+
+def check_config(cfg, config: GPTConfig) -> None:
+    """--pp divides the world with --tp, gives every stage a block, has a schedule, and asks for nothing
+    NOT_YET lists: one line if not (after parallel/tensor.py's checks of --tp)."""
+    if isinstance(cfg.pp, bool) or not isinstance(cfg.pp, int) or cfg.pp < 1:
+        raise XtrainError(must_be("--pp", "a positive integer", cfg.pp))
+    if cfg.pp_schedule not in SCHEDULES:
+        raise XtrainError(must_be("--pp-schedule", one_of(SCHEDULES), cfg.pp_schedule))
+    groups = cfg.world_size // cfg.tp
+    if groups % cfg.pp:
+        over = f"the world size over --tp ({cfg.world_size} / {cfg.tp} = {groups})" if cfg.tp > 1 else \
+            f"the world size ({cfg.world_size})"
+        raise XtrainError(must_be("--pp", f"a divisor of {over}", cfg.pp))
+    check_pp(config, cfg.pp)
+    if cfg.pp == 1:
+        return
+    for option, asks, why in NOT_YET:
+        if asks(cfg):
+            raise XtrainError(f"--pp {cfg.pp} and {option} do not work together yet: {why}")
 
 
 def schedule(kind: str, stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:

@@ -38,6 +38,7 @@ from ..errors import XtrainError
 from ..model import ATTENTIONS, RECOMPUTE_LEVELS
 from ..optim import LR_SCHEDULES
 from ..parallel import ddp
+from ..parallel.pipeline import SCHEDULES
 from ..precision import MATMULS
 from ..profile import rows_markdown
 from . import memory
@@ -86,6 +87,13 @@ def build_parser() -> OneLineParser:
                    help="tensor-parallel ranks per model: each block's matrices split Megatron's way over them; "
                         "the world is dp x tp, the batch split over the dp groups (default 1; see "
                         "docs/parallelism.md)")
+    p.add_argument("--pp", type=positive_int, default=1,
+                   help="pipeline stages per model: the blocks cut into PP contiguous stages, the micro-batches of "
+                        "--grad-accum run through them; the world is pp x dp x tp (default 1; see "
+                        "docs/parallelism.md)")
+    p.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b",
+                   help="the pipeline's order of micro-batches: gpipe (all forwards, then all backwards) or 1f1b "
+                        "(one forward, one backward: fewer activations held) (default 1f1b)")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--seed", type=non_negative_int, default=1337,
                    help="the initial weights and the order of the batches (the same on every rank)")
@@ -281,7 +289,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         raise XtrainError("give both TOKENIZER and CORPUS, or neither (for the shipped data)")
     launch = launch or detect_launch()
     world_size = launch.num_processes * local_world_for(launch, args.world_size)
-    if args.tp == 1 and args.batch < world_size:
+    if args.tp == 1 and args.pp == 1 and args.batch < world_size:
         raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({world_size}): "
                           "every rank needs a sequence")
     for flag, value in (("--save-every", args.save_every), ("--keep-every", args.keep_every)):
@@ -304,7 +312,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     return TrainConfig(
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
-        model=args.model, backend=args.backend, world_size=world_size, tp=args.tp, seed=args.seed,
+        model=args.model, backend=args.backend, world_size=world_size, tp=args.tp, pp=args.pp,
+        pp_schedule=args.pp_schedule, seed=args.seed,
         overfit_batch=args.overfit_batch,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         lr_schedule=args.lr_schedule, cooldown_steps=args.cooldown_steps,

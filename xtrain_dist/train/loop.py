@@ -23,6 +23,7 @@ from ..eval.sample import continuation, prompt_ids
 from ..model import GPT2
 from ..optim import lr_at
 from ..parallel.ddp import make_grad_sync
+from ..parallel.pipeline import run_schedule
 from ..parallel.zero import make_optimizer
 from ..profile import OpProfiler, mfu, nanogpt_flops_per_token
 from . import metrics
@@ -103,13 +104,17 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
     ops = OpProfiler(backend, active=False) if cfg.profile_step else backend
-    # --tp: the world as dp x tp (comm/mesh.py); the gradient sync, the batch and evaluation are the data-parallel
-    # group's, and the model all-reduces over its tensor-parallel group. Without it every rank is one model.
-    mesh = DeviceMesh(comm, dp=comm.world_size // cfg.tp, tp=cfg.tp) if cfg.tp > 1 else None
+    # --tp, --pp: the world as pp x dp x tp (comm/mesh.py); the gradient sync, the batch and evaluation are the
+    # data-parallel group's, the model all-reduces over its tensor-parallel group and a pipeline stage sends its
+    # activations and their gradients over its pipeline group. Without them every rank is one model.
+    mesh = DeviceMesh(comm, dp=comm.world_size // cfg.tp // cfg.pp, tp=cfg.tp, pp=cfg.pp) \
+        if cfg.tp > 1 or cfg.pp > 1 else None
     if mesh and cfg.grad_sync == "bucketed" and not getattr(comm, "concurrent_groups", True):
-        raise XtrainError("--tp with --grad-sync bucketed calls MPI from two threads at once (the tensor-parallel "
-                          "all-reduces and the overlapped gradient sync), and this MPI library was initialised "
-                          "without MPI_THREAD_MULTIPLE: use --grad-sync flat")
+        option, what = (("--tp", "the tensor-parallel all-reduces") if cfg.tp > 1 else
+                        ("--pp", "the pipeline's transfers"))
+        raise XtrainError(f"{option} with --grad-sync bucketed calls MPI from two threads at once ({what} and the "
+                          "overlapped gradient sync), and this MPI library was initialised without "
+                          "MPI_THREAD_MULTIPLE: use --grad-sync flat")
     data_comm = mesh.dp if mesh else comm
     data_rank, data_world = data_comm.rank, data_comm.world_size
     # times the step's collectives on the backend's clock; evaluation and checkpoints use the communicators
@@ -117,8 +122,9 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     step_comm = TimedCommunicator(RingAllReduce(data_comm) if cfg.all_reduce == "ring" else data_comm, clock=backend)
     # the loss and the stop request go round the whole world, timed with the step's other collectives
     world_comm = step_comm.timing(comm) if mesh else step_comm
+    pipe = step_comm.timing(mesh.pp) if mesh and cfg.pp > 1 else None  # this rank's pipeline group: stage = rank
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
-                 recompute=cfg.recompute, tp=step_comm.timing(mesh.tp) if mesh else None)
+                 recompute=cfg.recompute, tp=step_comm.timing(mesh.tp) if mesh else None, pp=pipe)
     optimizer = make_optimizer(model, cfg, step_comm)
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
@@ -156,18 +162,39 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # after the same step however the request reached them (one process's signal, or several).
     readout = xp.zeros(3, dtype=xp.float32)
     batch: list = []  # (ids, targets) on the device, per micro-batch
+    tapes: dict = {}  # what each micro-batch's backward needs from its forward, while it is in flight
+
+    def forward(i: int, inp):
+        """Micro-batch i's forward on this rank (its pipeline stage's part, from `inp`, the activations the
+        stage before sent): the losses on the last stage, else the activations for the next one."""
+        ids, targets = batch[i]
+        out, tapes[i] = model.stage_forward(ids, inp, targets, dloss)
+        if model.is_last and model.tp_rank == 0:  # a tensor-parallel group's ranks have the same loss: count it once
+            readout[:1] += out.sum(dtype=xp.float32) * np.float32(dloss)
+        return out
+
+    def backward(i: int, dout):
+        """Micro-batch i's backward, accumulating into grads (from `dout`, the gradient the next stage sent):
+        the gradient of the stage's input. The last micro-batch's (every schedule runs it last) starts the
+        data-parallel communication."""
+        return model.stage_backward(tapes.pop(i), dout, grad_sync.on_grads_ready if i == len(batch) - 1 else None)
+
+    def received(i: int):
+        """Where micro-batch i's activations, or their gradient, from another stage land: (B_micro, T, C)."""
+        return xp.empty((*batch[i][0].shape, model.config.n_embd), dtype=model.params_lowp.dtype)
 
     def device_step() -> None:
         """The step from inputs already on the device to updated parameters and `readout`: no host read,
         no host decision on a device value, so it can be captured and replayed."""
         model.zero_grad()
-        for i, (ids, targets) in enumerate(batch):
-            losses = model.forward(ids, targets, dloss)
-            if model.tp_rank == 0:  # the ranks of a tensor-parallel group have the same loss: count it once
-                readout[:1] += losses.sum(dtype=xp.float32) * np.float32(dloss)
-            # backward accumulates into grads; only the last micro-batch's starts the communication
-            model.backward(on_grads_ready=grad_sync.on_grads_ready if i == len(batch) - 1 else None)
+        if pipe is None:  # gradient accumulation: each micro-batch's forward, then its backward
+            for i in range(len(batch)):
+                forward(i, None)
+                backward(i, None)
+        else:  # the schedule's order, with the transfers between stages (parallel/pipeline.py)
+            run_schedule(pipe, cfg.pp_schedule, len(batch), forward, backward, received, received)
         grad_sync.finish()
+        model.sum_tied_embedding_grads()  # the first and last stages' wte are one parameter
         world_comm.all_reduce(readout[:2])
         norm_squared = optimizer.grad_norm_squared()
         optimizer.update(ops.clip_coefficient(norm_squared, cfg.grad_clip))

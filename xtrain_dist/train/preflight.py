@@ -20,7 +20,7 @@ from ..errors import XtrainError
 from ..eval import evaluate, hellaswag, sample
 from ..model import check_recompute
 from ..optim import check_schedule
-from ..parallel import ddp, tensor
+from ..parallel import ddp, pipeline, tensor
 from . import memory, metrics, tensorboard
 from .cadence import Cadence, kept_folder
 from .graph import MODES as GRAPH_MODES
@@ -41,6 +41,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     if cfg.cuda_graph not in GRAPH_MODES:
         raise XtrainError(f"--cuda-graph must be one of {', '.join(GRAPH_MODES)}, not {cfg.cuda_graph!r}")
     tensor.check_config(cfg, model)
+    pipeline.check_config(cfg, model)
     ddp.check_config(cfg)
     if cfg.all_reduce not in ALL_REDUCES:
         raise XtrainError(f"--all-reduce must be one of {', '.join(ALL_REDUCES)}, not {cfg.all_reduce!r}")
@@ -128,6 +129,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         raise XtrainError(f"--all-reduce ring sends between ranks, and {NOT_BUILT}")
     if cfg.tp > 1 and engine in ("mpi", "tcp") and local_world > 1:
         raise XtrainError(f"--tp splits the world into groups, and {NOT_BUILT}")
+    if cfg.pp > 1 and engine in ("mpi", "tcp") and local_world > 1:
+        raise XtrainError(f"--pp splits the world into groups, and {NOT_BUILT}")
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus, val_path=cfg.val_corpus or None)
     check_config(cfg, corpus)
     # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
@@ -187,7 +190,10 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if launch.process_rank == 0:
         where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
         processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
-        mesh = f" (dp {cfg.world_size // cfg.tp} x tp {cfg.tp})" if cfg.tp > 1 else ""
+        dp = cfg.world_size // cfg.tp // cfg.pp
+        mesh = f" (dp {dp} x tp {cfg.tp})" if cfg.tp > 1 else ""
+        if cfg.pp > 1:
+            mesh = f" (pp {cfg.pp} x dp {dp} x tp {cfg.tp}, {cfg.pp_schedule})"
         products = (" with TF32 products" if cfg.tf32 else "") + \
             (", biases in cuBLASLt's epilogue" if cfg.matmul == "cublaslt" else "")
         log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}"
