@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from ..backend.cuda import cublaslt
 from ..config import GPTConfig
 from ..errors import XtrainError
-from ..model import param_layout
+from ..model import param_layout, stage_blocks
+from ..parallel.pipeline import peak_in_flight, schedule
 from ..parallel.powersgd import state_elements
 from ..parallel.zero import shard_bounds
 
@@ -28,16 +29,18 @@ ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
 
 
 def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
-                      recompute: int = 0, tp: int = 1) -> list[tuple[str, tuple, str]]:
+                      recompute: int = 0, tp: int = 1, pp: int = 1, stage: int = 0) -> list[tuple[str, tuple, str]]:
     """What GPT2.forward keeps for backward, array by array: (name, shape, kind), kind "act" for the
     activation dtype, "f32" or "i32" for arrays of that type whatever the precision. Its order and names
     follow GPT2.forward's `_saved` and `_LayerActs` (less what --recompute leaves to backward), which
     tests/test_memory.py holds it to. With tp > 1, one tensor-parallel rank's: its heads' q, k, v,
-    attention and output, its share of the MLP's hidden width; the residual stream is whole on every rank."""
+    attention and output, its share of the MLP's hidden width; the residual stream is whole on every rank.
+    With pp > 1, one micro-batch's on pipeline stage `stage` (GPT2.stage_forward's Tape): its blocks', and the
+    head's on the last stage only (a stage before it keeps x, the activations it sends)."""
     C, NH, V = config.n_embd, config.n_head, config.padded_vocab_size  # the logits are Vp wide (model.py)
     Ct, NHt = C // tp, NH // tp  # the rank's share of the attention's channels and heads
     arrays = [("ids", (B, T), "i32")]
-    for layer in range(config.n_layer):
+    for layer in stage_blocks(config.n_layer, pp, stage):
         def named(field, shape, kind, layer=layer):
             return (f"h.{layer}.{field}", shape, kind)
         arrays += [
@@ -54,8 +57,10 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
             named("fch", (B, T, 4 * Ct), "act"),
             *([named("fch_gelu", (B, T, 4 * Ct), "act")] if recompute < 1 else []),
         ]
-    arrays += [("x", (B, T, C), "act"), ("lnf", (B, T, C), "act"), ("lnf_mean", (B, T), "f32"),
-               ("lnf_rstd", (B, T), "f32"), ("dlogits", (B, T, V), "act")]
+    arrays += [("x", (B, T, C), "act")]
+    if stage == pp - 1:
+        arrays += [("lnf", (B, T, C), "act"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
+                   ("dlogits", (B, T, V), "act")]
     return arrays
 
 
@@ -65,7 +70,8 @@ class RankMemory:
     parameters: int    # the float32 master, the activation-dtype copy forward reads, the weight-decay mask
     gradients: int
     optimizer: int     # AdamW's m and v: the whole buffer, or this rank's ZeRO-1 shard
-    activations: int   # what forward keeps for backward, for the rank's largest micro-batch
+    activations: int   # what forward keeps for backward: the rank's largest micro-batch's, times the micro-batches
+    #                    a pipeline stage holds at once (parallel/pipeline.py's peak_in_flight)
     validation: int = 0  # its share of the --eval-batches held-out windows and their targets (int32)
     workspace: int = 0   # --matmul cublaslt's workspace, which the rank's LtMatmul holds from the rank's start
 
@@ -93,33 +99,39 @@ def gib(n: int) -> str:
 def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]:
     """The lower bound for every rank of a run with TrainConfig `cfg`, in rank order, with activations of
     `act_itemsize` bytes (4: float32, and numpy's bf16 emulation; 2: bf16 on a GPU). With --tp a rank
-    holds its tensor-parallel shards (param_layout(config, tp)) and takes its data-parallel group's rows."""
-    tp = cfg.tp
-    layout, size = param_layout(config, tp)
-    # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
-    compression = 4 * state_elements(layout, cfg.powersgd_rank) if cfg.grad_compress == "powersgd" else 0
-    parameters = 4 * size + (size * act_itemsize if cfg.dtype != "fp32" else 0) + ITEMSIZE["u8"] * size
-    dp = cfg.world_size // tp
-    # ZeRO-1 shards the rank's flat buffer over its data-parallel group: world rank r holds shard r // tp
-    shards = shard_bounds(size, dp) if cfg.zero else [(0, size)] * dp
-    shards = [shards[rank // tp] for rank in range(cfg.world_size)]
-    activations = {}  # by micro-batch rows: ranks differ by at most one row
+    holds its tensor-parallel shards (param_layout(config, tp)) and takes its data-parallel group's rows. With
+    --pp a rank holds its stage's part of the model (param_layout(config, tp, pp, stage)) and the activations
+    of as many micro-batches as its stage's schedule keeps in flight."""
+    tp, pp = cfg.tp, cfg.pp
+    dp = cfg.world_size // tp // pp
+    activations = {}  # by (stage, micro-batch rows): ranks differ by at most one row
 
-    def saved_bytes(rows: int) -> int:
-        if rows not in activations:
-            saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute, tp)
-            activations[rows] = sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
-                                    for _, shape, kind in saved)
-        return activations[rows]
+    def saved_bytes(stage: int, rows: int) -> int:
+        if (stage, rows) not in activations:
+            saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute, tp, pp, stage)
+            activations[stage, rows] = sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
+                                           for _, shape, kind in saved)
+        return activations[stage, rows]
 
     lt_workspace = cublaslt.WORKSPACE_BYTES if cfg.matmul == "cublaslt" else 0
     memories = []
-    for rank, (lo, hi) in enumerate(shards):
-        # rank r takes the sequences i % dp == its data-parallel index (r // tp: tp is the mesh's fastest
-        # axis), then cuts them into --grad-accum micro-batches
-        rows = len(range(rank // tp, cfg.batch, dp))
+    for rank in range(cfg.world_size):
+        # the mesh is arange(world).reshape(pp, dp, tp): rank r is on stage r // (dp tp), data-parallel index
+        # r // tp % dp
+        stage, dp_index = rank // (dp * tp), rank // tp % dp
+        layout, size = param_layout(config, tp, pp, stage)
+        # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
+        compression = 4 * state_elements(layout, cfg.powersgd_rank) if cfg.grad_compress == "powersgd" else 0
+        parameters = 4 * size + (size * act_itemsize if cfg.dtype != "fp32" else 0) + ITEMSIZE["u8"] * size
+        # ZeRO-1 shards the rank's flat buffer over its data-parallel group
+        lo, hi = shard_bounds(size, dp)[dp_index] if cfg.zero else (0, size)
+        # one micro-batch at a time without a pipeline (gradient accumulation), whatever --pp-schedule says
+        in_flight = peak_in_flight(schedule(cfg.pp_schedule, pp, cfg.grad_accum, stage)) if pp > 1 else 1
+        # the rank takes the sequences i % dp == its data-parallel index, then cuts them into --grad-accum
+        # micro-batches
+        rows = len(range(dp_index, cfg.batch, dp))
         memories.append(RankMemory(parameters=parameters, gradients=4 * size + compression, optimizer=2 * 4 * (hi - lo),
-                                   activations=saved_bytes(-(-rows // cfg.grad_accum)),
+                                   activations=in_flight * saved_bytes(stage, -(-rows // cfg.grad_accum)),
                                    # evaluate.Evaluator keeps every batch's windows of this rank's rows
                                    validation=cfg.eval_batches * rows * cfg.seq * 2 * ITEMSIZE["i32"],
                                    workspace=lt_workspace))
