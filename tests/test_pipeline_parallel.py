@@ -1,0 +1,291 @@
+"""--pp M (model.py's stages, parallel/pipeline.py's schedules, the pp x dp x tp mesh in train/loop.py): one model
+cut into pipeline stages is the model of one rank, step by step and in its checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_tensor_parallel import CONFIG, MPIRUN, on_thread_ranks, run, saved_params
+
+from xtrain_dist.backend.numpy_ops import NumpyBackend
+from xtrain_dist.comm.launch_env import Launch
+from xtrain_dist.config import GPTConfig, TrainConfig, model_config
+from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+from xtrain_dist.errors import XtrainError
+from xtrain_dist.model import GPT2, WTE, join_flats, join_stages, param_layout, shard_flat, stage_blocks
+from xtrain_dist.parallel import pipeline
+from xtrain_dist.parallel.pipeline import run_schedule
+from xtrain_dist.train import loop, memory
+from xtrain_dist.train.cadence import kept_folder
+from xtrain_dist.train.cli import parse_config
+from xtrain_dist.train.job import train
+
+DEEP = GPTConfig(vocab_size=100, n_ctx=16, n_layer=3, n_head=4, n_embd=32)  # 3 blocks: stages of 2 and 1 at pp 2
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+
+
+class CountingPipe:
+    """A pipeline communicator that notes the elements of every array it sends (send and sendrecv)."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
+        self.sent: list[int] = []
+
+    def send(self, buf, peer):
+        self.sent.append(buf.size)
+        self.comm.send(buf, peer)
+
+    def recv(self, buf, peer):
+        self.comm.recv(buf, peer)
+
+    def sendrecv(self, send, dest, recv, source):
+        self.sent.append(send.size)
+        self.comm.sendrecv(send, dest, recv, source)
+
+    def all_reduce(self, buf):
+        self.comm.all_reduce(buf)
+
+    def all_gather(self, send, recv, counts=None):
+        self.comm.all_gather(send, recv, counts)
+
+
+# ---------------------------------------------------------------------------------------------- the split
+def test_stages_take_contiguous_blocks_the_first_ones_the_extra_and_their_layouts_join_back():
+    assert [list(stage_blocks(5, 3, s)) for s in range(3)] == [[0, 1], [2, 3], [4]]
+    assert [list(stage_blocks(4, 4, s)) for s in range(4)] == [[0], [1], [2], [3]]
+    names = [[s.name for s in param_layout(DEEP, 1, 2, stage)[0]] for stage in range(2)]
+    assert names[0][0] == "transformer.h.1.mlp.c_proj.weight" and names[0][-2:] == ["transformer.wpe.weight", WTE]
+    assert names[1][:3] == ["transformer.ln_f.weight", "transformer.ln_f.bias", "transformer.h.2.mlp.c_proj.weight"]
+    assert names[1][-1] == WTE and "transformer.wpe.weight" not in names[1]
+    full = np.random.default_rng(0).standard_normal(param_layout(DEEP)[1]).astype(np.float32)
+    for tp, pp in ((1, 2), (2, 2), (1, 3), (2, 3)):
+        stages = [join_flats([shard_flat(full, DEEP, tp, r, pp=pp, stage=s) for r in range(tp)], DEEP, pp, s)
+                  for s in range(pp)]
+        assert np.array_equal(join_stages(stages, DEEP), full)
+
+
+@pytest.mark.parametrize("tp, pp, kind", [(1, 2, "1f1b"), (1, 2, "gpipe"), (1, 3, "1f1b"), (2, 2, "1f1b")])
+def test_a_pipelined_step_is_world_one_s_and_sends_b_t_c_per_micro_batch_each_way(tp, pp, kind):
+    """In float64, where the sums' other order changes nothing above 1e-12: the same losses, gradients and norm,
+    both copies of wte with the whole gradient, and each boundary crossed by one (B_micro, T, C) activation
+    forward and one gradient back per micro-batch."""
+    rng = np.random.default_rng(1)
+    micro, B, T = 3, 2, 8
+    ids, targets = (rng.integers(0, DEEP.vocab_size, (micro, B, T)).astype(np.int32) for _ in range(2))
+    one = GPT2(DEEP, NumpyBackend(), seed=3, dtype=np.float64)
+    full = one.gather_flat(one.params) + rng.standard_normal(one.full_size) * 0.05
+    one.load_flat(full)
+    losses = []
+    for i in range(micro):
+        losses.append(one.forward(ids[i], targets[i], 1 / (micro * B * T)))
+        one.backward()
+
+    def rank(comm):
+        mesh = loop.DeviceMesh(comm, dp=1, tp=tp, pp=pp)
+        pipe = CountingPipe(mesh.pp)
+        model = GPT2(DEEP, NumpyBackend(), seed=3, dtype=np.float64, tp=mesh.tp, pp=pipe)
+        model.load_flat(full)
+        tapes, mine = {}, {}
+
+        def forward(i, inp):
+            out, tapes[i] = model.stage_forward(ids[i], inp, targets[i], 1 / (micro * B * T))
+            mine[i] = out
+            return out
+
+        def received(i):
+            return np.empty((B, T, DEEP.n_embd))
+
+        run_schedule(pipe, kind, micro, forward, lambda i, dout: model.stage_backward(tapes.pop(i), dout),
+                     received, received)
+        sent = list(pipe.sent)
+        model.sum_tied_embedding_grads()
+        wte_grad = model.g.wte.copy() if model.is_first or model.is_last else None  # the stages between have none
+        return model.stage, mine, sent, wte_grad, model.gather_flat(model.grads), model.grad_norm_squared()
+
+    results = on_thread_ranks(tp * pp, rank)
+    for stage, mine, sent, _, grads, norm_squared in results:
+        if stage == pp - 1:
+            np.testing.assert_allclose([mine[i] for i in range(micro)], losses, rtol=1e-12)
+        # every stage but the last sends its activations, every stage but the first the gradient of its input
+        assert sent == [B * T * DEEP.n_embd] * micro * ((stage < pp - 1) + (stage > 0))
+        np.testing.assert_allclose(grads, one.grads[:one.full_size], rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(norm_squared, one.grad_norm_squared(), rtol=1e-12)
+    # the first and last stages' wte gradients: the sum of both, the same bits on both
+    first, last = results[0][3], results[-1][3]
+    assert np.array_equal(first, last)
+
+
+def test_a_stage_keeps_the_activations_memory_counts():
+    from test_memory import saved_arrays
+
+    def rank(comm):
+        model = GPT2(DEEP, NumpyBackend(), seed=3, pp=comm)
+        ids = np.zeros((2, 8), dtype=np.int32)
+        inp = None if model.is_first else np.zeros((2, 8, DEEP.n_embd), dtype=np.float32)
+        _, model._saved = model.stage_forward(ids, inp, ids, 1.0)
+        if not model.is_last:  # saved_arrays reads the head's part too: a stage before the last has none
+            model._saved = model._saved._replace(lnf=model._saved.x, lnf_mean=model._saved.x,
+                                                 lnf_rstd=model._saved.x, dlogits=model._saved.x)
+        named = saved_arrays(model)
+        # saved_arrays numbers the tape's blocks from 0: this stage's are stage_blocks'
+        first = model.blocks[0]
+        named = [(name.replace(f"h.{name.split('.')[1]}.", f"h.{int(name.split('.')[1]) + first}.")
+                  if name.startswith("h.") else name, shape) for name, shape, _ in named]
+        return named[:len(named) - (0 if model.is_last else 4)]
+
+    expected = [[(name, shape) for name, shape, _ in memory.saved_activations(DEEP, 2, 8, "standard", 0, 1, 2, s)]
+                for s in range(2)]
+    assert on_thread_ranks(2, rank) == expected
+
+
+# ---------------------------------------------------------------------------------------------- training
+@pytest.fixture(scope="module")
+def world_one(corpus, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pp")
+    return folder, run(corpus, folder, "one", keep_every=10)
+
+
+@pytest.mark.parametrize("mesh", [{"world_size": 2, "pp": 2, "pp_schedule": "gpipe"},
+                                  {"world_size": 2, "pp": 2, "pp_schedule": "1f1b"},
+                                  {"world_size": 8, "pp": 2, "tp": 2}])
+def test_training_at_pp_follows_world_one_and_keeps_replicas_and_wte_copies_bitwise_equal(corpus, world_one, tmp_path,
+                                                                                        monkeypatch, mesh):
+    models, sends = [], []
+
+    class Recorded(GPT2):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            models.append(self)
+
+    def counted(comm, kind, micro, *args):
+        pipe = CountingPipe(comm)
+        run_schedule(pipe, kind, micro, *args)
+        sends.append((comm.rank, sum(pipe.sent)))
+
+    monkeypatch.setattr(loop, "GPT2", Recorded)
+    monkeypatch.setattr(loop, "run_schedule", counted)
+    folder, one = world_one
+    report = run(corpus, tmp_path, "pp", grad_accum=2, **mesh)
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "pp")
+    # 20 steps of AdamW from float32 sums in another order (the micro-batches' and the two wte halves'): within
+    # the bound test_tensor_parallel.py measured for its splits
+    for name, tensor in reference.items():
+        np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
+    # the data-parallel replicas (ranks tp apart on a stage) hold the same part, bit for bit
+    world, tp = mesh["world_size"], mesh.get("tp", 1)
+    dp = world // tp // 2
+    digests = report["param_sha256"]
+    for r in range(world):
+        assert digests[r] == digests[r // (dp * tp) * dp * tp + r % tp]
+    assert len(set(digests)) == 2 * tp
+    # the first and last stages' copies of wte are one parameter: equal bits on every rank that holds one
+    assert len(models) == world
+    wte = [m.params[s.offset: s.offset + s.size] for m in models for s in m.layout if s.name == WTE]
+    assert len(wte) == world and all(np.array_equal(w, wte[0]) for w in wte[1:])
+    # each step, each rank sends its rows' (B_micro x T x C) activations or gradients once per micro-batch:
+    # its data-parallel group's BATCH / dp rows x SEQ x C floats in all
+    C = model_config("tiny", corpus.vocab_size).n_embd
+    assert len(sends) == 20 * world
+    assert {count for _, count in sends} == {4 // dp * 32 * C}
+
+
+@pytest.mark.parametrize("mesh", [{"world_size": 2, "pp": 2}, {"world_size": 4, "pp": 2, "tp": 2,
+                                                                "pp_schedule": "gpipe"}])
+def test_a_pp_2_checkpoint_resumes_at_pp_1_and_back(corpus, world_one, tmp_path, mesh):
+    """The checkpoint holds the full model and AdamW state (gathered from every stage), so it resumes on
+    another mesh, and world 1's on this one."""
+    folder, one = world_one
+    run(corpus, tmp_path, "pp", keep_every=10, **mesh)
+    at_one = run(corpus, tmp_path, "resumed1", resume=str(kept_folder(tmp_path / "pp", 10)))
+    at_two = run(corpus, tmp_path, "resumed2", resume=str(kept_folder(folder / "one", 10)), **mesh)
+    for resumed in (at_one, at_two):
+        assert resumed["start_step"] == 10
+        relative = np.abs(np.array(resumed["losses"]) - one["losses"][10:]) / np.array(one["losses"][10:])
+        assert relative.max() < 1e-5, relative.max()
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("argv, line", [
+    (["--pp", "0"], "--pp must be a positive integer, got '0'"),
+    (["--pp-schedule", "zb"], "--pp-schedule must be one of gpipe, 1f1b, got 'zb'"),
+])
+def test_pp_options_on_the_command_line_are_one_line(argv, line):
+    with pytest.raises(XtrainError) as info:
+        parse_config(["5", "8", "32", *argv], Launch("single"))
+    assert str(info.value) == line
+
+
+@pytest.mark.parametrize("kw, line", [
+    ({"world_size": 4, "pp": 3}, "--pp must be a divisor of the world size (4), got '3'"),
+    ({"world_size": 8, "tp": 2, "pp": 8}, "--pp must be a divisor of the world size over --tp (8 / 2 = 4), got '8'"),
+    ({"world_size": 4, "pp": 4}, "--pp must be at most the model's 2 layers, got '4'"),
+    ({"world_size": 2, "pp": 2, "pp_schedule": "zb"}, "--pp-schedule must be one of gpipe, 1f1b, got 'zb'"),
+    ({"world_size": 4, "pp": 2, "zero": 1}, "--pp 2 and --zero 1 do not work together yet: AdamW's state is not "
+     "sharded over a stage's data-parallel group yet"),
+    ({"world_size": 2, "pp": 2, "eval_batches": 2}, "--pp 2 and --eval-batches do not work together yet: the "
+     "validation loss runs the whole model on each rank; use --eval-batches 0"),
+    ({"world_size": 4, "pp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "
+     "(the world size over --pp) times --grad-accum (2 x 2 = 4): every micro-batch needs a sequence in every "
+     "data-parallel group"),
+])
+def test_bad_pp_runs_are_one_line_before_any_rank_starts(corpus, kw, line):
+    cfg = TrainConfig(**{"steps": 2, "batch": 8, "seq": 32, "model": "tiny", "eval_batches": 0, **kw}).resolved()
+    with pytest.raises(XtrainError) as info:
+        train(cfg, corpus, log=lambda line: None)
+    assert str(info.value) == line
+
+
+def test_pp_with_the_cuda_backend_is_refused_in_one_line():
+    cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda")
+    with pytest.raises(XtrainError) as info:
+        pipeline.check_config(cfg, CONFIG)
+    assert str(info.value) == ("--pp 2 and --backend cuda do not work together yet: the pipeline step is checked "
+                               "against one rank on the numpy backend only")
+
+
+def test_a_stage_s_memory_counts_its_part_and_the_micro_batches_its_schedule_holds(corpus):
+    config = model_config("tiny", corpus.vocab_size)
+
+    def memories(**kw):
+        return memory.rank_memories(config, TrainConfig(steps=1, batch=8, seq=32, grad_accum=4, **kw), 4)
+
+    one = memories()[0]
+    gpipe, onef1b = memories(world_size=2, pp=2, pp_schedule="gpipe"), memories(world_size=2, pp=2)
+    assert [m.gradients for m in onef1b] == [4 * param_layout(config, 1, 2, s)[1] for s in range(2)]
+    assert all(m.gradients < one.gradients for m in onef1b)
+    per_micro = [sum(np.prod(shape) * 4 for _, shape, _ in memory.saved_activations(config, 2, 32, "standard", 0,
+                                                                                       1, 2, s)) for s in range(2)]
+    # GPipe keeps all 4 micro-batches on both stages; 1F1B 2 on the first (p - s) and 1 on the last
+    assert [m.activations for m in gpipe] == [4 * per_micro[0], 4 * per_micro[1]]
+    assert [m.activations for m in onef1b] == [2 * per_micro[0], per_micro[1]]
+
+
+# ---------------------------------------------------------------------------------------------- MPI processes
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+def test_pp_2_through_mpi_processes_follows_world_one(world_one, tmp_path):
+    folder, one = world_one
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    out = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "20", "4", "32",
+                          "--pp", "2", "--grad-accum", "2", "--seed", "7", "--eval-batches", "0",
+                          "--report", str(tmp_path / "r.json"), "--save-dir", str(tmp_path / "mpi")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["launch"]["comm"] == "mpi" and report["config"]["pp"] == 2
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "mpi")
+    for name, tensor in reference.items():
+        np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
