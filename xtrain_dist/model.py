@@ -35,6 +35,19 @@ stream after each all-reduce, and its gradient after each), by the same ops in t
 layout's `split` says how each tensor is cut; the flat buffers hold the rank's shards (shard_flat), and
 checkpoints join them back into the full tensors (join_flats).
 
+Pipeline parallelism (--pp M). The n_layer blocks are cut into M contiguous stages (stage_blocks: as even as can
+be, the extra blocks on the first stages, since the last one also runs the classifier); a rank holds its stage's
+blocks, the first stage also wpe and wte (the embedding) and the last ln_f and wte again (the tied classifier).
+Its layout is the full one's order with the other stages' tensors left out. stage_forward runs one micro-batch
+through the stage's part (embed on the first stage, the blocks, the head on the last) and returns the tape
+stage_backward needs, so a stage can hold several micro-batches at once (1F1B); between stages goes the
+residual stream (B, T, C) forward and its gradient back. A stage before the last ends with the residual sum
+alone, whose layernorm (the next block's ln_1) the next stage runs: residual_layernorm_forward is that sum
+and that layernorm, so the stages compute what one rank does. The two copies of wte are one parameter: after
+the data-parallel sync each of the two stages adds the other's gradient to its own (sum_tied_embedding_grads,
+Megatron's embedding group), the same bits on both, so AdamW keeps them equal. Checkpoints gather every
+stage's tensors into the full layout.
+
 Precision. `params` holds the float32 master weights, which the optimizer updates and checkpoints
 save. Forward and backward read `params_lowp`, the same layout in the backend's activation dtype:
 `params` itself under fp32, a bfloat16 copy under bf16 that AdamW rewrites in the pass that updates

@@ -74,8 +74,8 @@ def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler
 
 
 def saves_shards(model, optimizer) -> bool:
-    """Whether every rank writes its own optimizer file: ZeRO-1's shards of one whole model. A tensor-parallel
-    run writes one file of the full layout instead (optimizer_state_to_save)."""
+    """Whether every rank writes its own optimizer file: ZeRO-1's shards of one whole model. A tensor- or
+    pipeline-parallel run writes one file of the full layout instead (optimizer_state_to_save)."""
     return bool(optimizer.sharded) and not model.split_over_ranks
 
 
@@ -112,8 +112,9 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
     Every rank calls it: rank 0 writes the model and the run's state, the optimizer state is written
     by rank 0 or, when it is sharded, by every rank for its shard; all ranks wait until it is in place.
     With PowerSGD (`powersgd`, parallel/powersgd.py) every rank also writes its Q and error buffers.
-    With tensor parallelism every rank first gathers its group's shards (a collective of the group), so the
-    files hold the full model and its optimizer state whatever --tp was: a run resumes at any --tp."""
+    With tensor or pipeline parallelism every rank first gathers its groups' shards and stages (collectives of
+    the groups), so the files hold the full model and its optimizer state whatever --tp and --pp were: a run
+    resumes at any --tp and --pp."""
     gathers, shards = rank == 0 or model.split_over_ranks, saves_shards(model, optimizer)
     flat = model.gather_flat(model.params) if gathers else None
     optimizer_state = optimizer_state_to_save(model, optimizer) if gathers or shards else None
@@ -280,7 +281,7 @@ def restore(source, model, optimizer, sampler, powersgd=None) -> int:
 
 def _restore(ckpt: Checkpoint, path, model, optimizer, sampler, powersgd) -> int:
     state = ckpt.state
-    # the full model, whatever --tp saved it: this rank loads its shards of it
+    # the full model, whatever --tp and --pp saved it: this rank loads its shards and stage of it
     flat = model.full_flat(ckpt.model_state(model.config))
     # a version 1 checkpoint (wte's V rows) is this layout's first `used` elements: the rest, wte's padded
     # rows, is zero in the parameters full_flat made and in the m and v optimizer_state assembles
