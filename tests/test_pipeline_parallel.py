@@ -214,6 +214,16 @@ def test_a_pp_2_checkpoint_resumes_at_pp_1_and_back(corpus, world_one, tmp_path,
         assert relative.max() < 1e-5, relative.max()
 
 
+def test_the_validation_loss_at_pp_is_world_one_s(corpus, tmp_path):
+    """Each batch runs through the stages, forward only; the last stage's sum reaches every rank."""
+    reports = [run(corpus, tmp_path, f"eval{world}", world_size=world, pp=pp, eval_every=10, eval_batches=2)
+               for world, pp in ((1, 1), (2, 2), (4, 2))]
+    losses = [[v for _, v in r["val_losses"]] for r in reports]
+    assert [step for step, _ in reports[2]["val_losses"]] == [10, 20]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    np.testing.assert_allclose(losses[2], losses[0], rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("argv, line", [
     (["--pp", "0"], "--pp must be a positive integer, got '0'"),
@@ -232,8 +242,8 @@ def test_pp_options_on_the_command_line_are_one_line(argv, line):
     ({"world_size": 2, "pp": 2, "pp_schedule": "zb"}, "--pp-schedule must be one of gpipe, 1f1b, got 'zb'"),
     ({"world_size": 4, "pp": 2, "zero": 1}, "--pp 2 and --zero 1 do not work together yet: AdamW's state is not "
      "sharded over a stage's data-parallel group yet"),
-    ({"world_size": 2, "pp": 2, "eval_batches": 2}, "--pp 2 and --eval-batches do not work together yet: the "
-     "validation loss runs the whole model on each rank; use --eval-batches 0"),
+    ({"world_size": 2, "pp": 2, "sample_every": 1}, "--pp 2 and --sample-every do not work together yet: sampling "
+     "runs the whole model on rank 0"),
     ({"world_size": 4, "pp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "
      "(the world size over --pp) times --grad-accum (2 x 2 = 4): every micro-batch needs a sequence in every "
      "data-parallel group"),

@@ -668,6 +668,20 @@ class GPT2:
         losses = ops.fused_classifier(logits, targets, dloss, V)  # logits now hold dlogits, 0 past V
         return losses, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd, logits)
 
+    def pipelined_losses(self, ids, targets):
+        """Per-token losses (B, T) of a forward through every pipeline stage (evaluation: nothing kept for
+        backward): each stage runs its part on the stream the stage before sent and sends its own to the next.
+        The losses on the last stage, None on the others (a collective of the pipeline group)."""
+        inp = None
+        if not self.is_first:
+            inp = self.ops.xp.empty((*ids.shape, self.config.n_embd), dtype=self.params_lowp.dtype)
+            self.pp.recv(inp, self.stage - 1)
+        out, _ = self.stage_forward(ids, inp, targets)
+        if self.is_last:
+            return out
+        self.pp.send(out, self.stage + 1)
+        return None
+
     # ---------------------------------------------------------------- backward
     def stage_backward(self, tape: Tape, dout=None, on_grads_ready=None):
         """Accumulate this rank's part of the gradient of dloss * sum(losses) of one micro-batch (the one

@@ -46,11 +46,16 @@ class Evaluator:
         self.n_tokens = n * seq
 
     def loss(self, model, comm) -> float:
-        """Mean cross-entropy over the whole set, on every rank (a collective: every rank calls it)."""
+        """Mean cross-entropy over the whole set, on every rank (a collective: every rank calls it). With
+        pipeline parallelism each batch runs through the stages and the last one's sum goes to every stage."""
         xp = self.ops.xp
         total = xp.zeros(1, dtype=xp.float64)
         for ids, targets in self.batches:
-            total += model.forward(ids, targets).sum(dtype=xp.float64)
+            losses = model.forward(ids, targets) if model.pp is None else model.pipelined_losses(ids, targets)
+            if losses is not None:
+                total += losses.sum(dtype=xp.float64)
+        if model.pp is not None:  # the last stage's sum, the others' zero: every stage gets the same bits
+            model.pp.all_reduce(total)
         comm.all_reduce(total)
         return float(self.ops.to_host(total)[0]) / self.n_tokens
 

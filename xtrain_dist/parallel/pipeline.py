@@ -42,8 +42,6 @@ NOT_YET = (
      "AdamW's state is not sharded over a stage's data-parallel group yet"),
     ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
      "PowerSGD's factors and error feedback are not cut into pipeline stages"),
-    ("--eval-batches", lambda cfg: cfg.eval_batches > 0,
-     "the validation loss runs the whole model on each rank; use --eval-batches 0"),
     ("--hellaswag", lambda cfg: bool(cfg.hellaswag), "HellaSwag runs the whole model on each rank"),
     ("--sample-every", lambda cfg: cfg.sample_every > 0, "sampling runs the whole model on rank 0"),
 )
