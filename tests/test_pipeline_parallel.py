@@ -199,6 +199,27 @@ def test_training_at_pp_follows_world_one_and_keeps_replicas_and_wte_copies_bitw
     assert {count for _, count in sends} == {4 // dp * 32 * C}
 
 
+@pytest.mark.parametrize("kw", [{"grad_sync": "flat", "all_reduce": "ring"}, {"grad_sync": "per-param"},
+                                {"attention": "flash", "recompute": 2}])
+def test_every_sync_and_option_of_the_step_runs_on_each_stage_s_data_parallel_group(corpus, world_one, tmp_path, kw):
+    _, one = world_one
+    report = run(corpus, tmp_path, "pp", world_size=4, pp=2, grad_accum=2, **kw)
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    digests = report["param_sha256"]
+    assert digests[0] == digests[1] != digests[2] == digests[3]
+
+
+def test_stages_between_the_first_and_the_last_hold_blocks_only(corpus, tmp_path):
+    """--model mini's 4 blocks over 4 stages (two with neither embedding nor head) and over 3 (2, 1 and 1)."""
+    kw = {"model": "mini", "steps": 6, "grad_accum": 4}
+    one = run(corpus, tmp_path, "one", **kw)
+    for pp, schedule in ((4, "gpipe"), (3, "1f1b")):
+        report = run(corpus, tmp_path, f"pp{pp}", world_size=pp, pp=pp, pp_schedule=schedule, **kw)
+        relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+        assert relative.max() < 1e-5, (pp, relative.max())
+
+
 @pytest.mark.parametrize("mesh", [{"world_size": 2, "pp": 2}, {"world_size": 4, "pp": 2, "tp": 2,
                                                                 "pp_schedule": "gpipe"}])
 def test_a_pp_2_checkpoint_resumes_at_pp_1_and_back(corpus, world_one, tmp_path, mesh):
