@@ -235,14 +235,18 @@ def test_a_pp_2_checkpoint_resumes_at_pp_1_and_back(corpus, world_one, tmp_path,
         assert relative.max() < 1e-5, relative.max()
 
 
-def test_the_validation_loss_at_pp_is_world_one_s(corpus, tmp_path):
-    """Each batch runs through the stages, forward only; the last stage's sum reaches every rank."""
-    reports = [run(corpus, tmp_path, f"eval{world}", world_size=world, pp=pp, eval_every=10, eval_batches=2)
-               for world, pp in ((1, 1), (2, 2), (4, 2))]
-    losses = [[v for _, v in r["val_losses"]] for r in reports]
-    assert [step for step, _ in reports[2]["val_losses"]] == [10, 20]
-    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
-    np.testing.assert_allclose(losses[2], losses[0], rtol=1e-5)
+def test_the_validation_loss_and_hellaswag_at_pp_are_world_one_s(corpus, tmp_path):
+    """Each batch runs through the stages, forward only; the last stage's sum (its count of right answers)
+    reaches every rank."""
+    from test_hellaswag import random_examples, write
+    path = write(tmp_path / "hs.bin", random_examples(10, seed=4))
+    reports = [run(corpus, tmp_path, f"eval{world}", world_size=world, pp=pp, eval_every=10, eval_batches=2,
+                   hellaswag=str(path)) for world, pp in ((1, 1), (2, 2), (4, 2))]
+    for report in reports[1:]:
+        assert [step for step, _ in report["val_losses"]] == [10, 20]
+        np.testing.assert_allclose([v for _, v in report["val_losses"]], [v for _, v in reports[0]["val_losses"]],
+                                   rtol=1e-5)
+        assert report["hellaswag"] == reports[0]["hellaswag"]
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -219,12 +219,18 @@ class HellaSwag:
 
     def completion_losses(self, model):
         """(examples of this rank, completions), in the order of its share: each completion's mean loss over
-        its tokens, in float64, on the backend."""
+        its tokens, in float64, on the backend. With pipeline parallelism each pass runs through the stages
+        and only the last one scores: None on the others."""
         xp = self.ops.xp
         scores = []
         for ids, targets, mask in self.passes:
-            losses = model.forward(ids, targets).astype(xp.float64)
+            losses = model.forward(ids, targets) if model.pp is None else model.pipelined_losses(ids, targets)
+            if losses is None:  # a pipeline stage before the last
+                continue
+            losses = losses.astype(xp.float64)
             scores.append((losses * mask).sum(axis=1) / mask.sum(axis=1))
+        if self.passes and not scores:
+            return None
         if not scores:  # a rank with no example (more ranks than examples)
             return xp.zeros((0, self.n_completions), dtype=xp.float64)
         in_share_order = xp.empty((len(self.ran), self.n_completions), dtype=xp.float64)
@@ -235,7 +241,13 @@ class HellaSwag:
         """Examples whose lowest-loss completion is the label, over all ranks (a collective where comm is
         given: every rank calls it)."""
         xp = self.ops.xp
-        count = (self.completion_losses(model).argmin(axis=1) == self.labels).sum().astype(xp.float64).reshape(1)
+        losses = self.completion_losses(model)
+        if losses is None:  # a pipeline stage before the last: the last one counts
+            count = xp.zeros(1, dtype=xp.float64)
+        else:
+            count = (losses.argmin(axis=1) == self.labels).sum().astype(xp.float64).reshape(1)
+        if model.pp is not None:
+            model.pp.all_reduce(count)
         if comm is not None:
             comm.all_reduce(count)
         return int(self.ops.to_host(count)[0])
