@@ -235,18 +235,20 @@ def test_a_pp_2_checkpoint_resumes_at_pp_1_and_back(corpus, world_one, tmp_path,
         assert relative.max() < 1e-5, relative.max()
 
 
-def test_the_validation_loss_and_hellaswag_at_pp_are_world_one_s(corpus, tmp_path):
+def test_the_validation_loss_hellaswag_and_samples_at_pp_are_world_one_s(corpus, tmp_path):
     """Each batch runs through the stages, forward only; the last stage's sum (its count of right answers)
-    reaches every rank."""
+    reaches every rank. Rank 0's pipeline group draws the samples together, each stage with its own key and
+    value cache, every draw from the last stage's logits."""
     from test_hellaswag import random_examples, write
     path = write(tmp_path / "hs.bin", random_examples(10, seed=4))
     reports = [run(corpus, tmp_path, f"eval{world}", world_size=world, pp=pp, eval_every=10, eval_batches=2,
-                   hellaswag=str(path)) for world, pp in ((1, 1), (2, 2), (4, 2))]
+                   hellaswag=str(path), sample_every=10, sample_tokens=16) for world, pp in ((1, 1), (2, 2), (4, 2))]
     for report in reports[1:]:
         assert [step for step, _ in report["val_losses"]] == [10, 20]
         np.testing.assert_allclose([v for _, v in report["val_losses"]], [v for _, v in reports[0]["val_losses"]],
                                    rtol=1e-5)
         assert report["hellaswag"] == reports[0]["hellaswag"]
+        assert [step for step, _ in report["samples"]] == [10, 20] and report["samples"] == reports[0]["samples"]
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -267,8 +269,8 @@ def test_pp_options_on_the_command_line_are_one_line(argv, line):
     ({"world_size": 2, "pp": 2, "pp_schedule": "zb"}, "--pp-schedule must be one of gpipe, 1f1b, got 'zb'"),
     ({"world_size": 4, "pp": 2, "zero": 1}, "--pp 2 and --zero 1 do not work together yet: AdamW's state is not "
      "sharded over a stage's data-parallel group yet"),
-    ({"world_size": 2, "pp": 2, "sample_every": 1}, "--pp 2 and --sample-every do not work together yet: sampling "
-     "runs the whole model on rank 0"),
+    ({"world_size": 2, "pp": 2, "grad_compress": "powersgd"}, "--pp 2 and --grad-compress powersgd do not work "
+     "together yet: PowerSGD's factors and error feedback are not cut into pipeline stages"),
     ({"world_size": 4, "pp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "
      "(the world size over --pp) times --grad-accum (2 x 2 = 4): every micro-batch needs a sequence in every "
      "data-parallel group"),

@@ -653,7 +653,7 @@ class GPT2:
             else:
                 x, ln1, ln1_mean, ln1_rstd = ops.residual_layernorm_forward(x_mid, fcproj,
                                                                             *self._layernorm_after(layer))
-        if cache is not None and self.is_last:
+        if cache is not None:  # each stage's cache holds its own blocks' keys and values
             cache.length += ids.shape[1]
         keep = targets is not None and dloss is not None
         if not self.is_last:
@@ -681,6 +681,23 @@ class GPT2:
             return out
         self.pp.send(out, self.stage + 1)
         return None
+
+    def pipelined_logits(self, ids, cache: KVCache | None = None):
+        """The logits (B, T, V) of a forward through every pipeline stage (generation), on every stage: the
+        last one's, broadcast over the pipeline group, so each stage draws the same next token from the same
+        generator (a collective of the pipeline group)."""
+        inp = None
+        if not self.is_first:
+            inp = self.ops.xp.empty((*ids.shape, self.config.n_embd), dtype=self.params_lowp.dtype)
+            self.pp.recv(inp, self.stage - 1)
+        out, _ = self.stage_forward(ids, inp, cache=cache)
+        if self.is_last:
+            out = self.ops.xp.ascontiguousarray(out)
+        else:
+            self.pp.send(out, self.stage + 1)
+            out = self.ops.xp.empty((*ids.shape, self.config.vocab_size), dtype=self.params_lowp.dtype)
+        self.pp.broadcast(out, root=self.pp_size - 1)
+        return out
 
     # ---------------------------------------------------------------- backward
     def stage_backward(self, tape: Tape, dout=None, on_grads_ready=None):

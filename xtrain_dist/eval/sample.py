@@ -76,16 +76,18 @@ def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: in
     that point) each draw runs the forward pass over the last n_ctx ids. The logits are the same to
     float32 rounding."""
     ops, n_ctx = model.ops, model.config.n_ctx
+    # with pipeline parallelism every stage of the group runs this together, each draw from the last stage's logits
+    forward = model.forward if getattr(model, "pp", None) is None else model.pipelined_logits
     ids = list(ids)
     new = []
     kv = KVCache(model, batch=1) if cache else None
     pending = ids[-n_ctx:]  # what the next forward pass adds to the cache: first the whole context
     for _ in range(n_tokens):
         if kv is not None and kv.length + len(pending) <= n_ctx:
-            out = model.forward(ops.from_host(np.asarray(pending, dtype=np.int32)[None, :]), cache=kv)
+            out = forward(ops.from_host(np.asarray(pending, dtype=np.int32)[None, :]), cache=kv)
         else:  # n_ctx ids seen: the window slides, and the positions of every cached key would shift
             kv = None
-            out = model.forward(ops.from_host(np.asarray(ids[-n_ctx:], dtype=np.int32)[None, :]))
+            out = forward(ops.from_host(np.asarray(ids[-n_ctx:], dtype=np.int32)[None, :]))
         logits = ops.to_host(out[0, -1]).astype(np.float64)
         if temperature == 0:
             token = int(np.argmax(logits))

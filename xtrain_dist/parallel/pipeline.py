@@ -42,7 +42,6 @@ NOT_YET = (
      "AdamW's state is not sharded over a stage's data-parallel group yet"),
     ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
      "PowerSGD's factors and error feedback are not cut into pipeline stages"),
-    ("--sample-every", lambda cfg: cfg.sample_every > 0, "sampling runs the whole model on rank 0"),
 )
 
 

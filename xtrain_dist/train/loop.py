@@ -143,7 +143,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         multiple_choice = HellaSwag(examples, tokens, data_rank, data_world, backend)
     # --sample-every: rank 0 draws from a generator of its own (the batch sampler's is every rank's), so
     # sampling never changes what the run trains on; with --tp every rank of rank 0's tensor-parallel group
-    # runs the same draws beside it (their forward passes all-reduce together, their logits are the same bits)
+    # runs the same draws beside it (their forward passes all-reduce together, their logits are the same bits), and
+    # with --pp every stage of rank 0's pipeline group (the logits are the last stage's, broadcast to the others)
     prompt = (prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
               if cfg.sample_every and data_rank == 0 else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
