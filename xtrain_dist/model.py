@@ -527,6 +527,11 @@ class GPT2:
         return shard_flat(full[:self.full_size], self.config, self.tp_size, self.tp_rank, self.size, self.pp_size,
                           self.stage)
 
+    @property
+    def tied_range(self) -> tuple[int, int] | None:
+        """[start, end) of wte in this rank's flat buffers, or None where the stage has none."""
+        return next(((s.offset, s.offset + s.size) for s in self.layout if s.name == WTE), None)
+
     def sum_tied_embedding_grads(self) -> None:
         """Pipeline parallelism: the first stage's wte (the embedding) and the last's (the tied classifier) are
         one parameter, so each adds the other's gradient to its own (Megatron's embedding group) before the

@@ -64,6 +64,14 @@ class ShardedAdamW(AdamW):
         self.comm.all_reduce(partial)
         return partial
 
+    def gather_grads(self, lo: int, hi: int) -> None:
+        """The reduced gradients of grads[lo:hi] on every rank of the group: each rank's part of its shard
+        there, all-gathered in place (pipeline parallelism's tied wte, whose two copies' stages are shard
+        differently, swaps the whole reduced gradient)."""
+        counts = [max(0, min(hi, s_hi) - max(lo, s_lo)) for s_lo, s_hi in self.shards]
+        start = min(max(lo, self.lo), hi)
+        self.comm.all_gather(self.model.grads[start:start + counts[self.comm.rank]], self.model.grads[lo:hi], counts)
+
     def update(self, grad_scale) -> None:
         c, m, lo, hi = self.cfg, self.model, self.lo, self.hi
         self.ops.adamw_update(m.params[lo:hi], m.grads[lo:hi], self.m, self.v, m.decay_mask[lo:hi], None, None,

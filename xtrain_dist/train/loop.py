@@ -195,6 +195,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         else:  # the schedule's order, with the transfers between stages (parallel/pipeline.py)
             run_schedule(pipe, cfg.pp_schedule, len(batch), forward, backward, received, received)
         grad_sync.finish()
+        if pipe is not None and optimizer.sharded and model.tied_range:
+            optimizer.gather_grads(*model.tied_range)  # ZeRO-1 reduced only the rank's shard of wte's gradient
         model.sum_tied_embedding_grads()  # the first and last stages' wte are one parameter
         world_comm.all_reduce(readout[:2])
         norm_squared = optimizer.grad_norm_squared()
