@@ -282,6 +282,29 @@ def test_bad_pp_runs_are_one_line_before_any_rank_starts(corpus, kw, line):
     assert str(info.value) == line
 
 
+def test_a_bad_pp_on_the_command_line_is_one_line_and_exit_status_2():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "4", "32", "--world-size", "4",
+                          "--pp", "3"], capture_output=True, text=True, timeout=60, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert (out.returncode, out.stdout, out.stderr) == (
+        2, "", "train_ddp: error: --pp must be a divisor of the world size (4), got '3'\n")
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+def test_pp_over_rank_threads_of_several_processes_is_one_line():
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    out = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "2", "4", "32",
+                          "--world-size", "4", "--pp", "2", "--eval-batches", "0"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2, out.stderr
+    assert ("train_ddp: error: --pp splits the world into groups, and groups and point-to-point across rank threads "
+            "of several processes are not built: run one rank thread per process (mpirun -n N, torchrun "
+            "--nproc-per-node N)") in out.stderr.splitlines(), out.stderr
+
+
 def test_pp_with_the_cuda_backend_is_refused_in_one_line():
     cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda")
     with pytest.raises(XtrainError) as info:
