@@ -166,16 +166,16 @@ def test_overfitting_one_batch_drives_its_loss_toward_zero(corpus):
 
 
 def test_a_rank_that_raises_ends_the_run(corpus, monkeypatch):
-    real_backward = train_module.GPT2.backward
+    real_backward = train_module.GPT2.stage_backward
     calls = {"n": 0}
 
-    def backward(self, on_grads_ready=None):
+    def backward(self, tape, dout=None, on_grads_ready=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected failure")
-        return real_backward(self, on_grads_ready)
+        return real_backward(self, tape, dout, on_grads_ready)
 
-    monkeypatch.setattr(train_module.GPT2, "backward", backward)
+    monkeypatch.setattr(train_module.GPT2, "stage_backward", backward)
     with pytest.raises(RankFailed) as info:
         run(corpus, 2, steps=5)
     assert str(info.value.error) == "injected failure"
@@ -184,16 +184,16 @@ def test_a_rank_that_raises_ends_the_run(corpus, monkeypatch):
 def test_a_gradient_norm_that_overflows_stops_the_run_though_the_loss_is_finite(corpus, monkeypatch, tmp_path):
     """The loss of a step is computed before its update: a gradient of inf leaves it finite, and only the
     norm says that the update about to be saved has made the parameters nan."""
-    real_backward = train_module.GPT2.backward
+    real_backward = train_module.GPT2.stage_backward
     calls = {"n": 0}
 
-    def backward(self, on_grads_ready=None):
+    def backward(self, tape, dout=None, on_grads_ready=None):
         calls["n"] += 1
         if calls["n"] == 2:
             self.grads[0] = np.inf
-        return real_backward(self, on_grads_ready)
+        return real_backward(self, tape, dout, on_grads_ready)
 
-    monkeypatch.setattr(train_module.GPT2, "backward", backward)
+    monkeypatch.setattr(train_module.GPT2, "stage_backward", backward)
     with pytest.raises(RankFailed) as info:
         run(corpus, 1, steps=3, save_dir=str(tmp_path / "ck"), save_every=1)
     assert re.fullmatch(r"step 2: training diverged \(loss 8\.\d+, gradient norm inf\): the parameters are no "

@@ -32,8 +32,8 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
                       recompute: int = 0, tp: int = 1, pp: int = 1, stage: int = 0) -> list[tuple[str, tuple, str]]:
     """What GPT2.forward keeps for backward, array by array: (name, shape, kind), kind "act" for the
     activation dtype, "f32" or "i32" for arrays of that type whatever the precision. Its order and names
-    follow GPT2.forward's `_saved` and `_LayerActs` (less what --recompute leaves to backward), which
-    tests/test_memory.py holds it to. With tp > 1, one tensor-parallel rank's: its heads' q, k, v,
+    follow GPT2.stage_forward's Tape (forward's `_saved`) and `_LayerActs` (less what --recompute leaves to
+    backward), which tests/test_memory.py holds it to. With tp > 1, one tensor-parallel rank's: its heads' q, k, v,
     attention and output, its share of the MLP's hidden width; the residual stream is whole on every rank.
     With pp > 1, one micro-batch's on pipeline stage `stage` (GPT2.stage_forward's Tape): its blocks', and the
     head's on the last stage only (a stage before it keeps x, the activations it sends)."""
