@@ -21,7 +21,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
-from xtrain_dist.backend.cuda import cublaslt, gemm  # noqa: E402
+from xtrain_dist.backend.cuda import cublas, cublaslt, gemm  # noqa: E402
 from xtrain_dist.backend.cuda import ops as cuda_ops  # noqa: E402
 from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
 from xtrain_dist.config import model_config  # noqa: E402
@@ -215,6 +215,8 @@ def test_cublaslt_adds_the_bias_in_the_epilogue(be_lt, rng, rows, ic, oc):
     alignments = {key[-1] for key in be_lt._lt._plans if key[2:5] == (oc, rows, ic)}
     assert len(alignments) == (0 if oc == 1 else 2), alignments
     assert be_lt._lt._workspace.nbytes == cublaslt.WORKSPACE_BYTES  # what memory.py counts a rank
+    handle = be_lt._cublas[be_lt.stream.ptr]  # the rank stream's: memory.py counts its workspace too
+    assert handle._workspace.nbytes == cublas.WORKSPACE_BYTES and handle.stream == be_lt.stream.ptr
 
 
 # (B * T, C, 4 * C): GPT-2's MLP, every epilogue on --matmul cublaslt; (7, 36, 20): a width not a multiple of
