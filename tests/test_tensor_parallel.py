@@ -327,3 +327,16 @@ def test_tp_over_rank_threads_of_several_processes_is_one_line(tmp_path):
     assert ("train_ddp: error: --tp splits the world into groups, and groups and point-to-point across rank threads "
             "of several processes are not built: run one rank thread per process (mpirun -n N, torchrun "
             "--nproc-per-node N)") in out.stderr.splitlines(), out.stderr
+
+
+def test_the_report_counts_each_groups_payload_as_the_textbook_does(corpus, tmp_path):
+    """comm_bytes_per_step, rank 0's bytes handed to collectives in a step by group: at dp 2 x tp 2, the
+    tensor-parallel group's four all-reduces of (B/dp, T, C) float32 per layer and the gradient norm's one
+    float32; the data-parallel group's flat gradient sync of the rank's shards; the world's loss and stop
+    request (two float32)."""
+    report = run(corpus, tmp_path, "bytes", steps=2, world_size=4, tp=2, grad_sync="flat")
+    config = model_config("tiny", corpus.vocab_size)
+    rows, seq, width = 4 // 2, 32, config.n_embd
+    shards = param_layout(config, 2)[1]
+    assert report["comm_bytes_per_step"] == {"tp": 4 * config.n_layer * rows * seq * width * 4 + 4,
+                                                    "dp": shards * 4, "world": 2 * 4}
