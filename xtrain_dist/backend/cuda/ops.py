@@ -752,6 +752,15 @@ class CudaBackend(CublasProducts):
         vec = _vec(4, dst, _contiguous(src))
         self._launch(self._k.lowp_copy, _chunk_grid(n, 4, vec), (BLOCK,), dst, src, np.int64(n), np.int32(vec))
 
+    def widen_copy(self, dst, src) -> None:
+        _f32(dst)
+        self._act(src)
+        if dst.size != src.size:
+            raise ValueError(f"widen_copy: {src.size} elements into {dst.size}")
+        n = src.size
+        vec = _vec(4, _contiguous(dst), _contiguous(src))
+        self._launch(self._k.widen_copy, _chunk_grid(n, 4, vec), (BLOCK,), dst, src, np.int64(n), np.int32(vec))
+
 
 # ---------------------------------------------------------------------------- helpers
 
