@@ -1,5 +1,5 @@
-// adamw.cu: one AdamW step over flat fp32 buffers, in place, and the floatX copy of the parameters that
-// forward reads.   Oracles: numpy_ops.adamw_update, numpy_ops.lowp_copy.
+// adamw.cu: one AdamW step over flat fp32 buffers, in place, the floatX copy of the parameters that
+// forward reads, and floatX widened back to float32.   Oracles: numpy_ops.adamw_update, numpy_ops.lowp_copy, numpy_ops.widen_copy.
 //
 //   g = grad * grad_scale[0]                (grad_scale: the clip coefficient, read on the device)
 //   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
@@ -110,4 +110,28 @@ __device__ void lowp_copy_impl(floatX* dst, const float* src, long long n) {
 extern "C" __global__ void lowp_copy(floatX* dst, const float* src, long long n, int vec) {
     if (vec) lowp_copy_impl<VEC_F>(dst, src, n);
     else lowp_copy_impl<1>(dst, src, n);
+}
+
+// dst = src as float32, exactly   (numpy_ops.widen_copy)
+// lowp_copy's way back: a tensor-parallel group sums the partial outputs of its row-parallel products in
+// float32 (model.py), whatever the activation dtype, and lowp_copy rounds the sum once. One thread per
+// chunk of N = 4 elements when both pointers are aligned, else 1.
+template <int N>
+__device__ void widen_copy_impl(float* dst, const floatX* src, long long n) {
+    const long long i = chunk_start<N>();
+    if (i >= n) return;
+    if (i + N <= n) {
+        const Vec<floatX, N> x = load_vec<N>(src + i);
+        Vec<float, N> y;
+#pragma unroll
+        for (int k = 0; k < N; ++k) y[k] = to_float(x[k]);
+        store_vec<N>(dst + i, y);
+    } else {
+        for (long long j = i; j < n; ++j) dst[j] = to_float(src[j]);
+    }
+}
+
+extern "C" __global__ void widen_copy(float* dst, const floatX* src, long long n, int vec) {
+    if (vec) widen_copy_impl<VEC_F>(dst, src, n);
+    else widen_copy_impl<1>(dst, src, n);
 }

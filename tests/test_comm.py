@@ -412,17 +412,28 @@ class Recorder:
 
 
 def test_timed_communicator_counts_spans_on_its_clock_and_only_the_owners_as_exposed():
+    """... and the payload of each group it times: an all-reduce's buffer, by the label of the communicator
+    that ran it (a group of the rank's mesh timed into the same marks)."""
     from xtrain_dist.comm.timed import TimedCommunicator
     clock = StepClock()
     timed = TimedCommunicator(Recorder(clock), clock=clock)
-    timed.all_reduce(None)                              # the rank's own thread: on the critical path
-    side = threading.Thread(target=timed.all_reduce, args=(None,))
+    tp = timed.timing(Recorder(clock), "tp")
+    timed.all_reduce(np.zeros(3, np.float32))           # the rank's own thread: on the critical path
+    side = threading.Thread(target=timed.all_reduce, args=(np.zeros(5, np.float64),))
     side.start()                                        # a communication thread's: hidden
     side.join()
     timed.waited(10, 14)                                # the rank stood still for 4 ticks
     assert clock.elapsed_calls == 0, "marks must stay marks until take()"
-    comm_s, exposed_s, calls = timed.take()
+    marks = timed.detach()
+    assert timed.payload(marks) == {"dp": 12 + 40}
+    comm_s, exposed_s, calls = timed.tally(marks)
     assert (comm_s, exposed_s, calls) == (2 * 2.0, 2.0 + 2.0, 2)  # 4 ticks: 2 "seconds"
+    tp.all_reduce(np.zeros(2, np.float32))
+    marks = timed.detach()
+    assert timed.payload(marks) == {"tp": 8} and timed.calls(marks) == 1
+    timed.all_reduce(np.zeros(1, np.float32))
+    comm_s, exposed_s, calls = timed.take()
+    assert (comm_s, exposed_s, calls) == (2.0, 2.0, 1)
     assert timed.take() == (0.0, 0.0, 0)
 
 

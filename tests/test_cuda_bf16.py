@@ -200,6 +200,21 @@ def test_lowp_copy_rounds_to_nearest_even_bitwise(be, rng):
         assert np.array_equal(bf16_bits(be.to_host(dst)), bf16_bits(src))
 
 
+def test_widen_copy_gives_back_every_bf16_value_exactly(be):
+    """lowp_copy's way back (the tensor-parallel all-reduce sums in float32): every one of the 65536 bf16 bit
+    patterns but the NaNs widens to the float32 with those upper bits, and the NaNs to NaNs (the hardware's
+    conversion need not keep a NaN's payload), at an aligned and an unaligned start."""
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    want = (bits << 16).view(np.float32)
+    for offset in (0, 1):
+        src = be.from_host(np.concatenate([np.zeros(offset, np.uint16), bits.astype(np.uint16)]))[offset:]
+        dst = be.from_host(np.full(src.size + offset, 7.0, np.float32))[offset:]
+        be.widen_copy(dst, src)
+        got, nan = be.to_host(dst), np.isnan(want)
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)), offset
+        assert np.isnan(got[nan]).all(), offset
+
+
 # ---------------------------------------------------------------------------- the whole model
 
 def _model_step(backend, config, ids, targets, seed):

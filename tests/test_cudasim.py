@@ -875,10 +875,10 @@ def test_the_report_says_what_the_gpu_held_and_the_preflight_bound_is_below_it(t
 
 def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
     """The pre-flight memory check on --backend cuda reads each GPU's free memory (cudaMemGetInfo; the
-    simulator's is XTRAIN_CUDASIM_MEMORY) and counts the virtual ranks sharing it: 10 MiB holds one tiny
-    rank but not two, nor one with --matmul cublaslt's 32 MiB workspace."""
+    simulator's is XTRAIN_CUDASIM_MEMORY) and counts the virtual ranks sharing it: 42 MiB holds one tiny
+    rank with its 32 MiB cuBLAS workspace but not two, nor one with --matmul cublaslt's 32 MiB more."""
     command = [*RUN, "-m", "xtrain_dist.train_ddp", "1", "4", "32", "--model", "tiny", "--backend", "cuda"]
-    env = dict(os.environ, XTRAIN_CUDASIM_MEMORY=str(10 << 20))
+    env = dict(os.environ, XTRAIN_CUDASIM_MEMORY=str(42 << 20))
     one = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
 
@@ -890,10 +890,10 @@ def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
 
     line = refusal("--world-size", "2")
     assert line.startswith("train_ddp: error: not enough memory for this run: its 2 ranks need at least "), line
-    assert "and GPU 0 has 10.0 MiB available" in line, line
+    assert "and GPU 0 has 42.0 MiB available" in line, line
     line = refusal("--matmul", "cublaslt")
     assert line.startswith("train_ddp: error: not enough memory for this run: it needs at least "), line
-    assert " of AdamW state and 32.0 MiB of cuBLASLt workspace, and " in line, line
+    assert " of AdamW state and 64.0 MiB of cuBLAS workspace, and " in line, line
 
 
 def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):

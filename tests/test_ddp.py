@@ -283,13 +283,14 @@ def test_report_means_leave_out_the_warm_up_step():
 
     def rank_result(*comm_s):  # step records whose collectives took comm_s, all of it exposed
         return SimpleNamespace(records=[{"comm_ms": s * 1e3, "exposed_comm_ms": s * 1e3} for s in comm_s],
-                               comm_calls=2, zero_shards=None)
+                               comm_calls=2, comm_bytes={"dp": 64}, zero_shards=None)
 
     fields = ddp.report_fields(cfg, [rank_result(8.0, 1.0, 2.0), rank_result(8.0, 3.0, 2.0)])
     assert fields["comm_s"] == 2.0  # (1 + 2 + 3 + 2) / 4: the first step of each rank left out
     one_step = ddp.report_fields(cfg, [rank_result(8.0), rank_result(4.0)])
     assert one_step["exposed_comm_s"] == 6.0  # one step only: then that step counts
     assert fields["comm_calls_per_step"] == 2 and fields["zero_shards"] is None
+    assert fields["comm_bytes_per_step"] == {"dp": 64}  # rank 0's
 
 
 # ---------------------------------------------------------------- bf16 compression

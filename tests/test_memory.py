@@ -155,22 +155,25 @@ def test_bf16_on_a_gpu_halves_the_activations_and_the_copy_forward_reads(corpus)
     assert wide.activations - narrow.activations == 2 * act_elements
 
 
-def test_cublaslt_adds_its_workspace_to_every_ranks_state(corpus):
-    """--matmul cublaslt: each rank's LtMatmul holds a workspace for the whole run (cublaslt.WORKSPACE_BYTES,
-    which test_cuda_ops holds the allocation to), counted as persistent state and named when a run is refused."""
-    from xtrain_dist.backend.cuda import cublaslt
+def test_the_cublas_workspaces_are_in_every_cuda_ranks_state(corpus):
+    """--backend cuda: each rank's cuBLAS handle holds a workspace for the whole run (cublas.WORKSPACE_BYTES), and
+    with --matmul cublaslt its LtMatmul another (cublaslt.WORKSPACE_BYTES; test_cuda_ops holds the allocations
+    to them), counted as persistent state and named when a run is refused; numpy ranks hold none."""
+    from xtrain_dist.backend.cuda import cublas, cublaslt
 
     config = model_config("tiny", corpus.vocab_size)
     plain, lt = (memory.rank_memories(config, TrainConfig(steps=1, batch=4, seq=32, model="tiny", world_size=2,
                                                            backend="cuda", dtype="bf16", matmul=matmul), 2)
                  for matmul in ("cublas", "cublaslt"))
-    assert [r.workspace for r in plain] == [0, 0] and [r.workspace for r in lt] == [32 << 20] * 2
-    assert cublaslt.WORKSPACE_BYTES == 32 << 20
+    numpy_ranks = memory.rank_memories(config, TrainConfig(steps=1, batch=4, seq=32, model="tiny", world_size=2), 4)
+    assert [r.workspace for r in numpy_ranks] == [0, 0]
+    assert [r.workspace for r in plain] == [32 << 20] * 2 and [r.workspace for r in lt] == [64 << 20] * 2
+    assert cublaslt.WORKSPACE_BYTES == cublas.WORKSPACE_BYTES == 32 << 20
     assert [b.persistent - a.persistent for a, b in zip(plain, lt, strict=True)] == [32 << 20] * 2
     assert memory.least_bytes(lt) - memory.least_bytes(plain) == 2 * (32 << 20)
     with pytest.raises(XtrainError) as e:
         memory.check_fits(lt[:1], memory.least_bytes(lt[:1]) - 1, "GPU 0", TrainConfig(steps=1, batch=4, seq=32))
-    assert "2.8 MiB of AdamW state and 32.0 MiB of cuBLASLt workspace, and 0.8 MiB of activations" in str(e.value)
+    assert "2.8 MiB of AdamW state and 64.0 MiB of cuBLAS workspace, and 0.8 MiB of activations" in str(e.value)
 
 
 def needs(persistent, activations):

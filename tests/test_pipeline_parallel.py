@@ -221,6 +221,18 @@ def test_stages_between_the_first_and_the_last_hold_blocks_only(corpus, tmp_path
         assert relative.max() < 1e-5, (pp, relative.max())
 
 
+def test_the_report_counts_the_pipeline_s_payload_as_the_textbook_does(corpus, tmp_path):
+    """comm_bytes_per_step, rank 0's bytes in a step by group, at dp 2 x pp 2 with 2 micro-batches: on the pipeline
+    group stage 0 sends each micro-batch's (B_micro, T, C) activations, its wte gradient (Vp x C) to the last
+    stage and the gradient norm's one float32; on the data-parallel group, the flat sync of its stage's
+    buffer; on the world, the loss and stop request."""
+    report = run(corpus, tmp_path, "bytes", steps=2, world_size=4, pp=2, grad_accum=2, grad_sync="flat")
+    config = model_config("tiny", corpus.vocab_size)
+    rows, seq, width = 4 // 2, 32, config.n_embd
+    assert report["comm_bytes_per_step"] == {"pp": (rows * seq * width + config.padded_vocab_size * width + 1) * 4,
+                                             "dp": param_layout(config, 1, 2, 0)[1] * 4, "world": 2 * 4}
+
+
 @pytest.mark.parametrize("mesh", [{"world_size": 2, "pp": 2}, {"world_size": 4, "pp": 2, "tp": 2,
                                                                 "pp_schedule": "gpipe"},
                                   {"world_size": 4, "pp": 2, "zero": 1}])

@@ -327,3 +327,37 @@ def test_tp_over_rank_threads_of_several_processes_is_one_line(tmp_path):
     assert ("train_ddp: error: --tp splits the world into groups, and groups and point-to-point across rank threads "
             "of several processes are not built: run one rank thread per process (mpirun -n N, torchrun "
             "--nproc-per-node N)") in out.stderr.splitlines(), out.stderr
+
+
+def test_the_report_counts_each_groups_payload_as_the_textbook_does(corpus, tmp_path):
+    """comm_bytes_per_step, rank 0's bytes handed to collectives in a step by group: at dp 2 x tp 2, the
+    tensor-parallel group's four all-reduces of (B/dp, T, C) float32 per layer and the gradient norm's one
+    float32; the data-parallel group's flat gradient sync of the rank's shards; the world's loss and stop
+    request (two float32)."""
+    report = run(corpus, tmp_path, "bytes", steps=2, world_size=4, tp=2, grad_sync="flat")
+    config = model_config("tiny", corpus.vocab_size)
+    rows, seq, width = 4 // 2, 32, config.n_embd
+    shards = param_layout(config, 2)[1]
+    assert report["comm_bytes_per_step"] == {"tp": 4 * config.n_layer * rows * seq * width * 4 + 4,
+                                                    "dp": shards * 4, "world": 2 * 4}
+
+
+def test_bench_mesh_measures_each_mesh_against_the_textbook_and_world_one(tmp_path):
+    """bin/bench_mesh at world 1, tp 2 and dp 2 x tp 2 of the tiny model: its rows' bytes per group are the
+    textbook's (it exits non-zero where they are not), the meshes' losses follow world 1's, and a bad mesh is one
+    line."""
+    script = Path(__file__).resolve().parents[1] / "bin" / "bench_mesh"
+    done = subprocess.run([sys.executable, str(script), "--model", "tiny", "--batch", "4", "--seq", "16", "--steps",
+                           "3", "--meshes", "1,tp2,dp2xtp2", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mesh.json", "mesh.md", "mesh.png"]
+    rows = json.loads((tmp_path / "mesh.json").read_text())["rows"]
+    assert [(r["mesh"], r["ranks"]) for r in rows] == [("world 1", 1), ("tp 2", 2), ("dp 2 x tp 2", 4)]
+    assert all(r["bytes"] == r["expected_bytes"] for r in rows)
+    assert rows[2]["bytes"]["tp"] * 2 == rows[1]["bytes"]["tp"] + 4  # half the rows each, the norm's float the same
+    assert all(r["loss_rel_diff"] < 1e-5 for r in rows)
+    bad = subprocess.run([sys.executable, str(script), "--meshes", "1,pp2"], capture_output=True, text=True,
+                         timeout=60)
+    assert (bad.returncode, bad.stderr) == (2, "bench_mesh: error: --meshes must be a comma-separated list of 1, dpN, "
+                                               "tpN or dpNxtpN, got '1,pp2'\n")

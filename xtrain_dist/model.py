@@ -579,9 +579,18 @@ class GPT2:
         return bias if self.tp_rank == 0 else None
 
     def _row_parallel(self, partial):
-        """Megatron's g: a row-parallel product's partial sums, completed over the group (in place)."""
-        if self.tp is not None:
+        """Megatron's g: a row-parallel product's partial sums, completed over the group (in place). Under bf16
+        the partials are summed in float32 and the sum rounded once (on a GPU bf16 activations are 16-bit
+        words, which a sum of their bits would garble): the bytes sent are float32's, twice bf16's."""
+        if self.tp is None:
+            return partial
+        if self.ops.dtype == "fp32":
             self.tp.all_reduce(partial)
+            return partial
+        wide = self.ops.xp.empty(partial.shape, dtype=np.float32)
+        self.ops.widen_copy(wide, partial)
+        self.tp.all_reduce(wide)
+        self.ops.lowp_copy(partial, wide)
         return partial
 
     def _column_parallel_dinp(self, partial):

@@ -612,6 +612,11 @@ class NumpyBackend:
         dst[...] = src
         self.store(dst)
 
+    def widen_copy(self, dst, src) -> None:
+        """dst (float32) = src (the activation dtype), exactly (kernels/adamw.cu): a tensor-parallel group
+        sums its row-parallel partial outputs in float32 (model.py)."""
+        dst[...] = src
+
     # ------------------------------------------------------------------ gradient compression (kernels/bf16_round.cu)
 
     bf16_round = staticmethod(bf16_round)  # the module function above the class
@@ -628,7 +633,7 @@ OPS = ("to_host", "to_host_later", "from_host", "upload", "from_host_act", "sync
        "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
        "flash_attention_forward", "flash_attention_backward",
        "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_forward", "fused_classifier",
-       "global_norm_squared", "clip_coefficient", "scale", "adamw_update", "lowp_copy", "bf16_round")
+       "global_norm_squared", "clip_coefficient", "scale", "adamw_update", "lowp_copy", "widen_copy", "bf16_round")
 
 _fp32 = NumpyBackend("fp32")
 xp, name, dtype, act_dtype, store = np, _fp32.name, _fp32.dtype, _fp32.act_dtype, _fp32.store

@@ -30,20 +30,24 @@ class HostClock:
 
 
 class TimedCommunicator:
-    def __init__(self, comm, clock=HostClock, marks_of: "TimedCommunicator | None" = None):
+    def __init__(self, comm, clock=HostClock, marks_of: "TimedCommunicator | None" = None, label: str = "dp"):
+        """label: which group the collectives go over ("dp", the data-parallel group, the whole world without
+        a mesh; "tp", "pp", "world"), for `payload`."""
         self.comm = comm
+        self.label = label
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.clock = clock
         self._owner = threading.get_ident()
         self._lock = threading.Lock()
-        self._spans: list[tuple[object, object, bool, bool]] = []  # (start, end, in a collective, exposed)
+        # (start, end, in a collective, exposed, group label, payload bytes)
+        self._spans: list[tuple[object, object, bool, bool, str, int]] = []
         self._marks_of = marks_of or self  # whose marks this one's collectives add to
 
-    def timing(self, comm) -> "TimedCommunicator":
+    def timing(self, comm, label: str) -> "TimedCommunicator":
         """Another communicator of the rank (a group of its mesh) whose collectives are timed into this one's
         marks, so that one take() counts them all."""
-        return TimedCommunicator(comm, self.clock, marks_of=self)
+        return TimedCommunicator(comm, self.clock, marks_of=self, label=label)
 
     def take(self) -> tuple[float, float, int]:
         """(comm_s, exposed_s, calls) since the last take, and start counting afresh."""
@@ -60,13 +64,26 @@ class TimedCommunicator:
     @staticmethod
     def calls(spans: list) -> int:
         """How many collectives detached marks hold, without timing them."""
-        return sum(collective for _start, _end, collective, _exposed in spans)
+        return sum(span[2] for span in spans)
+
+    @staticmethod
+    def payload(spans: list) -> dict[str, int]:
+        """The bytes this rank handed to collectives in detached marks, by group label: an all-reduce's or a
+        broadcast's buffer, a reduce-scatter's input, an all-gather's own share, what a send or a sendrecv
+        sends. What goes over the wire
+        depends on the algorithm (a ring all-reduce sends 2 (n - 1) / n of its buffer); this is the size the
+        textbook counts are written in."""
+        total: dict[str, int] = {}
+        for _start, _end, collective, _exposed, label, nbytes in spans:
+            if collective:
+                total[label] = total.get(label, 0) + nbytes
+        return total
 
     def tally(self, spans: list) -> tuple[float, float, int]:
         """(comm_s, exposed_s, calls) of detached marks."""
         comm_s = exposed_s = 0.0
         calls = 0
-        for start, end, collective, exposed in spans:
+        for start, end, collective, exposed, _label, _nbytes in spans:
             seconds = max(0.0, self.clock.elapsed(start, end))
             comm_s += seconds if collective else 0.0
             exposed_s += seconds if exposed else 0.0
@@ -78,9 +95,9 @@ class TimedCommunicator:
         thread."""
         owner = self._marks_of
         with owner._lock:
-            owner._spans.append((start, end, False, True))
+            owner._spans.append((start, end, False, True, self.label, 0))
 
-    def _timed(self, collective, *args) -> None:
+    def _timed(self, nbytes: int, collective, *args) -> None:
         start = self.clock.timestamp()
         try:
             collective(*args)
@@ -88,31 +105,32 @@ class TimedCommunicator:
             end = self.clock.timestamp()
             owner = self._marks_of
             with owner._lock:
-                owner._spans.append((start, end, True, threading.get_ident() == self._owner))
+                owner._spans.append((start, end, True, threading.get_ident() == self._owner, self.label, nbytes))
 
     def all_reduce(self, buf) -> None:
-        self._timed(self.comm.all_reduce, buf)
+        self._timed(buf.nbytes, self.comm.all_reduce, buf)
 
     def reduce_scatter(self, send, recv, counts=None) -> None:
-        self._timed(self.comm.reduce_scatter, send, recv, counts)
+        self._timed(send.nbytes, self.comm.reduce_scatter, send, recv, counts)
 
     def all_gather(self, send, recv, counts=None) -> None:
-        self._timed(self.comm.all_gather, send, recv, counts)
+        self._timed(send.nbytes, self.comm.all_gather, send, recv, counts)
 
     def broadcast(self, buf, root: int = 0) -> None:
-        self._timed(self.comm.broadcast, buf, root)
+        self._timed(buf.nbytes, self.comm.broadcast, buf, root)
 
     def barrier(self) -> None:
-        self._timed(self.comm.barrier)
+        self._timed(0, self.comm.barrier)
 
+    # point-to-point: the payload counted is what this rank sends
     def send(self, buf, peer: int) -> None:
-        self._timed(self.comm.send, buf, peer)
+        self._timed(buf.nbytes, self.comm.send, buf, peer)
 
     def recv(self, buf, peer: int) -> None:
-        self._timed(self.comm.recv, buf, peer)
+        self._timed(0, self.comm.recv, buf, peer)
 
     def sendrecv(self, send, dest: int, recv, source: int) -> None:
-        self._timed(self.comm.sendrecv, send, dest, recv, source)
+        self._timed(send.nbytes, self.comm.sendrecv, send, dest, recv, source)
 
     def abort(self, reason: str) -> None:
         self.comm.abort(reason)

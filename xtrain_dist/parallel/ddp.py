@@ -288,6 +288,8 @@ def report_fields(cfg, results) -> dict:
         "comm_s": mean("comm_ms"),
         "exposed_comm_s": mean("exposed_comm_ms"),
         "comm_calls_per_step": results[0].comm_calls,
+        # rank 0's payload bytes in the last timed step, by group (dp: the gradient sync's; tp; world)
+        "comm_bytes_per_step": results[0].comm_bytes,
         # every rank's shard, also those of other processes: each process cuts the same shards
         "zero_shards": [list(shard) for shard in results[0].zero_shards] if cfg.zero else None,
     }

@@ -14,8 +14,9 @@ from ..model import check_tp
 
 # What a run with --tp above 1 refuses, and why: (option, whether the configuration asks for it, why not)
 NOT_YET = (
-    ("--backend cuda", lambda cfg: cfg.backend == "cuda",
-     "the tensor-parallel step is checked against one rank on the numpy backend only"),
+    ("--backend cuda --grad-sync bucketed", lambda cfg: cfg.backend == "cuda" and cfg.grad_sync == "bucketed",
+     "the overlapped sync's collectives would run beside the tensor-parallel all-reduces on another "
+     "communicator, in an order NCCL does not keep the same on every rank: use --grad-sync flat"),
     ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
      "PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
 )

@@ -35,6 +35,8 @@ def unsupported(cfg, comm) -> str | None:
     """Why this rank's step cannot be captured, or None where it can."""
     if cfg.grad_compress == "powersgd":
         return "PowerSGD decides on the host whether a step compresses (--powersgd-start-step)"
+    if cfg.tp > 1:
+        return "the tensor-parallel step (--tp) is not captured yet: its all-reduces have run only outside a graph"
     if comm.world_size == 1:
         return None
     if cfg.all_reduce == "ring":

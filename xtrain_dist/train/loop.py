@@ -45,6 +45,7 @@ class RankResult:
     step_flops: float = 0.0                                 # model flops of one step, all ranks (MFU's numerator)
     optimizer_state_bytes: int = 0
     comm_calls: int = 0                                     # collectives in the last step (parallel/ddp.py)
+    comm_bytes: dict = field(default_factory=dict)          # their payload bytes by group (comm/timed.py)
     param_bytes: int = 0
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
@@ -121,10 +122,11 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # themselves
     step_comm = TimedCommunicator(RingAllReduce(data_comm) if cfg.all_reduce == "ring" else data_comm, clock=backend)
     # the loss and the stop request go round the whole world, timed with the step's other collectives
-    world_comm = step_comm.timing(comm) if mesh else step_comm
-    pipe = step_comm.timing(mesh.pp) if mesh and cfg.pp > 1 else None  # this rank's pipeline group: stage = rank
+    world_comm = step_comm.timing(comm, "world") if mesh else step_comm
+    # this rank's pipeline group (stage = its rank there)
+    pipe = step_comm.timing(mesh.pp, "pp") if mesh and cfg.pp > 1 else None
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
-                 recompute=cfg.recompute, tp=step_comm.timing(mesh.tp) if mesh else None, pp=pipe)
+                 recompute=cfg.recompute, tp=step_comm.timing(mesh.tp, "tp") if mesh else None, pp=pipe)
     optimizer = make_optimizer(model, cfg, step_comm)
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
@@ -247,6 +249,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         if queued.comm_marks is not None:
             # a step run from a graph has no timing marks of its own: its collectives' times are not known
             comm_s, exposed_s, result.comm_calls = step_comm.tally(queued.comm_marks)
+            result.comm_bytes = step_comm.payload(queued.comm_marks)
             record.update(comm_ms=comm_s * 1e3, exposed_comm_ms=exposed_s * 1e3)
         if peak_flops:
             record["mfu"] = mfu(result.step_flops, ms, peak_flops)
@@ -314,6 +317,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                 if replayed:  # a launch of the graph leaves no timing marks of its own
                     if capturing:  # the capture's marks count its collectives, but were never timed on the device
                         result.comm_calls = step_comm.calls(marks)
+                        result.comm_bytes = step_comm.payload(marks)
                     marks = None
                 result.cuda_graph["replayed_steps"] += replayed
             else:

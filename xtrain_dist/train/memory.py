@@ -16,7 +16,7 @@ import resource
 import sys
 from dataclasses import dataclass
 
-from ..backend.cuda import cublaslt
+from ..backend.cuda import cublas, cublaslt
 from ..config import GPTConfig
 from ..errors import XtrainError
 from ..model import param_layout, stage_blocks
@@ -73,7 +73,7 @@ class RankMemory:
     activations: int   # what forward keeps for backward: the rank's largest micro-batch's, times the micro-batches
     #                    a pipeline stage holds at once (parallel/pipeline.py's peak_in_flight)
     validation: int = 0  # its share of the --eval-batches held-out windows and their targets (int32)
-    workspace: int = 0   # --matmul cublaslt's workspace, which the rank's LtMatmul holds from the rank's start
+    workspace: int = 0   # cuBLAS's workspace on the rank's stream and --matmul cublaslt's, held from the rank's start
 
     @property
     def persistent(self) -> int:
@@ -113,7 +113,9 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
                                            for _, shape, kind in saved)
         return activations[stage, rows]
 
-    lt_workspace = cublaslt.WORKSPACE_BYTES if cfg.matmul == "cublaslt" else 0
+    # (a side thread's cuBLAS handle, the bucketed sync's, has a smaller one of its own, left out of this bound)
+    workspace = ((cublas.WORKSPACE_BYTES if cfg.backend == "cuda" else 0)
+                 + (cublaslt.WORKSPACE_BYTES if cfg.matmul == "cublaslt" else 0))
     memories = []
     for rank in range(cfg.world_size):
         # the mesh is arange(world).reshape(pp, dp, tp): rank r is on stage r // (dp tp), data-parallel index
@@ -134,7 +136,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
                                    activations=in_flight * saved_bytes(stage, -(-rows // cfg.grad_accum)),
                                    # evaluate.Evaluator keeps every batch's windows of this rank's rows
                                    validation=cfg.eval_batches * rows * cfg.seq * 2 * ITEMSIZE["i32"],
-                                   workspace=lt_workspace))
+                                   workspace=workspace))
     return memories
 
 
@@ -189,7 +191,7 @@ def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) 
         parts = [f"{gib(top.parameters)} of parameters", f"{gib(top.gradients)} of gradients",
                  f"{gib(top.optimizer)} of AdamW state"]
         parts += [f"{gib(top.validation)} of validation windows"] if held_out else []
-        parts += [f"{gib(top.workspace)} of cuBLASLt workspace"] if top.workspace else []
+        parts += [f"{gib(top.workspace)} of cuBLAS workspace"] if top.workspace else []
         state = f"{', '.join(parts[:-1])} and {parts[-1]}"
         acts = f"{gib(max(n.activations for n in needs))} of activations kept for backward"
         if len(needs) == 1:

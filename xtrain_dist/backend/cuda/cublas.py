@@ -28,6 +28,7 @@ CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77  # cublasComputeType_t
 CUBLAS_GEMM_DEFAULT = -1                             # cublasGemmAlgo_t: the library's heuristic
 
 WORKSPACE_BYTES = 32 << 20  # what PyTorch gives each cuBLAS handle on Hopper; cuBLASLt's here is the same
+SIDE_WORKSPACE_BYTES = 4 << 20  # a side thread's handle (the bucketed sync's): its products are PowerSGD's small ones
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {  # name: argtypes (each returns cublasStatus_t)

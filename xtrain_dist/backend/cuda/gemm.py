@@ -37,10 +37,10 @@ class CublasProducts:
         if matmul == "cublaslt":
             self._lt = cublaslt.LtMatmul(cupy)  # this device's handle and workspace, made on the rank's thread
 
-    def _new_cublas_handle(self, stream) -> None:
+    def _new_cublas_handle(self, stream, workspace_bytes: int = cublas.WORKSPACE_BYTES) -> None:
         """A cuBLAS handle for `stream` (the rank's, or a side thread's), pointed at it once, here, before
         any capture (cublas.py says why not CuPy's)."""
-        self._cublas[stream.ptr] = cublas.Cublas(cupy, stream.ptr)
+        self._cublas[stream.ptr] = cublas.Cublas(cupy, stream.ptr, workspace_bytes)
 
     def _handle(self) -> cublas.Cublas:
         """The handle of the calling thread's stream (_check_stream has checked it is one of this backend's)."""

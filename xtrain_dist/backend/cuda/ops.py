@@ -14,7 +14,7 @@ import numpy as np
 from ...errors import XtrainError
 from ...precision import check_dtype, check_matmul
 from .. import numpy_ops
-from . import cublaslt
+from . import cublas, cublaslt
 from .compile import Kernels, kernel_constant
 from .device import check_stream, cupy, device_count, on_stream
 from .gemm import CublasProducts, _matrix_layout
@@ -229,7 +229,8 @@ class CudaBackend(CublasProducts):
         stream.use()
         self._side_streams.add(stream.ptr)
         self._keep_alive.append(stream)
-        self._new_cublas_handle(stream)  # products on the side thread (PowerSGD's) run on its stream
+        # products on the side thread (PowerSGD's) run on its stream, with a handle and workspace of its own
+        self._new_cublas_handle(stream, cublas.SIDE_WORKSPACE_BYTES)
         return stream
 
     def fence(self):
@@ -750,6 +751,15 @@ class CudaBackend(CublasProducts):
         n = src.size
         vec = _vec(4, dst, _contiguous(src))
         self._launch(self._k.lowp_copy, _chunk_grid(n, 4, vec), (BLOCK,), dst, src, np.int64(n), np.int32(vec))
+
+    def widen_copy(self, dst, src) -> None:
+        _f32(dst)
+        self._act(src)
+        if dst.size != src.size:
+            raise ValueError(f"widen_copy: {src.size} elements into {dst.size}")
+        n = src.size
+        vec = _vec(4, _contiguous(dst), _contiguous(src))
+        self._launch(self._k.widen_copy, _chunk_grid(n, 4, vec), (BLOCK,), dst, src, np.int64(n), np.int32(vec))
 
 
 # ---------------------------------------------------------------------------- helpers
