@@ -317,12 +317,14 @@ def test_pp_over_rank_threads_of_several_processes_is_one_line():
             "--nproc-per-node N)") in out.stderr.splitlines(), out.stderr
 
 
-def test_pp_with_the_cuda_backend_is_refused_in_one_line():
+def test_pp_with_the_cuda_backend_refuses_the_overlapped_sync_in_one_line():
+    """Checked here without a GPU (tests/test_cuda_ops.py runs the allowed syncs on the CUDA backend)."""
     cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda")
     with pytest.raises(XtrainError) as info:
         pipeline.check_config(cfg, CONFIG)
-    assert str(info.value) == ("--pp 2 and --backend cuda do not work together yet: the pipeline step is checked "
-                               "against one rank on the numpy backend only")
+    assert str(info.value).startswith("--pp 2 and --backend cuda --grad-sync bucketed do not work together yet")
+    pipeline.check_config(TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda",
+                                      grad_sync="flat"), CONFIG)
 
 
 def test_a_stage_s_memory_counts_its_part_and_the_micro_batches_its_schedule_holds(corpus):

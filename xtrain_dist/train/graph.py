@@ -37,6 +37,8 @@ def unsupported(cfg, comm) -> str | None:
         return "PowerSGD decides on the host whether a step compresses (--powersgd-start-step)"
     if cfg.tp > 1:
         return "the tensor-parallel step (--tp) is not captured yet: its all-reduces have run only outside a graph"
+    if cfg.pp > 1:
+        return "the pipelined step (--pp) is not captured yet: its transfers have run only outside a graph"
     if comm.world_size == 1:
         return None
     if cfg.all_reduce == "ring":
