@@ -342,7 +342,7 @@ class KVCache:
 
     def __init__(self, model: "GPT2", batch: int):
         c, xp = model.config, model.ops.xp
-        # a tensor-parallel rank caches its own heads
+        # a tensor-parallel rank caches its own heads; a pipeline stage fills only its own blocks' layers
         shape = (c.n_layer, batch, c.n_head // model.tp_size, c.n_ctx, c.n_embd // c.n_head)
         self.keys = xp.zeros(shape, dtype=model.params_lowp.dtype)
         self.values = xp.zeros(shape, dtype=model.params_lowp.dtype)

@@ -86,7 +86,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
 
     Args:
         rank: this rank's place in the job (0 .. comm.world_size - 1); it picks the rank's sequences of
-            every global batch (i % world == rank; with --tp, i % dp == the rank's data-parallel index).
+            every global batch (i % world == rank; with --tp or --pp, i % dp == the rank's data-parallel index).
         comm: the rank's communicator (comm/): the gradient sync, the loss and the stop request use it.
         cfg: the run's configuration; corpus: its loaded token ids and tokenizer.
         device: the GPU the rank binds (cuda); None on the CPU.
