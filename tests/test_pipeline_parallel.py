@@ -233,6 +233,22 @@ def test_the_report_counts_the_pipeline_s_payload_as_the_textbook_does(corpus, t
                                              "dp": param_layout(config, 1, 2, 0)[1] * 4, "world": 2 * 4}
 
 
+def test_bench_mesh_measures_pipelined_meshes_against_the_textbook_and_world_one(tmp_path):
+    """bin/bench_mesh at world 1, pp 2 and dp 2 x tp 2 x pp 2 of the tiny model with 2 micro-batches: its rows'
+    bytes per group are the textbook's (it exits non-zero where they are not) and the meshes' losses follow
+    world 1's."""
+    script = Path(__file__).resolve().parents[1] / "bin" / "bench_mesh"
+    done = subprocess.run([sys.executable, str(script), "--model", "tiny", "--batch", "4", "--seq", "16", "--steps",
+                           "3", "--grad-accum", "2", "--meshes", "1,pp2,dp2xtp2xpp2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((tmp_path / "mesh.json").read_text())["rows"]
+    assert [(r["mesh"], r["ranks"]) for r in rows] == [("world 1", 1), ("pp 2", 2), ("dp 2 x tp 2 x pp 2", 8)]
+    assert all(r["bytes"] == r["expected_bytes"] for r in rows)
+    assert set(rows[2]["bytes"]) == {"tp", "pp", "dp", "world"}
+    assert all(r["loss_rel_diff"] < 1e-5 for r in rows)
+
+
 @pytest.mark.parametrize("mesh", [{"world_size": 2, "pp": 2}, {"world_size": 4, "pp": 2, "tp": 2,
                                                                 "pp_schedule": "gpipe"},
                                   {"world_size": 4, "pp": 2, "zero": 1}])

@@ -357,7 +357,7 @@ def test_bench_mesh_measures_each_mesh_against_the_textbook_and_world_one(tmp_pa
     assert all(r["bytes"] == r["expected_bytes"] for r in rows)
     assert rows[2]["bytes"]["tp"] * 2 == rows[1]["bytes"]["tp"] + 4  # half the rows each, the norm's float the same
     assert all(r["loss_rel_diff"] < 1e-5 for r in rows)
-    bad = subprocess.run([sys.executable, str(script), "--meshes", "1,pp2"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, str(script), "--meshes", "1,ep2"], capture_output=True, text=True,
                          timeout=60)
     assert (bad.returncode, bad.stderr) == (2, "bench_mesh: error: --meshes must be a comma-separated list of 1, dpN, "
-                                               "tpN or dpNxtpN, got '1,pp2'\n")
+                                               "tpN, ppN or dpNxtpNxppN, got '1,ep2'\n")
