@@ -362,15 +362,17 @@ def test_a_stage_s_memory_counts_its_part_and_the_micro_batches_its_schedule_hol
 
 # ---------------------------------------------------------------------------------------------- MPI processes
 @pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
-def test_pp_2_through_mpi_processes_follows_world_one(world_one, tmp_path):
+@pytest.mark.parametrize("processes, options", [(2, ["--pp", "2"]), (8, ["--tp", "2", "--pp", "2"])])
+def test_pipelines_through_mpi_processes_follow_world_one(world_one, tmp_path, processes, options):
+    """pp 2, and dp 2 x tp 2 x pp 2, one rank per MPI process."""
     folder, one = world_one
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    out = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "20", "4", "32",
-                          "--pp", "2", "--grad-accum", "2", "--seed", "7", "--eval-batches", "0",
+    out = subprocess.run([str(MPIRUN), "-n", str(processes), sys.executable, "-m", "xtrain_dist.train_ddp", "20", "4",
+                          "32", *options, "--grad-accum", "2", "--seed", "7", "--eval-batches", "0",
                           "--report", str(tmp_path / "r.json"), "--save-dir", str(tmp_path / "mpi")],
-                         capture_output=True, text=True, timeout=120, env=env)
+                         capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["launch"]["comm"] == "mpi" and report["config"]["pp"] == 2
@@ -379,3 +381,6 @@ def test_pp_2_through_mpi_processes_follows_world_one(world_one, tmp_path):
     reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "mpi")
     for name, tensor in reference.items():
         np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
+    # one digest per part of the model (stage and tensor-parallel shard), the same on its data-parallel replicas
+    digests = report["param_sha256"]
+    assert len(digests) == processes and len(set(digests)) == processes // (2 if processes == 8 else 1)
