@@ -221,6 +221,16 @@ def test_stages_between_the_first_and_the_last_hold_blocks_only(corpus, tmp_path
         assert relative.max() < 1e-5, (pp, relative.max())
 
 
+def test_init_from_loads_each_stage_s_part_of_the_weights(corpus, world_one, tmp_path):
+    """--init-from a checkpoint of world 1: each stage takes its tensors of it, and the run is world 1's."""
+    folder, _ = world_one
+    runs = [run(corpus, tmp_path, f"init{pp}", steps=3, init_from=str(folder / "one"), world_size=pp, pp=pp)
+            for pp in (1, 2)]
+    relative = np.abs(np.array(runs[1]["losses"]) - runs[0]["losses"]) / np.array(runs[0]["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    assert runs[0]["losses"][0] < 7.5  # the trained weights, not the seed's draws (about 8.3 at step 1)
+
+
 def test_the_report_counts_the_pipeline_s_payload_as_the_textbook_does(corpus, tmp_path):
     """comm_bytes_per_step, rank 0's bytes in a step by group, at dp 2 x pp 2 with 2 micro-batches: on the pipeline
     group stage 0 sends each micro-batch's (B_micro, T, C) activations, its wte gradient (Vp x C) to the last
