@@ -221,6 +221,29 @@ def test_stages_between_the_first_and_the_last_hold_blocks_only(corpus, tmp_path
         assert relative.max() < 1e-5, (pp, relative.max())
 
 
+@pytest.mark.parametrize("kind, held", [("gpipe", [4, 4]), ("1f1b", [2, 1])])
+def test_a_stage_holds_the_tapes_its_schedule_promises(corpus, tmp_path, monkeypatch, kind, held):
+    """The loop keeps one tape per micro-batch in flight: at pp 2 with 4 micro-batches, GPipe holds all 4 on both
+    stages, 1F1B 2 on the first and 1 on the last (min(p - s, m), as memory.py counts them)."""
+    live: dict[int, int] = {}  # tapes made and not yet consumed, by stage
+    peaks: dict[int, int] = {}
+
+    class Counted(GPT2):
+        def stage_forward(self, *args, **kw):
+            out, tape = super().stage_forward(*args, **kw)
+            live[self.stage] = live.get(self.stage, 0) + 1
+            peaks[self.stage] = max(peaks.get(self.stage, 0), live[self.stage])
+            return out, tape
+
+        def stage_backward(self, *args, **kw):
+            live[self.stage] -= 1
+            return super().stage_backward(*args, **kw)
+
+    monkeypatch.setattr(loop, "GPT2", Counted)
+    run(corpus, tmp_path, "held", steps=2, world_size=2, pp=2, grad_accum=4, pp_schedule=kind)
+    assert [peaks[s] for s in range(2)] == held
+
+
 def test_init_from_loads_each_stage_s_part_of_the_weights(corpus, world_one, tmp_path):
     """--init-from a checkpoint of world 1: each stage takes its tensors of it, and the run is world 1's."""
     folder, _ = world_one
