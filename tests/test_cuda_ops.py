@@ -1058,18 +1058,6 @@ def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
 
 
 @pytest.mark.training
-def test_tensor_parallel_on_cuda_refuses_the_overlapped_sync():
-    from xtrain_dist.errors import XtrainError
-
-    with pytest.raises(XtrainError) as info:
-        _train(backend="cuda", world_size=2, tp=2, steps=1, grad_sync="bucketed")
-    assert str(info.value) == ("--tp 2 and --backend cuda --grad-sync bucketed do not work together yet: the "
-                               "overlapped sync's collectives would run beside the tensor-parallel all-reduces on "
-                               "another communicator, in an order NCCL does not keep the same on every rank: use "
-                               "--grad-sync flat")
-
-
-@pytest.mark.training
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_pipeline_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
     """--pp 2 on two virtual ranks of one GPU: one block and the embedding on the first, one block and the
@@ -1105,15 +1093,16 @@ def test_pipeline_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
 
 
 @pytest.mark.training
-def test_pipeline_parallel_on_cuda_refuses_the_overlapped_sync():
+@pytest.mark.parametrize("split, beside", [("tp", "the tensor-parallel all-reduces"),
+                                           ("pp", "the pipeline's transfers")])
+def test_model_parallelism_on_cuda_refuses_the_overlapped_sync(split, beside):
     from xtrain_dist.errors import XtrainError
 
     with pytest.raises(XtrainError) as info:
-        _train(backend="cuda", world_size=2, pp=2, steps=1, grad_sync="bucketed")
-    assert str(info.value) == ("--pp 2 and --backend cuda --grad-sync bucketed do not work together yet: the "
-                               "overlapped sync's collectives would run beside the pipeline's transfers on another "
-                               "communicator, in an order NCCL does not keep the same on every rank: use "
-                               "--grad-sync flat")
+        _train(backend="cuda", world_size=2, steps=1, grad_sync="bucketed", **{split: 2})
+    assert str(info.value) == (f"--{split} 2 and --backend cuda --grad-sync bucketed do not work together yet: the "
+                               f"overlapped sync's collectives would run beside {beside} on another communicator, in "
+                               "an order NCCL does not keep the same on every rank: use --grad-sync flat")
 
 
 @pytest.mark.parametrize("recompute", [0, 2])
