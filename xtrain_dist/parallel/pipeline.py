@@ -31,17 +31,11 @@ from ..command import must_be, one_of
 from ..config import GPTConfig
 from ..errors import XtrainError
 from ..model import check_pp
+from .tensor import not_yet, refuse_what_does_not_work_yet
 
 SCHEDULES = ("gpipe", "1f1b")  # --pp-schedule
 
-# What a run with --pp above 1 refuses, and why: (option, whether the configuration asks for it, why not)
-NOT_YET = (
-    ("--backend cuda --grad-sync bucketed", lambda cfg: cfg.backend == "cuda" and cfg.grad_sync == "bucketed",
-     "the overlapped sync's collectives would run beside the pipeline's transfers on another communicator, in an "
-     "order NCCL does not keep the same on every rank: use --grad-sync flat"),
-    ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
-     "PowerSGD's factors and error feedback are not cut into pipeline stages"),
-)
+NOT_YET = not_yet("the pipeline's transfers", "pipeline stages")  # what a run with --pp above 1 refuses
 
 
 def check_config(cfg, config: GPTConfig) -> None:
@@ -57,11 +51,8 @@ def check_config(cfg, config: GPTConfig) -> None:
             f"the world size ({cfg.world_size})"
         raise XtrainError(must_be("--pp", f"a divisor of {over}", cfg.pp))
     check_pp(config, cfg.pp)
-    if cfg.pp == 1:
-        return
-    for option, asks, why in NOT_YET:
-        if asks(cfg):
-            raise XtrainError(f"--pp {cfg.pp} and {option} do not work together yet: {why}")
+    if cfg.pp > 1:
+        refuse_what_does_not_work_yet(f"--pp {cfg.pp}", NOT_YET, cfg)
 
 
 def schedule(kind: str, stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:

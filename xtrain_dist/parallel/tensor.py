@@ -12,14 +12,27 @@ from ..config import GPTConfig
 from ..errors import XtrainError
 from ..model import check_tp
 
-# What a run with --tp above 1 refuses, and why: (option, whether the configuration asks for it, why not)
-NOT_YET = (
-    ("--backend cuda --grad-sync bucketed", lambda cfg: cfg.backend == "cuda" and cfg.grad_sync == "bucketed",
-     "the overlapped sync's collectives would run beside the tensor-parallel all-reduces on another "
-     "communicator, in an order NCCL does not keep the same on every rank: use --grad-sync flat"),
-    ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
-     "PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
-)
+
+def not_yet(beside: str, cut_into: str) -> tuple:
+    """What a model-parallel run (--tp, --pp) refuses, and why: (option, whether the configuration asks for it,
+    why not) for each. beside: the split's own communication; cut_into: what the split cuts the model into."""
+    return (
+        ("--backend cuda --grad-sync bucketed", lambda cfg: cfg.backend == "cuda" and cfg.grad_sync == "bucketed",
+         f"the overlapped sync's collectives would run beside {beside} on another communicator, in an order NCCL "
+         "does not keep the same on every rank: use --grad-sync flat"),
+        ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
+         f"PowerSGD's factors and error feedback are not cut into {cut_into}"),
+    )
+
+
+def refuse_what_does_not_work_yet(split: str, refused: tuple, cfg) -> None:
+    """One line for the first of `refused` (not_yet's entries) that cfg asks for beside `split` ("--tp 2")."""
+    for option, asks, why in refused:
+        if asks(cfg):
+            raise XtrainError(f"{split} and {option} do not work together yet: {why}")
+
+
+NOT_YET = not_yet("the tensor-parallel all-reduces", "tensor-parallel shards")
 
 
 def check_config(cfg, config: GPTConfig) -> None:
@@ -29,9 +42,6 @@ def check_config(cfg, config: GPTConfig) -> None:
     if cfg.world_size % cfg.tp:
         raise XtrainError(must_be("--tp", f"a divisor of the world size ({cfg.world_size})", cfg.tp))
     check_tp(config, cfg.tp)
-    if cfg.tp == 1:
-        return
-    for option, asks, why in NOT_YET:
-        if asks(cfg):
-            raise XtrainError(f"--tp {cfg.tp} and {option} do not work together yet: {why}")
+    if cfg.tp > 1:
+        refuse_what_does_not_work_yet(f"--tp {cfg.tp}", NOT_YET, cfg)
 
