@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")
 
 from bf16_cases import SHAPES, assert_bf16_close, cases, upload  # noqa: E402
 
-from xtrain_dist.backend.cuda import ops as cuda_ops  # noqa: E402
+from xtrain_dist.backend.cuda import attention as cuda_attention  # noqa: E402
 from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
 from xtrain_dist.backend.numpy_ops import NumpyBackend, bf16_bits  # noqa: E402
 from xtrain_dist.config import TrainConfig, model_config  # noqa: E402
@@ -88,9 +88,9 @@ def lt_emulation(name: str, a: dict) -> dict:
 
 @pytest.mark.parametrize("chunk", [16, 24])
 def test_attention_in_causal_chunks_matches_the_numpy_emulation(be, rng, monkeypatch, chunk):
-    """Standard attention's products run in chunks of query rows (cuda_ops._causal_chunks, 256 a chunk):
+    """Standard attention's products run in chunks of query rows (cuda_attention._causal_chunks, 256 a chunk):
     with chunks of 16 and 24 rows, 4 and 3 of them at T = 64, forward and backward still meet bf16's bounds."""
-    monkeypatch.setattr(cuda_ops, "CAUSAL_CHUNK", chunk)
+    monkeypatch.setattr(cuda_attention, "CAUSAL_CHUNK", chunk)
     for case in cases(*SHAPES["B4-T64-C128"]):
         if case.name in ("attention_forward", "attention_backward"):
             host = case.inputs(rng)

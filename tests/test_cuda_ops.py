@@ -21,8 +21,8 @@ cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
+from xtrain_dist.backend.cuda import attention as cuda_attention  # noqa: E402
 from xtrain_dist.backend.cuda import cublas, cublaslt, gemm  # noqa: E402
-from xtrain_dist.backend.cuda import ops as cuda_ops  # noqa: E402
 from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
 from xtrain_dist.config import model_config  # noqa: E402
 from xtrain_dist.model import GPT2  # noqa: E402
@@ -344,12 +344,12 @@ def test_attention_forward_backward(be, rng, b, t, c, nh):
 @pytest.mark.parametrize("chunk", [8, 20, 32])
 @pytest.mark.parametrize("b,t,c,nh", [(2, 33, 36, 4), (1, 200, 64, 2)])
 def test_attention_in_causal_chunks(be, rng, monkeypatch, chunk, b, t, c, nh):
-    """The products run in chunks of query rows, each against only the keys it may see (cuda_ops._causal_chunks,
+    """The products run in chunks of query rows, each against only the keys it may see (cuda_attention._causal_chunks,
     256 rows a chunk): with chunks of 8, 20 and 32 rows, several at these T and the last one ragged, the
     results are the oracle's, and the scores right of each chunk's diagonal block, which no product writes
     (they hold poisoned memory, NaN), reach nothing."""
-    monkeypatch.setattr(cuda_ops, "CAUSAL_CHUNK", chunk)
-    assert len(cuda_ops._causal_chunks(t)) == -(-t // chunk) > 1
+    monkeypatch.setattr(cuda_attention, "CAUSAL_CHUNK", chunk)
+    assert len(cuda_attention._causal_chunks(t)) == -(-t // chunk) > 1
     qkv, dout = randn(rng, b, t, 3 * c), randn(rng, b, t, c)
     want_out, want_att = ref.attention_forward(qkv, nh)
     out, att = be.attention_forward(be.from_host(qkv), nh)

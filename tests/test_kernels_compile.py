@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import pytest
 
+from xtrain_dist.backend.cuda import attention as cuda_attention
 from xtrain_dist.backend.cuda import compile as cuda_compile
 from xtrain_dist.backend.cuda import ops as cuda_ops
 from xtrain_dist.errors import XtrainError
@@ -96,9 +97,9 @@ def test_both_flash_attention_kernels_take_the_oracles_tiles():
     the width they take them (its online softmax rounds each tile's P) and their head size."""
     from xtrain_dist.backend import numpy_ops
 
-    assert cuda_ops.FLASH_TILE == cuda_ops.MMA_TILE == numpy_ops.FLASH_TILE == 64
-    assert cuda_ops.FLASH_HS == cuda_ops.MMA_HS == 64
-    assert cuda_ops.MMA_BLOCK_ROWS % cuda_ops.MMA_TILE == 0  # a query block ends on a key tile's edge
+    assert cuda_attention.FLASH_TILE == cuda_attention.MMA_TILE == numpy_ops.FLASH_TILE == 64
+    assert cuda_attention.FLASH_HS == cuda_attention.MMA_HS == 64
+    assert cuda_attention.MMA_BLOCK_ROWS % cuda_attention.MMA_TILE == 0  # a query block ends on a key tile's edge
 
 
 # ---------------------------------------------------------------------------------------- nvcc

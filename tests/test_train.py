@@ -235,7 +235,7 @@ def test_a_recompute_level_that_does_not_exist_is_one_line(corpus, capsys):
 
 
 def test_flash_attention_on_cuda_needs_bf16_and_64_channel_heads():
-    from xtrain_dist.backend.cuda.ops import check_flash_attention
+    from xtrain_dist.backend.cuda.attention import check_flash_attention
     from xtrain_dist.errors import XtrainError
 
     check_flash_attention("bf16", 64, "gpt2-124m")

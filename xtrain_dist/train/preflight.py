@@ -48,7 +48,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     precision.check_config(cfg)
     check_recompute(cfg.recompute)
     if cfg.attention == "flash" and cfg.backend == "cuda":
-        from ..backend.cuda.ops import check_flash_attention
+        from ..backend.cuda.attention import check_flash_attention
         check_flash_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
 
 
