@@ -26,11 +26,15 @@ threadpool_limits(1, user_api="blas")
 CUDASIM = os.environ.get("XTRAIN_CUDASIM") == "1"
 if CUDASIM:
     sys.path.insert(0, str(Path(__file__).resolve().parent / "cudasim"))
+    import fake_cudnn
     import fake_cupy
     import fake_nccl
 
     fake_cupy.install()
     fake_nccl.install()
+    # cuDNN's stand-in where asked (XTRAIN_CUDASIM_CUDNN=1, or a test module of --attention cudnn installs it),
+    # else none: a simulated machine has cuDNN only where a test says so, installed here or not
+    fake_cudnn.install() if os.environ.get("XTRAIN_CUDASIM_CUDNN") == "1" else fake_cudnn.block()
 
 
 @pytest.fixture(autouse=True)

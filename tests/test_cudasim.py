@@ -485,7 +485,7 @@ def test_cublas_stand_in_rounds_a_bf16_product_before_adding_a_bf16_c():
 # same kernels. NCCL's tests run with two simulated GPUs (rank threads of one process on one GPU each,
 # through fake_nccl).
 OP_TESTS = ["-m", "not training"]
-CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"]
+CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py", "tests/test_cudnn_attention.py"]
 
 
 # These runs are the slow part of the suite (minutes each on 2 cores), and the outer pytest's dots do not move
@@ -897,18 +897,19 @@ def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
 
 
 def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
-    """bin/bench_gpu's side of ours (fp32, bf16, flash, each --matmul, with and without a CUDA graph, the per-op
-    profile, the results files) runs; the first losses agree (the same weights and batch), a graph row's
-    replayed step ends with the loss of the same row without it, to the bit, and the profile names the step's
-    ops."""
+    """bin/bench_gpu's side of ours (fp32, bf16, flash, cuDNN's attention through its stand-in, each --matmul,
+    with and without a CUDA graph, the per-op profile and attention's share, the results files) runs; the
+    first losses agree (the same weights and batch), a graph row's replayed step ends with the loss of the same
+    row without it, to the bit, and the profile names the step's ops."""
     result = subprocess.run([*RUN, "bin/bench_gpu", "--presets", "small", "--shapes", "1x64", "--precisions",
                              "fp32,bf16", "--torch-modes", "", "--steps", "1", "--warmup", "1", "--vocab", "512",
-                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, XTRAIN_CUDASIM_CUDNN="1"))
     assert result.returncode == 0, result.stderr[-2000:]
     [report] = tmp_path.glob("*.json")
     rows = json.loads(report.read_text())["rows"]
-    plain = [("fp32", "ours"), ("fp32", "ours lt"), ("bf16", "ours"), ("bf16", "ours flash"), ("bf16", "ours lt"),
-             ("bf16", "ours flash lt")]
+    plain = [("fp32", "ours"), ("fp32", "ours lt"), ("bf16", "ours"), ("bf16", "ours flash"), ("bf16", "ours cudnn"),
+             ("bf16", "ours lt"), ("bf16", "ours flash lt"), ("bf16", "ours cudnn lt")]
     assert [(r["precision"], r["impl"]) for r in rows] == [
         *[r for r in plain if r[0] == "fp32"], *[(p, f"{impl} graph") for p, impl in plain if p == "fp32"],
         *[r for r in plain if r[0] == "bf16"], *[(p, f"{impl} graph") for p, impl in plain if p == "bf16"]]
@@ -922,11 +923,15 @@ def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
         assert abs(row["first_loss"] - rows[0]["first_loss"]) < 1e-3 * rows[0]["first_loss"], row
         ops = {p["op"] for p in row["profile"]}
         assert {"matmul_forward", "fused_classifier", "adamw_update"} <= ops, ops
-        assert ("flash_attention_forward" in ops) == ("flash" in row["impl"]), ops
-        assert row.get("flash_kernels") == ("kernels/flash_attention_mma.cu" if "flash" in row["impl"] else None)
+        assert ("flash_attention_forward" in ops) == ("flash" in row["impl"] or "cudnn" in row["impl"]), ops
+        assert row.get("flash_kernels") == ("kernels/flash_attention_mma.cu" if "flash" in row["impl"] else
+                                            "cuDNN's fused attention (backend/cuda/cudnn_sdpa.py)"
+                                            if "cudnn" in row["impl"] else None)
+        assert 0 < row["attention_share"] < 1
     assert len(list(tmp_path.glob("*.md"))) == 1
     assert "### Where our step's time goes: small, 1 x 64, bf16, ours flash lt (flash attention: " \
         "kernels/flash_attention_mma.cu)" in report.with_suffix(".md").read_text()
+    assert "Attention alone: " in report.with_suffix(".md").read_text()
 
 
 def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
@@ -956,20 +961,35 @@ def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
 
 def test_bench_attention_runs_our_rows_on_the_simulator(tmp_path):
     """bin/bench_attention's side of ours, as the GPU machine runs it but at tiny shapes: both our kernel
-    files, forward and backward, a row each with its causal TFLOP/s, and the results files written."""
-    result = subprocess.run([*RUN, "bin/bench_attention", "--shapes", "1x2x130x64,2x1x64x64", "--no-torch", "--reps",
-                             "1", "--warmup", "0", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    [report] = tmp_path.glob("bench_attention-*.json")
-    rows = json.loads(report.read_text())["rows"]
-    assert [(r["shape"], r["impl"], r["pass"]) for r in rows] == [
-        (shape, impl, pass_) for shape in ("1 x 2 x 130 x 64", "2 x 1 x 64 x 64") for impl in ("ours", "ours-wmma")
-        for pass_ in ("forward", "backward")]
-    for r in rows:
-        work = 4 * r["B"] * r["NH"] * r["T"] ** 2 * r["hs"] / 2 * (2.5 if r["pass"] == "backward" else 1)
-        assert r["ms"] > 0 and r["tflops"] == pytest.approx(work / r["ms"] / 1e9)
-    assert len(list(tmp_path.glob("bench_attention-*.md"))) == 1
+    files and cuDNN's (its stand-in), forward and backward, a row each with its causal TFLOP/s and its error
+    against numpy's emulation (none for the stand-in, which computes it), and the results files written;
+    without cuDNN its rows record the one line and the next rows run."""
+    impls = ("ours-cudnn", "ours", "ours-wmma", "ours-cudnn-nondet")
+    command = [*RUN, "bin/bench_attention", "--shapes", "1x2x130x64,2x1x64x64", "--no-torch", "--reps", "1",
+               "--warmup", "0", "--impls", ",".join(impls)]
+    for cudnn, out in (("1", tmp_path / "with"), ("0", tmp_path / "without")):
+        out.mkdir()
+        result = subprocess.run([*command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                                env=dict(os.environ, XTRAIN_CUDASIM_CUDNN=cudnn))
+        assert result.returncode == 0, result.stderr[-2000:]
+        [report] = out.glob("bench_attention-*.json")
+        rows = json.loads(report.read_text())["rows"]
+        assert [(r["shape"], r["impl"], r["pass"]) for r in rows] == [
+            (shape, impl, pass_) for shape in ("1 x 2 x 130 x 64", "2 x 1 x 64 x 64") for impl in impls
+            for pass_ in ("forward", "backward")]
+        for r in rows:
+            if cudnn == "0" and r["impl"].startswith("ours-cudnn"):
+                assert r["error"] == ("XtrainError: --attention cudnn needs the nvidia-cudnn-frontend package "
+                                      "(module cudnn): pip install 'xtrain-dist[cuda]'"), r
+                continue
+            work = 4 * r["B"] * r["NH"] * r["T"] ** 2 * r["hs"] / 2 * (2.5 if r["pass"] == "backward" else 1)
+            assert r["ms"] > 0 and r["tflops"] == pytest.approx(work / r["ms"] / 1e9)
+            for output, (most, norm) in r["errors"].items():  # ulps of out and dqkv, lse absolute; and norm-wise
+                # the stand-in computes the emulation; our kernels round alike but sum in another order (ulps
+                # count large where a value cancels to near 0, so the bound is norm-wise)
+                assert (most, norm) == (0, 0) if r["impl"].startswith("ours-cudnn") else \
+                    (0 <= most < np.inf and norm < 1e-3), (r["impl"], output, most, norm)
+        assert len(list(out.glob("bench_attention-*.md"))) == 1
 
 
 @pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"],

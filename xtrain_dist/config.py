@@ -92,7 +92,8 @@ class TrainConfig:
     comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
     cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default cores / ranks
     tf32: bool = False              # cuda backend: TF32 tensor-core matmuls (fp32 storage)
-    matmul: str = "cublas"          # cuda backend: cublas | cublaslt, the library of products with a bias
+    matmul: str = "auto"            # cuda backend: cublas | cublaslt, the library of products with a bias;
+                                    # auto: cublas on numpy, the fastest measured on cuda (backend/cuda/defaults.py)
     cuda_graph: str = "auto"        # cuda backend: auto | off, the step captured and replayed (train/graph.py)
     # processes and launchers (see comm/launch_env.py and comm/world.py); world_size above counts every rank
     # of the job: processes x rank threads per process
@@ -111,7 +112,8 @@ class TrainConfig:
     all_reduce: str = "library"     # library | ring: the communicator's all-reduce, or comm/ring.py's over send/recv
     # ---- precision (precision.py) ----
     dtype: str = "fp32"             # fp32 | bf16: bf16 activations and matmuls, fp32 master weights and grads
-    attention: str = "standard"     # standard | flash: keep the T x T probabilities, or recompute them (model.py)
+    attention: str = "auto"         # standard | flash | cudnn: keep the T x T probabilities, or recompute them
+                                    # (model.py); auto: standard on numpy, the fastest measured on cuda
     recompute: int = 0              # 0 | 1 | 2: backward recomputes GELU (1), and the layernorms (2) (model.py)
     # output
     report: str | None = None

@@ -275,7 +275,10 @@ def init_weights(config: GPTConfig, seed: int) -> np.ndarray:
     return flat
 
 
-ATTENTIONS = ("standard", "flash")
+# flash and cudnn run the same ops (flash_attention_forward/backward): ours or cuDNN's kernels under them,
+# which the CUDA backend is told (get_backend(attention=)); numpy_ops' flash attention is the oracle of both
+ATTENTIONS = ("standard", "flash", "cudnn")
+FLASH_LIKE = ("flash", "cudnn")
 
 
 def check_attention(attention: str) -> str:
@@ -394,8 +397,8 @@ class GPT2:
         self.blocks = stage_blocks(config.n_layer, self.pp_size, self.stage)  # the blocks this rank runs
         self.n_head = config.n_head // self.tp_size  # the heads this rank attends with
         self.full_size = param_layout(config)[1]  # of the full layout, which checkpoints hold
-        # standard: attention keeps its (B, NH, T, T) probabilities for backward; flash: only a log-sum-exp
-        # per row, and backward recomputes them (the same function, less memory and traffic)
+        # standard: attention keeps its (B, NH, T, T) probabilities for backward; flash (and cudnn): only a
+        # log-sum-exp per row, and backward recomputes them (the same function, less memory and traffic)
         self.attention = attention
         self.recompute = check_recompute(recompute)  # see RECOMPUTE_LEVELS
         self.layout, used = param_layout(config, self.tp_size, self.pp_size, self.stage)
@@ -645,7 +648,7 @@ class GPT2:
             qkv = ops.matmul_forward(ln1, w.attn_c_attn_weight, w.attn_c_attn_bias)
             if cache is not None:
                 atty, att = cache.attention(layer, qkv, n_head), None
-            elif self.attention == "flash":
+            elif self.attention in FLASH_LIKE:
                 atty, att = ops.flash_attention_forward(qkv, n_head)
             else:
                 atty, att = ops.attention_forward(qkv, n_head)
@@ -752,7 +755,7 @@ class GPT2:
             # attention: x_mid = x_in + c_proj(attention(c_attn(ln_1(x_in))))
             datty = ops.matmul_backward(gw.attn_c_proj_weight, gw.attn_c_proj_bias, dres, a.atty,
                                         w.attn_c_proj_weight)
-            if self.attention == "flash":
+            if self.attention in FLASH_LIKE:
                 dqkv = ops.flash_attention_backward(datty, a.qkv, a.atty, a.att, n_head)
             else:
                 dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head)

@@ -240,6 +240,12 @@ def compute_share(rows: list[dict]) -> tuple[float, float, float]:
     return compute, other, between
 
 
+def attention_share(rows: list[dict]) -> float:
+    """Attention's share of the step in OpProfiler.rows: every op named *attention* (standard, flash or cuDNN's,
+    forward and backward), what --attention changes."""
+    return sum(r["share"] for r in rows if r["calls"] is not None and "attention" in r["op"])
+
+
 def rows_markdown(rows: list[dict]) -> str:
     """OpProfiler.rows (as a results file holds them; those written before GB/s was measured have no
     "gbps") as a Markdown table."""

@@ -6,6 +6,7 @@
 For the tests that start their own process, and for trying a script's CUDA path before a GPU session.
 """
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -14,11 +15,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # this checkout's xtrain_dist, not whichever one the Python running this has installed: -m below runs
 # with this file's folder on the path, not the working directory
 sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
+import fake_cudnn
 import fake_cupy
 import fake_nccl
 
 fake_cupy.install()
 fake_nccl.install()
+# cuDNN (--attention cudnn) only with XTRAIN_CUDASIM_CUDNN=1: its stand-in; else `import cudnn` fails, as on a
+# machine without the package, whether or not this one has it
+fake_cudnn.install() if os.environ.get("XTRAIN_CUDASIM_CUDNN") == "1" else fake_cudnn.block()
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:

@@ -15,7 +15,7 @@ BACKENDS = ("numpy", "cuda")
 
 
 def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, dtype: str = "fp32",
-                matmul: str = "cublas"):
+                matmul: str = "cublas", attention: str = "standard"):
     check_dtype(dtype)
     if name == "numpy":
         from . import numpy_ops
@@ -23,8 +23,9 @@ def get_backend(name: str, device: int | None = None, allow_tf32: bool = False, 
         return numpy_ops.NumpyBackend(dtype)
     if name == "cuda":
         from .cuda import ops as cuda_ops
+        # --attention cudnn: the flash attention ops run cuDNN's kernels (backend/cuda/cudnn_sdpa.py)
         return cuda_ops.CudaBackend(0 if device is None else device, allow_tf32=allow_tf32, dtype=dtype,
-                                     matmul=matmul)
+                                     matmul=matmul, flash_kernels="cudnn" if attention == "cudnn" else "mma")
     raise XtrainError(must_be("--backend", one_of(BACKENDS), name))
 
 

@@ -115,10 +115,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--comm-timeout", type=timeout_seconds, default=300.0,
                    help="seconds a rank may wait in a collective")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor-core matmuls")
-    p.add_argument("--matmul", choices=MATMULS, default="cublas",
+    p.add_argument("--matmul", choices=("auto", *MATMULS), default="auto",
                    help="cuda: cublaslt puts a linear layer's bias (and the MLP's GELU, its derivative and "
-                        "every bias gradient) in the products' epilogues instead of kernels around them "
-                        "(default cublas)")
+                        "every bias gradient) in the products' epilogues instead of kernels around them; "
+                        "auto (default): cublaslt on cuda, the fastest measured (docs/cuda_backend.md)")
     p.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
                    help="cuda: auto captures the training step once as a CUDA graph and replays it, where the "
                         "communicator allows (otherwise the run says why in one line and runs without); off "
@@ -193,9 +193,12 @@ def build_parser() -> OneLineParser:
                       help="how gradients are all-reduced: library, the communicator's own (default), or ring, "
                            "the textbook ring over send/recv (comm/ring.py)")
     prec = p.add_argument_group("precision and memory (see docs/precision.md)")
-    prec.add_argument("--attention", choices=ATTENTIONS, default="standard",
+    prec.add_argument("--attention", choices=("auto", *ATTENTIONS), default="auto",
                       help="flash: keep one log-sum-exp per row instead of the T x T probabilities and recompute "
-                           "them in backward (cuda: a fused kernel, --dtype bf16, 64-channel heads)")
+                           "them in backward (cuda: a fused kernel, --dtype bf16, 64-channel heads); cudnn: the "
+                           "same with cuDNN's fused kernels (cuda, bf16, 64- or 128-channel heads); standard: "
+                           "Hugging Face's exact steps; auto (default): standard on numpy, on cuda the fastest "
+                           "the run can take: cudnn, else flash, else standard (docs/cuda_backend.md)")
     prec.add_argument("--recompute", type=int, choices=RECOMPUTE_LEVELS, default=0,
                       help="what backward computes again instead of forward keeping it: 1 each block's GELU "
                            "output, 2 also its layernorm outputs (same bits, less memory; default 0: nothing)")

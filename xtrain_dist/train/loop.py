@@ -101,7 +101,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         stop: a threading.Event that, once set on any rank of the job (job.StopRequest, on SIGTERM or
             SIGUSR1), ends the run after the step every rank is in, with a checkpoint in cfg.save_dir.
     """
-    backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype, matmul=cfg.matmul)
+    backend = get_backend(cfg.backend, device, allow_tf32=cfg.tf32, dtype=cfg.dtype, matmul=cfg.matmul,
+                          attention=cfg.attention)
     # --profile-step N: the model and the optimizer call their ops through a profiler, which times each
     # op of step N on the backend's clock (profile.py) and passes every other call straight through
     ops = OpProfiler(backend, active=False) if cfg.profile_step else backend

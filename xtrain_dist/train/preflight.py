@@ -50,6 +50,28 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     if cfg.attention == "flash" and cfg.backend == "cuda":
         from ..backend.cuda.attention import check_flash_attention
         check_flash_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
+    if cfg.attention == "cudnn":
+        if cfg.backend != "cuda":
+            raise XtrainError(f"--attention cudnn runs cuDNN's attention on a GPU: it needs --backend cuda, not "
+                              f"{cfg.backend}")
+        from ..backend.cuda import cudnn_sdpa
+        cudnn_sdpa.check_cudnn_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
+        cudnn_sdpa.load()  # a missing package or library: one line naming the extra, before any rank starts
+
+
+def resolve_auto(cfg: TrainConfig, model) -> tuple[TrainConfig, str]:
+    """--attention and --matmul at auto: numpy's only paths (standard, cublas), or on cuda the fastest measured
+    that the run can take (backend/cuda/defaults.py), with the line that says what a cuda run chose ("" on
+    numpy, whose results must not change)."""
+    if cfg.backend != "cuda":
+        return replace(cfg, attention="standard" if cfg.attention == "auto" else cfg.attention,
+                       matmul="cublas" if cfg.matmul == "auto" else cfg.matmul), ""
+    from ..backend.cuda import cudnn_sdpa, defaults, tuned
+    from ..backend.cuda.device import device_name
+    table = tuned.load_table(device_name(0)) if "auto" in (cfg.attention, cfg.matmul) else {}
+    choice = defaults.choose(cfg.attention, cfg.matmul, cfg.dtype, model.n_embd // model.n_head, table,
+                             cudnn_sdpa.loads)
+    return replace(cfg, attention=choice.attention, matmul=choice.matmul), choice.line(cfg.cuda_graph)
 
 
 def check_outputs(cfg: TrainConfig) -> None:
@@ -132,6 +154,9 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
     if cfg.pp > 1 and engine in ("mpi", "tcp") and local_world > 1:
         raise XtrainError(f"--pp splits the world into groups, and {NOT_BUILT}")
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus, val_path=cfg.val_corpus or None)
+    cfg, chosen = resolve_auto(cfg, model_config(cfg.model, corpus.vocab_size))
+    if chosen and launch.process_rank == 0:
+        log(chosen)
     check_config(cfg, corpus)
     # devices are checked before any thread starts, so a missing CUDA is one clean line. NCCL ranks
     # take a GPU each (the process's slice of its node's GPUs); thread ranks of one process take the

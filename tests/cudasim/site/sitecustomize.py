@@ -13,8 +13,10 @@ from pathlib import Path
 
 if os.environ.get("XTRAIN_CUDASIM") == "1":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import fake_cudnn
     import fake_cupy
     import fake_nccl
 
     fake_cupy.install()
     fake_nccl.install()
+    fake_cudnn.install() if os.environ.get("XTRAIN_CUDASIM_CUDNN") == "1" else fake_cudnn.block()

@@ -1,6 +1,7 @@
 """Attention on the CUDA backend: the standard path (cuBLAS products around kernels/attention.cu's softmax),
 flash attention's fused kernels (kernels/flash_attention_mma.cu, and flash_attention.cu's WMMA ones that
-bin/bench_attention still races), each numpy_ops' op of the same name, one for one.
+bin/bench_attention still races) or cuDNN's (cudnn_sdpa.py, --attention cudnn), each numpy_ops' op of the
+same name, one for one.
 
 CudaBackend (ops.py) takes these ops from AttentionOps; they launch through its _launch, its products
 (gemm.py) and its activation checks, on the rank's stream.
@@ -14,6 +15,7 @@ import numpy as np
 
 from ...errors import XtrainError
 from .compile import kernel_constant
+from .cudnn_sdpa import check_cudnn_attention
 from .device import cupy
 from .launch import BLOCK, _cdiv, _chunk_grid, _contiguous, _f32, _vec
 
@@ -30,10 +32,12 @@ MMA_THREADS = kernel_constant("flash_attention_mma", "MMA_THREADS")
 MMA_BLOCK_ROWS = kernel_constant("flash_attention_mma", "MMA_BLOCK_ROWS")
 MMA_DOT_ROWS = kernel_constant("flash_attention_mma", "MMA_DOT_ROWS")
 MMA_TILE = kernel_constant("flash_attention_mma", "MMA_TILE")
-# --attention flash's kernels: flash_attention_mma.cu (FlashAttention-2's scheme on mma.sync), or the WMMA
-# kernels of flash_attention.cu it replaced, which bin/bench_attention still races (CudaBackend(flash_kernels=)).
-# Both compute numpy_ops' flash attention, key tiles of numpy_ops.FLASH_TILE, rounded at the same places.
-FLASH_KERNELS = ("mma", "wmma")
+# The kernels of the flash attention ops (CudaBackend(flash_kernels=)): --attention flash's
+# flash_attention_mma.cu (FlashAttention-2's scheme on mma.sync), or the WMMA kernels of flash_attention.cu it
+# replaced, which bin/bench_attention still races; both compute numpy_ops' flash attention, key tiles of
+# numpy_ops.FLASH_TILE, rounded at the same places. cudnn: --attention cudnn, cuDNN's fused attention
+# (cudnn_sdpa.py), the same function rounded where cuDNN rounds.
+FLASH_KERNELS = ("mma", "wmma", "cudnn")
 # Standard attention's products in chunks of this many query rows, each against only the keys it may see
 # (_causal_chunks): at T = 1024, 4 chunks compute 10/16 of the T x T products the mask would otherwise halve
 CAUSAL_CHUNK = 256
@@ -128,11 +132,14 @@ class AttentionOps:
         self._act(qkv)
         B, T, C3 = qkv.shape
         C = C3 // 3
-        check_flash_attention(self.dtype, C // n_head)
+        self._check_flash(C // n_head)
         self._flash_aligned(qkv)
         out = cupy.empty((B, T, C), dtype=self.act_dtype)
         lse = cupy.empty((B, n_head, T), dtype=cupy.float32)
-        if self.flash_kernels == "mma":
+        if self.flash_kernels == "cudnn":
+            self._check_stream()
+            self._cudnn.forward(out, lse, qkv, B, T, n_head, C // n_head)
+        elif self.flash_kernels == "mma":
             self._launch(self._k.flash_mma_forward, (_cdiv(T, MMA_BLOCK_ROWS), n_head, B), (MMA_THREADS,),
                          out, lse, qkv, np.int32(T), np.int32(n_head))
         else:
@@ -146,11 +153,15 @@ class AttentionOps:
         self._act(dout, qkv, out)
         _f32(lse)
         B, T, C3 = qkv.shape
-        check_flash_attention(self.dtype, C3 // 3 // n_head)
+        self._check_flash(C3 // 3 // n_head)
         self._flash_aligned(qkv, dout, out)
+        dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)  # every element written: q by dq, k and v by dkdv
+        if self.flash_kernels == "cudnn":
+            self._check_stream()
+            self._cudnn.backward(dqkv, dout, qkv, out, lse, B, T, n_head, C3 // 3 // n_head)
+            return dqkv
         D = cupy.empty((B, n_head, T), dtype=cupy.float32)
         rows = B * n_head * T
-        dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)  # every element written: q by dq, k and v by dkdv
         args = (dqkv, dout, qkv, lse, D, np.int32(T), np.int32(n_head))
         if self.flash_kernels == "mma":
             self._launch(self._k.flash_mma_backward_dot, (_cdiv(rows, MMA_DOT_ROWS),), (MMA_THREADS,),
@@ -165,6 +176,13 @@ class AttentionOps:
             self._launch(self._k.flash_attention_backward_dkdv, grid, (FLASH_THREADS,), *args)
             self._launch(self._k.flash_attention_backward_dq, grid, (FLASH_THREADS,), *args)
         return dqkv
+
+    def _check_flash(self, head_size: int) -> None:
+        """What the chosen flash kernels take (CudaBackend(flash_kernels=)): ours, or cuDNN's (cudnn_sdpa.py)."""
+        if self.flash_kernels == "cudnn":
+            check_cudnn_attention(self.dtype, head_size)
+        else:
+            check_flash_attention(self.dtype, head_size)
 
     def _flash_aligned(self, *arrays) -> None:
         """The flash kernels read and write whole 64-channel head rows with 16-byte accesses: no scalar

@@ -16,6 +16,7 @@ from .. import numpy_ops
 from . import cublas, cublaslt
 from .attention import FLASH_KERNELS, AttentionOps
 from .compile import Kernels, kernel_constant
+from .cudnn_sdpa import SdpaGraphs
 from .device import check_stream, cupy, device_count, on_stream
 from .gemm import CublasProducts, _matrix_layout
 from .launch import BLOCK, _cdiv, _chunk_grid, _contiguous, _f32, _vec
@@ -76,6 +77,8 @@ class CudaBackend(AttentionOps, CublasProducts):
         self.dtype = dtype
         self.act_dtype = ACT_DTYPES[dtype]
         self.flash_kernels = flash_kernels
+        # --attention cudnn: the rank's cuDNN handle on this stream and its graphs (one line if cuDNN is missing)
+        self._cudnn = SdpaGraphs(self.stream) if flash_kernels == "cudnn" else None
         self._k = Kernels(dtype)
         self._side_streams: set[int] = set()
         self._keep_alive: list = []
