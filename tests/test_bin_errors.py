@@ -208,8 +208,10 @@ def test_bench_gemm_bad_arguments_cost_no_device_time(args, message):
      "--shapes must be BxNHxTxHS shapes of four positive integers (separated by commas), got '8x12x1024'"),
     (["--shapes", "8x12x1024x128"],
      "--shapes: our flash attention takes 64-channel heads, 8 x 12 x 1024 x 128 has 128"),
-    (["--impls", "ours,xformers"], "--impls must be one or more of ours, ours-wmma, torch-flash, torch-cudnn, "
-                                   "torch-efficient (separated by commas), got 'xformers'"),
+    (["--impls", "ours,xformers"], "--impls must be one or more of ours, ours-wmma, ours-cudnn, ours-cudnn-nondet, "
+                                   "torch-flash, torch-cudnn, torch-efficient (separated by commas), got 'xformers'"),
+    (["--shapes", "8x12x1024x32", "--impls", "ours-cudnn"],
+     "--shapes: --attention cudnn takes heads of 64 or 128 channels, 8 x 12 x 1024 x 32 has 32"),
     (["--reps", "0"], "--reps must be a positive integer, got '0'"),
 ])
 def test_bench_attention_bad_arguments_cost_no_device_time(args, message):

@@ -833,12 +833,16 @@ def _losses(stdout: str) -> list[float]:
 
 
 def test_the_command_line_trains_on_cuda_like_numpy():
-    """train_ddp's --backend cuda path end to end (device choice, two virtual ranks, bf16, and again with
-    --matmul cublaslt), before a GPU session spends time on it: the same command on numpy's bf16 emulation
-    gives the same losses."""
+    """train_ddp's --backend cuda path end to end (device choice, two virtual ranks, bf16, with --matmul
+    cublas and with the default, cublaslt), before a GPU session spends time on it: the same command on
+    numpy's bf16 emulation gives the same losses. The first line says what the defaults chose (tiny's
+    16-channel heads: standard attention)."""
     command = ["-m", "xtrain_dist.train_ddp", "3", "4", "32", "--model", "tiny", "--world-size", "2", "--dtype", "bf16"]
-    cuda = subprocess.run([*RUN, *command, "--backend", "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    cuda = subprocess.run([*RUN, *command, "--backend", "cuda", "--matmul", "cublas"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert cuda.returncode == 0, cuda.stderr[-2000:]
+    assert cuda.stdout.splitlines()[0] == ("cuda: attention standard (default on a GPU), matmul cublas (given), "
+                                           "graphs on")
     assert "cuda backend, bf16, 2 rank(s) on GPUs [0, 0]" in cuda.stdout
     numpy_run = subprocess.run([sys.executable, *command, "--backend", "numpy"], cwd=ROOT, capture_output=True,
                                text=True, timeout=600)
@@ -846,9 +850,10 @@ def test_the_command_line_trains_on_cuda_like_numpy():
     got, want = _losses(cuda.stdout), _losses(numpy_run.stdout)
     assert len(got) == 3 and got[-1] < got[0]
     np.testing.assert_allclose(got, want, rtol=1e-3)
-    lt = subprocess.run([*RUN, *command, "--backend", "cuda", "--matmul", "cublaslt"], cwd=ROOT, capture_output=True,
-                        text=True, timeout=600)
+    lt = subprocess.run([*RUN, *command, "--backend", "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert lt.returncode == 0, lt.stderr[-2000:]
+    assert lt.stdout.splitlines()[0] == ("cuda: attention standard (default on a GPU), matmul cublaslt (default on a "
+                                         "GPU), graphs on")
     assert "cuda backend, bf16, biases in cuBLASLt's epilogue, 2 rank(s) on GPUs [0, 0]" in lt.stdout
     np.testing.assert_allclose(_losses(lt.stdout), want, rtol=1e-3)
 
