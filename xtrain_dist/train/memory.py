@@ -49,8 +49,10 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
             named("ln1_mean", (B, T), "f32"), named("ln1_rstd", (B, T), "f32"),
             named("qkv", (B, T, 3 * Ct), "act"),
             named("atty", (B, T, Ct), "act"),
-            # standard attention keeps the softmax probabilities; flash keeps one log-sum-exp per row
-            named("att", (B, NHt, T, T), "act") if attention == "standard" else named("att", (B, NHt, T), "f32"),
+            # standard attention keeps the softmax probabilities; flash (and cudnn) one log-sum-exp per row; auto,
+            # not yet resolved (preflight resolves it before the check), counts as standard, the most it may keep
+            named("att", (B, NHt, T, T), "act") if attention in ("standard", "auto")
+            else named("att", (B, NHt, T), "f32"),
             named("x_mid", (B, T, C), "act"),
             *([named("ln2", (B, T, C), "act")] if recompute < 2 else []),
             named("ln2_mean", (B, T), "f32"), named("ln2_rstd", (B, T), "f32"),
@@ -115,7 +117,8 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
 
     # (a side thread's cuBLAS handle, the bucketed sync's, has a smaller one of its own, left out of this bound)
     workspace = ((cublas.WORKSPACE_BYTES if cfg.backend == "cuda" else 0)
-                 + (cublaslt.WORKSPACE_BYTES if cfg.matmul == "cublaslt" else 0))
+                 + (cublaslt.WORKSPACE_BYTES if cfg.matmul == "cublaslt" or (cfg.matmul == "auto" and
+                                                                              cfg.backend == "cuda") else 0))
     memories = []
     for rank in range(cfg.world_size):
         # the mesh is arange(world).reshape(pp, dp, tp): rank r is on stage r // (dp tp), data-parallel index
@@ -180,7 +183,7 @@ def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) 
         return None
     least = least_bytes(needs)
     options = ["--zero 1"] if not cfg.zero else []
-    options += ["--attention flash"] if cfg.attention == "standard" else []
+    options += ["--attention flash"] if cfg.attention in ("standard", "auto") else []
     options += ["--recompute 2"] if cfg.recompute < 2 else []
     # the held-out windows are named where they matter, not as 0.6 MiB beside gigabytes of activations
     held_out = max(n.validation for n in needs) * 100 >= least
