@@ -709,7 +709,9 @@ def _train(log=lambda line: None, stop=None, **kw):
     corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
     # SEQ 32 and few steps: every training test here compares runs (to the bit, or to numpy's within a bound
     # that holds at any length), and on the CPU simulator each step of each run is most of a test's time
-    cfg = TrainConfig(**{"steps": 4, "batch": 8, "seq": 32, "model": "tiny", "seed": 3, **kw}).resolved()
+    # the paths these tests were written for, not the GPU's defaults (tests/test_cudnn_attention.py has those)
+    cfg = TrainConfig(**{"steps": 4, "batch": 8, "seq": 32, "model": "tiny", "seed": 3, "attention": "standard",
+                         "matmul": "cublas", **kw}).resolved()
     return train(cfg, corpus, log=log, stop=stop)
 
 
