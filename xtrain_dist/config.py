@@ -150,6 +150,9 @@ class TrainConfig:
             cfg.warmup_steps = max(1, cfg.lr_decay_steps // 20)
         if cfg.cooldown_steps is None and cfg.lr_schedule == "wsd":
             cfg.cooldown_steps = max(1, cfg.lr_decay_steps // 5)
+        if cfg.backend != "cuda":  # numpy's only paths; on cuda, auto is the GPU's choice (train/preflight.py)
+            cfg.attention = "standard" if cfg.attention == "auto" else cfg.attention
+            cfg.matmul = "cublas" if cfg.matmul == "auto" else cfg.matmul
         return cfg
 
     def to_dict(self) -> dict:

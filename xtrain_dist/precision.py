@@ -52,7 +52,7 @@ def check_config(cfg) -> None:
     if cfg.tf32 and cfg.backend != "cuda":
         raise XtrainError(f"--tf32 is a choice of the cuda backend's matmuls; the {cfg.backend} backend computes in "
                           "float32 only")
-    if cfg.matmul != "cublas" and cfg.backend != "cuda":
+    if cfg.matmul not in ("cublas", "auto") and cfg.backend != "cuda":
         raise XtrainError(f"--matmul {cfg.matmul} is a choice of the cuda backend's matmuls; the {cfg.backend} "
                           "backend's products are numpy's")
 
