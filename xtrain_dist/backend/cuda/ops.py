@@ -14,7 +14,7 @@ import numpy as np
 from ...errors import XtrainError
 from ...precision import check_dtype, check_matmul
 from .. import numpy_ops
-from . import cublas, cublaslt
+from . import cublas, cublaslt, flash_variants
 from .compile import Kernels, kernel_constant
 from .device import check_stream, cupy, device_count, on_stream
 from .gemm import CublasProducts, _matrix_layout
@@ -536,9 +536,8 @@ class CudaBackend(CublasProducts):
         self._flash_aligned(qkv)
         out = cupy.empty((B, T, C), dtype=self.act_dtype)
         lse = cupy.empty((B, n_head, T), dtype=cupy.float32)
-        if self.flash_kernels == "mma":
-            self._launch(self._k.flash_mma_forward, (_cdiv(T, MMA_BLOCK_ROWS), n_head, B), (MMA_THREADS,),
-                         out, lse, qkv, np.int32(T), np.int32(n_head))
+        if self.flash_kernels == "mma":  # the variant the GPU's tuning table names for the shape
+            flash_variants.forward(self, out, lse, qkv, B, T, n_head)
         else:
             self._launch(self._k.flash_attention_forward, (_cdiv(T, FLASH_TILE), n_head, B), (FLASH_THREADS,),
                          out, lse, qkv, np.int32(T), np.int32(n_head))
@@ -557,11 +556,7 @@ class CudaBackend(CublasProducts):
         dqkv = cupy.empty((B, T, C3), dtype=self.act_dtype)  # every element written: q by dq, k and v by dkdv
         args = (dqkv, dout, qkv, lse, D, np.int32(T), np.int32(n_head))
         if self.flash_kernels == "mma":
-            self._launch(self._k.flash_mma_backward_dot, (_cdiv(rows, MMA_DOT_ROWS),), (MMA_THREADS,),
-                         D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))
-            grid = (_cdiv(T, MMA_BLOCK_ROWS), n_head, B)
-            self._launch(self._k.flash_mma_backward_dkdv, grid, (MMA_THREADS,), *args)
-            self._launch(self._k.flash_mma_backward_dq, grid, (MMA_THREADS,), *args)
+            flash_variants.backward(self, dqkv, D, dout, qkv, out, lse, B, T, n_head)
         else:
             self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_WARPS),), (FLASH_THREADS,),
                          D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))
