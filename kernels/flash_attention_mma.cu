@@ -2,7 +2,9 @@
 // backward, bf16 with 64-channel heads, on tensor cores through mma.sync m16n8k16 (kernels/ptx.cuh).
 // The same function, rounded at the same places, as flash_attention.cu (the WMMA kernels, kept as the
 // baseline bin/bench_attention races), so the same oracle: numpy_ops.flash_attention_forward /
-// _backward, whose online softmax takes the keys FLASH_TILE = 64 at a time as these kernels do.
+// _backward, whose online softmax takes the keys FLASH_TILE = 64 at a time as these kernels do. This
+// describes the default tiles; the variants (the XTRAIN_MMA_* knobs below) change the numbers, not the
+// scheme, and the oracle takes a variant's key tile as its own.
 //
 // What makes it faster than flash_attention.cu: scores, probabilities and outputs never leave registers
 // (an accumulator fragment, rounded and packed in pairs, is the next product's A fragment: ptx.cuh);
@@ -32,10 +34,10 @@
 // product, as the oracle rounds them.
 //
 // Shared memory: bf16 tiles of 64 channels in rows of 72 (144 bytes), so that the 8 rows an ldmatrix
-// reads at once start on 8 different 16-byte bank groups (a 128-byte stride puts them all on one). A
-// block's 36 KB: the 128-row tiles it keeps in registers (Q, or Q and dout, or K and V) pass through the
-// same bytes as the two 64-row buffers of the tiles it streams, and stay under the 48 KB that needs no
-// opt-in.
+// reads at once start on 8 different 16-byte bank groups (a 128-byte stride puts them all on one; heads
+// of 128 take rows of 136). The rows a block keeps in registers (Q, or Q and dout, or K and V) have bytes
+// of their own beside the buffers of the tiles it streams: 54 KB forward, 72 KB backward, dynamic shared
+// memory past the 48 KB a launch takes without opting in (backend/cuda/flash_variants.py opts in).
 //
 // The float32 build and GPUs before sm_80 have no bf16 mma.sync: the entry points trap there, and the
 // backend refuses --attention flash without --dtype bf16 before anything runs.
@@ -216,9 +218,10 @@ __device__ __forceinline__ void zero(T (&acc)[CN][4]) {
 }
 
 // The pipeline over a block's streamed tiles, STAGES buffers deep: tiles 0 .. STAGES - 2 are requested
-// first; step i requests tile i + STAGES - 1 (into the buffer step i - 1 used, which the barrier ending
-// that step freed), waits for tile i's group and makes it visible. Each step commits one group, empty past
-// the last tile, so that "all but the newest STAGES - 1 groups" is always tile i's.
+// first; step i (tile i in buffer s = i % STAGES) requests tile i + STAGES - 1 into the buffer step i - 1
+// used, which the barrier ending that step freed, then waits for tile i's group and makes it visible.
+// Each step commits one group, empty past the last tile, so that "all but the newest STAGES - 1 groups"
+// is always tile i's. Buffers are counted round, not taken modulo 3 (which costs ptxas registers).
 template <typename Load>
 __device__ __forceinline__ void pipeline_start(Load load, int n_tiles) {
 #pragma unroll
@@ -228,13 +231,13 @@ __device__ __forceinline__ void pipeline_start(Load load, int n_tiles) {
     }
 }
 template <typename Load>
-__device__ __forceinline__ void pipeline_step(Load load, int i, int n_tiles) {
-    const int next = i + MMA_STAGES - 1;
-    if (next < n_tiles) load(next, next % MMA_STAGES);
+__device__ __forceinline__ void pipeline_step(Load load, int i, int s, int n_tiles) {
+    if (i + MMA_STAGES - 1 < n_tiles) load(i + MMA_STAGES - 1, s == 0 ? MMA_STAGES - 1 : s - 1);
     cp_async_commit();
     cp_async_wait<MMA_STAGES - 1>();
     __syncthreads();  // tile i is in, every thread's part of it
 }
+__device__ __forceinline__ int next_buffer(int s) { return s + 1 == MMA_STAGES ? 0 : s + 1; }
 
 // --------------------------------------------------------------------------------------- forward
 
@@ -266,9 +269,9 @@ __device__ void forward(bf16* out, float* lse, const bf16* qkv, int T, int NH) {
         load_tile_async<MMA_TILE>(v_tile(s), base + 2 * C, ld, kt * MMA_TILE, T);
     };
     pipeline_start(load_kv, n_tiles);
-    for (int kt = 0; kt < n_tiles; ++kt) {
-        const int k0 = kt * MMA_TILE, s = kt % MMA_STAGES;
-        pipeline_step(load_kv, kt, n_tiles);  // the next tiles' copies fly while this one is used
+    for (int kt = 0, s = 0; kt < n_tiles; ++kt, s = next_buffer(s)) {
+        const int k0 = kt * MMA_TILE;
+        pipeline_step(load_kv, kt, s, n_tiles);  // the next tiles' copies fly while this one is used
 
         if (k0 <= w0 + 15) {  // else every key of the tile is right of the warp's rows
             float sc[TN][4];
@@ -419,9 +422,9 @@ __device__ void backward_dkdv(bf16* dqkv, const bf16* dout, const bf16* qkv, con
         }
     };
     pipeline_start(load_query_tile, n_tiles);
-    for (int i = 0; i < n_tiles; ++i) {
-        const int q0 = (first + i) * MMA_TILE, s = i % MMA_STAGES;
-        pipeline_step(load_query_tile, i, n_tiles);
+    for (int i = 0, s = 0; i < n_tiles; ++i, s = next_buffer(s)) {
+        const int q0 = (first + i) * MMA_TILE;
+        pipeline_step(load_query_tile, i, s, n_tiles);
 
         if (q0 + MMA_TILE - 1 >= w0) {  // else every query of the tile is left of the warp's keys
             const float* lse2 = lse2_all[s];
@@ -485,9 +488,9 @@ __device__ void backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const
         load_tile_async<MMA_TILE>(v_tile(s), base + 2 * C, ld, kt * MMA_TILE, T);
     };
     pipeline_start(load_kv, n_tiles);
-    for (int kt = 0; kt < n_tiles; ++kt) {
-        const int k0 = kt * MMA_TILE, s = kt % MMA_STAGES;
-        pipeline_step(load_kv, kt, n_tiles);
+    for (int kt = 0, s = 0; kt < n_tiles; ++kt, s = next_buffer(s)) {
+        const int k0 = kt * MMA_TILE;
+        pipeline_step(load_kv, kt, s, n_tiles);
 
         if (k0 <= w0 + 15) {
             float sc[TN][4], dp[TN][4];
@@ -513,9 +516,12 @@ __device__ void backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const
 #endif
 
 // Entry points. Grids: forward, dkdv and dq (T / MMA_BLOCK_ROWS rounded up, NH, B); dot (B * NH * T /
-// MMA_DOT_ROWS rounded up). All take MMA_THREADS threads. qkv and dqkv are (B, T, 3C), out and dout
-// (B, T, C), lse and D (B, NH, T) float; C = NH * 64, and qkv, out and dout start on 16-byte boundaries.
-extern "C" __global__ void __launch_bounds__(MMA_THREADS)
+// MMA_DOT_ROWS rounded up). All take MMA_THREADS threads; forward, dkdv and dq MMA_FORWARD_SHARED or
+// MMA_BACKWARD_SHARED bytes of dynamic shared memory. qkv and dqkv are (B, T, 3C), out and dout (B, T, C),
+// lse and D (B, NH, T) float; C = NH * MMA_HS, and qkv, out and dout start on 16-byte boundaries.
+// Forward asks for one block an SM at least, which leaves ptxas all 255 registers a thread: left to
+// itself it aims at two blocks of 8 warps (128 registers) and spills a few bytes at some tiles.
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, 1)
 flash_mma_forward(floatX* out, float* lse, const floatX* qkv, int T, int NH) {
     FLASH_MMA_CALL(forward(out, lse, qkv, T, NH));
 }

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")
 from bf16_cases import assert_bf16_close  # noqa: E402
 
 from xtrain_dist.backend.cuda import flash_variants, tuned  # noqa: E402
+from xtrain_dist.backend.cuda.device import device_name  # noqa: E402
 from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
 from xtrain_dist.backend.numpy_ops import NumpyBackend  # noqa: E402
 
@@ -85,7 +86,7 @@ def test_the_tuning_table_picks_the_variant_the_backend_launches(be, rng, tmp_pa
     try:
         assert flash_variants.chosen(be, "forward", B, NH, T, 64) == flash_variants.DEFAULT
         picked = {"forward": flash_variants.Variant(64, 4, 32, 3), "backward": flash_variants.Variant(64, 4, 32, 2)}
-        name = cupy.cuda.runtime.getDeviceProperties(be.device)["name"].decode()
+        name = device_name(be.device)
         tuned.write_section(name, "attention", {p: {"8x12x1024x64": v.name} for p, v in picked.items()},
                             {"command": "test"})
         flash_variants.forget_tables()

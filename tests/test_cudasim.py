@@ -972,6 +972,35 @@ def test_bench_attention_runs_our_rows_on_the_simulator(tmp_path):
     assert len(list(tmp_path.glob("bench_attention-*.md"))) == 1
 
 
+def test_bench_attention_sweep_times_every_variant_and_writes_the_table_on_the_simulator(tmp_path):
+    """bin/bench_attention --sweep as the GPU machine runs it, at two tiny shapes (head sizes 64 and 128): a
+    row for every variant of each pass that serves the head size, each compared with the first and timed,
+    the fastest per shape and pass in the table the backend reads, and the sweep's results files."""
+    from xtrain_dist.backend.cuda import flash_variants
+
+    shapes = {"1 x 2 x 40 x 64": 64, "1 x 1 x 24 x 128": 128}
+    result = subprocess.run([*RUN, "bin/bench_attention", "--sweep", "--shapes", "1x2x40x64,1x1x24x128", "--no-torch",
+                             "--reps", "1", "--warmup", "0", "--out", str(tmp_path), "--tuned-dir",
+                             str(tmp_path / "tuned")], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [report] = tmp_path.glob("bench_attention-sweep-*.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["shape"], r["pass"], r["variant"]) for r in rows] == [
+        (shape, pass_, v.name) for shape, hs in shapes.items() for pass_ in ("forward", "backward")
+        for v in sorted(flash_variants.variants(pass_, hs), key=lambda v: v != flash_variants.DEFAULT)]
+    assert all(r["ms"] > 0 for r in rows), [r for r in rows if "ms" not in r]
+    table = json.loads((tmp_path / "tuned" / "cudasim-cpu.json").read_text())
+    fastest = {}
+    for r in rows:
+        key = (r["pass"], f"{r['B']}x{r['NH']}x{r['T']}x{r['hs']}")
+        fastest[key] = min(fastest.get(key, (float("inf"), "")), (r["ms"], r["variant"]))
+    assert table["attention"] == {"forward": {"1x1x24x128": fastest[("forward", "1x1x24x128")][1],
+                                              "1x2x40x64": fastest[("forward", "1x2x40x64")][1]},
+                                  "backward": {"1x2x40x64": fastest[("backward", "1x2x40x64")][1]}}
+    assert table["measured"]["attention"]["device"] == "cudasim (CPU)"
+    assert "| 1 x 2 x 40 x 64 |" in next(tmp_path.glob("bench_attention-sweep-*.md")).read_text()
+
+
 @pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"],
                                      ["--dtype", "bf16", "--matmul", "cublaslt"]])
 def test_kernel_errors_tables_on_the_simulator(tmp_path, options):

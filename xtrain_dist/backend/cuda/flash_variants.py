@@ -36,7 +36,7 @@ import numpy as np
 from ...errors import XtrainError
 from . import tuned
 from .compile import Kernels, kernel_constant
-from .device import cupy
+from .device import cupy, device_name
 
 FILE = "flash_attention_mma"
 PASSES = ("forward", "backward")
@@ -152,8 +152,7 @@ _tables_lock = threading.Lock()
 
 def table_for(device: int) -> dict:
     """This device's "attention" section, read once per GPU model and process ({} without a table)."""
-    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
-    name = name.decode() if isinstance(name, bytes) else str(name)
+    name = device_name(device)
     with _tables_lock:
         if name not in _tables:
             _tables[name] = tuned.load_section(name, SECTION)
