@@ -33,6 +33,14 @@ VARIANTS = flash_variants.VARIANTS
 
 @pytest.fixture(scope="module")
 def be():
+    import cupy
+
+    if getattr(cupy, "cudasim", False):  # the simulator compiles with g++: all variants at once, on every core
+        import fake_cupy
+
+        from xtrain_dist.backend.cuda.compile import kernel_source, nvrtc_options
+
+        fake_cupy.prebuild([(kernel_source(flash_variants.FILE), nvrtc_options("bf16") + v.defines) for v in VARIANTS])
     return CudaBackend(0, dtype="bf16")
 
 
@@ -78,8 +86,12 @@ def test_the_tuning_table_picks_the_variant_the_backend_launches(be, rng, tmp_pa
     table, the default tiles."""
     import cupy
 
-    B, NH, T = 1, 1, 40
+    B, NH, T = 1, 1, 128
     qkv, dout = inputs(rng, B, NH, T, 64)
+    # keys ever larger along the sequence: each query's largest score is its last key's, so every row past
+    # the first tile of 32 raises its running max in a later tile and rounds P where tiles of 64 do not
+    qkv[:, :, 64:128] *= np.linspace(0.5, 2.0, T, dtype=np.float32)[None, :, None]
+    qkv = REF.from_host_act(qkv)
     d_qkv, d_dout = be.from_host_act(qkv), be.from_host_act(dout)
     monkeypatch.setattr(tuned, "TUNED_DIR", tmp_path)
     flash_variants.forget_tables()
@@ -94,7 +106,7 @@ def test_the_tuning_table_picks_the_variant_the_backend_launches(be, rng, tmp_pa
         dqkv = be.flash_attention_backward(d_dout, d_qkv, out, lse, NH)
         assert set(picked.values()) <= flash_variants.compiled()
         # the same bits as those variants launched by name, and not the default's (tiles of 64 round P
-        # elsewhere than tiles of 32 at T = 40)
+        # elsewhere than tiles of 32)
         alone_out = cupy.empty_like(out)
         alone_lse = cupy.empty_like(lse)
         flash_variants.forward(be, alone_out, alone_lse, d_qkv, B, T, NH, picked["forward"])

@@ -7,7 +7,8 @@ type, a trap, two streams with nothing ordering them, an array freed under anoth
 training loop with each of its cross-stream fences taken out; the WMMA, tensor-core PTX (mma.sync,
 ldmatrix, cp.async), cuBLAS and NCCL stand-ins against plain arithmetic. Then the GPU test
 modules run on it in subprocesses (tests/test_cuda_ops.py and tests/test_cuda_bf16.py in forward,
-reverse and a shuffled order; tests/test_nccl.py with two simulated GPUs), and the scripts a GPU session
+reverse and a shuffled order, tests/test_cuda_flash_variants.py forward and reversed; tests/test_nccl.py
+with two simulated GPUs), and the scripts a GPU session
 runs (train_ddp --backend cuda, bench_gpu, bench_attention, kernel_errors, bench_collectives --comm nccl,
 the session's summary) are dry-run, so none of them meets a GPU for the first time in its session.
 """
@@ -486,6 +487,9 @@ def test_cublas_stand_in_rounds_a_bf16_product_before_adding_a_bf16_c():
 # through fake_nccl).
 OP_TESTS = ["-m", "not training"]
 CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"]
+# every variant of the flash MMA kernels (backend/cuda/flash_variants.py) against the oracle: forward and
+# reverse order (their pipelines of 2 and 3 stages hand buffers between warps), not a third time shuffled
+VARIANT_MODULES = ["tests/test_cuda_flash_variants.py"]
 
 
 # These runs are the slow part of the suite (minutes each on 2 cores), and the outer pytest's dots do not move
@@ -538,8 +542,8 @@ NCCL_MODULES = ["tests/test_nccl.py", "tests/test_nccl_groups.py"]
 SHUFFLED = str(2 + time.time_ns() % 2**31)
 
 
-@pytest.mark.parametrize("order, select, devices", [("forward", CUDA_MODULES, "1"),
-                                                    ("reverse", OP_TESTS + CUDA_MODULES, "1"),
+@pytest.mark.parametrize("order, select, devices", [("forward", CUDA_MODULES + VARIANT_MODULES, "1"),
+                                                    ("reverse", OP_TESTS + CUDA_MODULES + VARIANT_MODULES, "1"),
                                                     (SHUFFLED, OP_TESTS + CUDA_MODULES, "1"),
                                                     ("forward", NCCL_MODULES, "2")],
                          ids=["cuda-forward", "cuda-ops-reverse", "cuda-ops-shuffled", "nccl-2-gpus"])

@@ -78,6 +78,10 @@ class Variant:
 
     @property
     def defines(self) -> tuple[str, ...]:
+        """The NVRTC options of this variant; none for the file's own defaults, which so compile (and are
+        cached) exactly as every other kernel file is."""
+        if self == DEFAULT:
+            return ()
         return (f"-DXTRAIN_MMA_WARPS={self.warps}", f"-DXTRAIN_MMA_TILE={self.tile}",
                 f"-DXTRAIN_MMA_STAGES={self.stages}", f"-DXTRAIN_MMA_HS={self.hs}")
 
