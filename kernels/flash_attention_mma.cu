@@ -66,6 +66,10 @@
 constexpr int MMA_WARPS = XTRAIN_MMA_WARPS;
 constexpr int MMA_THREADS = MMA_WARPS * WARP_SIZE;
 
+// bf16 mma.sync, ldmatrix and cp.async exist from sm_80 on
+#if defined(XTRAIN_BF16) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+#include "ptx.cuh"
+
 // The geometry the host launches with: MMA_BLOCK_ROWS queries (forward, dq) or keys (dkdv) a block,
 // MMA_DOT_ROWS rows a block for the dot kernel; MMA_HS is the head size it checks; MMA_FORWARD_SHARED and
 // MMA_BACKWARD_SHARED the bytes of dynamic shared memory the launches give (over 48 KB: opted into).
@@ -79,11 +83,8 @@ constexpr int MMA_LD = MMA_HS + 8;              // shared-memory row stride, bf1
 // kept in registers (K and V, or Q and dout), then STAGES buffers of two streamed tiles
 constexpr int MMA_FORWARD_SHARED = 2 * MMA_LD * (MMA_BLOCK_ROWS + 2 * MMA_STAGES * MMA_TILE);
 constexpr int MMA_BACKWARD_SHARED = 2 * MMA_LD * (2 * MMA_BLOCK_ROWS + 2 * MMA_STAGES * MMA_TILE);
-
-// bf16 mma.sync, ldmatrix and cp.async exist from sm_80 on
-#if defined(XTRAIN_BF16) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-#include "ptx.cuh"
-
+static_assert(MMA_FORWARD_SHARED <= 227 * 1024 && MMA_BACKWARD_SHARED <= 227 * 1024,
+              "more shared memory than a Hopper block may have");
 static_assert(MMA_HS % 16 == 0 && MMA_TILE % 16 == 0 && MMA_STAGES >= 2, "tiles of whole 16 x 16 fragments");
 
 // A kernel's shared memory: dynamic on a GPU (more than the 48 KB a static array may have, given at launch);
