@@ -213,6 +213,9 @@ def test_bench_gemm_bad_arguments_cost_no_device_time(args, message):
     (["--shapes", "8x12x1024x32", "--impls", "ours-cudnn"],
      "--shapes: --attention cudnn takes heads of 64 or 128 channels, 8 x 12 x 1024 x 32 has 32"),
     (["--reps", "0"], "--reps must be a positive integer, got '0'"),
+    (["--sweep", "--shapes", "1x1x16x96"],
+     "--shapes: the flash variants take heads of 64 or 128 channels, 1 x 1 x 16 x 96 has 96"),
+    (["--sweep", "--no-torch", "--tuned-dir", "/proc/x"], "--tuned-dir '/proc/x' cannot be written"),
 ])
 def test_bench_attention_bad_arguments_cost_no_device_time(args, message):
     assert error("bench_attention", *args).startswith(message)

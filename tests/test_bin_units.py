@@ -592,6 +592,42 @@ def test_bench_attention_counts_causal_work_as_flashattention_does():
             bench.parse_shapes(bad)
 
 
+def test_bench_attention_sweep_chooses_the_fastest_variant_that_ran_per_shape_and_pass():
+    """--sweep's table: per shape and pass the variant with the fewest ms among those that ran (an error
+    row, however it came about, is never chosen), keyed BxNHxTxHS; its summary races our fastest forward
+    plus our fastest backward against the torch backend fastest at both."""
+    bench = load_script("bench_attention")
+
+    def row(shape, impl, pass_, ms=None, error=None):
+        B, NH, T, hs = shape
+        r = {"shape": bench.shape_label(shape), "B": B, "NH": NH, "T": T, "hs": hs, "impl": impl, "pass": pass_}
+        if impl.startswith("ours "):
+            r["variant"] = impl.split()[1]
+        r.update({"ms": ms, "tflops": 100.0 / ms} if ms else {"error": error})
+        return r
+
+    a, b = (8, 12, 1024, 64), (8, 6, 1024, 128)
+    rows = [row(a, "torch-cudnn", "forward", 1.0), row(a, "torch-cudnn", "backward", 2.0),
+            row(a, "torch-flash", "forward", 0.5), row(a, "torch-flash", "backward", 4.0),
+            row(a, "ours w8-t64-s2", "forward", 2.0), row(a, "ours w4-t128-s2", "forward", 1.5),
+            row(a, "ours w4-t32-s3", "forward", error="its result differs from w8-t64-s2's by 0.9 norm-wise"),
+            row(a, "ours w8-t64-s2", "backward", 3.0), row(a, "ours w4-t32-s2", "backward", 2.5),
+            row(b, "ours w4-t32-s2", "forward", 1.0), row(b, "ours w8-t64-s3", "forward", 0.8)]
+    assert bench.sweep_choices(rows) == {"forward": {"8x12x1024x64": "w4-t128-s2", "8x6x1024x128": "w8-t64-s3"},
+                                         "backward": {"8x12x1024x64": "w4-t32-s2"}}
+    [first, second] = bench.sweep_summary(rows)
+    assert first == {"shape": "8 x 12 x 1024 x 64", "ours_ms": 4.0, "torch_best": "torch-cudnn", "torch_ms": 3.0,
+                     "torch_over_ours": 0.75,
+                     "forward": {"variant": "w4-t128-s2", "ms": 1.5, "tflops": 100.0 / 1.5},
+                     "backward": {"variant": "w4-t32-s2", "ms": 2.5, "tflops": 40.0}}
+    assert second == {"shape": "8 x 6 x 1024 x 128", "forward": {"variant": "w8-t64-s3", "ms": 0.8, "tflops": 125.0}}
+    header = {"date": "2026-11-28", "command": "bin/bench_attention --sweep", "gpu": "GPU", "driver": "1",
+              "cupy": "14", "torch": "2", "reps": 20, "warmup": 3, "sweep_summary": [first, second]}
+    md = bench.sweep_markdown(header, rows)
+    assert "| 8 x 12 x 1024 x 64 | w4-t128-s2 | 67 | w4-t32-s2 | 40 | 4.000 | torch-cudnn | 3.000 | 0.75x |" in md
+    assert "| 8 x 12 x 1024 x 64 | ours w4-t32-s3 | forward | error: its result differs" in md
+
+
 def test_bench_attention_summary_races_ours_against_the_fastest_torch_backend():
     """forward + backward of ours against the torch backend fastest at forward + backward (not at either
     pass alone), a backend that failed taking no part, and a shape without torch rows getting no ratio."""

@@ -7,7 +7,8 @@ type, a trap, two streams with nothing ordering them, an array freed under anoth
 training loop with each of its cross-stream fences taken out; the WMMA, tensor-core PTX (mma.sync,
 ldmatrix, cp.async), cuBLAS and NCCL stand-ins against plain arithmetic. Then the GPU test
 modules run on it in subprocesses (tests/test_cuda_ops.py and tests/test_cuda_bf16.py in forward,
-reverse and a shuffled order; tests/test_nccl.py with two simulated GPUs), and the scripts a GPU session
+reverse and a shuffled order, tests/test_cuda_flash_variants.py forward and reversed; tests/test_nccl.py
+with two simulated GPUs), and the scripts a GPU session
 runs (train_ddp --backend cuda, bench_gpu, bench_attention, kernel_errors, bench_collectives --comm nccl,
 the session's summary) are dry-run, so none of them meets a GPU for the first time in its session.
 """
@@ -486,6 +487,9 @@ def test_cublas_stand_in_rounds_a_bf16_product_before_adding_a_bf16_c():
 # through fake_nccl).
 OP_TESTS = ["-m", "not training"]
 CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py", "tests/test_cudnn_attention.py"]
+# every variant of the flash MMA kernels (backend/cuda/flash_variants.py) against the oracle: forward and
+# reverse order (their pipelines of 2 and 3 stages hand buffers between warps), not a third time shuffled
+VARIANT_MODULES = ["tests/test_cuda_flash_variants.py"]
 
 
 # These runs are the slow part of the suite (minutes each on 2 cores), and the outer pytest's dots do not move
@@ -538,8 +542,8 @@ NCCL_MODULES = ["tests/test_nccl.py", "tests/test_nccl_groups.py"]
 SHUFFLED = str(2 + time.time_ns() % 2**31)
 
 
-@pytest.mark.parametrize("order, select, devices", [("forward", CUDA_MODULES, "1"),
-                                                    ("reverse", OP_TESTS + CUDA_MODULES, "1"),
+@pytest.mark.parametrize("order, select, devices", [("forward", CUDA_MODULES + VARIANT_MODULES, "1"),
+                                                    ("reverse", OP_TESTS + CUDA_MODULES + VARIANT_MODULES, "1"),
                                                     (SHUFFLED, OP_TESTS + CUDA_MODULES, "1"),
                                                     ("forward", NCCL_MODULES, "2")],
                          ids=["cuda-forward", "cuda-ops-reverse", "cuda-ops-shuffled", "nccl-2-gpus"])
@@ -995,6 +999,35 @@ def test_bench_attention_runs_our_rows_on_the_simulator(tmp_path):
                 assert (most, norm) == (0, 0) if r["impl"].startswith("ours-cudnn") else \
                     (0 <= most < np.inf and norm < 1e-3), (r["impl"], output, most, norm)
         assert len(list(out.glob("bench_attention-*.md"))) == 1
+
+
+def test_bench_attention_sweep_times_every_variant_and_writes_the_table_on_the_simulator(tmp_path):
+    """bin/bench_attention --sweep as the GPU machine runs it, at two tiny shapes (head sizes 64 and 128): a
+    row for every variant of each pass that serves the head size, each compared with the first and timed,
+    the fastest per shape and pass in the table the backend reads, and the sweep's results files."""
+    from xtrain_dist.backend.cuda import flash_variants
+
+    shapes = {"1 x 2 x 40 x 64": 64, "1 x 1 x 24 x 128": 128}
+    result = subprocess.run([*RUN, "bin/bench_attention", "--sweep", "--shapes", "1x2x40x64,1x1x24x128", "--no-torch",
+                             "--reps", "1", "--warmup", "0", "--out", str(tmp_path), "--tuned-dir",
+                             str(tmp_path / "tuned")], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [report] = tmp_path.glob("bench_attention-sweep-*.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["shape"], r["pass"], r["variant"]) for r in rows] == [
+        (shape, pass_, v.name) for shape, hs in shapes.items() for pass_ in ("forward", "backward")
+        for v in sorted(flash_variants.variants(pass_, hs), key=lambda v: v != flash_variants.DEFAULT)]
+    assert all(r["ms"] > 0 for r in rows), [r for r in rows if "ms" not in r]
+    table = json.loads((tmp_path / "tuned" / "cudasim-cpu.json").read_text())
+    fastest = {}
+    for r in rows:
+        key = (r["pass"], f"{r['B']}x{r['NH']}x{r['T']}x{r['hs']}")
+        fastest[key] = min(fastest.get(key, (float("inf"), "")), (r["ms"], r["variant"]))
+    assert table["attention"] == {"forward": {"1x1x24x128": fastest[("forward", "1x1x24x128")][1],
+                                              "1x2x40x64": fastest[("forward", "1x2x40x64")][1]},
+                                  "backward": {"1x2x40x64": fastest[("backward", "1x2x40x64")][1]}}
+    assert table["measured"]["attention"]["device"] == "cudasim (CPU)"
+    assert "| 1 x 2 x 40 x 64 |" in next(tmp_path.glob("bench_attention-sweep-*.md")).read_text()
 
 
 @pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"],

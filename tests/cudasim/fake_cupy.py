@@ -759,6 +759,29 @@ _compile_lock = threading.Lock()
 _launch_lock = threading.Lock()  # one launch at a time: the runtime's thread indices are process globals
 
 
+def _precompiled_header(header: str, flags: tuple[str, ...]) -> Path:
+    """cudasim.h, precompiled once per text and flags into the cache (<key>/cudasim.h beside its .gch): g++
+    spends most of a small kernel file's compile on the runtime's C++ headers, and every variant of a
+    kernel file (backend/cuda/flash_variants.py) is a file of its own. g++ takes the .gch where the flags
+    match and reads the header itself where they do not, so a stale or foreign one costs time, not bits."""
+    folder = _cache_dir() / ("pch-" + hashlib.sha256("\0".join([*flags, header]).encode()).hexdigest()[:24])
+    prefix = folder / "cudasim.h"
+    if not (folder / "cudasim.h.gch").exists():
+        work = Path(tempfile.mkdtemp(prefix="pch-build-", dir=_cache_dir()))
+        shutil.copy(HERE / "cudasim.h", work / "cudasim.h")
+        result = subprocess.run(["g++", *(f for f in flags if f != "-shared"), "-x", "c++-header",
+                                 f"-I{HERE / 'include'}", str(work / "cudasim.h"), "-o", str(work / "cudasim.h.gch")],
+                                capture_output=True, text=True)
+        if result.returncode != 0:  # no precompiled header: the plain one, as before
+            shutil.rmtree(work, ignore_errors=True)
+            return HERE / "cudasim.h"
+        try:
+            os.replace(work, folder)  # atomic: a concurrent build of the same header gives the same bytes
+        except OSError:  # another process was first
+            shutil.rmtree(work, ignore_errors=True)
+    return prefix
+
+
 def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, list[str]]:
     """Compile `code` (what NVRTC would get) with g++ into a cached shared library."""
     names = _KERNEL.findall(code)
@@ -772,6 +795,7 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
             return _libraries[key], names
     target = _cache_dir() / f"{key}.so"
     if not target.exists():
+        prefix = _precompiled_header(header, flags)
         work = Path(tempfile.mkdtemp(prefix="build-", dir=_cache_dir()))
         (work / "kernels.cuh").write_text(code)
         glue = ['#include "kernels.cuh"'] + [
@@ -782,7 +806,7 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
         (work / "glue.cpp").write_text("\n".join(glue) + "\n")
         partial = work / "out.so"
         result = subprocess.run(["g++", *flags, *defines, f"-I{HERE / 'include'}", f"-I{work}",
-                                 "-include", str(HERE / "cudasim.h"), str(work / "glue.cpp"), "-o", str(partial)],
+                                 "-include", str(prefix), str(work / "glue.cpp"), "-o", str(partial)],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"cudasim: g++ failed:\n{result.stderr}")
@@ -826,6 +850,7 @@ class Function:
         signature.restype = ctypes.c_char_p
         params = [p for p in signature().decode().split(",") if p]
         self.writes = [p == "p" for p in params]  # "pc": a pointer to const, which the kernel only reads
+        self.max_dynamic_shared_size_bytes = 0  # CuPy's Function attribute (cuFuncSetAttribute)
         self.params = ["p" if p == "pc" else p for p in params]
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
@@ -833,6 +858,10 @@ class Function:
         if (block[0] > 1024 or block[1] > 1024 or block[2] > 64 or block[0] * block[1] * block[2] > 1024
                 or grid[0] > 2**31 - 1 or grid[1] > 65535 or grid[2] > 65535 or 0 in grid + block):
             raise CUDARuntimeError(f"cudaErrorInvalidConfiguration: {self.name} grid {grid} block {block}")
+        # as the driver: dynamic shared memory past 48 KB only where the kernel was opted into it
+        if shared_mem > 48 * 1024 and shared_mem > self.max_dynamic_shared_size_bytes:
+            raise CUDARuntimeError(f"cudaErrorInvalidValue: {self.name} asks for {shared_mem} bytes of dynamic "
+                                   f"shared memory, past 48 KB without max_dynamic_shared_size_bytes set")
         args = tuple(args)
         if len(args) != len(self.params):
             raise TypeError(f"cudasim: {self.name} takes {len(self.params)} arguments, got {len(args)}")

@@ -407,11 +407,12 @@ class NumpyBackend:
     # keeps each query row's log-sum-exp instead of the (B, NH, T, T) probabilities, and backward
     # recomputes the probabilities from q, k and it. The model picks one pair (GPT2(attention=...)).
 
-    def flash_attention_forward(self, qkv, n_head: int):
+    def flash_attention_forward(self, qkv, n_head: int, tile: int = FLASH_TILE):
         """qkv (B, T, 3C) -> (out (B, T, C), lse (B, NH, T)), lse[b, h, i] = log sum_{j <= i} exp(score[i, j])
         over the scores, float32 in every precision (float64 for the gradient checks' float64 inputs).
 
-        Computed as the kernel's online softmax: key tile by key tile (FLASH_TILE columns), each tile's
+        Computed as the kernel's online softmax: key tile by key tile (`tile` columns: FLASH_TILE, or the
+        tile of a variant of kernels/flash_attention_mma.cu, backend/cuda/flash_variants.py), each tile's
         scores raise the running row maximum m, the running denominator l and output O are rescaled by
         exp(m_old - m_new), and P = exp(S - m_new) is rounded to the activation dtype as it enters P V and
         summed as rounded, so that l normalises what O holds. In float32 that is the softmax, up to
@@ -426,13 +427,13 @@ class NumpyBackend:
         m = np.full((B, n_head, T, 1), -np.inf, scores.dtype)  # finite after the first tile: key 0 is every row's
         l = np.zeros_like(m)
         o = np.zeros((B, n_head, T, hs), scores.dtype)
-        for k0 in range(0, T, FLASH_TILE):
-            s = scores[..., k0:k0 + FLASH_TILE]
+        for k0 in range(0, T, tile):
+            s = scores[..., k0:k0 + tile]
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
             alpha = np.exp(m - m_new)
             p = self.store(np.exp(s - m_new))
             l = l * alpha + p.sum(axis=-1, keepdims=True)
-            o = o * alpha + p @ v[:, :, k0:k0 + FLASH_TILE]
+            o = o * alpha + p @ v[:, :, k0:k0 + tile]
             m = m_new
         y = self.store(o / l)
         lse = (m + np.log(l))[..., 0]

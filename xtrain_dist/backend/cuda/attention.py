@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from ...errors import XtrainError
+from . import flash_variants
 from .compile import kernel_constant
 from .cudnn_sdpa import check_cudnn_attention
 from .device import cupy
@@ -139,9 +140,8 @@ class AttentionOps:
         if self.flash_kernels == "cudnn":
             self._check_stream()
             self._cudnn.forward(out, lse, qkv, B, T, n_head, C // n_head)
-        elif self.flash_kernels == "mma":
-            self._launch(self._k.flash_mma_forward, (_cdiv(T, MMA_BLOCK_ROWS), n_head, B), (MMA_THREADS,),
-                         out, lse, qkv, np.int32(T), np.int32(n_head))
+        elif self.flash_kernels == "mma":  # the variant the GPU's tuning table names for the shape
+            flash_variants.forward(self, out, lse, qkv, B, T, n_head)
         else:
             self._launch(self._k.flash_attention_forward, (_cdiv(T, FLASH_TILE), n_head, B), (FLASH_THREADS,),
                          out, lse, qkv, np.int32(T), np.int32(n_head))
@@ -164,11 +164,7 @@ class AttentionOps:
         rows = B * n_head * T
         args = (dqkv, dout, qkv, lse, D, np.int32(T), np.int32(n_head))
         if self.flash_kernels == "mma":
-            self._launch(self._k.flash_mma_backward_dot, (_cdiv(rows, MMA_DOT_ROWS),), (MMA_THREADS,),
-                         D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))
-            grid = (_cdiv(T, MMA_BLOCK_ROWS), n_head, B)
-            self._launch(self._k.flash_mma_backward_dkdv, grid, (MMA_THREADS,), *args)
-            self._launch(self._k.flash_mma_backward_dq, grid, (MMA_THREADS,), *args)
+            flash_variants.backward(self, dqkv, D, dout, qkv, out, lse, B, T, n_head)
         else:
             self._launch(self._k.flash_attention_backward_dot, (_cdiv(rows, FLASH_WARPS),), (FLASH_THREADS,),
                          D, dout, out, np.int32(B), np.int32(T), np.int32(n_head))

@@ -69,6 +69,8 @@ _KERNEL = re.compile(r'^extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\
 # A constant of the file's launch geometry: a `constexpr int` at namespace scope, so at the start of a
 # line (a function's own constants are indented)
 _CONSTANT = re.compile(r"^constexpr\s+int\s+(\w+)\s*=\s*([^;]+);", re.MULTILINE)
+# A compile-time knob's default, `#define NAME <integer>` (a -DNAME=<integer> option overrides it)
+_KNOB = re.compile(r"^#\s*define\s+(\w+)\s+(\d+)\s*$", re.MULTILINE)
 # What a constant's value may be built with; C's integer division truncates, which // does for the
 # non-negative sizes these are
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv}
@@ -79,13 +81,20 @@ def kernel_table() -> dict[str, tuple[str, ...]]:
     return {path.stem: tuple(_KERNEL.findall(path.read_text())) for path in sorted(KERNEL_DIR.glob("*.cu"))}
 
 
-def kernel_constant(file: str, name: str) -> int:
-    """The value of `constexpr int <name>` as kernels/<file>.cu is compiled with it (common.cuh pasted in):
-    how the host launches a kernel with the block shape the kernel is written for. The value is an
-    integer literal, or +, -, * and / of literals and of the file's other such constants."""
+def kernel_constant(file: str, name: str, defines: tuple[str, ...] = ()) -> int:
+    """The value of `constexpr int <name>` as kernels/<file>.cu is compiled with it (common.cuh pasted in)
+    and with the -DNAME=<integer> options `defines`: how the host launches a kernel with the block shape
+    the kernel (or that variant of it) is written for. The value is an integer literal, or +, -, * and /
+    of literals, of the file's other such constants and of its `#define NAME <integer>` knobs."""
+    source = kernel_source(file)
     definitions: dict[str, list[str]] = {}
-    for constant, value in _CONSTANT.findall(kernel_source(file)):
+    for constant, value in _CONSTANT.findall(source):
         definitions.setdefault(constant, []).append(value.strip())
+    for knob, value in _KNOB.findall(source):
+        definitions.setdefault(knob, [value])  # `#ifndef X / #define X 8`: one default each
+    for option in defines:
+        knob, _, value = option.removeprefix("-D").partition("=")
+        definitions[knob] = [value]
 
     def value_of(constant: str) -> int:
         found = definitions.get(constant, [])
@@ -115,7 +124,7 @@ FILE_OF = {kernel: file for file, names in KERNELS.items() for kernel in names}
 
 # ---------------------------------------------------------------------------- compiling on first use
 
-_modules: dict[tuple[str, str], object] = {}
+_modules: dict[tuple[str, str, tuple[str, ...]], object] = {}
 _modules_lock = threading.Lock()
 
 # The one header a pip-installed CUDA may lack: flash_attention.cu's tensor-core fragments come from
@@ -131,19 +140,21 @@ class Kernels:
     one without --attention flash never compiles the flash attention files, and a machine without the
     headers a file needs trains everything else."""
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, defines: tuple[str, ...] = ()):
         self.dtype = dtype
+        self.defines = tuple(defines)  # -D options of a compile-time variant (flash_variants.py), cached apart
 
     def __getattr__(self, kernel: str):
         if kernel not in FILE_OF:
             raise AttributeError(kernel)
         file = FILE_OF[kernel]
-        key = (file, self.dtype)
+        key = (file, self.dtype, self.defines)
         # One lock for all ranks: the first thread compiles (or loads CuPy's disk cache) while the others
         # wait, instead of several threads compiling the same source at once.
         with _modules_lock:
             if key not in _modules:
-                _modules[key] = cupy.RawModule(code=kernel_source(file), options=nvrtc_options(self.dtype))
+                _modules[key] = cupy.RawModule(code=kernel_source(file),
+                                               options=nvrtc_options(self.dtype) + self.defines)
             try:
                 function = _modules[key].get_function(kernel)  # CuPy compiles the module here
             except Exception as e:
