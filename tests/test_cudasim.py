@@ -954,6 +954,42 @@ def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
     assert costs["ctypes"] > 0 and costs["nvmath"].startswith("not measured: ModuleNotFoundError"), costs
 
 
+def test_bench_gemm_search_writes_the_tuning_table_the_rows_then_read(tmp_path):
+    """bin/bench_gemm --search on the simulator: every product the step runs under --matmul cublaslt (each
+    epilogue, and the plain forward, input- and weight-gradient products in the operand orders they have) gets
+    the fastest of the stand-in's algorithms by wall time in the GPU's table, the other sections of the table
+    kept; the results name them; a damaged table is one line and is left as it was."""
+    tables = tmp_path / "tuned"
+    tables.mkdir()
+    (tables / "cudasim-cpu.json").write_text('{"attention": {"1024": "q64"}}')
+    command = [*RUN, "bin/bench_gemm", "--preset", "tiny", "--tokens", "32", "--precisions", "bf16", "--no-torch",
+               "--reps", "1", "--warmup", "0", "--lt-bindings", "", "--search", "--tuned-dir", str(tables)]
+    result = subprocess.run([*command, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = json.loads((tables / "cudasim-cpu.json").read_text())
+    assert table["attention"] == {"1024": "q64"}
+    products = table["products"]
+    kinds = {(key[:2], key.split(" compute ")[1].split()[1]) for key in products}
+    assert kinds == {("NN", "BIAS"), ("NN", "GELU_AUX_BIAS"), ("TN", "DGELU"), ("NT", "BGRADA"), ("NN", "DEFAULT"),
+                     ("TN", "DEFAULT"), ("NT", "DEFAULT")}, kinds
+    for key, entry in products.items():
+        assert 0 <= entry["rank"] < entry["tried"] == 4 and entry["ms"] <= entry["first_ms"], (key, entry)
+        assert len(entry["algo"]) == 8 and int(entry["algo"][6], 16) == entry["rank"], (key, entry)
+    assert table["measured"]["products"]["failures"] == {}
+    assert "--search" in table["measured"]["products"]["command"]
+    [report] = tmp_path.glob("bench_gemm-*.json")
+    search = json.loads(report.read_text())["header"]["search"]
+    assert sorted(r["key"] for r in search["rows"]) == sorted(products)
+    assert "### Algorithm search: the heuristic's top 8 timed" in report.with_suffix(".md").read_text()
+
+    (tables / "cudasim-cpu.json").write_text("{damaged")
+    damaged = subprocess.run([*command, "--out", str(tmp_path / "again")], cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
+    assert damaged.returncode == 2 and damaged.stderr.startswith(
+        f"bench_gemm: error: tuning table '{tables / 'cudasim-cpu.json'}' cannot be read ("), damaged.stderr
+    assert len(damaged.stderr.splitlines()) == 1 and (tables / "cudasim-cpu.json").read_text() == "{damaged"
+
+
 def test_bench_attention_runs_our_rows_on_the_simulator(tmp_path):
     """bin/bench_attention's side of ours, as the GPU machine runs it but at tiny shapes: both our kernel
     files, forward and backward, a row each with its causal TFLOP/s, and the results files written."""
