@@ -173,7 +173,7 @@ def test_bench_cpu_bad_arguments(args, words):
      "--torch-vocabs must be one or more of padded, unpadded (separated by commas), got '50304'"),
     (["--torch-vocabs", ""], "--torch-vocabs must be one or more of padded, unpadded (separated by commas), got ''"),
     (["--attentions", "flash,paged"],
-     "--attentions must be zero or more of standard, flash (separated by commas), got 'paged'"),
+     "--attentions must be zero or more of standard, flash, cudnn (separated by commas), got 'paged'"),
     (["--recompute", "3"], "--recompute must be one of 0, 1, 2, got '3'"),
     (["--matmuls", "cublas,cutlass"],
      "--matmuls must be one or more of cublas, cublaslt (separated by commas), got 'cutlass'"),

@@ -929,6 +929,24 @@ def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
         "kernels/flash_attention_mma.cu)" in report.with_suffix(".md").read_text()
 
 
+def test_bench_gpu_records_an_attention_path_the_model_lacks_as_a_row_and_goes_on(tmp_path):
+    """The GPU script asks for every attention path by name, cuDNN's too: where this version's model lacks one,
+    its row records the model's refusal and the next row runs (the run exits 0, its file written)."""
+    from xtrain_dist.model import ATTENTIONS
+
+    result = subprocess.run([*RUN, "bin/bench_gpu", "--presets", "small", "--shapes", "1x64", "--precisions", "bf16",
+                             "--attentions", "cudnn,standard", "--matmuls", "cublas", "--cuda-graphs", "off",
+                             "--torch-modes", "", "--steps", "1", "--warmup", "0", "--vocab", "512", "--no-profile",
+                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [report] = tmp_path.glob("*.json")
+    cudnn, standard = json.loads(report.read_text())["rows"]
+    assert (cudnn["impl"], standard["impl"]) == ("ours cudnn", "ours") and standard["ms"] > 0
+    if "cudnn" not in ATTENTIONS:  # where the model has it, its row is timed like any other
+        assert cudnn["error"] == f"XtrainError: --attention must be one of {', '.join(ATTENTIONS)}, got 'cudnn'"
+        assert "| ours cudnn | 512 | XtrainError: --attention must be one of" in report.with_suffix(".md").read_text()
+
+
 def test_bench_gemm_runs_our_rows_on_the_simulator(tmp_path):
     """bin/bench_gemm's side of ours: every layer, pass and precision gets a row, the classifier twice (its
     vocabulary and that padded to 128), the layers with a bias "lt" rows (--matmul cublaslt), the MLP's
@@ -1066,8 +1084,10 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
                XTRAIN_CUDASIM_NCCL_TIMEOUT="5", PYTHONDONTWRITEBYTECODE="1", PY=sys.executable)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     small = "--precisions bf16 --torch-modes= --steps 1 --warmup 0 --vocab 512"
-    runs = {"BENCH_GPU_RUNS": f"60 --presets small --shapes 1x64 {small};60 --presets tiny --shapes 1x32 {small} "
-            "--no-profile", "BENCH_GEMM_ARGS": "--preset tiny --tokens 16 --no-torch --reps 1",
+    # run 1 first, before the sweeps, so a small one: it pays for the simulator's first kernel builds
+    runs = {"BENCH_GPU_RUNS": f"60 --presets tiny --shapes 1x32 {small} --no-profile;60 --presets small --shapes 1x64 "
+            f"{small}", "BENCH_GEMM_ARGS": f"--preset tiny --tokens 16 --no-torch --reps 1 --precisions bf16 "
+            f"--search --tuned-dir {tmp_path / 'tuned'}", "TUNED_DIR": str(tmp_path / "tuned"),
             "BENCH_ATTENTION_ARGS": "--shapes 1x1x64x64 --no-torch --reps 1 --warmup 0"}
     # PACK_RESULTS=1, as the device call sets it
     out = tmp_path / "session"
@@ -1088,25 +1108,27 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
         assert {"./cuda/environment.txt", "./cuda/skipped.txt", "./cuda/pytest_cuda.txt",
                 "./bench/run1/bench_gpu.txt"} <= names and any(n.startswith("./bench/bench_gemm-") for n in names)
         assert any(n.startswith("./bench/bench_attention-") for n in names), names
+        assert "./bench/tuned/cudasim-cpu.json" in names, names  # the search's table comes back
         environment = packed.extractfile("./cuda/environment.txt").read().decode()
     assert "## cuBLASLt (--matmul cublaslt)\ntests/cudasim/fake_cublaslt.py (the simulator's stand-in), version 0" \
         in environment, environment
     summary = (out / "bench" / "bench_results.md").read_text()
-    assert f"- run 1: `bin/bench_gpu --presets small --shapes 1x64 {small}`: exit 0 (run1/bench_gpu-" in summary, \
+    assert f"- run 2: `bin/bench_gpu --presets small --shapes 1x64 {small}`: exit 0 (run2/bench_gpu-" in summary, \
         summary
-    assert "- run 2: `bin/bench_gpu --presets tiny --shapes 1x32" in summary and "`: exit 0 (run2/bench_gpu-" in summary
+    assert "- run 1: `bin/bench_gpu --presets tiny --shapes 1x32" in summary and "`: exit 0 (run1/bench_gpu-" in summary
     # first, the best row of each side over both runs (here ours only: the dry run races no PyTorch)
     assert summary.index("## Our best row against PyTorch's best") < summary.index("- run 1:"), summary
-    assert re.search(r"\| small \| 1 x 64 \| bf16 \| ours[^|]* \| 512 \| [\d,]+ \| n/a / n/a \| no row \| \| \| \| \|\n"
-                     r"\| tiny \| 1 x 32 \| bf16 \| ours", summary), summary
+    assert re.search(r"\| tiny \| 1 x 32 \| bf16 \| ours[^|]* \| 512 \| [\d,]+ \| n/a / n/a \| no row \| \| \| \| \|\n"
+                     r"\| small \| 1 x 64 \| bf16 \| ours", summary), summary
     assert "- `bin/bench_gemm --preset tiny" in summary and "`: exit 0 (bench_gemm-" in summary, summary
+    assert "tuned/cudasim-cpu.json)" in summary, summary
     assert "- compute-sanitizer racecheck: exit " in summary, summary
     assert "- `bin/bench_attention --shapes 1x1x64x64 --no-torch --reps 1 --warmup 0`: exit 0 (bench_attention-" \
         in summary, summary
     assert re.search(r"## bench_attention-\S+\.md\n\n\| B x NH x T x hs \| impl \| pass \|.*\n\|---.*\n"
                      r"\| 1 x 1 x 64 x 64 \| ours \| forward \|", summary), summary
     # each run's table of rows, for a first look without the archive
-    assert re.search(r"## run1/bench_gpu-\S+\.md\n\n\| preset \| B x T \|.*\n\|---.*\n"
+    assert re.search(r"## run2/bench_gpu-\S+\.md\n\n\| preset \| B x T \|.*\n\|---.*\n"
                      r"\| small \| 1 x 64 \| bf16 \| ours \|", summary), summary
     assert "| tiny | 1 x 32 | bf16 | ours flash lt |" not in summary  # tiny's heads are not 64 channels
     assert "| tiny | 1 x 32 | bf16 | ours lt |" in summary and "### Where our step" not in summary, summary
