@@ -156,9 +156,20 @@ def test_residual_layernorm_forward_is_the_sum_then_the_layernorm(be, rng, shape
         check(be.to_host(g), exp, 1e-5, what)
 
 
-@pytest.mark.parametrize("shape", LN_SHAPES)
-def test_layernorm_backward_matches_and_is_deterministic(be, rng, shape):
+@pytest.mark.parametrize("shape", [*LN_SHAPES, (2, 33, 512)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_layernorm_backward_matches_and_is_deterministic(be, rng, monkeypatch, shape, fused):
+    """Both paths (all three gradients in one pass, layernorm_backward_fused, where the width fits its
+    registers; the input gradient and the column sums apart) against numpy, the gradients accumulated into
+    what they held, the same bits on a rerun. (2, 3, 768) in fp32 is beyond the one-pass width: the other
+    path either way; (2, 33, 512) fits it exactly, with more rows than one block's warps."""
+    monkeypatch.setattr(be, "fused_layernorm_backward", fused)
     c = shape[-1]
+    one_pass = fused and c <= cuda_ops.LAYERNORM_FUSED_CHUNKS * 32 * (be._vec_x if c % be._vec_x == 0 else 1)
+    assert one_pass == (fused and c != 768)
+    for kernel in (("layernorm_backward_input", "layernorm_backward_params") if one_pass
+                   else ("layernorm_backward_fused",)):
+        monkeypatch.setattr(be._k, kernel, None, raising=False)  # the path not taken: a call would fail
     x, dout, dinp0 = randn(rng, *shape), randn(rng, *shape), randn(rng, *shape)
     w, dw0, db0 = randn(rng, c), randn(rng, c), randn(rng, c)
     _, mean, rstd = ref.layernorm_forward(x, w, randn(rng, c))

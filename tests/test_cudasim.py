@@ -1085,14 +1085,14 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     env.pop("CUDA_VISIBLE_DEVICES", None)
     small = "--precisions bf16 --torch-modes= --steps 1 --warmup 0 --vocab 512"
     # run 1 first, before the sweeps, so a small one: it pays for the simulator's first kernel builds
-    runs = {"BENCH_GPU_RUNS": f"60 --presets tiny --shapes 1x32 {small} --no-profile;60 --presets small --shapes 1x64 "
+    runs = {"BENCH_GPU_RUNS": f"60 --presets tiny --shapes 1x32 {small} --no-profile;120 --presets small --shapes 1x64 "
             f"{small}", "BENCH_GEMM_ARGS": f"--preset tiny --tokens 16 --no-torch --reps 1 --precisions bf16 "
             f"--search --tuned-dir {tmp_path / 'tuned'}", "TUNED_DIR": str(tmp_path / "tuned"),
             "BENCH_ATTENTION_ARGS": "--shapes 1x1x64x64 --no-torch --reps 1 --warmup 0"}
     # PACK_RESULTS=1, as the device call sets it
     out = tmp_path / "session"
     session = subprocess.run(["bash", "bin/gpu_session.sh"], cwd=ROOT, env=dict(
-        env, OUT=str(out), PACK_RESULTS="1", BUDGET="200", CUDA_BUDGET="60", **runs),
+        env, OUT=str(out), PACK_RESULTS="1", BUDGET="240", CUDA_BUDGET="60", **runs),
         capture_output=True, text=True, timeout=400)
     back = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert back == ["bench/bench_results.md", "cuda/cuda_results.md", "results.tar.gz", "session.txt"], back
@@ -1113,15 +1113,16 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     assert "## cuBLASLt (--matmul cublaslt)\ntests/cudasim/fake_cublaslt.py (the simulator's stand-in), version 0" \
         in environment, environment
     summary = (out / "bench" / "bench_results.md").read_text()
-    assert f"- run 2: `bin/bench_gpu --presets small --shapes 1x64 {small}`: exit 0 (run2/bench_gpu-" in summary, \
-        summary
+    # run 2 may meet its cap on a loaded machine: a run cut short (124) keeps the rows it finished
+    assert re.search(rf"- run 2: `bin/bench_gpu --presets small --shapes 1x64 {small}`: exit (0|124) \(run2/bench_gpu-",
+                     summary), summary
     assert "- run 1: `bin/bench_gpu --presets tiny --shapes 1x32" in summary and "`: exit 0 (run1/bench_gpu-" in summary
     # first, the best row of each side over both runs (here ours only: the dry run races no PyTorch)
     assert summary.index("## Our best row against PyTorch's best") < summary.index("- run 1:"), summary
     assert re.search(r"\| tiny \| 1 x 32 \| bf16 \| ours[^|]* \| 512 \| [\d,]+ \| n/a / n/a \| no row \| \| \| \| \|\n"
                      r"\| small \| 1 x 64 \| bf16 \| ours", summary), summary
     assert "- `bin/bench_gemm --preset tiny" in summary and "`: exit 0 (bench_gemm-" in summary, summary
-    assert "tuned/cudasim-cpu.json)" in summary, summary
+    assert "tuned/cudasim-cpu.json" in summary, summary
     assert "- compute-sanitizer racecheck: exit " in summary, summary
     assert "- `bin/bench_attention --shapes 1x1x64x64 --no-torch --reps 1 --warmup 0`: exit 0 (bench_attention-" \
         in summary, summary
