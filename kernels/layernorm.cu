@@ -181,11 +181,13 @@ extern "C" __global__ void layernorm_backward_input(floatX* dinp, const floatX* 
 // warp w walks rows r0 + w, r0 + w + LAYERNORM_ROWS_PER_BLOCK, ..., and while it reads a row for the two
 // row means it adds dout * n and dout into per-lane registers for the lane's channels, chunk j being
 // channels (j * WARP_SIZE + lane) * N + [0, N). The warps' partials are then added in shared memory in
-// warp order and written as partial_dw[b, c], partial_db[b, c]: every sum's order depends on the row
-// count only, so the bits are the same every run. The registers bound the width: C at most
+// warp order and written as partial_dw[b, c], partial_db[b, c]: the order of the two-kernel path's
+// column sums (thread row y of COL_ROWS adds rows y, y + COL_ROWS, ..., then the rows' sums in order), so
+// the bits are that path's, and the same every run. The registers bound the width: C at most
 // LAYERNORM_FUSED_CHUNKS * WARP_SIZE * N (1024 channels in bf16, 512 in fp32 on the vector path), which
 // the host checks (CudaBackend.layernorm_backward), taking the two-kernel path beyond it.
 constexpr int LAYERNORM_FUSED_CHUNKS = 4;
+static_assert(LAYERNORM_ROWS_PER_BLOCK == COL_ROWS, "the one-pass backward sums columns in the column sums' order");
 constexpr int LAYERNORM_FUSED_MAX_C = LAYERNORM_FUSED_CHUNKS * WARP_SIZE * VEC_X;
 
 template <int N>

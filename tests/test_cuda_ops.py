@@ -185,6 +185,26 @@ def test_layernorm_backward_matches_and_is_deterministic(be, rng, monkeypatch, s
     assert all(np.array_equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
 
 
+@pytest.mark.parametrize("shape", [(B, T, C), (3, 1, 30), (2, 33, 512)])
+def test_the_one_pass_layernorm_backward_has_the_two_kernel_paths_bits(be, rng, monkeypatch, shape):
+    """layernorm_backward_fused adds each column in the two-kernel path's order (a warp per row lane of
+    the split, rows LAYERNORM_ROWS_PER_BLOCK = COL_ROWS apart, the lanes' sums in order, then the splits),
+    and computes dinp as layernorm_backward_input does: the same bits, not only the same values."""
+    assert cuda_ops.COLUMN_BLOCK[1] == cuda_ops.LAYERNORM_ROWS_PER_BLOCK
+    c = shape[-1]
+    x, dout, dinp0 = randn(rng, *shape), randn(rng, *shape), randn(rng, *shape)
+    w, dw0, db0 = randn(rng, c), randn(rng, c), randn(rng, c)
+    _, mean, rstd = ref.layernorm_forward(x, w, randn(rng, c))
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(be, "fused_layernorm_backward", fused)
+        grads = [be.from_host(a) for a in (dinp0, dw0, db0)]
+        be.layernorm_backward(*grads, *(be.from_host(a) for a in (dout, x, w, mean, rstd)))
+        runs.append([be.to_host(g) for g in grads])
+    for one, two, what in zip(*runs, ("dinp", "dweight", "dbias"), strict=True):
+        assert np.array_equal(one, two), what
+
+
 # ---------------------------------------------------------------------------- matmul
 
 @pytest.mark.parametrize("rows,ic,oc,bias", [(B * T, C, 3 * C, True), (B * T, 4 * C, C, True), (7, 30, 18, True),
