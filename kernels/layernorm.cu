@@ -120,7 +120,8 @@ extern "C" __global__ void residual_layernorm_forward(floatX* residual, floatX* 
 //   n = (x - mean) * rstd,  g = dout * weight,
 //   dinp += rstd * (g - mean_C(g) - n * mean_C(g * n)).
 // One warp per row: a first pass for the two row means, a second that writes. The weight and bias
-// gradients are column sums over all rows and live in the two kernels below.
+// gradients are column sums over all rows and live in the two kernels below (or all three in one pass:
+// layernorm_backward_fused).
 template <int N>
 __device__ void layernorm_backward_input_row(floatX* dinp, const floatX* dout, const floatX* inp,
                                              const floatX* weight, const float* mean, const float* rstd, int C,
@@ -171,12 +172,123 @@ extern "C" __global__ void layernorm_backward_input(floatX* dinp, const floatX* 
     else layernorm_backward_input_row<1>(dinp, dout, inp, weight, mean, rstd, C, row);
 }
 
+// ---------------------------------------------------------------------------------------- backward, one pass
+
+// The input gradient and the weight and bias gradients in one pass over dout and inp (llm.c's
+// layernorm_backward does the same): the two kernels above and below read both twice, once per row for
+// dinp and once per column for the parameters, a layernorm backward's whole traffic again. Block b owns
+// the rows [b * rows_per_split, +rows_per_split) (the column sums' splits, so stage 2 below finishes it);
+// warp w walks rows r0 + w, r0 + w + LAYERNORM_ROWS_PER_BLOCK, ..., and while it reads a row for the two
+// row means it adds dout * n and dout into per-lane registers for the lane's channels, chunk j being
+// channels (j * WARP_SIZE + lane) * N + [0, N). The warps' partials are then added in shared memory in
+// warp order and written as partial_dw[b, c], partial_db[b, c]: the order of the two-kernel path's
+// column sums (thread row y of COL_ROWS adds rows y, y + COL_ROWS, ..., then the rows' sums in order), so
+// the bits are that path's, and the same every run. The registers bound the width: C at most
+// LAYERNORM_FUSED_CHUNKS * WARP_SIZE * N (1024 channels in bf16, 512 in fp32 on the vector path), which
+// the host checks (CudaBackend.layernorm_backward), taking the two-kernel path beyond it.
+constexpr int LAYERNORM_FUSED_CHUNKS = 4;
+static_assert(LAYERNORM_ROWS_PER_BLOCK == COL_ROWS, "the one-pass backward sums columns in the column sums' order");
+constexpr int LAYERNORM_FUSED_MAX_C = LAYERNORM_FUSED_CHUNKS * WARP_SIZE * VEC_X;
+
+template <int N>
+__device__ void layernorm_backward_fused_impl(float* block_dw, float* block_db, floatX* dinp, float* partial_dw,
+                                              float* partial_db, const floatX* dout, const floatX* inp,
+                                              const floatX* weight, const float* mean, const float* rstd,
+                                              long long rows, int C, int rows_per_split) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const long long r0 = (long long)blockIdx.x * rows_per_split;
+    const long long r1 = min(rows, r0 + rows_per_split);
+    float dw[LAYERNORM_FUSED_CHUNKS][N], db[LAYERNORM_FUSED_CHUNKS][N];
+#pragma unroll
+    for (int j = 0; j < LAYERNORM_FUSED_CHUNKS; ++j)
+#pragma unroll
+        for (int k = 0; k < N; ++k) dw[j][k] = db[j][k] = 0.0f;
+
+    for (long long row = r0 + warp; row < r1; row += LAYERNORM_ROWS_PER_BLOCK) {
+        const floatX* x = inp + row * C;
+        const floatX* dy = dout + row * C;
+        const float m = mean[row], r = rstd[row];
+        float sum_g = 0.0f, sum_gn = 0.0f;
+#pragma unroll
+        for (int j = 0; j < LAYERNORM_FUSED_CHUNKS; ++j) {
+            const int c = (j * WARP_SIZE + lane) * N;
+            if (c >= C) continue;
+            const Vec<floatX, N> xv = load_vec<N>(x + c);
+            const Vec<floatX, N> dv = load_vec<N>(dy + c);
+            const Vec<floatX, N> wv = load_vec<N>(weight + c);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                const float n = (to_float(xv[k]) - m) * r;
+                const float d = to_float(dv[k]);
+                const float g = d * to_float(wv[k]);
+                sum_g += g;
+                sum_gn += g * n;
+                db[j][k] += d;
+                dw[j][k] += d * n;
+            }
+        }
+        const float mean_g = warp_sum(sum_g) / C;
+        const float mean_gn = warp_sum(sum_gn) / C;
+        floatX* dx = dinp + row * C;
+#pragma unroll
+        for (int j = 0; j < LAYERNORM_FUSED_CHUNKS; ++j) {
+            const int c = (j * WARP_SIZE + lane) * N;
+            if (c >= C) continue;
+            const Vec<floatX, N> xv = load_vec<N>(x + c);
+            const Vec<floatX, N> dv = load_vec<N>(dy + c);
+            const Vec<floatX, N> wv = load_vec<N>(weight + c);
+            Vec<floatX, N> acc = load_vec<N>(dx + c);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                const float n = (to_float(xv[k]) - m) * r;
+                const float g = to_float(dv[k]) * to_float(wv[k]);
+                acc[k] = from_float<floatX>(to_float(acc[k]) + (g - mean_g - n * mean_gn) * r);
+            }
+            store_vec<N>(dx + c, acc);
+        }
+    }
+
+    // the warps' partials, added in warp order (a barrier between warps: no two add at once)
+    for (int w = 0; w < LAYERNORM_ROWS_PER_BLOCK; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int j = 0; j < LAYERNORM_FUSED_CHUNKS; ++j) {
+                const int c = (j * WARP_SIZE + lane) * N;
+                if (c >= C) continue;
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    block_dw[c + k] = w == 0 ? dw[j][k] : block_dw[c + k] + dw[j][k];
+                    block_db[c + k] = w == 0 ? db[j][k] : block_db[c + k] + db[j][k];
+                }
+            }
+        }
+        __syncthreads();
+    }
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        partial_dw[(long long)blockIdx.x * C + c] = block_dw[c];
+        partial_db[(long long)blockIdx.x * C + c] = block_db[c];
+    }
+}
+
+extern "C" __global__ void layernorm_backward_fused(floatX* dinp, float* partial_dw, float* partial_db,
+                                                    const floatX* dout, const floatX* inp, const floatX* weight,
+                                                    const float* mean, const float* rstd, long long rows, int C,
+                                                    int rows_per_split, int vec) {
+    // the block's sums of its warps' partials (declared here, once for both paths)
+    __shared__ float block_dw[LAYERNORM_FUSED_MAX_C];
+    __shared__ float block_db[LAYERNORM_FUSED_MAX_C];
+    if (vec) layernorm_backward_fused_impl<VEC_X>(block_dw, block_db, dinp, partial_dw, partial_db, dout, inp, weight,
+                                                  mean, rstd, rows, C, rows_per_split);
+    else layernorm_backward_fused_impl<1>(block_dw, block_db, dinp, partial_dw, partial_db, dout, inp, weight, mean,
+                                          rstd, rows, C, rows_per_split);
+}
+
 // Stage 1 of dweight += sum_rows dout * n and dbias += sum_rows dout (column sums, see common.cuh):
 // block (32, COL_ROWS) owns 32*N channels and rows [split * rows_per_split, +rows_per_split);
 // the normalised input n is recomputed from inp, mean and rstd rather than stored by forward.
 // Writes partial_dw[split, c] and partial_db[split, c].
-// A faster layout would fuse this into the input-gradient kernel (each warp keeping per-channel
-// partials for the rows it walks); kept apart here because it is simpler and already deterministic.
+// layernorm_backward_fused does this inside the input-gradient pass where the width fits its registers;
+// this is the path beyond that width.
 template <int N>
 __device__ void layernorm_backward_params_impl(float* partial_dw, float* partial_db, const floatX* dout,
                                                const floatX* inp, const float* mean, const float* rstd,

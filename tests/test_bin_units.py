@@ -374,6 +374,81 @@ def test_gpu_session_bench_summary_puts_every_runs_rows_together(tmp_path):
     assert (out.returncode, out.stdout) == (0, f"No bench_gpu rows under {tmp_path}: nothing to compare.\n")
 
 
+# ------------------------------------------------------------------------------- gpu_session: order, fail-soft
+def _stub_python(tmp_path, fail: str) -> dict:
+    """The environment of a GPU-script run whose every Python step is a stand-in that logs its arguments
+    (one line a call, in order) and exits 3, with a line on stderr, where they match the regex `fail`: the
+    scripts' own flow in a second, without a GPU or the simulator."""
+    import os
+
+    stub = tmp_path / "python"
+    stub.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> "$STUB_LOG"\n'
+                    'if printf "%s" "$*" | grep -qE "$STUB_FAIL"; then echo "refused: not on this machine" >&2; '
+                    'exit 3; fi\n')
+    stub.chmod(0o755)
+    env = dict(os.environ, PY=str(stub), STUB_LOG=str(tmp_path / "calls.txt"), STUB_FAIL=fail, XTRAIN_CUDASIM="1",
+               PACK_RESULTS="0")
+    for name in ("BENCH_GPU_RUNS", "BENCH_GPU_FROM", "BENCH_GEMM_ARGS", "BENCH_ATTENTION_ARGS", "ATTENTION_PATHS",
+                 "SWEEPS_AFTER", "CUDA_BUDGET"):
+        env.pop(name, None)
+    return env
+
+
+def _calls(tmp_path) -> list[str]:
+    return (tmp_path / "calls.txt").read_text().splitlines()
+
+
+def test_the_bench_half_times_the_headline_first_and_goes_on_past_a_failing_step(tmp_path):
+    """bin/gpu_session/bench.sh as shipped: bench_gpu run 1 first (gpt2-124m bf16 at 16 and 64 x 1024, ours on
+    every attention path, cuDNN's included, graphs on and off, both --matmul, against torch.compile's default
+    at the padded vocabulary), then bench_attention and bench_gemm's algorithm search, then the other runs in
+    order, max-autotune last; a failing step (here bench_attention, and run 1 itself) is a line of the summary
+    with its exit status and its last line, and every step after it still runs."""
+    import subprocess
+
+    env = _stub_python(tmp_path, "bin/bench_attention|--cuda-graphs on,off")
+    out = tmp_path / "bench"
+    run = subprocess.run(["bash", "bin/gpu_session/bench.sh"], cwd=BIN.parent, env=dict(env, OUT=str(out),
+                         BUDGET="5000"), capture_output=True, text=True, timeout=120)
+    steps = [c.split()[0] for c in _calls(tmp_path) if c.startswith("bin/")]
+    assert steps == ["bin/bench_gpu", "bin/bench_attention", "bin/bench_gemm", *["bin/bench_gpu"] * 7,
+                     "bin/gpu_session/bench_summary"], steps
+    gpu_runs = [c for c in _calls(tmp_path) if c.startswith("bin/bench_gpu")]
+    assert gpu_runs[0] == ("bin/bench_gpu --presets gpt2-124m --precisions bf16 --shapes 16x1024,64x1024 --attentions "
+                           "flash,cudnn,standard --cuda-graphs on,off --matmuls cublas,cublaslt --torch-modes "
+                           f"compile-default --torch-vocabs padded --out {out}/run1")
+    assert "--matmuls cublaslt --torch-modes=" in gpu_runs[1]  # ours again with the table the search wrote
+    assert all("compile-max-autotune" in c for c in gpu_runs[-3:]) and not any(
+        "compile-max-autotune" in c for c in gpu_runs[:-3])
+    assert [c for c in _calls(tmp_path) if c.startswith("bin/bench_gemm")] == [
+        f"bin/bench_gemm --preset gpt2-124m --tokens 8192 --precisions bf16 --search --out {out}"]
+    summary = (out / "bench_results.md").read_text()
+    assert ("- run 1: `bin/bench_gpu --presets gpt2-124m --precisions bf16 --shapes 16x1024,64x1024 --attentions "
+            "flash,cudnn,standard --cuda-graphs on,off --matmuls cublas,cublaslt --torch-modes compile-default "
+            "--torch-vocabs padded`: exit 3 (no results file; last line: refused: not on this machine)") in summary
+    assert "- `bin/bench_attention `: exit 3 (no results file; last line: refused: not on this machine)" in summary
+    assert "- `bin/bench_gemm --preset gpt2-124m --tokens 8192 --precisions bf16 --search`: exit 0 (no results " \
+        "file)" in summary, summary
+    assert "- run 8: `bin/bench_gpu" in summary and "`: exit 0 (no results file)" in summary
+    assert run.returncode == 1, run.stderr[-2000:]
+
+
+def test_the_gpu_script_runs_the_benchmarks_before_the_tests(tmp_path):
+    """bin/gpu_session.sh: the bench half (the headline its first step) before the cuda half's tests, which get
+    what the bench half leaves of BUDGET; both halves' exit statuses in session.txt."""
+    import subprocess
+
+    env = _stub_python(tmp_path, "^-m pytest -q -rs -p no:cacheprovider")
+    run = subprocess.run(["bash", "bin/gpu_session.sh"], cwd=BIN.parent, env=dict(env, OUT=str(tmp_path / "s"),
+                         BUDGET="5000"), capture_output=True, text=True, timeout=120)
+    calls = _calls(tmp_path)
+    first_test = next(i for i, c in enumerate(calls) if c.startswith("-m pytest"))
+    last_bench = max(i for i, c in enumerate(calls) if c.startswith(("bin/bench_", "bin/gpu_session/bench_summary")))
+    assert calls[1].startswith("-c import cupy") and calls[2].startswith("bin/bench_gpu --presets gpt2-124m"), calls
+    assert last_bench < first_test, calls
+    assert (tmp_path / "s" / "session.txt").read_text().startswith("## gpu_session.sh: cuda exit "), run.stdout[-2000:]
+
+
 # ------------------------------------------------------------------------------- gpu_session/summary
 def test_gpu_session_summary_reports_each_step(tmp_path):
     import subprocess

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
 from xtrain_dist.backend.cuda import attention as cuda_attention  # noqa: E402
 from xtrain_dist.backend.cuda import cublas, cublaslt, gemm  # noqa: E402
+from xtrain_dist.backend.cuda import ops as cuda_ops  # noqa: E402
 from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
 from xtrain_dist.config import model_config  # noqa: E402
 from xtrain_dist.model import GPT2  # noqa: E402
@@ -156,9 +157,20 @@ def test_residual_layernorm_forward_is_the_sum_then_the_layernorm(be, rng, shape
         check(be.to_host(g), exp, 1e-5, what)
 
 
-@pytest.mark.parametrize("shape", LN_SHAPES)
-def test_layernorm_backward_matches_and_is_deterministic(be, rng, shape):
+@pytest.mark.parametrize("shape", [*LN_SHAPES, (2, 33, 512)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_layernorm_backward_matches_and_is_deterministic(be, rng, monkeypatch, shape, fused):
+    """Both paths (all three gradients in one pass, layernorm_backward_fused, where the width fits its
+    registers; the input gradient and the column sums apart) against numpy, the gradients accumulated into
+    what they held, the same bits on a rerun. (2, 3, 768) in fp32 is beyond the one-pass width: the other
+    path either way; (2, 33, 512) fits it exactly, with more rows than one block's warps."""
+    monkeypatch.setattr(be, "fused_layernorm_backward", fused)
     c = shape[-1]
+    one_pass = fused and c <= cuda_ops.LAYERNORM_FUSED_CHUNKS * 32 * (be._vec_x if c % be._vec_x == 0 else 1)
+    assert one_pass == (fused and c != 768)
+    for kernel in (("layernorm_backward_input", "layernorm_backward_params") if one_pass
+                   else ("layernorm_backward_fused",)):
+        monkeypatch.setattr(be._k, kernel, None, raising=False)  # the path not taken: a call would fail
     x, dout, dinp0 = randn(rng, *shape), randn(rng, *shape), randn(rng, *shape)
     w, dw0, db0 = randn(rng, c), randn(rng, c), randn(rng, c)
     _, mean, rstd = ref.layernorm_forward(x, w, randn(rng, c))
@@ -172,6 +184,26 @@ def test_layernorm_backward_matches_and_is_deterministic(be, rng, shape):
     for got, exp, what in zip(runs[0], want, ("dinp", "dweight", "dbias"), strict=True):
         check(got, exp, 2e-5, what)
     assert all(np.array_equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
+
+
+@pytest.mark.parametrize("shape", [(B, T, C), (3, 1, 30), (2, 33, 512)])
+def test_the_one_pass_layernorm_backward_has_the_two_kernel_paths_bits(be, rng, monkeypatch, shape):
+    """layernorm_backward_fused adds each column in the two-kernel path's order (a warp per row lane of
+    the split, rows LAYERNORM_ROWS_PER_BLOCK = COL_ROWS apart, the lanes' sums in order, then the splits),
+    and computes dinp as layernorm_backward_input does: the same bits, not only the same values."""
+    assert cuda_ops.COLUMN_BLOCK[1] == cuda_ops.LAYERNORM_ROWS_PER_BLOCK
+    c = shape[-1]
+    x, dout, dinp0 = randn(rng, *shape), randn(rng, *shape), randn(rng, *shape)
+    w, dw0, db0 = randn(rng, c), randn(rng, c), randn(rng, c)
+    _, mean, rstd = ref.layernorm_forward(x, w, randn(rng, c))
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(be, "fused_layernorm_backward", fused)
+        grads = [be.from_host(a) for a in (dinp0, dw0, db0)]
+        be.layernorm_backward(*grads, *(be.from_host(a) for a in (dout, x, w, mean, rstd)))
+        runs.append([be.to_host(g) for g in grads])
+    for one, two, what in zip(*runs, ("dinp", "dweight", "dbias"), strict=True):
+        assert np.array_equal(one, two), what
 
 
 # ---------------------------------------------------------------------------- matmul
@@ -265,6 +297,159 @@ def test_the_mlp_products_with_gelu_match_their_twins(be, request, monkeypatch, 
         grads = {key[12] for key in backend._lt._plans if key[2:5] == (c, h, rows)}
         assert forward == ({EPILOGUES["gelu"], EPILOGUES["dgelu"]} if h % 8 == 0 else set()), forward
         assert grads == ({EPILOGUES["bgrad"]} if rows > 1 and backend.bias_grad_epilogue else set()), grads
+
+
+# ---------------------------------------------------------------------------- products by measured choice
+
+def _lt_backend(be):
+    """A --matmul cublaslt backend made now (so it reads the tuning table as it is now), `be`'s stream current
+    again after; the caller makes its stream current while it uses it."""
+    backend = CudaBackend(be.device, allow_tf32=be.allow_tf32, dtype=be.dtype, matmul="cublaslt")
+    be.stream.use()
+    return backend
+
+
+def _linear_products(backend, x, w, b, dout, dw, db):
+    """A linear layer's forward (the bias epilogue), its backward (two plain products: the weight gradient
+    accumulated, the input gradient) and the classifier's forward without a bias; host copies of the outputs."""
+    backend.stream.use()
+    out = backend.matmul_forward(*(backend.from_host(a) for a in (x, w, b)))
+    dinp = backend.matmul_backward(dw, db, backend.from_host(dout), backend.from_host(x), backend.from_host(w))
+    logits = backend.matmul_forward(backend.from_host(x), backend.from_host(w))
+    return [backend.to_host(a) for a in (out, dinp, dw, db, logits)]
+
+
+def test_a_tuning_table_chooses_each_products_algorithm_and_a_stale_entry_falls_back(be, rng, tmp_path,
+                                                                                      monkeypatch):
+    """The products section of the GPU's tuning table (gemm.product_choices, read when a --matmul cublaslt
+    backend starts): an entry, keyed by cublaslt.product_key, runs the algorithm it names where the heuristic
+    offers it (the last the heuristic offers, here), plain products included (they then go through cuBLASLt
+    rather than cublasGemmEx); an entry whose words the heuristic does not offer (another cuBLAS version's)
+    takes the heuristic's first and is counted as missed; no table is today's path. Same values every way."""
+    from xtrain_dist.backend.cuda import tuned
+    from xtrain_dist.backend.cuda.device import device_name
+
+    monkeypatch.setattr(tuned, "TUNED_DIR", tmp_path)
+    rows, ic, oc = 24, 32, 48
+    x, w, b, dout = randn(rng, rows, ic), randn(rng, ic, oc, scale=0.1), randn(rng, oc), randn(rng, rows, oc)
+    dw0, db0 = randn(rng, ic, oc), randn(rng, oc)
+    want_out = ref.matmul_forward(x, w, b)
+    want_dw, want_db = dw0.copy(), db0.copy()
+    want_dinp = ref.matmul_backward(want_dw, want_db, dout, x, w)
+
+    def run(backend):
+        dw, db = backend.from_host(dw0), backend.from_host(db0)
+        got = _linear_products(backend, x, w, b, dout, dw, db)
+        be.stream.use()
+        for value, want, what in zip(got, (want_out, want_dinp, want_dw, want_db, ref.matmul_forward(x, w)),
+                                     ("out", "dinp", "dweight", "dbias", "logits"), strict=True):
+            check(value, want, 1e-5, what)
+        return got
+
+    plain = _lt_backend(be)  # no table: no choices, the plain products on cublasGemmEx
+    assert plain._lt.choices == {}
+    baseline = run(plain)
+    assert {key[12] for key in plain._lt._plans} == {cublaslt.CUBLASLT_EPILOGUE_BIAS}
+
+    recorder = _lt_backend(be)  # what the search sees: every product, each with the heuristic's candidates
+    recorder._lt.record()
+    run(recorder)
+    offered = {cublaslt.product_key(*key[:-1]): recorder._lt.candidates(key) for key in recorder._lt.recorded}
+    epilogues = sorted(key.split()[-2 if "BIAS" in key else -1] for key in offered)
+    assert epilogues == ["BIAS", "DEFAULT", "DEFAULT", "DEFAULT"], offered  # forward, dweight, dinp, logits
+    chosen = {key: len(algos) - 1 for key, algos in offered.items()}
+    entries = {key: {"algo": cublaslt.algo_words(offered[key][rank]), "rank": rank} for key, rank in chosen.items()}
+    stale = sorted(offered)[0]
+    entries[stale] = {"algo": ["0x7"] * 8, "rank": 0}
+    tuned.write_section(device_name(be.device), "products", entries, {"command": "test"})
+
+    tuned_backend = _lt_backend(be)
+    ranks = getattr(tuned_backend._lt._lib, "ranks_run", None)  # the simulator's stand-in says which ran
+    before = len(ranks or ())
+    got = run(tuned_backend)
+    assert tuned_backend._lt.choices_missed == {stale}
+    assert tuned_backend._lt.choices_used == set(offered) - {stale}
+    # the plain products the table names run through cuBLASLt now, each with its entry's algorithm
+    algos = {cublaslt.product_key(*key[:-1]): tuple(plan[4].data) for key, plan in tuned_backend._lt._plans.items()}
+    for key in offered:
+        want = offered[key][0] if key == stale else offered[key][chosen[key]]
+        assert algos[key] == tuple(want.data), key
+    if ranks is not None:
+        assert sorted(ranks[before:]) == sorted(0 if key == stale else chosen[key] for key in offered), ranks
+    for a, c in zip(got, baseline, strict=True):  # another algorithm: float32 sums in another order at most
+        check(a, c, 1e-5, "tuned against untuned")
+
+
+def test_a_damaged_product_entry_stops_the_backend_with_one_line(be, tmp_path, monkeypatch):
+    from xtrain_dist.backend.cuda import tuned
+    from xtrain_dist.backend.cuda.device import device_name
+    from xtrain_dist.errors import XtrainError
+
+    monkeypatch.setattr(tuned, "TUNED_DIR", tmp_path)
+    path = tuned.write_section(device_name(be.device), "products", {"NN 8x8x8": {"rank": 2}}, {})
+    with pytest.raises(XtrainError, match=rf"^tuning table '{re.escape(str(path))}': product 'NN 8x8x8' has no "
+                                          r"algorithm of 8 hexadecimal words \(got None\)$"):
+        _lt_backend(be)
+    be.stream.use()
+
+
+def test_the_search_keeps_the_fastest_algorithm_of_each_product_fail_soft(be, rng):
+    """cublaslt.search, what bin/bench_gemm --search runs: every recorded product's candidates timed on its
+    recorded operands (here by a stand-in clock giving each candidate a time of its own), the fastest kept
+    with its words and rank; an algorithm that refuses to run is passed over, and a product whose search
+    fails is listed with why while the others are searched. Each candidate's product is right."""
+    from xtrain_dist.errors import XtrainError
+
+    backend = _lt_backend(be)
+    backend._lt.record()
+    rows, ic, oc = 24, 32, 48
+    x, w, b, dout = randn(rng, rows, ic), randn(rng, ic, oc, scale=0.1), randn(rng, oc), randn(rng, rows, oc)
+    dw, db = backend.from_host(randn(rng, ic, oc)), backend.from_host(randn(rng, oc))
+    backend.stream.use()
+    operands = [backend.from_host(a) for a in (x, w, b, dout)]  # alive until the search has run on them
+    out = backend.matmul_forward(*operands[:3])
+    backend.matmul_backward(dw, db, operands[3], operands[0], operands[1])
+    keys = {cublaslt.product_key(*key[:-1]): key for key in backend._lt.recorded}
+    forward = next(name for name in keys if " BIAS " in name)
+    failing = next(name for name in keys if name.startswith("TN"))  # the input gradient (dinp = dout W^T)
+    counts = {name: len(backend._lt.candidates(key)) for name, key in keys.items()}
+    # the stand-in clock: candidate i of a product of n takes 1 + (3 i + 1) mod n ms, so the fastest is the one
+    # with 3 i + 1 = 0 mod n where n is prime to 3; the forward's candidate 0 refuses to run
+    times, calls = {}, []
+
+    def time_call(call):
+        name = next(n for n, key in keys.items() if key is current[0])
+        i = times.setdefault(name, 0)
+        times[name] += 1
+        if name == forward and i == 0:
+            raise XtrainError("cuBLASLt: cublasLtMatmul failed: CUBLAS_STATUS_NOT_SUPPORTED")
+        call()
+        calls.append(name)
+        return 1.0 + (3 * i + 1) % counts[name]
+
+    current = [None]
+    real_candidates = backend._lt.candidates
+
+    def candidates(key):
+        current[0] = key
+        if cublaslt.product_key(*key[:-1]) == failing:
+            raise RuntimeError("no candidates today")
+        return real_candidates(key)
+
+    backend._lt.candidates = candidates
+    entries, failures = cublaslt.search(backend._lt, time_call)
+    backend.synchronize()
+    be.stream.use()
+    assert failures == {failing: "RuntimeError: no candidates today"}
+    assert set(entries) == set(keys) - {failing}
+    for name, entry in entries.items():
+        n = counts[name]
+        fastest = min((i for i in range(n) if not (name == forward and i == 0)), key=lambda i: (3 * i + 1) % n)
+        assert (entry["rank"], entry["ms"], entry["tried"]) == (fastest, 1.0 + (3 * fastest + 1) % n,
+                                                                n - (name == forward)), (name, entry)
+        assert entry["algo"] == cublaslt.algo_words(real_candidates(keys[name])[fastest])
+        assert entry["first_ms"] == (None if name == forward else 2.0)
+    check(backend.to_host(out), ref.matmul_forward(x, w, b), 1e-5, "the forward after every candidate ran")
 
 
 def test_reading_back_a_strided_view_leaves_the_current_stream_alone(be, rng):

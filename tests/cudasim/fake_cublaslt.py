@@ -8,7 +8,9 @@ is imported, not now: the checkout's xtrain_dist may not be on the path yet). Th
 - Attributes are read from the bytes the caller passes, and a size other than the one cublasLt.h gives
   the attribute is CUBLAS_STATUS_INVALID_VALUE, as the real library answers (tests/test_cublaslt.py
   checks the sizes against it).
-- The heuristic refuses an A of one row or column, as the library has.
+- The heuristic refuses an A of one row or column, as the library has; otherwise it offers ALGORITHMS
+  algorithms (or as many as asked for), their rank in word 6, and each product records the rank it ran
+  (`ranks_run`), so that a test sees which one a tuning table chose.
 - cublasLtMatmul checks that the layouts agree with the operation (op(A) rows x k, op(B) k x cols, D rows
   x cols), that the algorithm came from the heuristic, that the pointers are as aligned as the preference
   promised (the bias and the aux matrix as D), the workspace as large, and that it runs on the current
@@ -50,6 +52,7 @@ GELU_SCALE, GELU_CUBIC = np.float32(np.sqrt(2.0 / np.pi)), np.float32(0.044715)
 DESC_SIZES = {0: 4, 1: 4, 3: 4, 4: 4, 7: 4, 8: 8, 11: 8, 12: 8, 22: 4, 26: 4}
 PREF_SIZES = {1: 8, 5: 4, 6: 4, 7: 4, 8: 4}
 ALGO_MARK = 0x5EED
+ALGORITHMS = 4  # how many algorithms the heuristic offers for any product (at most as many as asked for)
 
 
 class FakeCublasLt:
@@ -58,6 +61,7 @@ class FakeCublasLt:
     def __init__(self):
         self._objects: dict[int, dict] = {}
         self._handles = itertools.count(0x1000, 0x10)
+        self.ranks_run: list[int] = []  # the heuristic rank of each product's algorithm, in call order
 
     def _new(self, out_ref, **fields) -> int:
         handle = next(self._handles)
@@ -111,11 +115,15 @@ class FakeCublasLt:
         layout_a = self._get(Adesc)
         if 1 in (layout_a["rows"], layout_a["cols"]):
             return INVALID_VALUE
-        result = heuristicResultsArray._obj
-        result.algo.data[0], result.algo.data[1] = ALGO_MARK, self._get(preference)["attributes"][1]
-        result.algo.data[2:6] = [self._get(preference)["attributes"][i] for i in (5, 6, 7, 8)]
-        result.workspaceSize, result.state = 0, SUCCESS
-        returnAlgoCount._obj.value = 1
+        # ALGORITHMS of them, best-estimated first, each marked with its rank (word 6)
+        offered = min(requestedAlgoCount, ALGORITHMS)
+        for rank in range(offered):
+            result = heuristicResultsArray[rank]
+            result.algo.data[0], result.algo.data[1] = ALGO_MARK, self._get(preference)["attributes"][1]
+            result.algo.data[2:6] = [self._get(preference)["attributes"][i] for i in (5, 6, 7, 8)]
+            result.algo.data[6] = rank
+            result.workspaceSize, result.state = 0, SUCCESS
+        returnAlgoCount._obj.value = offered
         return SUCCESS
 
     def cublasLtMatmul(self, lightHandle, computeDesc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo,
@@ -132,8 +140,9 @@ class FakeCublasLt:
             return INVALID_VALUE
         if lc != ld or C != D or la["type"] != lb["type"]:
             return NOT_SUPPORTED
-        if chosen.data[0] != ALGO_MARK or workspaceSizeInBytes < chosen.data[1]:
+        if chosen.data[0] != ALGO_MARK or chosen.data[6] >= ALGORITHMS or workspaceSizeInBytes < chosen.data[1]:
             return INVALID_VALUE
+        self.ranks_run.append(chosen.data[6])
         for pointer, promised in zip((A, B, C, D), chosen.data[2:6], strict=True):
             if pointer % promised:
                 return NOT_SUPPORTED  # the algorithm was chosen for an alignment this pointer lacks

@@ -35,6 +35,22 @@ worth the dependency where its per-call cost is no more than ctypes' (a few micr
 bin/bench_gemm --lt-bindings times both on a GPU (the call alone, plans cached, the product 64 x 64 x 64
 so that the GPU keeps up); until that is measured, ctypes stays: it needs
 no dependency, and the header tests keep its copies honest.
+
+Algorithms by measured choice. The heuristic ranks algorithms by an estimate; the first is not always
+the fastest (an H200 ran attn.c_proj's 8192 x 768 x 768 bf16 forward at 0.65x PyTorch's, 2026-11-26).
+`bin/bench_gemm --search` asks the heuristic for its top SEARCH_COUNT algorithms for every product the
+step runs, times each, and keeps the fastest in the GPU's tuning table (tuned.py, section "products"),
+one entry per `product_key`: the operand ops, sizes, types, leading dimensions, compute type and
+epilogue, which is everything the heuristic is asked with except the pointers' alignment. An LtMatmul
+given those entries (`choices`) asks the heuristic for SEARCH_COUNT algorithms wherever it has an entry,
+and runs the one whose cublasLtMatmulAlgo_t words equal the entry's; with no entry it asks for one, as
+before. An entry is stored as the algorithm's 8 words and is used only where the heuristic offers those
+same words for the very plan being made, so it survives a cuBLAS or driver update safely: the words are
+opaque and their meaning may change between versions, and a rank alone would silently name whatever
+the new version ranks there; checked against what the running library offers, an entry from another
+version (or another alignment of the operands) is simply not found, and the product takes the
+heuristic's first, counted in `choices_missed`. (cublasLtMatmulAlgoCheck would accept words the
+heuristic never offered for this plan; being offered is the stronger check.)
 """
 
 from __future__ import annotations
@@ -68,6 +84,10 @@ CUBLASLT_EPILOGUE_BIAS = 4            # + bias (D's rows long), broadcast along 
 CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 164  # aux = + bias; D = gelu(+ bias) (tanh approximation)
 CUBLASLT_EPILOGUE_DGELU = 192         # D = product * gelu'(aux)
 CUBLASLT_EPILOGUE_BGRADA = 256        # bias gradient = sum of op(A) over k (D's rows long), written to the bias pointer
+# the epilogues' names in a tuning table's keys (cublasLt.h's, without the prefix)
+EPILOGUE_KEYS = {CUBLASLT_EPILOGUE_DEFAULT: "DEFAULT", CUBLASLT_EPILOGUE_BIAS: "BIAS",
+                 CUBLASLT_EPILOGUE_GELU_AUX_BIAS: "GELU_AUX_BIAS", CUBLASLT_EPILOGUE_DGELU: "DGELU",
+                 CUBLASLT_EPILOGUE_BGRADA: "BGRADA"}
 EPILOGUE_NAMES = {CUBLASLT_EPILOGUE_DEFAULT: "no", CUBLASLT_EPILOGUE_BIAS: "a bias",
                   CUBLASLT_EPILOGUE_GELU_AUX_BIAS: "a bias + GELU", CUBLASLT_EPILOGUE_DGELU: "a GELU-gradient",
                   CUBLASLT_EPILOGUE_BGRADA: "a bias-gradient"}
@@ -90,6 +110,11 @@ PREF_ATTRIBUTE_TYPES = {CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: ctypes.c_uint6
 # As llm.c: Hopper's fastest kernels want up to 32 MiB (split-K and stream-K partial sums)
 WORKSPACE_BYTES = 32 << 20
 MAX_ALIGNMENT = 256  # the alignment the heuristic assumes unless told less (cublasLt.h: MIN_ALIGNMENT_*)
+# how many of the heuristic's algorithms bin/bench_gemm --search times per product, and a tuned plan asks for
+SEARCH_COUNT = 8
+# cudaDataType values (library_types.h) as a key spells them; cublasComputeType_t likewise (cublas_api.h)
+TYPE_KEYS = {0: "f32", 14: "bf16"}
+COMPUTE_KEYS = {68: "32F", 77: "32F_FAST_TF32"}
 
 
 class MatmulAlgo(ctypes.Structure):
@@ -183,15 +208,55 @@ def alignment(pointer: int) -> int:
     return min(pointer & -pointer, MAX_ALIGNMENT) if pointer else MAX_ALIGNMENT
 
 
+def product_key(op_a: int, op_b: int, rows: int, cols: int, k: int, a_type: int, ld_a: int, ld_b: int, d_type: int,
+                ld_d: int, bias_type: int, compute: int, epilogue: int, ld_aux: int) -> str:
+    """A product's entry name in a tuning table: what the heuristic is asked with but the alignment, in
+    cuBLAS's column-major terms, e.g. 'NN 2304x8192x768 bf16>bf16 ld 2304,768,2304 compute 32F BIAS bf16'
+    (rows x cols x k; a bias's type, an aux matrix's leading dimension where the epilogue has them)."""
+    types = f"{TYPE_KEYS.get(a_type, a_type)}>{TYPE_KEYS.get(d_type, d_type)}"
+    key = (f"{'NT'[op_a]}{'NT'[op_b]} {rows}x{cols}x{k} {types} "
+           f"ld {ld_a},{ld_b},{ld_d} compute {COMPUTE_KEYS.get(compute, compute)} {EPILOGUE_KEYS[epilogue]}")
+    if epilogue in BIAS_EPILOGUES:
+        key += f" {TYPE_KEYS.get(bias_type, bias_type)}"
+    if epilogue in AUX_EPILOGUES:
+        key += f" aux ld {ld_aux}"
+    return key
+
+
+def algo_words(algo: MatmulAlgo) -> list[str]:
+    """An algorithm's 8 words as a table keeps them (hexadecimal strings: JSON readers need not hold 64 bits)."""
+    return [f"{word:#x}" for word in algo.data]
+
+
+def check_choices(choices: dict, where: str) -> dict[str, tuple[int, ...]]:
+    """A tuning table's "products" section as {product_key: the algorithm's 8 words}; an entry without 8
+    hexadecimal words is one line naming it (`where`: the table), never a silent default."""
+    checked = {}
+    for key, entry in choices.items():
+        words = entry.get("algo") if isinstance(entry, dict) else None
+        try:
+            if not isinstance(words, list) or len(words) != 8:
+                raise ValueError
+            checked[key] = tuple(int(word, 16) for word in words)
+        except (TypeError, ValueError):
+            raise XtrainError(f"tuning table '{where}': product {key!r} has no algorithm of 8 hexadecimal words "
+                              f"(got {words!r})") from None
+    return checked
+
+
 class LtMatmul:
     """D = epilogue(op(A) op(B) + beta D) on a stream, in cuBLAS's column-major terms: A is rows x k after op,
     B k x cols, D rows x cols, each with a leading dimension. The epilogue (EPILOGUE_NAMES) acts on the
     float32 accumulator before D's one rounding: + bias (`rows` elements, broadcast along D's columns), that
     then GELU with the pre-GELU sum written to `aux`, times GELU's derivative at `aux`, or the bias gradient
     (the sum of op(A) over k, `rows` elements) written to `bias`. Made on the rank's thread, with the rank's
-    device current: the handle and workspace belong to that device."""
+    device current: the handle and workspace belong to that device.
 
-    def __init__(self, cupy, library=None, workspace_bytes: int = WORKSPACE_BYTES):
+    choices: {product_key: the algorithm's 8 words} (check_choices), the measured fastest of each product
+    (the module's docstring). `record()` makes it keep every product it runs from then on, with its
+    operands, for bin/bench_gemm --search to time the heuristic's candidates on (gemm_search.py)."""
+
+    def __init__(self, cupy, library=None, workspace_bytes: int = WORKSPACE_BYTES, choices: dict | None = None):
         self._lib = library if library is not None else load_library()
         self._handle = _P()
         check(self._lib, "cublasLtCreate", ctypes.byref(self._handle))
@@ -199,6 +264,28 @@ class LtMatmul:
         self._workspace_bytes = workspace_bytes
         self._plans: dict[tuple, tuple] = {}
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.choices = dict(choices or {})
+        # the product keys whose plan found its table entry among the heuristic's algorithms, and those that
+        # did not (a table of another cuBLAS version, or operands less aligned than when it was measured)
+        self.choices_used: set[str] = set()
+        self.choices_missed: set[str] = set()
+        self.recorded: dict[tuple, tuple] | None = None  # plan key -> the last call's operands, while recording
+        self._kept: dict[tuple, tuple] = {}  # plan key -> the arrays behind those operands (matmul's keep)
+
+    def record(self) -> None:
+        """From now on keep each product's plan key and operands (the last call's), for the search; what an
+        earlier record() kept is let go."""
+        self.recorded, self._kept = {}, {}
+
+    def stop_recording(self) -> None:
+        self.recorded, self._kept = None, {}
+
+    def takes(self, op_a: int, op_b: int, rows: int, cols: int, k: int, a_type: int, ld_a: int, ld_b: int,
+              d_type: int, ld_d: int, compute: int) -> bool:
+        """Whether a product without an epilogue should run here rather than through cublasGemmEx: where the
+        table has measured an algorithm for it, or while recording (so that the search sees it)."""
+        return self.recorded is not None or product_key(op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d,
+                                                        -1, compute, CUBLASLT_EPILOGUE_DEFAULT, 0) in self.choices
 
     def matmul_bias(self, op_a: int, op_b: int, rows: int, cols: int, k: int,
                     a: int, a_type: int, ld_a: int, b: int, ld_b: int,
@@ -210,9 +297,11 @@ class LtMatmul:
     def matmul(self, op_a: int, op_b: int, rows: int, cols: int, k: int, a: int, a_type: int, ld_a: int,
                b: int, ld_b: int, d: int, d_type: int, ld_d: int, compute: int, stream: int,
                epilogue: int = CUBLASLT_EPILOGUE_DEFAULT, bias: int = 0, bias_type: int = -1, aux: int = 0,
-               ld_aux: int = 0, accumulate: bool = False) -> None:
+               ld_aux: int = 0, accumulate: bool = False, keep: tuple = ()) -> None:
         """Enqueue D = epilogue(op(A) op(B) [+ D if accumulate]) on `stream` (device addresses; A and B share
-        a_type; the aux matrix, where the epilogue has one, has D's type and rows and ld_aux)."""
+        a_type; the aux matrix, where the epilogue has one, has D's type and rows and ld_aux). keep: the
+        arrays behind the pointers, held while recording so that the search's reruns write into live memory
+        (an output or a scratch vector the caller has dropped would otherwise be freed, or reused)."""
         # C is D (beta = 0 never reads it). The preferences have no entry for the bias or the aux matrix, and
         # an algorithm's vector loads may need them as aligned as D: D's entry is the smallest of the
         # alignments, so that the algorithm chosen suits them too (PyTorch's addmm tells the heuristic the
@@ -226,7 +315,16 @@ class LtMatmul:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(key, bias, aux)
-        desc, layout_a, layout_b, layout_d, algo = plan
+        operands = (a, b, d, bias, aux, accumulate, stream)
+        if self.recorded is not None:
+            self.recorded[key] = operands
+            self._kept[key] = keep
+        self._run(plan, operands, plan[4])
+
+    def _run(self, plan: tuple, operands: tuple, algo: MatmulAlgo) -> None:
+        desc, layout_a, layout_b, layout_d = plan[:4]
+        a, b, d, bias, aux, accumulate, stream = operands
+        epilogue = plan[5]
         # the bias and aux pointers change from call to call (each layer's own); the plan was made for their
         # alignment
         if epilogue in BIAS_EPILOGUES:
@@ -239,8 +337,18 @@ class LtMatmul:
               ctypes.byref(beta), d, layout_d, d, layout_d, ctypes.byref(algo), self._workspace.data.ptr,
               self._workspace_bytes, stream)
 
+    def candidates(self, key: tuple) -> list[MatmulAlgo]:
+        """The heuristic's algorithms for a recorded product, best-estimated first (up to SEARCH_COUNT)."""
+        return self._plans[key][6]
+
+    def run_with(self, key: tuple, algo: MatmulAlgo) -> None:
+        """The recorded product `key` again, on its recorded operands and stream, with `algo`."""
+        self._run(self._plans[key], self.recorded[key], algo)
+
     def _plan(self, key: tuple, bias: int, aux: int) -> tuple:
-        """The descriptors for one shape, epilogue and alignment, and the algorithm the heuristic ranks first."""
+        """The descriptors for one shape, epilogue and alignment, and the algorithm to run: the table's where
+        the heuristic offers it, else the heuristic's first. Returns (desc, layouts A, B, D, the algorithm, the
+        epilogue, the heuristic's algorithms)."""
         op_a, op_b, rows, cols, k, a_type, ld_a, ld_b, d_type, ld_d, bias_type, compute, epilogue, ld_aux, aligned = key
         lib = self._lib
         desc = _P()
@@ -270,12 +378,52 @@ class LtMatmul:
         for i, value in enumerate(aligned):  # A, B, C, D
             set_attribute(lib, "cublasLtMatmulPreferenceSetAttribute", preference,
                           CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES + i, value)
-        result, found = HeuristicResult(), ctypes.c_int(0)
+        name = product_key(*key[:-1])
+        chosen = self.choices.get(name)
+        # one algorithm unless there is a choice to find among them, or a search to come
+        count = SEARCH_COUNT if chosen is not None or self.recorded is not None else 1
+        results, found = (HeuristicResult * count)(), ctypes.c_int(0)
         layout_a, layout_b, layout_d = layouts
         check(lib, "cublasLtMatmulAlgoGetHeuristic", self._handle, desc, layout_a, layout_b, layout_d, layout_d,
-              preference, 1, ctypes.byref(result), ctypes.byref(found))
-        if found.value < 1 or result.state != CUBLAS_STATUS_SUCCESS:
+              preference, count, results, ctypes.byref(found))
+        offered = [r.algo for r in results[:found.value] if r.state == CUBLAS_STATUS_SUCCESS]
+        if not offered:
             raise XtrainError(f"cuBLASLt has no algorithm for a {rows} x {k} x {cols} product with "
                               f"{EPILOGUE_NAMES[epilogue]} epilogue (types {a_type} -> {d_type}, compute {compute}); "
                               "run without --matmul cublaslt")
-        return desc, layout_a, layout_b, layout_d, result.algo
+        algo = offered[0]
+        if chosen is not None:
+            match = [a for a in offered if tuple(a.data) == chosen]
+            (self.choices_used if match else self.choices_missed).add(name)
+            algo = match[0] if match else algo
+        return desc, layout_a, layout_b, layout_d, algo, epilogue, offered
+
+
+def search(lt: LtMatmul, time_call, done: set[str] = frozenset()) -> tuple[dict, dict]:
+    """Time the heuristic's algorithms for every product `lt` has recorded since record() (their operands
+    still alive), each run on its recorded operands: time_call(call) -> ms of call() (a mean over repeats,
+    bin/bench_gemm's). Returns (entries, failures), both by product_key: entries as the tuning table keeps
+    them (the fastest algorithm's words, its heuristic rank, its ms and the heuristic first's); a product
+    whose search failed is in failures with why, and the next product is searched all the same. An
+    algorithm the library offers but refuses to run is passed over; keys in `done` are not searched again."""
+    entries, failures = {}, {}
+    for key in list(lt.recorded or {}):
+        name = product_key(*key[:-1])
+        if name in done or name in entries or name in failures:
+            continue
+        try:
+            timed, refused = [], []
+            for rank, algo in enumerate(lt.candidates(key)):
+                try:
+                    timed.append((time_call(lambda key=key, algo=algo: lt.run_with(key, algo)), rank, algo))
+                except XtrainError as e:
+                    refused.append(f"rank {rank}: {e}")
+            if not timed:
+                raise XtrainError("no algorithm of the heuristic's ran (" + "; ".join(refused) + ")")
+            ms, rank, algo = min(timed, key=lambda t: (t[0], t[1]))  # a tie goes to the heuristic's order
+            first = [t[0] for t in timed if t[1] == 0]
+            entries[name] = {"algo": algo_words(algo), "rank": rank, "ms": ms,
+                             "first_ms": first[0] if first else None, "tried": len(timed)}
+        except Exception as e:  # fail-soft: this product keeps the heuristic's first, the search goes on
+            failures[name] = f"{type(e).__name__}: {e}"
+    return entries, failures

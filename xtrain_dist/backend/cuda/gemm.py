@@ -5,6 +5,13 @@ stream, and the plans that hand row-major arrays and their transposed views to a
 The products are methods of CudaBackend (CublasProducts is a mixin of it): they run on the rank's
 stream and are checked against it like its kernels, take their types from the backend's precision and
 its TF32 choice, and the cuBLASLt handle and workspace they use are the rank's own.
+
+Under --matmul cublaslt the backend reads the GPU's tuning table at start-up (tuned.py, section
+"products", written by bin/bench_gemm --search: cublaslt.py says how an entry is kept and checked). Its
+entries choose the algorithm of every cuBLASLt product they name, and a product without an epilogue
+that the table names (a forward without a bias, an input or weight gradient) runs through cuBLASLt with
+that algorithm instead of through cublasGemmEx, which cannot be told one (its algo argument is ignored
+since Ampere). No table, or no entry, is today's path: cublasGemmEx, or the heuristic's first.
 """
 
 from __future__ import annotations
@@ -13,8 +20,8 @@ import weakref
 
 import numpy as np
 
-from . import cublas, cublaslt
-from .device import cupy
+from . import cublas, cublaslt, tuned
+from .device import cupy, device_name
 
 CUDA_R_16BF = 14  # cudaDataType_t, library_types.h (CUDA_R_32F is 0)
 
@@ -34,8 +41,8 @@ class CublasProducts:
         weakref.finalize(self, _destroy_handles, self._cublas).atexit = False
         self._new_cublas_handle(cupy.cuda.get_current_stream())
         self._lt = None
-        if matmul == "cublaslt":
-            self._lt = cublaslt.LtMatmul(cupy)  # this device's handle and workspace, made on the rank's thread
+        if matmul == "cublaslt":  # this device's handle and workspace, made on the rank's thread
+            self._lt = cublaslt.LtMatmul(cupy, choices=product_choices(device_name(self.device)))
 
     def _new_cublas_handle(self, stream, workspace_bytes: int = cublas.WORKSPACE_BYTES) -> None:
         """A cuBLAS handle for `stream` (the rank's, or a side thread's), pointed at it once, here, before
@@ -62,6 +69,13 @@ class CublasProducts:
                             "the product to bf16 before it adds C")
         first, second, op1, op2, rows, cols, k, ld1, ld2, ldc = _gemm_plan(a, b, out)
         ab_type, c_type, compute = self._types(a, b, out)
+        if (self._lt is not None and alpha == 1.0 and beta in (0.0, 1.0) and min(rows, cols, k) > 1
+                and self._lt.takes(op1, op2, rows, cols, k, ab_type, ld1, ld2, c_type, ldc, compute)):
+            # the tuning table's algorithm (gemm.py's docstring); cuBLASLt's heuristic refuses an A of one row
+            self._lt.matmul(op1, op2, rows, cols, k, first.data.ptr, ab_type, ld1, second.data.ptr, ld2,
+                            out.data.ptr, c_type, ldc, compute, cupy.cuda.get_current_stream().ptr,
+                            accumulate=beta == 1.0, keep=(first, second, out))
+            return
         self._handle().gemm(op1, op2, rows, cols, k, alpha, first.data.ptr, ab_type, ld1, second.data.ptr, ab_type,
                             ld2, beta, out.data.ptr, c_type, ldc, compute)
 
@@ -94,7 +108,8 @@ class CublasProducts:
         ab_type, c_type, compute = self._types(a, b, out)
         self._lt.matmul(op1, op2, rows, cols, k, first.data.ptr, ab_type, ld1, second.data.ptr, ld2,
                         out.data.ptr, c_type, ldc, compute, cupy.cuda.get_current_stream().ptr, epilogue,
-                        bias=bias_ptr, bias_type=bias_type, aux=aux_ptr, ld_aux=ld_aux, accumulate=accumulate)
+                        bias=bias_ptr, bias_type=bias_type, aux=aux_ptr, ld_aux=ld_aux, accumulate=accumulate,
+                        keep=(first, second, out, bias, aux))
 
     def _gemm_batched(self, a, b, out, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0) -> None:
         """out[i] = alpha * op(a[i]) @ op(b[i]) for (batch, rows, cols) arrays with contiguous rows (C-contiguous,
@@ -113,6 +128,12 @@ class CublasProducts:
 
 
 # ---------------------------------------------------------------------------- handles and operand layouts
+
+def product_choices(gpu: str, folder=None) -> dict[str, tuple[int, ...]]:
+    """This GPU model's measured product algorithms ({product_key: 8 words}; {} where none were measured);
+    a table that cannot be read, or an entry without an algorithm, is one line naming the file."""
+    return cublaslt.check_choices(tuned.load_section(gpu, "products", folder), str(tuned.table_path(gpu, folder)))
+
 
 def _destroy_handles(handles: dict) -> None:
     """The backend's cuBLAS handles, once it is gone."""

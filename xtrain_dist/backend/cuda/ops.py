@@ -32,6 +32,7 @@ ACT_DTYPES: dict[str, np.dtype] = {"fp32": np.dtype(np.float32), "bf16": np.dtyp
 # are in attention.py).
 LAYERNORM_ROWS_PER_BLOCK = kernel_constant("layernorm", "LAYERNORM_ROWS_PER_BLOCK")
 LAYERNORM_BLOCK = kernel_constant("layernorm", "LAYERNORM_BLOCK")
+LAYERNORM_FUSED_CHUNKS = kernel_constant("layernorm", "LAYERNORM_FUSED_CHUNKS")
 CLASSIFIER_BLOCK = kernel_constant("classifier", "CLASSIFIER_BLOCK")
 NORM_BLOCK = kernel_constant("global_norm", "NORM_BLOCK")
 NORM_MAX_BLOCKS = kernel_constant("global_norm", "NORM_MAX_BLOCKS")
@@ -88,6 +89,10 @@ class CudaBackend(AttentionOps, CublasProducts):
         # since on an H200 (bin/bench_gemm, 2026-11-26) it saved nothing in bf16 and fp32, and c_attn's came to
         # 5.0 ms against 0.13 ms without it; bench_gemm's "backward bgrad lt" rows time it with this set
         self.bias_grad_epilogue = False
+        # layernorm's three gradients in one pass (layernorm_backward_fused) where the width allows; off: the
+        # input gradient and the parameters' column sums in kernels of their own, as before (not yet timed
+        # on a GPU against each other: bin/bench_gpu's profile, layernorm_backward's row, says which is faster)
+        self.fused_layernorm_backward = True
 
     # ------------------------------------------------------------------ host/device plumbing
     def to_host(self, a) -> np.ndarray:
@@ -264,16 +269,24 @@ class CudaBackend(AttentionOps, CublasProducts):
         C = inp.shape[-1]
         rows = inp.size // C
         vec = _vec(self._vec_x, dinp, dout, inp, weight, row=C)
-        self._launch(self._k.layernorm_backward_input, (_cdiv(rows, LAYERNORM_ROWS_PER_BLOCK),), (LAYERNORM_BLOCK,),
-                     dinp, dout, inp, weight, mean, rstd, np.int64(rows), np.int32(C), np.int32(vec))
         splits, rows_per_split = _column_splits(rows)
         partial_dw = cupy.empty((splits, C), dtype=cupy.float32)
         partial_db = cupy.empty((splits, C), dtype=cupy.float32)
-        vec = _vec(self._vec_x, dout, inp, partial_dw, partial_db, row=C)
-        width = self._vec_x if vec else 1
-        self._launch(self._k.layernorm_backward_params, (_cdiv(C, COLUMN_BLOCK[0] * width), splits), COLUMN_BLOCK,
-                     partial_dw, partial_db, dout, inp, mean, rstd, np.int64(rows), np.int32(C),
-                     np.int32(rows_per_split), np.int32(vec))
+        widest = LAYERNORM_FUSED_CHUNKS * COLUMN_BLOCK[0] * (self._vec_x if vec else 1)  # a warp's registers
+        if self.fused_layernorm_backward and widest >= C:
+            # one pass over dout and inp for all three gradients (layernorm.cu says how wide it goes)
+            self._launch(self._k.layernorm_backward_fused, (splits,), (LAYERNORM_BLOCK,), dinp, partial_dw, partial_db,
+                         dout, inp, weight, mean, rstd, np.int64(rows), np.int32(C), np.int32(rows_per_split),
+                         np.int32(vec))
+        else:
+            self._launch(self._k.layernorm_backward_input, (_cdiv(rows, LAYERNORM_ROWS_PER_BLOCK),),
+                         (LAYERNORM_BLOCK,), dinp, dout, inp, weight, mean, rstd, np.int64(rows), np.int32(C),
+                         np.int32(vec))
+            vec = _vec(self._vec_x, dout, inp, partial_dw, partial_db, row=C)
+            width = self._vec_x if vec else 1
+            self._launch(self._k.layernorm_backward_params, (_cdiv(C, COLUMN_BLOCK[0] * width), splits),
+                         COLUMN_BLOCK, partial_dw, partial_db, dout, inp, mean, rstd, np.int64(rows), np.int32(C),
+                         np.int32(rows_per_split), np.int32(vec))
         self._launch(self._k.layernorm_backward_params_finish, (_cdiv(C, BLOCK), 2), (BLOCK,),
                      _contiguous(dweight), partial_dw, _contiguous(dbias), partial_db, np.int32(splits), np.int32(C))
 
