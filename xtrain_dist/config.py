@@ -114,6 +114,7 @@ class TrainConfig:
     attention: str = "standard"     # standard | flash: keep the T x T probabilities, or recompute them (model.py)
     recompute: int = 0              # 0 | 1 | 2: backward recomputes GELU (1), and the layernorms (2) (model.py)
     # output
+    config: str = ""                # the --config file the run's options came from (an input it must not write)
     report: str | None = None
     log_every: int = 1
     profile_step: int = 0           # time every op of this step on each rank (profile.py); 0: none

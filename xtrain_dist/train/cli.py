@@ -45,7 +45,7 @@ from . import memory
 from .graph import MODES as GRAPH_MODES
 from .job import PROG, STOPPED, train
 from .launch import RankFailed
-from .preflight import AUTO_RESUME, RunComplete
+from .preflight import AUTO_RESUME, RunComplete, config_beside
 
 EXAMPLES = """examples:
   xtrain-train 300 16 64 --world-size 2 --report runs/tiny.json
@@ -320,7 +320,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
         matmul=args.matmul,
-        report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
+        config=str(config or ""), report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=TrainConfig.rdzv_timeout_s if args.rdzv_timeout is None else args.rdzv_timeout,
         save_dir=args.save_dir, save_every=args.save_every, keep_every=args.keep_every, resume=args.resume,
@@ -349,12 +349,6 @@ def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         if value is not None:
             options[key] = value
     return options
-
-
-def config_beside(report) -> Path:
-    """Where a run writes its configuration beside its --report: report.json -> report.config.toml."""
-    report = Path(report)
-    return report.with_name(f"{report.stem}.config.toml")
 
 
 def profile_table(profile: dict) -> str:
