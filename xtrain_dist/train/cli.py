@@ -45,7 +45,7 @@ from . import memory
 from .graph import MODES as GRAPH_MODES
 from .job import PROG, STOPPED, train
 from .launch import RankFailed
-from .preflight import AUTO_RESUME, RunComplete, config_beside
+from .preflight import AUTO_RESUME, NO_RESUME, RunComplete, config_beside
 
 EXAMPLES = """examples:
   xtrain-train 300 16 64 --world-size 2 --report runs/tiny.json
@@ -153,7 +153,8 @@ def build_parser() -> OneLineParser:
     g.add_argument("--resume", metavar="DIR", type=non_empty_path, default=None,
                    help=f"continue the run whose checkpoint is DIR; '{AUTO_RESUME}': the checkpoint in --save-dir "
                         "where there is one, else start at step 1; nothing (exit 0) once it holds STEPS steps (one "
-                        "command for a job's start and its requeues)")
+                        "command for a job's start and its requeues); 'none': start at step 1 (over a --config "
+                        "file's resume)")
     g.add_argument("--eval-every", metavar="N", type=non_negative_int, default=0,
                    help="validation loss every N steps and at the end (default 0: at the end only)")
     g.add_argument("--eval-batches", metavar="N", type=non_negative_int, default=20,
@@ -292,6 +293,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     if args.tp == 1 and args.pp == 1 and args.batch < world_size:
         raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({world_size}): "
                           "every rank needs a sequence")
+    if args.resume == NO_RESUME:  # over a --config file's resume: this run starts at step 1
+        args.resume = None
     for flag, value in (("--save-every", args.save_every), ("--keep-every", args.keep_every)):
         if value and not args.save_dir:
             raise XtrainError(f"{flag} needs --save-dir")
@@ -323,7 +326,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         config=str(config or ""), report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=TrainConfig.rdzv_timeout_s if args.rdzv_timeout is None else args.rdzv_timeout,
-        save_dir=args.save_dir, save_every=args.save_every, keep_every=args.keep_every, resume=args.resume,
+        save_dir=args.save_dir, save_every=args.save_every, keep_every=args.keep_every,
+        resume=args.resume,
         init_from=args.init_from,
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
         hellaswag=args.hellaswag or "", metrics=args.metrics, tensorboard=args.tensorboard,
@@ -338,14 +342,12 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
 
 
 def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
-    """Every argument's value as the run uses it, keyed for a --config file; the shipped data's paths where
-    TOKENIZER and CORPUS were not given, and nothing for an option left to its derived default (None)."""
-    shipped = {"tokenizer": str(DEFAULT_TOKENIZER), "corpus": str(DEFAULT_CORPUS)}
+    """Every argument's value as the run uses it, keyed for a --config file, paths as they were given (a
+    relative path stays relative); nothing for an option left to its derived default (None), nor for
+    TOKENIZER and CORPUS where they were not given: the shipped data, wherever this copy is installed."""
     options = {}
     for key, action in config_actions(parser).items():
         value = getattr(args, action.dest)
-        if value is None:
-            value = shipped.get(key)
         if value is not None:
             options[key] = value
     return options

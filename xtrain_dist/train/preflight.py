@@ -27,6 +27,7 @@ from .cadence import Cadence, kept_folder
 from .graph import MODES as GRAPH_MODES
 
 AUTO_RESUME = "auto"  # --resume auto
+NO_RESUME = "none"  # --resume none: start at step 1, whatever a --config file says
 
 
 def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
