@@ -13,6 +13,18 @@ def first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
+SHOWN_CHARS = 80  # of a value an error line quotes: a 50 MB argument is named, not printed
+
+
+def shown(text) -> str:
+    """`text` as an error line quotes it: whole up to SHOWN_CHARS characters, else its start, a marker and
+    its length, so the line stays one line a person reads."""
+    text = str(text)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 def install_hint(extra: str) -> str:
     """How to install an optional part of the project (an extra of pyproject.toml): the project is installed
     from its repository, not from a package index."""
