@@ -253,9 +253,11 @@ def _config_value(action: argparse.Action, key: str, value, where: str):
 
 def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the values of the --config file at `path` the parser's defaults, so that the command line
-    overrides them; a positional the file gives (steps, batch, ...) need not be on the command line."""
+    overrides them; a positional the file gives (steps, batch, ...) need not be on the command line.
+    Returns dest -> (the built-in default, the file's value) for each key of the file."""
     where = f"--config '{path}'"
     actions = config_actions(parser)
+    values = {}
     for key, value in config_file.read(path, "--config").items():
         action = actions.get(key)
         if action is None:
@@ -263,10 +265,12 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
             hint = f" (the option is spelled '{spelled}')" if spelled in actions and spelled != key else ""
             raise XtrainError(f"{where}: unknown key '{key}'{hint}: keys are the options without their dashes, "
                               "and steps, batch, seq, tokenizer, corpus")
-        action.default = _config_value(action, key, value, where)
+        values[action.dest] = action.default, _config_value(action, key, value, where)
+        action.default = values[action.dest][1]
     for action in parser._actions:
         if not action.option_strings:  # the file may give them: the command line fills them in order, over it
             action.nargs = "?"
+    return values
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -279,8 +283,7 @@ def _config_path(argv: list[str]) -> str | None:
 def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     parser = build_parser()
     config = _config_path(argv)
-    if config is not None:
-        apply_config_file(parser, config)
+    file_values = apply_config_file(parser, config) if config is not None else {}
     args = parser.parse_intermixed_args(argv)  # TOKENIZER CORPUS may come after options too
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) is None:
@@ -295,23 +298,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
                           "every rank needs a sequence")
     if args.resume == NO_RESUME:  # over a --config file's resume: this run starts at step 1
         args.resume = None
-    for flag, value in (("--save-every", args.save_every), ("--keep-every", args.keep_every)):
-        if value and not args.save_dir:
-            raise XtrainError(f"{flag} needs --save-dir")
-    if args.min_lr is not None and args.lr_schedule == "constant":
-        raise XtrainError("--min-lr has no effect with --lr-schedule constant")
-    if args.lr_decay_steps is not None and args.lr_schedule == "constant":
-        # it would only move the warmup's default (a twentieth of it): say which option sets the warmup
-        raise XtrainError("--lr-decay-steps is for a schedule that decays, not --lr-schedule constant; "
-                          "the warmup is --warmup-steps (default STEPS/20)")
-    for flag, value in (("--sample-tokens", args.sample_tokens), ("--sample-prompt", args.sample_prompt)):
-        if value and not args.sample_every:
-            raise XtrainError(f"{flag} needs --sample-every")
-    for flag, value in (("--rdzv-bind", args.rdzv_bind), ("--rdzv-advertise", args.rdzv_advertise),
-                        ("--rdzv-timeout", args.rdzv_timeout)):
-        if value is not None and not launch.multi_process:  # it would be ignored: no other process to meet
-            raise XtrainError(f"{flag} is for a job of several processes (started by torchrun, srun or mpirun); "
-                              "this one runs alone")
+    refuse_without_effect(args, given_options(parser, argv, file_values), launch)
     return TrainConfig(
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
@@ -339,6 +326,58 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         recompute=args.recompute,
         cuda_graph=args.cuda_graph, options=_options(parser, args),
     ).resolved()
+
+
+# ------------------------------------------------------------------------------ options without effect
+# An option that does something only beside another: (its flag, whether this run gives it an effect, the line
+# that refuses it where not). One table, so that every such pair is refused alike; an option counts as given
+# where the command line names it, or the --config file sets it to other than its default (a file a run wrote
+# holds every option, the ones left to their defaults too).
+_ALONE = "is for a job of several processes (started by torchrun, srun or mpirun); this one runs alone"
+WITHOUT_EFFECT = [
+    ("--save-every", lambda a, launch: bool(a.save_dir), "--save-every needs --save-dir"),
+    ("--keep-every", lambda a, launch: bool(a.save_dir), "--keep-every needs --save-dir"),
+    ("--min-lr", lambda a, launch: a.lr_schedule != "constant", "--min-lr has no effect with --lr-schedule constant"),
+    # it would only move the warmup's default (a twentieth of it): say which option sets the warmup
+    ("--lr-decay-steps", lambda a, launch: a.lr_schedule != "constant",
+     "--lr-decay-steps is for a schedule that decays, not --lr-schedule constant; the warmup is --warmup-steps "
+     "(default STEPS/20)"),
+    ("--sample-tokens", lambda a, launch: bool(a.sample_every), "--sample-tokens needs --sample-every"),
+    ("--sample-prompt", lambda a, launch: bool(a.sample_every), "--sample-prompt needs --sample-every"),
+    ("--rdzv-bind", lambda a, launch: launch.multi_process, f"--rdzv-bind {_ALONE}"),
+    ("--rdzv-advertise", lambda a, launch: launch.multi_process, f"--rdzv-advertise {_ALONE}"),
+    ("--rdzv-timeout", lambda a, launch: launch.multi_process, f"--rdzv-timeout {_ALONE}"),
+    ("--pp-schedule", lambda a, launch: a.pp > 1, "--pp-schedule has no effect without --pp (2 or more stages)"),
+    ("--powersgd-rank", lambda a, launch: a.grad_compress == "powersgd",
+     "--powersgd-rank has no effect without --grad-compress powersgd"),
+    ("--powersgd-start-step", lambda a, launch: a.grad_compress == "powersgd",
+     "--powersgd-start-step has no effect without --grad-compress powersgd"),
+    ("--bucket-mb", lambda a, launch: a.grad_sync == "bucketed",
+     "--bucket-mb has no effect without --grad-sync bucketed"),
+]
+_NOT_GIVEN = object()
+
+
+def given_options(parser: argparse.ArgumentParser, argv: list[str], file_values: dict) -> set[str]:
+    """The dests the command line sets (parsed again with every default a marker), and those the --config
+    file sets to other than their built-in defaults (`file_values`, from apply_config_file)."""
+    defaults = {action: action.default for action in parser._actions}
+    try:
+        for action in defaults:
+            action.default = _NOT_GIVEN
+        parsed = vars(parser.parse_intermixed_args(argv))
+    finally:
+        for action, default in defaults.items():
+            action.default = default
+    return ({dest for dest, value in parsed.items() if value is not _NOT_GIVEN}
+            | {dest for dest, (default, value) in file_values.items() if value != default})
+
+
+def refuse_without_effect(args: argparse.Namespace, given: set[str], launch: Launch) -> None:
+    """One line for the first option of WITHOUT_EFFECT given where this run gives it no effect."""
+    for flag, in_effect, line in WITHOUT_EFFECT:
+        if flag.removeprefix("--").replace("-", "_") in given and not in_effect(args, launch):
+            raise XtrainError(line)
 
 
 def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
