@@ -34,7 +34,7 @@ from ..command import (
 )
 from ..config import PRESETS, TrainConfig
 from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER
-from ..errors import XtrainError
+from ..errors import XtrainError, shown
 from ..model import ATTENTIONS, RECOMPUTE_LEVELS
 from ..optim import LR_SCHEDULES
 from ..parallel import ddp
@@ -236,10 +236,10 @@ def _config_value(action: argparse.Action, key: str, value, where: str):
         kind, fits = "a string", isinstance(value, str)
     if not fits:
         try:
-            shown = config_file.dumps({key: value}).partition(" = ")[2].strip()
+            given = shown(config_file.dumps({key: value}).partition(" = ")[2].strip())
         except TypeError:  # a table
-            shown = f"a {type(value).__name__}"
-        raise XtrainError(f"{where}: {key} must be {kind}, got {shown}")
+            given = f"a {type(value).__name__}"
+        raise XtrainError(f"{where}: {key} must be {kind}, got {given}")
     if isinstance(action, argparse._StoreTrueAction):
         return value
     try:
@@ -247,7 +247,8 @@ def _config_value(action: argparse.Action, key: str, value, where: str):
     except argparse.ArgumentTypeError as err:
         raise XtrainError(f"{where}: {key} {err}") from None
     if action.choices is not None and parsed not in action.choices:
-        raise XtrainError(f"{where}: {key} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+        raise XtrainError(f"{where}: {key} must be one of {', '.join(map(str, action.choices))}, got "
+                          f"{shown(repr(value))}")
     return parsed
 
 
