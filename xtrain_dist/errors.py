@@ -7,6 +7,12 @@ class XtrainError(Exception):
     Anything else that escapes a rank is a bug and is reported as such."""
 
 
+class MachineWide(XtrainError):
+    """A problem every process on a machine finds alike (no CUDA driver, no CuPy): the command says it once a
+    machine, from the machine's first process (local rank 0); the others end with the same exit status and
+    no line, rather than eight copies of one line under a launcher of eight."""
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message (a library's may run to many), or its type's name."""
     lines = str(err).strip().splitlines()

@@ -34,7 +34,7 @@ from ..command import (
 )
 from ..config import PRESETS, TrainConfig
 from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER
-from ..errors import XtrainError, shown
+from ..errors import MachineWide, XtrainError, shown
 from ..model import ATTENTIONS, RECOMPUTE_LEVELS
 from ..optim import LR_SCHEDULES
 from ..parallel import ddp
@@ -436,6 +436,10 @@ def _main(argv: list[str]) -> int:
         raise
     try:
         report = train(cfg)
+    except MachineWide:
+        if detect_launch().local_rank != 0:  # the machine's first process says it for all of them
+            return 2
+        raise
     except RunComplete as done:
         if detect_launch().process_rank == 0:
             print(done)
