@@ -250,8 +250,9 @@ class OutputLock:
                 break
             os.close(fd)  # its owner deleted it on release before we locked it
         self._fd = fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}".encode(), 0)
+        with contextlib.suppress(OSError):  # on a full disk the lock holds without its note of who holds it
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}".encode(), 0)
 
     def _at_path(self, fd: int) -> bool:
         try:
