@@ -354,3 +354,31 @@ def test_a_report_on_a_full_device_is_refused_before_training():
         pytest.skip("no /dev/full")
     assert refused(2, 4, 16, "--report", "/dev/full") == \
         "--report '/dev/full' cannot be written (No space left on device)"
+
+
+def test_a_timeout_in_a_split_of_thread_ranks_names_world_ranks():
+    """The same naming for thread ranks: groups {0, 2} and {1, 3} split from a world of 4; rank 3 never comes to
+    its group's all-reduce, and the line names rank 1 (rank 0 of its group) and the group by world ranks."""
+    import threading
+
+    import numpy as np
+
+    from xtrain_dist.comm import CommAborted
+    from xtrain_dist.comm.local import LocalGroup
+
+    world = LocalGroup(4, timeout_s=0.5)
+    subs = [None] * 4
+
+    def rank(r):
+        subs[r] = world.communicator(r).split(r % 2)
+        if r != 3:
+            with contextlib.suppress(CommAborted):
+                subs[r].all_reduce(np.ones(4, np.float32))
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert world.abort_reason == "rank 1 waited more than 0.5 s in all_reduce among ranks 1, 3: a peer rank is stuck " \
+                                "or dead"
