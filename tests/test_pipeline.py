@@ -14,6 +14,7 @@ from xtrain_dist.parallel.pipeline import (
     peak_in_flight,
     run_schedule,
     schedule,
+    schedule_peak_in_flight,
     simulate,
     transfers,
 )
@@ -41,6 +42,8 @@ def test_every_micro_batch_runs_forward_then_backward_once_and_memory_is_what_ea
         assert all(actions.index(("F", i)) < actions.index(("B", i)) for i in range(micro))
         assert [i for a, i in actions if a == "B"] == list(range(micro))  # gradients accumulate in one order
         assert peak_in_flight(actions) == (micro if kind == "gpipe" else min(stages - stage, micro))
+        # the closed form the memory check uses (a schedule of --grad-accum 1e9 is not listed) against the listing
+        assert schedule_peak_in_flight(kind, stages, micro, stage) == peak_in_flight(actions)
 
 
 @pytest.mark.parametrize("kind", SCHEDULES)

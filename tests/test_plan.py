@@ -198,7 +198,7 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
     (["--pp", 13, "--bus-gbps", 1], "--pp (13) must be at most the number of layers (12)"),
     (["--gpus", 4, "--batch", 2, "--bus-gbps", 1],
      "--batch (2) must be at least --dp (4): every data-parallel rank needs a sequence"),
-    (["--mfu", 1.5, "--bus-gbps", 1], "--mfu must be a number > 0 and at most 1, got '1.5'"),
+    (["--mfu", 1.5, "--bus-gbps", 1], "--mfu must be a number from 1e-06 to 1, got '1.5'"),
     (["--overlap", -1, "--bus-gbps", 1], "--overlap must be a number from 0 to 1, got '-1'"),
     (["--tp", 16, "--heads", 16, "--layers", 2, "--d-model", 64, "--bus-gbps", 1],
      "--tp (16) must be at most --node-gpus (8): its all-reduces run every layer and need a node's links"),

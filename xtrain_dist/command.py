@@ -8,13 +8,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import XtrainError, first_line
+from .errors import XtrainError, first_line, shown
 
 
 def must_be(option: str, what: str, given) -> str:
     """The one form of every bad option's line, in every command: "--dtype must be one of fp32, bf16, got
     'fp16'" (the option, what it takes, what it was given)."""
-    return f"{option} must be {what}, got '{given}'"
+    return f"{option} must be {what}, got '{shown(given)}'"
 
 
 def one_of(choices) -> str:
@@ -38,6 +38,8 @@ def _our_form(message: str) -> str:
         return must_be(m[1], _ARGPARSE_TYPES.get(m[2], f"a {m[2]}"), m[3].strip("'\""))
     if m := re.fullmatch(r"argument (\S+): expected one argument", message):
         return f"{m[1]} must be followed by a value"
+    if m := re.fullmatch(r"unrecognized arguments: (.*)", message, re.DOTALL):
+        return f"unrecognized arguments: {shown(m[1])}"
     return message
 
 
@@ -84,7 +86,7 @@ def _checked(parse, accept, what: str):
         except ValueError:
             value = None
         if value is None or not accept(value):
-            raise argparse.ArgumentTypeError(f"must be {what}, got '{text}'")
+            raise argparse.ArgumentTypeError(f"must be {what}, got '{shown(text)}'")
         return value
 
     check.__name__ = what  # argparse names the type in some messages
@@ -115,7 +117,7 @@ def _comma_separated(item, what: str):
         try:
             return [item(part) for part in text.split(",")]
         except (ValueError, argparse.ArgumentTypeError):
-            raise argparse.ArgumentTypeError(f"must be {what} separated by commas, got '{text}'") from None
+            raise argparse.ArgumentTypeError(f"must be {what} separated by commas, got '{shown(text)}'") from None
 
     check.__name__ = f"{what} separated by commas"
     return check

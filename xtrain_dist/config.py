@@ -116,6 +116,7 @@ class TrainConfig:
                                     # (model.py); auto: standard on numpy, the fastest measured on cuda
     recompute: int = 0              # 0 | 1 | 2: backward recomputes GELU (1), and the layernorms (2) (model.py)
     # output
+    config: str = ""                # the --config file the run's options came from (an input it must not write)
     report: str | None = None
     log_every: int = 1
     profile_step: int = 0           # time every op of this step on each rank (profile.py); 0: none
@@ -159,9 +160,17 @@ class TrainConfig:
         return asdict(self)
 
     def options_toml(self) -> str:
-        """The run's configuration as a --config file: `--config` of it runs the same run again."""
-        return config_file.dumps(self.options, comment=RUN_CONFIG_COMMENT)
+        """The run's configuration as a --config file: `--config` of it runs the same run again, from step 1.
+        --resume is where the run started, not part of what it is: a key would make the replay continue
+        that checkpoint (or stop, "already at step N"), so it is written as a comment."""
+        options = {key: value for key, value in self.options.items() if key != "resume"}
+        comment = RUN_CONFIG_COMMENT
+        if "resume" in self.options:
+            comment += (f"\nThe run was started with --resume {self.options['resume']!r}, left out here: this file "
+                        "replays it from step 1.")
+        return config_file.dumps(options, comment=comment)
 
 
 RUN_CONFIG_COMMENT = """The configuration of a training run, every option as the run used it.
-xtrain-train --config THIS_FILE runs it again; options on the command line override what is here."""
+xtrain-train --config THIS_FILE runs it again; options on the command line override what is here.
+Relative paths are relative to the folder the command is run in."""

@@ -4,8 +4,11 @@ read gives (reading); and the refusal of an input that is not a regular file (ch
 
 import contextlib
 import errno
+import fcntl
+import itertools
 import json
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -162,6 +165,11 @@ def probe_in(folder: Path, name: str) -> None:
     probe.unlink()
 
 
+# Linux's /dev/full (character device 1, 7): every write to it fails with ENOSPC. A device is written in place,
+# and writing a probe byte into a terminal or a pipe would show; this one device is known to refuse them all.
+_DEV_FULL = os.makedev(1, 7)
+
+
 def check_writable(path, name: str) -> None:
     """Fail before the work, not after it, where write_atomic(path, ..., name) could not write: a folder,
     a folder path through a file, a folder without write permission. Leaves nothing behind: missing
@@ -172,6 +180,8 @@ def check_writable(path, name: str) -> None:
     if written_in_place(given):
         if not os.access(given, os.W_OK):
             raise XtrainError(f"{name} '{path}' cannot be written (Permission denied)")
+        if os.stat(given).st_rdev == _DEV_FULL:
+            raise XtrainError(f"{name} '{path}' cannot be written ({os.strerror(errno.ENOSPC)})")
         return
     target = Path(os.path.realpath(given))  # through symlinks: the file a link names is the one replaced
     if _through_a_file(target):
@@ -196,3 +206,68 @@ def check_out_dir(path, name: str) -> None:
         probe_in(target, f".probe{os.getpid()}")
     except OSError as err:
         raise XtrainError(f"{name} '{path}' cannot be written ({err.strerror})") from None
+
+
+class OutputLock:
+    """The run that owns an output (--save-dir, --report, --metrics, --tensorboard): an exclusive flock on
+    `.NAME.lock` beside it (not inside a folder that a save replaces whole), the file holding the owner's
+    host and pid for the run refused. Taken before the output is read or touched, and held for the whole
+    run; the kernel lets go of it when the process ends, however it ends, so a run killed with -9 leaves
+    only an unlocked file, which the next run takes over. release() deletes the file while still holding
+    it, so a run that locked the file just deleted finds it gone from the path and locks the file there
+    now instead. A second run is refused in one line: "{flag} '{path}' is in use by another run (host H,
+    pid P): {consequence}; wait for it to end or give another {flag}"."""
+
+    def __init__(self, path, flag: str, consequence: str):
+        path = Path(path)
+        real = Path(os.path.realpath(path))  # one output reached by two paths has one lock
+        self.path = real.with_name(f".{real.name}.lock")
+        # the folders on the way that the lock file needs and that do not exist yet: release() removes those
+        # still empty, so that a run refused later leaves nothing behind (one that wrote leaves them holding it)
+        self._made = list(itertools.takewhile(lambda f: not f.exists(), self.path.parents))
+        self._fd = None
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                if tries < 5:  # another run's release removed the folder it had made: make it again
+                    continue
+                raise XtrainError(f"{flag} '{path}': cannot make '{self.path}' (No such file or directory)") from None
+            except OSError as err:
+                why = "a part of its folder is a file" if _through_a_file(self.path) else err.strerror
+                raise XtrainError(f"{flag} '{path}': cannot write into '{path.parent}' ({why})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "a run starting"
+                os.close(fd)
+                raise XtrainError(f"{flag} '{path}' is in use by another run ({holder}): {consequence}; wait for "
+                                  f"it to end or give another {flag}") from None
+            if self._at_path(fd):
+                break
+            os.close(fd)  # its owner deleted it on release before we locked it
+        self._fd = fd
+        with contextlib.suppress(OSError):  # on a full disk the lock holds without its note of who holds it
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}".encode(), 0)
+
+    def _at_path(self, fd: int) -> bool:
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(self._fd)  # lets go of the lock
+            self._fd = None
+            for made in self._made:
+                try:
+                    made.rmdir()
+                except OSError:  # not empty: it holds the output, or another run's files
+                    break

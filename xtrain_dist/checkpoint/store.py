@@ -36,15 +36,12 @@ were hashed, so a checkpoint that is truncated, edited or half-copied is one cle
 """
 
 import contextlib
-import fcntl
 import fnmatch
 import hashlib
-import itertools
 import json
 import math
 import os
 import shutil
-import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +51,7 @@ import tokenizers
 
 from ..config import GPTConfig
 from ..errors import XtrainError
-from ..files import loads_json, probe_in, read_regular
+from ..files import OutputLock, loads_json, probe_in, read_regular
 from ..model import ALIGN, param_layout
 from .safetensors_io import parse_safetensors
 
@@ -187,68 +184,15 @@ def recover(folder) -> str | None:
     return note
 
 
-class SaveDirLock:
-    """The run that owns a --save-dir: an exclusive flock on `.DIR.lock` beside DIR (not inside it, which a
-    save replaces whole), the file holding the owner's host and pid for the run refused. Taken before
-    anything in the folder is read or touched, and held for the whole run; the kernel lets go of it when
-    the process ends, however it ends, so a run killed with -9 leaves only an unlocked file, which the
-    next run takes over. release() deletes the file while still holding it, so a run that locked the file
-    just deleted finds it gone from the path and locks the file there now instead."""
+class SaveDirLock(OutputLock):
+    """The run that owns a --save-dir: files.OutputLock on `.DIR.lock` beside DIR (not inside it, which a
+    save replaces whole), taken before anything in the folder is read or touched, and held for the whole
+    run."""
 
     def __init__(self, folder):
         folder = _followed(folder)
-        real = Path(os.path.realpath(folder))  # one folder reached by two paths has one lock
-        _siblings(real)  # the root is refused here too
-        self.path = real.with_name(f".{real.name}.lock")
-        # the folders on the way that the lock file needs and that do not exist yet: release() removes those
-        # still empty, so that a run refused later leaves nothing behind (one that saved leaves them holding DIR)
-        self._made = list(itertools.takewhile(lambda f: not f.exists(), self.path.parents))
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except FileNotFoundError:
-                if tries < 5:  # another run's release removed the folder it had made: make it again
-                    continue
-                raise XtrainError(f"--save-dir '{folder}': cannot make '{self.path}' (No such file or "
-                                  "directory)") from None
-            except OSError as err:
-                raise XtrainError(f"--save-dir '{folder}': cannot write into '{folder.parent}' "
-                                  f"({err.strerror})") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "a run starting"
-                os.close(fd)
-                raise XtrainError(f"--save-dir '{folder}' is in use by another run ({holder}): two runs would "
-                                  "replace each other's checkpoints; wait for it to end or give another "
-                                  "--save-dir") from None
-            if self._at_path(fd):
-                break
-            os.close(fd)  # its owner deleted it on release before we locked it
-        self._fd = fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}".encode(), 0)
-
-    def _at_path(self, fd: int) -> bool:
-        try:
-            return os.path.samestat(os.fstat(fd), os.stat(self.path))
-        except FileNotFoundError:
-            return False
-
-    def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-            os.close(self._fd)  # lets go of the lock
-            self._fd = None
-            for made in self._made:
-                try:
-                    made.rmdir()
-                except OSError:  # not empty: it holds DIR, or another run's files
-                    break
+        _siblings(Path(os.path.realpath(folder)))  # the root is refused here too
+        super().__init__(folder, "--save-dir", "two runs would replace each other's checkpoints")
 
 
 def prepare_save_dir(folder) -> str | None:

@@ -94,11 +94,22 @@ class LocalGroup:
         self._posted = [None] * world_size
         self.abort_reason: str | None = None
         self._root = self if parent is None else parent._root
+        # a split's ranks as the world it was split from numbers them, by rank in the split (None: the world):
+        # failure lines name world ranks, as the line's "rank N stopped:" prefix does
+        self.job_ranks: list[int] | None = None
         self._family: list[LocalGroup] = []
         self._root._family.append(self)
         # point-to-point: one mailbox per (sender, receiver), messages in the order they were sent
         self._mail = {}
         self._mail_ready = threading.Condition()
+
+    def job(self, rank: int) -> int:
+        """`rank` of this group as the world it was split from numbers it."""
+        return rank if self.job_ranks is None else self.job_ranks[rank]
+
+    def among(self) -> str:
+        """Where a collective of a split runs, for a failure line: its ranks, as the world numbers them."""
+        return "" if self.job_ranks is None else f" among ranks {', '.join(map(str, self.job_ranks))}"
 
     def communicator(self, rank: int) -> "LocalCommunicator":
         return LocalCommunicator(self, rank)
@@ -126,7 +137,8 @@ class LocalCommunicator:
             group._barrier.wait(group.timeout_s)
         except threading.BrokenBarrierError:
             if group.abort_reason is None:  # the barrier broke by timing out: every group of the family ends
-                group.abort(f"rank {self.rank} waited more than {group.timeout_s:g} s in {what}: "
+                group.abort(f"rank {group.job(self.rank)} waited more than {group.timeout_s:g} s in {what}"
+                            f"{group.among()}: "
                             "a peer rank is stuck or dead")
             raise CommAborted(f"{what} aborted: {group.abort_reason}") from None
 
@@ -221,6 +233,7 @@ class LocalCommunicator:
             group._split = {}
             for members in split_members(group._posted).values():
                 sub = LocalGroup(len(members), group.timeout_s, parent=group)
+                sub.job_ranks = [group.job(r) for r in members]
                 group._split.update({r: (sub, new) for new, r in enumerate(members)})
         self._wait("split")
         sub, new_rank = group._split[self.rank]
@@ -250,13 +263,14 @@ class LocalCommunicator:
             arrived = group._mail_ready.wait_for(lambda: box or group.abort_reason is not None, group.timeout_s)
             self._check()
             if not arrived:
-                group.abort(f"rank {self.rank} waited more than {group.timeout_s:g} s for a message from rank "
-                            f"{peer}: the peer is stuck, dead or never sends it")
+                group.abort(f"rank {group.job(self.rank)} waited more than {group.timeout_s:g} s for a message "
+                            f"from rank {group.job(peer)}: the peer is stuck, dead or never sends it")
                 self._check()
             message = box.pop(0)
         data = message.data
         if data.size != out.size or data.dtype != out.dtype:
-            group.abort(f"rank {peer} sent {data.size} {data.dtype} elements where rank {self.rank} "
+            group.abort(f"rank {group.job(peer)} sent {data.size} {data.dtype} elements where rank "
+                        f"{group.job(self.rank)} "
                         f"receives {out.size} {out.dtype}: the ranks disagree on the message")
             self._check()
         out[...] = data
@@ -277,7 +291,8 @@ class LocalCommunicator:
                                                group.timeout_s)
             self._check()
             if not taken:
-                group.abort(f"rank {self.rank} waited more than {group.timeout_s:g} s for rank {dest} to receive "
+                group.abort(f"rank {group.job(self.rank)} waited more than {group.timeout_s:g} s for rank "
+                            f"{group.job(dest)} to receive "
                             "its message: the peer is stuck, dead or never receives it")
                 self._check()
 

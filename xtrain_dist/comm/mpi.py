@@ -90,6 +90,10 @@ SPIN_POLLS, NAP_S = 1000, 0.0005  # _wait: Tests back to back, then a nap betwee
 
 class MpiCommunicator:
     _parent = None  # the communicator this one was split from: an abort of either reaches both
+    # a split's ranks as the job numbers them (MPI_COMM_WORLD's), by rank in the split; None: the world's own.
+    # A failure line names job-wide ranks: the line's prefix ("rank N stopped:") is one, and a rank of a
+    # tensor- or pipeline-parallel group after it would point at another, live process
+    job_ranks: list[int] | None = None
     unfinished_tests = 0  # Tests that found a request still pending, this communicator's lifetime
     _received = None  # _receive_buffer's
 
@@ -120,6 +124,14 @@ class MpiCommunicator:
             comm = comm._parent
         return None
 
+    def _job(self, rank: int) -> str:
+        """`rank` of this communicator as a failure line names it: its rank in the job."""
+        return f"rank {self.job_ranks[rank] if self.job_ranks is not None else rank}"
+
+    def _among(self) -> str:
+        """Where a collective of a split runs, for a failure line: its ranks, job-wide."""
+        return "" if self.job_ranks is None else f" among ranks {', '.join(map(str, self.job_ranks))}"
+
     def _wait(self, request, what: str, status=None, stuck: str = "a peer process is stuck or dead") -> None:
         deadline = time.monotonic() + self.timeout_s
         polls = 0
@@ -127,7 +139,8 @@ class MpiCommunicator:
             if self._reason() is not None:
                 raise CommAborted(f"{what} aborted: {self._reason()}")
             if time.monotonic() > deadline:
-                self.abort(f"rank {self.rank} waited more than {self.timeout_s:g} s in {what}: {stuck}")
+                self.abort(f"{self._job(self.rank)} waited more than {self.timeout_s:g} s in {what}{self._among()}: "
+                           f"{stuck}")
                 raise CommAborted(f"{what} aborted: {self._reason()}")
             polls += 1
             self.unfinished_tests += 1
@@ -223,6 +236,9 @@ class MpiCommunicator:
         self.all_gather(np.array([color, key], np.int64), everyone)  # every rank is here: Split cannot hang
         sub = MpiCommunicator(self.comm.Split(color, key), self.timeout_s)
         sub._parent = self
+        world = self.MPI.COMM_WORLD.Get_group()
+        sub.job_ranks = [int(r) for r in self.MPI.Group.Translate_ranks(sub.comm.Get_group(),
+                                                                        list(range(sub.world_size)), world)]
         return sub
 
     # ---------------------------------------------------------------- point-to-point
@@ -230,7 +246,7 @@ class MpiCommunicator:
         check_peer(self, peer)
         self._check("send")
         self._wait(self.comm.Isend(_flat(buf), dest=peer), "send",
-                   stuck=f"rank {peer} is stuck, dead or never receives")
+                   stuck=f"{self._job(peer)} is stuck, dead or never receives")
 
     def recv(self, buf, peer: int) -> None:
         check_peer(self, peer)
@@ -243,13 +259,13 @@ class MpiCommunicator:
         self._check("sendrecv")
         receiving = self.comm.Irecv(_flat(recv), source=source)
         self._wait(self.comm.Isend(_flat(send), dest=dest), "sendrecv",
-                   stuck=f"rank {dest} is stuck, dead or never receives")
+                   stuck=f"{self._job(dest)} is stuck, dead or never receives")
         self._finish_recv(receiving, recv, source)
 
     def _finish_recv(self, request, buf, peer: int) -> None:
         status = self.MPI.Status()
         try:
-            self._wait(request, "recv", status, stuck=f"rank {peer} is stuck, dead or never sends")
+            self._wait(request, "recv", status, stuck=f"{self._job(peer)} is stuck, dead or never sends")
         except self.MPI.Exception as e:  # MPI_ERR_TRUNCATE: the message is longer than buf
             self._disagree(peer, f"more than {buf.size}", buf, e.Get_error_string())
         got = status.Get_count(self.MPI._typedict[buf.dtype.char])
@@ -257,7 +273,8 @@ class MpiCommunicator:
             self._disagree(peer, str(got), buf)
 
     def _disagree(self, peer: int, sent: str, buf, detail: str = "") -> None:
-        self.abort(f"rank {peer} sent {sent} {buf.dtype} elements where rank {self.rank} receives {buf.size}: "
+        self.abort(f"{self._job(peer)} sent {sent} {buf.dtype} elements where {self._job(self.rank)} receives "
+                   f"{buf.size}: "
                    "the ranks disagree on the message" + (f" ({detail.strip()})" if detail else ""))
         self._check("recv")
 

@@ -43,6 +43,13 @@ _CODE = {name: code for code, name in _OPS.items()} | {"recv": 5}  # a send's me
 
 
 class TcpCommunicator:
+    # a split's ranks as the world it was split from numbers them, by rank in the split; None: the world's own.
+    # Failure lines name world ranks, as their "rank N stopped:" prefix does
+    job_ranks: list[int] | None = None
+
+    def _job(self, rank: int) -> int:
+        return rank if self.job_ranks is None else self.job_ranks[rank]
+
     def __init__(self, rank: int, world_size: int, peers: list, timeout_s: float = 300.0):
         """peers: the connection to each rank by index (None for itself), or, outside rank 0, [conn to rank 0]."""
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
@@ -63,14 +70,16 @@ class TcpCommunicator:
     def _conn(self, peer: int):
         return self.peers[peer]
 
-    def _fail(self, what: str, peer: int, err: BaseException) -> CommAborted:
+    def _fail(self, what: str, peer: int, err: BaseException, world_rank: bool = False) -> CommAborted:
+        """Abort for a failure with `peer` (this communicator's rank, or the world's where `world_rank`)."""
         if self.abort_reason is not None:
             return CommAborted(f"{what} aborted: {self.abort_reason}")
         if isinstance(err, TimeoutError):
-            reason = (f"rank {self.rank} waited more than {self.timeout_s:g} s for rank {peer} in {what}: "
-                      "a peer process is stuck or dead")
+            reason = (f"rank {self._job(self.rank)} waited more than {self.timeout_s:g} s for rank {self._job(peer)} "
+                      f"in {what}: a peer process is stuck or dead")
         else:
-            reason = f"the connection to rank {peer} broke in {what} ({err}): its process exited or was killed"
+            who = peer if world_rank else self._job(peer)
+            reason = f"the connection to rank {who} broke in {what} ({err}): its process exited or was killed"
         self.abort(reason)
         return CommAborted(f"{what} aborted: {reason}")
 
@@ -94,10 +103,12 @@ class TcpCommunicator:
             header = _recv_into(conn, bytearray(_HEADER.size))
             op, got_seq, nbytes = _HEADER.unpack(header)
             if (op, got_seq) != (_CODE[what], seq):
-                reason = (f"rank {peer} is in {_OPS.get(op, op)} #{got_seq} while rank {self.rank} is in {what} "
+                reason = (f"rank {self._job(peer)} is in {_OPS.get(op, op)} #{got_seq} while rank "
+                          f"{self._job(self.rank)} is in {what} "
                           f"#{seq}: the processes call collectives in different orders")
             elif nbytes != len(view):
-                reason = (f"rank {peer} sent {nbytes} bytes in {what} where rank {self.rank} expects {len(view)}: "
+                reason = (f"rank {self._job(peer)} sent {nbytes} bytes in {what} where rank {self._job(self.rank)} "
+                          f"expects {len(view)}: "
                           "the processes disagree on the buffer size")
             else:
                 _recv_into(conn, view)
@@ -115,7 +126,7 @@ class TcpCommunicator:
         while not select.select([conn], [], [], PROBE_S)[0]:
             dead = _closed_peer(self._family[0].peers)
             if dead is not None:
-                raise self._fail(what, dead, ConnectionError("connection closed"))
+                raise self._fail(what, dead, ConnectionError("connection closed"), world_rank=True)
             if time.monotonic() > deadline:
                 raise self._fail(what, peer, TimeoutError())
 
@@ -260,6 +271,7 @@ class TcpCommunicator:
         finally:
             listener.close()
         group = TcpCommunicator(me, len(members), links, self.timeout_s)
+        group.job_ranks = [self._job(member) for member in members]
         group._family = self._family
         self._family.append(group)
         return group, links

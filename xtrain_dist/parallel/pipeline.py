@@ -86,6 +86,18 @@ def peak_in_flight(actions: list[tuple[str, int]]) -> int:
     return peak
 
 
+def schedule_peak_in_flight(kind: str, stages: int, micro_batches: int, stage: int) -> int:
+    """peak_in_flight(schedule(kind, stages, micro_batches, stage)) without listing the schedule, so that the
+    memory check before a run takes no longer for --grad-accum 1e9 than for 1: gpipe runs every forward
+    before any backward (all m held); 1f1b holds its warmup's forwards and one more, stages - stage in all,
+    and never more than m."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"a pipeline schedule is one of {', '.join(SCHEDULES)}, got {kind!r}")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} is outside a pipeline of {stages}")
+    return micro_batches if kind == "gpipe" else min(stages - stage, micro_batches)
+
+
 def simulate(kind: str, stages: int, micro_batches: int, forward_cost: float = 1.0,
              backward_cost: float = 2.0) -> tuple[float, list[float]]:
     """(the step's duration, each stage's idle time) when each stage runs its actions in order, each as

@@ -13,6 +13,7 @@ formulas: the trainer itself splits only the data (dp, with --zero 1 for the opt
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -20,14 +21,12 @@ from .. import files
 from ..command import (
     OneLineParser,
     command_name,
-    non_negative_float,
     path_arg,
-    positive_float,
     positive_int,
     run_command,
 )
 from ..config import GPT2_VOCAB_SIZE, PRESETS, model_config
-from ..errors import XtrainError
+from ..errors import XtrainError, shown
 from ..profile import PEAK_TFLOPS
 from ..train.memory import gib
 from .projection import (
@@ -44,21 +43,50 @@ from .projection import (
 )
 
 
-def share_of_one(allow_zero: bool):
-    """An argparse type: a number in (0, 1], or [0, 1] where `allow_zero`."""
-    what = "a number from 0 to 1" if allow_zero else "a number > 0 and at most 1"
+def share_of_one(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(must_be_text("a number from 0 to 1", text))
+    return value
+
+
+share_of_one.__name__ = "a number from 0 to 1"
+
+
+def number_in(low: float, high: float):
+    """An argparse type: a finite number from `low` to `high`, both > 0 where the planner divides by it: 0,
+    a subnormal or an infinity would make a step take no time or forever, and NaN anything."""
+    what = f"a number from {low:g} to {high:g}"
 
     def check(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = None
-        if value is None or not (0 <= value <= 1 if allow_zero else 0 < value <= 1):
-            raise argparse.ArgumentTypeError(f"must be {what}, got '{text}'")
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(must_be_text(what, text))
         return value
-
     check.__name__ = what
     return check
+
+
+def must_be_text(what: str, text: str) -> str:
+    return f"must be {what}, got '{shown(text)}'"
+
+
+# the ranges the planner takes its figures in, from flags and from results files alike: wide enough for any
+# device (a CPU measured at 0.01 TFLOP/s, a link at 0.1 GB/s) and narrow enough that no figure is 0, subnormal,
+# infinite or NaN, where a step time or an efficiency is divided by it
+TFLOPS = (1e-6, 1e6)      # a device's peak, TFLOP/s
+MFU = (1e-6, 1.0)         # the share of the peak a step reaches
+GBPS = (1e-6, 1e6)        # a bus bandwidth, GB/s
+LATENCY_US = (0.0, 1e9)   # one collective call's fixed cost, microseconds
+BUCKET_MB = (1e-6, 1e6)   # a gradient bucket, MiB: at least one byte
+SECONDS = (1e-9, 3600.0)  # a measured time of one collective call
 
 
 # --gpu -> (profile.PEAK_TFLOPS key, memory in GiB as the driver reports it: 80 GB parts show 79.2)
@@ -78,28 +106,52 @@ def read_json(path: Path, option: str) -> dict:
     return data
 
 
+def field(path: Path, option: str, index: int, row: dict, key: str, bounds=None, integer: bool = False):
+    """rows[index][key] of a results file, a number (an integer where `integer`; never true or false, which
+    JSON's readers take for 1 and 0) within `bounds` (or >= 1 for an integer); else one line naming the
+    file, the row and the field."""
+    value = row.get(key)
+    low, high = bounds if bounds else (1, float("inf"))
+    kind = "an integer" if integer else "a number"
+    what = f"{kind} from {low:g} to {high:g}" if bounds else f"{kind} >= 1"
+    fits = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not fits or not math.isfinite(value) or not low <= value <= high:
+        raise XtrainError(f"{option} '{path}': rows[{index}].{key} must be {what}, got "
+                          f"{shown(json.dumps(value)) if key in row else 'nothing'}")
+    return value
+
+
 def bench_gpu_mfu(path: Path, preset: str | None, precision: str) -> tuple[float, dict]:
     """The MFU a bench_gpu results file measured for our fastest row of this preset and precision (any
-    shape), and that row."""
-    rows = [r for r in read_json(path, "--from-bench-gpu")["rows"]
+    shape), and that row. Every such row's MFU is checked (field), not only the best one's: a NaN compares
+    as neither larger nor smaller, and would pick a row by accident."""
+    option = "--from-bench-gpu"
+    rows = [(i, r) for i, r in enumerate(read_json(path, option)["rows"])
             if isinstance(r, dict) and str(r.get("impl", "")).startswith("ours") and r.get("preset") == preset
-            and r.get("precision") == precision and isinstance(r.get("mfu"), (int, float))]
+            and r.get("precision") == precision]
     if not rows:
         raise XtrainError(f"--from-bench-gpu '{path}' has no row of ours for --model {preset} at --precision "
                           f"{precision}")
-    best = max(rows, key=lambda r: r["mfu"])
-    return float(best["mfu"]), best
+    mfus = [(field(path, option, i, r, "mfu", MFU), r) for i, r in rows]
+    mfu, best = max(mfus, key=lambda m: m[0])
+    return float(mfu), best
 
 
 def bench_collectives_bus(path: Path, world: int | None = None) -> tuple[float, float, dict]:
     """(bus GB/s, per-call latency in seconds, the row): a bench_collectives results file's all_reduce at
     `world` ranks (its largest world where it has not measured that one) and its largest size there (the bus
-    bandwidth), and the time of its smallest size (the call's cost)."""
-    rows = [r for r in read_json(path, "--from-bench-collectives")["rows"]
-            if isinstance(r, dict) and r.get("op") == "all_reduce"
-            and all(isinstance(r.get(k), (int, float)) for k in ("world", "bytes", "median_s", "busbw_gbs"))]
+    bandwidth), and the time of its smallest size (the call's cost). Every all_reduce row is checked (field)."""
+    option = "--from-bench-collectives"
+    rows = [(i, r) for i, r in enumerate(read_json(path, option)["rows"])
+            if isinstance(r, dict) and r.get("op") == "all_reduce"]
     if not rows:
         raise XtrainError(f"--from-bench-collectives '{path}' has no all_reduce rows")
+    for i, r in rows:
+        field(path, option, i, r, "world", integer=True)
+        field(path, option, i, r, "bytes", integer=True)
+        field(path, option, i, r, "median_s", SECONDS)
+        field(path, option, i, r, "busbw_gbs", GBPS)
+    rows = [r for _, r in rows]
     worlds = {r["world"] for r in rows}
     world = world if world in worlds else max(worlds)
     at_world = [r for r in rows if r["world"] == world]
@@ -142,25 +194,25 @@ def build_parser() -> OneLineParser:
     mesh.add_argument("--pp", type=positive_int, default=1, help="pipeline parallelism (a projection)")
     hw = ap.add_argument_group("the hardware")
     hw.add_argument("--gpu", choices=tuple(GPUS), default="h100", help="its peak (profile.py) and memory")
-    hw.add_argument("--peak-tflops", type=positive_float, default=None,
+    hw.add_argument("--peak-tflops", type=number_in(*TFLOPS), default=None,
                     help="a device's peak at --precision instead of --gpu's (a CPU's, measured)")
-    hw.add_argument("--mfu", type=share_of_one(False), default=0.4, help="the share of the peak a step reaches")
+    hw.add_argument("--mfu", type=number_in(*MFU), default=0.4, help="the share of the peak a step reaches")
     hw.add_argument("--from-bench-gpu", type=path_arg, default=None,
                     help="a bin/bench_gpu JSON: the MFU it measured for the preset at --precision")
-    hw.add_argument("--bus-gbps", type=positive_float, default=None,
+    hw.add_argument("--bus-gbps", type=number_in(*GBPS), default=None,
                     help="all-reduce bus bandwidth inside a node in GB/s (nccl-tests' busbw)")
     hw.add_argument("--from-bench-collectives", type=path_arg, default=None,
                     help="a bin/bench_collectives JSON: its all_reduce busbw and per-call time at dp ranks (or "
                     "its largest world)")
-    hw.add_argument("--inter-node-gbps", type=positive_float, default=None,
+    hw.add_argument("--inter-node-gbps", type=number_in(*GBPS), default=None,
                     help="the bus bandwidth once the data-parallel ring spans nodes (default --bus-gbps)")
-    hw.add_argument("--tp-bus-gbps", type=positive_float, default=None,
+    hw.add_argument("--tp-bus-gbps", type=number_in(*GBPS), default=None,
                     help="the tensor- and pipeline-parallel links' (default --bus-gbps)")
     hw.add_argument("--node-gpus", type=positive_int, default=8, help="GPUs per node")
-    hw.add_argument("--latency-us", type=non_negative_float, default=None,
+    hw.add_argument("--latency-us", type=number_in(*LATENCY_US), default=None,
                     help="the fixed cost of one collective call (default 0, or --from-bench-collectives')")
-    hw.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MiB")
-    hw.add_argument("--overlap", type=share_of_one(True), default=1.0,
+    hw.add_argument("--bucket-mb", type=number_in(*BUCKET_MB), default=25.0, help="gradient bucket size in MiB")
+    hw.add_argument("--overlap", type=share_of_one, default=1.0,
                     help="the share of backward under which gradient buckets travel")
     out = ap.add_argument_group("output")
     out.add_argument("--max-gpus", type=positive_int, default=1024, help="the scaling table's last row")

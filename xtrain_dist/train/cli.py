@@ -34,7 +34,7 @@ from ..command import (
 )
 from ..config import PRESETS, TrainConfig
 from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER
-from ..errors import XtrainError
+from ..errors import MachineWide, XtrainError, shown
 from ..model import ATTENTIONS, RECOMPUTE_LEVELS
 from ..optim import LR_SCHEDULES
 from ..parallel import ddp
@@ -45,7 +45,7 @@ from . import memory
 from .graph import MODES as GRAPH_MODES
 from .job import PROG, STOPPED, train
 from .launch import RankFailed
-from .preflight import AUTO_RESUME, RunComplete
+from .preflight import AUTO_RESUME, NO_RESUME, RunComplete, config_beside
 
 EXAMPLES = """examples:
   xtrain-train 300 16 64 --world-size 2 --report runs/tiny.json
@@ -153,7 +153,8 @@ def build_parser() -> OneLineParser:
     g.add_argument("--resume", metavar="DIR", type=non_empty_path, default=None,
                    help=f"continue the run whose checkpoint is DIR; '{AUTO_RESUME}': the checkpoint in --save-dir "
                         "where there is one, else start at step 1; nothing (exit 0) once it holds STEPS steps (one "
-                        "command for a job's start and its requeues)")
+                        "command for a job's start and its requeues); 'none': start at step 1 (over a --config "
+                        "file's resume)")
     g.add_argument("--eval-every", metavar="N", type=non_negative_int, default=0,
                    help="validation loss every N steps and at the end (default 0: at the end only)")
     g.add_argument("--eval-batches", metavar="N", type=non_negative_int, default=20,
@@ -238,10 +239,10 @@ def _config_value(action: argparse.Action, key: str, value, where: str):
         kind, fits = "a string", isinstance(value, str)
     if not fits:
         try:
-            shown = config_file.dumps({key: value}).partition(" = ")[2].strip()
+            given = shown(config_file.dumps({key: value}).partition(" = ")[2].strip())
         except TypeError:  # a table
-            shown = f"a {type(value).__name__}"
-        raise XtrainError(f"{where}: {key} must be {kind}, got {shown}")
+            given = f"a {type(value).__name__}"
+        raise XtrainError(f"{where}: {key} must be {kind}, got {given}")
     if isinstance(action, argparse._StoreTrueAction):
         return value
     try:
@@ -249,15 +250,18 @@ def _config_value(action: argparse.Action, key: str, value, where: str):
     except argparse.ArgumentTypeError as err:
         raise XtrainError(f"{where}: {key} {err}") from None
     if action.choices is not None and parsed not in action.choices:
-        raise XtrainError(f"{where}: {key} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+        raise XtrainError(f"{where}: {key} must be one of {', '.join(map(str, action.choices))}, got "
+                          f"{shown(repr(value))}")
     return parsed
 
 
 def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the values of the --config file at `path` the parser's defaults, so that the command line
-    overrides them; a positional the file gives (steps, batch, ...) need not be on the command line."""
+    overrides them; a positional the file gives (steps, batch, ...) need not be on the command line.
+    Returns dest -> (the built-in default, the file's value) for each key of the file."""
     where = f"--config '{path}'"
     actions = config_actions(parser)
+    values = {}
     for key, value in config_file.read(path, "--config").items():
         action = actions.get(key)
         if action is None:
@@ -265,10 +269,12 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
             hint = f" (the option is spelled '{spelled}')" if spelled in actions and spelled != key else ""
             raise XtrainError(f"{where}: unknown key '{key}'{hint}: keys are the options without their dashes, "
                               "and steps, batch, seq, tokenizer, corpus")
-        action.default = _config_value(action, key, value, where)
+        values[action.dest] = action.default, _config_value(action, key, value, where)
+        action.default = values[action.dest][1]
     for action in parser._actions:
         if not action.option_strings:  # the file may give them: the command line fills them in order, over it
             action.nargs = "?"
+    return values
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -281,8 +287,7 @@ def _config_path(argv: list[str]) -> str | None:
 def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     parser = build_parser()
     config = _config_path(argv)
-    if config is not None:
-        apply_config_file(parser, config)
+    file_values = apply_config_file(parser, config) if config is not None else {}
     args = parser.parse_intermixed_args(argv)  # TOKENIZER CORPUS may come after options too
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) is None:
@@ -295,23 +300,9 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     if args.tp == 1 and args.pp == 1 and args.batch < world_size:
         raise XtrainError(f"BATCH ({args.batch}) must be at least the world size ({world_size}): "
                           "every rank needs a sequence")
-    for flag, value in (("--save-every", args.save_every), ("--keep-every", args.keep_every)):
-        if value and not args.save_dir:
-            raise XtrainError(f"{flag} needs --save-dir")
-    if args.min_lr is not None and args.lr_schedule == "constant":
-        raise XtrainError("--min-lr has no effect with --lr-schedule constant")
-    if args.lr_decay_steps is not None and args.lr_schedule == "constant":
-        # it would only move the warmup's default (a twentieth of it): say which option sets the warmup
-        raise XtrainError("--lr-decay-steps is for a schedule that decays, not --lr-schedule constant; "
-                          "the warmup is --warmup-steps (default STEPS/20)")
-    for flag, value in (("--sample-tokens", args.sample_tokens), ("--sample-prompt", args.sample_prompt)):
-        if value and not args.sample_every:
-            raise XtrainError(f"{flag} needs --sample-every")
-    for flag, value in (("--rdzv-bind", args.rdzv_bind), ("--rdzv-advertise", args.rdzv_advertise),
-                        ("--rdzv-timeout", args.rdzv_timeout)):
-        if value is not None and not launch.multi_process:  # it would be ignored: no other process to meet
-            raise XtrainError(f"{flag} is for a job of several processes (started by torchrun, srun or mpirun); "
-                              "this one runs alone")
+    if args.resume == NO_RESUME:  # over a --config file's resume: this run starts at step 1
+        args.resume = None
+    refuse_without_effect(args, given_options(parser, argv, file_values), launch)
     return TrainConfig(
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
@@ -323,10 +314,11 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, tf32=args.tf32,
         matmul=args.matmul,
-        report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
+        config=str(config or ""), report=args.report, log_every=args.log_every, profile_step=args.profile_step or 0,
         comm=args.comm, rdzv_bind=args.rdzv_bind, rdzv_advertise=args.rdzv_advertise,
         rdzv_timeout_s=TrainConfig.rdzv_timeout_s if args.rdzv_timeout is None else args.rdzv_timeout,
-        save_dir=args.save_dir, save_every=args.save_every, keep_every=args.keep_every, resume=args.resume,
+        save_dir=args.save_dir, save_every=args.save_every, keep_every=args.keep_every,
+        resume=args.resume,
         init_from=args.init_from,
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
         hellaswag=args.hellaswag or "", metrics=args.metrics, tensorboard=args.tensorboard,
@@ -340,24 +332,68 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
     ).resolved()
 
 
+# ------------------------------------------------------------------------------ options without effect
+# An option that does something only beside another: (its flag, whether this run gives it an effect, the line
+# that refuses it where not). One table, so that every such pair is refused alike; an option counts as given
+# where the command line names it, or the --config file sets it to other than its default (a file a run wrote
+# holds every option, the ones left to their defaults too).
+_ALONE = "is for a job of several processes (started by torchrun, srun or mpirun); this one runs alone"
+WITHOUT_EFFECT = [
+    ("--save-every", lambda a, launch: bool(a.save_dir), "--save-every needs --save-dir"),
+    ("--keep-every", lambda a, launch: bool(a.save_dir), "--keep-every needs --save-dir"),
+    ("--min-lr", lambda a, launch: a.lr_schedule != "constant", "--min-lr has no effect with --lr-schedule constant"),
+    # it would only move the warmup's default (a twentieth of it): say which option sets the warmup
+    ("--lr-decay-steps", lambda a, launch: a.lr_schedule != "constant",
+     "--lr-decay-steps is for a schedule that decays, not --lr-schedule constant; the warmup is --warmup-steps "
+     "(default STEPS/20)"),
+    ("--sample-tokens", lambda a, launch: bool(a.sample_every), "--sample-tokens needs --sample-every"),
+    ("--sample-prompt", lambda a, launch: bool(a.sample_every), "--sample-prompt needs --sample-every"),
+    ("--rdzv-bind", lambda a, launch: launch.multi_process, f"--rdzv-bind {_ALONE}"),
+    ("--rdzv-advertise", lambda a, launch: launch.multi_process, f"--rdzv-advertise {_ALONE}"),
+    ("--rdzv-timeout", lambda a, launch: launch.multi_process, f"--rdzv-timeout {_ALONE}"),
+    ("--pp-schedule", lambda a, launch: a.pp > 1, "--pp-schedule has no effect without --pp (2 or more stages)"),
+    ("--powersgd-rank", lambda a, launch: a.grad_compress == "powersgd",
+     "--powersgd-rank has no effect without --grad-compress powersgd"),
+    ("--powersgd-start-step", lambda a, launch: a.grad_compress == "powersgd",
+     "--powersgd-start-step has no effect without --grad-compress powersgd"),
+    ("--bucket-mb", lambda a, launch: a.grad_sync == "bucketed",
+     "--bucket-mb has no effect without --grad-sync bucketed"),
+]
+_NOT_GIVEN = object()
+
+
+def given_options(parser: argparse.ArgumentParser, argv: list[str], file_values: dict) -> set[str]:
+    """The dests the command line sets (parsed again with every default a marker), and those the --config
+    file sets to other than their built-in defaults (`file_values`, from apply_config_file)."""
+    defaults = {action: action.default for action in parser._actions}
+    try:
+        for action in defaults:
+            action.default = _NOT_GIVEN
+        parsed = vars(parser.parse_intermixed_args(argv))
+    finally:
+        for action, default in defaults.items():
+            action.default = default
+    return ({dest for dest, value in parsed.items() if value is not _NOT_GIVEN}
+            | {dest for dest, (default, value) in file_values.items() if value != default})
+
+
+def refuse_without_effect(args: argparse.Namespace, given: set[str], launch: Launch) -> None:
+    """One line for the first option of WITHOUT_EFFECT given where this run gives it no effect."""
+    for flag, in_effect, line in WITHOUT_EFFECT:
+        if flag.removeprefix("--").replace("-", "_") in given and not in_effect(args, launch):
+            raise XtrainError(line)
+
+
 def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
-    """Every argument's value as the run uses it, keyed for a --config file; the shipped data's paths where
-    TOKENIZER and CORPUS were not given, and nothing for an option left to its derived default (None)."""
-    shipped = {"tokenizer": str(DEFAULT_TOKENIZER), "corpus": str(DEFAULT_CORPUS)}
+    """Every argument's value as the run uses it, keyed for a --config file, paths as they were given (a
+    relative path stays relative); nothing for an option left to its derived default (None), nor for
+    TOKENIZER and CORPUS where they were not given: the shipped data, wherever this copy is installed."""
     options = {}
     for key, action in config_actions(parser).items():
         value = getattr(args, action.dest)
-        if value is None:
-            value = shipped.get(key)
         if value is not None:
             options[key] = value
     return options
-
-
-def config_beside(report) -> Path:
-    """Where a run writes its configuration beside its --report: report.json -> report.config.toml."""
-    report = Path(report)
-    return report.with_name(f"{report.stem}.config.toml")
 
 
 def profile_table(profile: dict) -> str:
@@ -403,6 +439,10 @@ def _main(argv: list[str]) -> int:
         raise
     try:
         report = train(cfg)
+    except MachineWide:
+        if detect_launch().local_rank != 0:  # the machine's first process says it for all of them
+            return 2
+        raise
     except RunComplete as done:
         if detect_launch().process_rank == 0:
             print(done)

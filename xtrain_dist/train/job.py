@@ -68,11 +68,11 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None, log=print, launch: Lau
         report_failure_before_world(launch, reason, bind=cfg.rdzv_bind, advertise=cfg.rdzv_advertise,
                                     timeout_s=min(cfg.rdzv_timeout_s, 30.0), wait=False)
         raise
-    try:  # --save-dir stays this run's until it ends (preflight.prepare took it)
+    try:  # the outputs stay this run's until it ends (preflight.prepare took them)
         return run_prepared(ready, launch, local_world, log, stop)
     finally:
-        if ready.save_lock:
-            ready.save_lock.release()
+        for lock in ready.locks:
+            lock.release()
 
 
 def run_prepared(ready: Prepared, launch: Launch, local_world: int, log, stop: "StopRequest | None") -> dict:

@@ -1,5 +1,6 @@
 """train_rank: the training loop every rank runs, whatever the backend, communicator or world size."""
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -336,9 +337,13 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                     break
             else:
                 behind = queued
-    finally:
-        if events is not None:
-            events.close()
+    except BaseException:
+        if events is not None:  # the run fails for its own reason: a write error of the event file is not it
+            with contextlib.suppress(XtrainError):
+                events.close()
+        raise
+    if events is not None:
+        events.close()
 
     result.param_sha256 = param_sha256(model)
     return result

@@ -20,7 +20,7 @@ from ..backend.cuda import cublas, cublaslt
 from ..config import GPTConfig
 from ..errors import XtrainError
 from ..model import param_layout, stage_blocks
-from ..parallel.pipeline import peak_in_flight, schedule
+from ..parallel.pipeline import schedule_peak_in_flight
 from ..parallel.powersgd import state_elements
 from ..parallel.zero import shard_bounds
 
@@ -131,7 +131,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
         # ZeRO-1 shards the rank's flat buffer over its data-parallel group
         lo, hi = shard_bounds(size, dp)[dp_index] if cfg.zero else (0, size)
         # one micro-batch at a time without a pipeline (gradient accumulation), whatever --pp-schedule says
-        in_flight = peak_in_flight(schedule(cfg.pp_schedule, pp, cfg.grad_accum, stage)) if pp > 1 else 1
+        in_flight = schedule_peak_in_flight(cfg.pp_schedule, pp, cfg.grad_accum, stage) if pp > 1 else 1
         # the rank takes the sequences i % dp == its data-parallel index, then cuts them into --grad-accum
         # micro-batches
         rows = len(range(dp_index, cfg.batch, dp))

@@ -5,7 +5,8 @@ trains, so bad input never costs a rendezvous, a compile or a half-written check
 """
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from .. import files, precision
 from ..backend import numpy_ops, rank_device
@@ -26,6 +27,7 @@ from .cadence import Cadence, kept_folder
 from .graph import MODES as GRAPH_MODES
 
 AUTO_RESUME = "auto"  # --resume auto
+NO_RESUME = "none"  # --resume none: start at step 1, whatever a --config file says
 
 
 def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
@@ -74,29 +76,90 @@ def resolve_auto(cfg: TrainConfig, model) -> tuple[TrainConfig, str]:
     return replace(cfg, attention=choice.attention, matmul=choice.matmul), choice.line(cfg.cuda_graph)
 
 
+def config_beside(report) -> Path:
+    """Where a run writes its configuration beside its --report: report.json -> report.config.toml."""
+    report = Path(report)
+    return report.with_name(f"{report.stem}.config.toml")
+
+
+# what each output holds, for the line that refuses two of them on one path
+_OUTPUT_NOUNS = {"--save-dir": "checkpoint", "--report": "report", "--report's configuration": "configuration",
+                 "--metrics": "metrics", "--tensorboard": "event files"}
+
+
+def run_outputs(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """Every path a run writes, (flag, path), known before its first step: the checkpoint folder, the report
+    and the configuration written beside it (not beside a device or a pipe, which has no folder of its
+    own), the metrics file and the TensorBoard folder. (The kept checkpoints, DIR.stepNNNNNN, lie beside
+    DIR, and what --profile-step and --sample-every produce goes to the console and into the report.)"""
+    outputs = [("--save-dir", cfg.save_dir), ("--report", cfg.report)]
+    if cfg.report and not files.written_in_place(Path(cfg.report)):
+        outputs.append(("--report's configuration", str(config_beside(cfg.report))))
+    outputs += [("--metrics", cfg.metrics), ("--tensorboard", cfg.tensorboard)]
+    return [(flag, path) for flag, path in outputs if path]
+
+
 def check_outputs(cfg: TrainConfig) -> None:
-    """Refuse a run that would write over its own files: --report or --metrics on the tokenizer, the corpus
-    or each other, or inside the folder of --resume or --init-from (which it reads) or of --save-dir (which
-    every save replaces whole, so the corpus may not lie there either). Files are compared, not names, so a
-    relative path, a symlink or a hard link is caught too."""
-    outputs = [(flag, path) for flag, path in (("--report", cfg.report), ("--metrics", cfg.metrics)) if path]
+    """Refuse a run that would write over its own files, before anything is touched: an output on an input
+    file (the tokenizer, the corpora, the --hellaswag file, the --config file), two outputs on one path,
+    an output inside the folder of --resume or --init-from (which it reads), and an output or a corpus
+    inside --save-dir (which every save replaces whole). Files are compared, not names, so a relative path,
+    a symlink or a hard link is caught too."""
+    outputs = run_outputs(cfg)
     inputs = [("the tokenizer", cfg.tokenizer), ("the corpus", cfg.corpus), ("the validation corpus", cfg.val_corpus),
-              ("the --hellaswag file", cfg.hellaswag)]
+              ("the --hellaswag file", cfg.hellaswag), ("the --config file", cfg.config)]
     for flag, out in outputs:
+        if flag == "--report's configuration" and cfg.config and files.same_file(out, cfg.config):
+            # the replay of a written configuration, as it stands: the report beside it is the first run's
+            raise XtrainError(f"--report '{cfg.report}' would write its configuration over the --config file "
+                              f"'{cfg.config}': give another --report")
         files.refuse_output_on_inputs(out, flag, inputs, "the run would write into its own input")
-    if len(outputs) == 2 and files.same_file(cfg.report, cfg.metrics):
-        raise XtrainError(f"--report '{cfg.report}' and --metrics '{cfg.metrics}' are the same file: the report "
-                          "would replace the metrics")
-    for flag, folder in (("--resume", cfg.resume), ("--init-from", cfg.init_from)):
+    for i, (flag, out) in enumerate(outputs):
+        for other, path in outputs[i + 1:]:
+            if files.same_file(out, path):
+                kind = "path" if {flag, other} & {"--save-dir", "--tensorboard"} else "file"
+                raise XtrainError(f"{flag} '{out}' and {other} '{path}' are the same {kind}: the "
+                                  f"{_OUTPUT_NOUNS[flag]} would replace the {_OUTPUT_NOUNS[other]}")
+    resume = cfg.resume if cfg.resume != AUTO_RESUME else None  # auto: --save-dir, where outputs are refused below
+    for flag, folder in (("--resume", resume), ("--init-from", cfg.init_from)):
         for name, path in outputs if folder else []:
-            if files.inside(path, folder):
+            if name != "--save-dir" and files.inside(path, folder):
                 raise XtrainError(f"{name} '{path}' is inside {flag} '{folder}': the run would write into the "
                                   "checkpoint it reads")
+    if cfg.save_dir and cfg.init_from and files.inside(cfg.save_dir, cfg.init_from):
+        raise XtrainError(f"--save-dir '{cfg.save_dir}' is inside --init-from '{cfg.init_from}': the run would "
+                          "write into the checkpoint it reads")
     inputs_in_run = [("corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus), ("--hellaswag", cfg.hellaswag)]
     for name, path in [*outputs, *inputs_in_run] if cfg.save_dir else []:
-        if path and files.inside(path, cfg.save_dir):
+        if name != "--save-dir" and path and files.inside(path, cfg.save_dir):
             raise XtrainError(f"{name} '{path}' is inside --save-dir '{cfg.save_dir}': every checkpoint save "
                               "replaces that folder")
+
+
+def hold_outputs(cfg: TrainConfig) -> list[files.OutputLock]:
+    """Take every output of the run for its whole life (files.OutputLock; the configuration beside --report
+    goes with it): a second run on any of them is refused in one line naming this one, before it touches
+    anything. A device or a pipe is shared, not held. On a refusal, what was taken is let go."""
+    consequences = {"--save-dir": "two runs would replace each other's checkpoints",
+                    "--report": "two runs would replace each other's report",
+                    "--metrics": "two runs would mix their records in one file",
+                    "--tensorboard": "two runs would mix their event files in one folder"}
+    writable = {"--report": lambda path: files.check_writable(path, "--report"),
+                "--report's configuration": lambda path: files.check_writable(path, "--report's configuration"),
+                "--metrics": metrics.check_path, "--tensorboard": tensorboard.check}
+    held = []
+    try:
+        for flag, path in run_outputs(cfg):
+            if flag in writable:  # before the lock, which makes its folders: a path through a file is said as such
+                writable[flag](path)
+            if flag in consequences and not files.written_in_place(Path(path)):
+                held.append(store.SaveDirLock(path) if flag == "--save-dir" else
+                            files.OutputLock(path, flag, consequences[flag]))
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+    return held
 
 
 # what every process of a run must agree on; paths and addresses may differ from node to node, and so may
@@ -105,7 +168,7 @@ def check_outputs(cfg: TrainConfig) -> None:
 _PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_from", "report", "metrics", "log_every",
                        "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "recompute", "sample_every",
                        "sample_tokens", "sample_prompt", "extra", "options",
-                       "tensorboard"}
+                       "tensorboard", "config"}
 
 
 @dataclass
@@ -119,20 +182,22 @@ class Prepared:
     resume_from: object         # the verified checkpoint to resume from, or None
     init_weights: dict | None   # the --init-from parameters
     hellaswag: list | None      # the --hellaswag examples
-    save_lock: store.SaveDirLock | None = None  # --save-dir held for the run (process rank 0)
+    locks: list = field(default_factory=list)  # the outputs held for the run (process rank 0): hold_outputs
 
 
 def prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_world: int, log) -> Prepared:
     """Everything a process checks and loads before it meets the others, or one XtrainError naming what
-    is wrong. The process that writes the checkpoints first takes --save-dir for the run (store.SaveDirLock,
-    in Prepared.save_lock for the caller to release at the end), before anything reads or clears it: a
-    second run on the folder, refused, must not have touched the first run's save in progress."""
-    save_lock = store.SaveDirLock(cfg.save_dir) if cfg.save_dir and launch.process_rank == 0 else None
+    is wrong. The outputs are checked against each other and the inputs first (check_outputs), then the
+    process that writes them takes them for the run (hold_outputs, in Prepared.locks for the caller to
+    release at the end), before anything reads or clears them: a second run on --save-dir, refused, must
+    not have touched the first run's save in progress."""
+    check_outputs(cfg)
+    locks = hold_outputs(cfg) if launch.process_rank == 0 else []
     try:
-        return replace(_prepare(cfg, corpus, launch, local_world, log), save_lock=save_lock)
+        return replace(_prepare(cfg, corpus, launch, local_world, log), locks=locks)
     except BaseException:
-        if save_lock:
-            save_lock.release()
+        for lock in locks:
+            lock.release()
         raise
 
 
@@ -141,7 +206,6 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         cfg = replace(cfg, tokenizer=cfg.tokenizer or str(DEFAULT_TOKENIZER), corpus=cfg.corpus or str(DEFAULT_CORPUS))
     auto_resume = cfg.resume == AUTO_RESUME
     cfg = resolve_auto_resume(cfg)
-    check_outputs(cfg)
     gpus = 0
     if cfg.backend == "cuda":  # a missing CUDA is one clean line, before anything starts
         from ..backend.cuda.device import device_count
@@ -176,10 +240,6 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         metrics.check_path(cfg.metrics)
         if launch.process_rank == 0 and not (cfg.resume or auto_resume):  # the process whose rank 0 writes it
             metrics.refuse_another_runs_records(cfg.metrics)
-    if cfg.report and launch.process_rank == 0:
-        files.check_writable(cfg.report, "--report")
-    if cfg.tensorboard and launch.process_rank == 0:
-        tensorboard.check(cfg.tensorboard)
     cfg = evaluate.check(cfg, corpus, log)
     examples = hellaswag.load(cfg, corpus) if cfg.hellaswag else None
     if cfg.sample_every and launch.process_rank == 0:  # where rank 0 will draw: a prompt it cannot encode fails now

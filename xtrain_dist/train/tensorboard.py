@@ -7,7 +7,9 @@ eval/hellaswag (a field a strategy adds goes under train/). A run that is resume
 beside the old ones, and TensorBoard shows both as one run.
 """
 
+import contextlib
 import os
+import time
 from pathlib import Path
 
 from .. import files
@@ -45,15 +47,42 @@ def tag(key: str) -> str:
 
 
 class EventLog:
-    """Rank 0's event file: one scalar per number of each record, at the record's step."""
+    """Rank 0's event file: one scalar per number of each record, at the record's step.
 
-    def __init__(self, logdir):
-        self.writer = summary_writer_class()(logdir=str(logdir), flush_secs=FLUSH_S)
+    Written on rank 0's own thread, not through SummaryWriter's writer thread: that thread dies on a write
+    error (a full disk) with a traceback, and the next records fill its queue and block rank 0 for good,
+    with no checkpoint and no line. Here a write error is one XtrainError naming the folder and the cause,
+    which ends the run like any rank's failure. The records are buffered and flushed every FLUSH_S seconds
+    and at close."""
+
+    def __init__(self, logdir, clock=time.monotonic):
+        summary_writer_class()  # the import check's line, should the extra be missing
+        from tensorboardX.event_file_writer import EventsWriter
+        self.logdir, self.clock = str(logdir), clock
+        with self._writing():
+            os.makedirs(self.logdir, exist_ok=True)
+            self.events = EventsWriter(os.path.join(self.logdir, "events"))
+        self.flushed_at = clock()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        try:
+            yield
+        except OSError as err:
+            raise XtrainError(f"--tensorboard '{self.logdir}' cannot be written ({err.strerror or err})") from None
 
     def write(self, record: dict) -> None:
-        for key, value in record.items():
-            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                self.writer.add_scalar(tag(key), value, record["step"])
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+        with self._writing():
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self.events.write_event(Event(wall_time=time.time(), step=record["step"],
+                                                  summary=scalar(tag(key), value)))
+            if self.clock() - self.flushed_at >= FLUSH_S:
+                self.events.flush()
+                self.flushed_at = self.clock()
 
     def close(self) -> None:
-        self.writer.close()
+        with self._writing():
+            self.events.close()

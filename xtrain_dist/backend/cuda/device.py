@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from ...errors import XtrainError, install_hint
+from ...errors import MachineWide, XtrainError, install_hint
 
 try:  # the module imports without CuPy, so the kernel sources and options can be checked anywhere
     import cupy
@@ -44,14 +44,14 @@ def driver_present() -> bool:
 def device_count() -> int:
     """How many CUDA devices this process sees; XtrainError if CuPy or a device is missing."""
     if cupy is None:
-        raise XtrainError(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} ({install_hint('cuda')})")
+        raise MachineWide(f"--backend cuda needs CuPy: {_CUPY_IMPORT_ERROR} ({install_hint('cuda')})")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as e:
         if e.status in (CUDA_ERROR_INSUFFICIENT_DRIVER, CUDA_ERROR_NO_DEVICE) and not driver_present():
             # the runtime reports a missing driver as one too old for it: say what is really the case
-            raise XtrainError("--backend cuda: no CUDA device or driver is present on this machine "
+            raise MachineWide("--backend cuda: no CUDA device or driver is present on this machine "
                               f"({DRIVER_LIBRARY} cannot be loaded)") from None
         raise XtrainError(f"--backend cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible}): {e}") \
             from None
