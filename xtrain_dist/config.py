@@ -113,6 +113,7 @@ class TrainConfig:
     dtype: str = "fp32"             # fp32 | bf16: bf16 activations and matmuls, fp32 master weights and grads
     attention: str = "standard"     # standard | flash: keep the T x T probabilities, or recompute them (model.py)
     recompute: int = 0              # 0 | 1 | 2: backward recomputes GELU (1), and the layernorms (2) (model.py)
+    dropout: float = 0.0            # Hugging Face GPT-2's three dropouts, Philox masks (backend/dropout.py); 0: off
     # output
     report: str | None = None
     log_every: int = 1

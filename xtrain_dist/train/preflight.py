@@ -18,7 +18,7 @@ from ..config import PRESETS, TrainConfig, model_config
 from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from ..errors import XtrainError
 from ..eval import evaluate, hellaswag, sample
-from ..model import check_recompute
+from ..model import check_dropout_attention, check_recompute
 from ..optim import check_schedule
 from ..parallel import ddp, pipeline, tensor
 from . import memory, metrics, tensorboard
@@ -47,6 +47,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
         raise XtrainError(f"--all-reduce must be one of {', '.join(ALL_REDUCES)}, not {cfg.all_reduce!r}")
     precision.check_config(cfg)
     check_recompute(cfg.recompute)
+    check_dropout_attention(cfg.dropout, cfg.attention)
     if cfg.attention == "flash" and cfg.backend == "cuda":
         from ..backend.cuda.ops import check_flash_attention
         check_flash_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
