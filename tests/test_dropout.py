@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -148,7 +149,7 @@ class Recording(NumpyBackend):
     global sequence, global head) -> the row's keep bits, drawn by the op itself (on ones, so that no
     element's zero hides its bit)."""
 
-    masks: dict = {}
+    masks: ClassVar[dict] = {}
     lock = threading.Lock()
 
     def dropout(self, x, s, wide=False):

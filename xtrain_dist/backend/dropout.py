@@ -47,9 +47,9 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     """Philox-4x32-10 of counters (c0, c1, c2, c3) under keys (k0, k1), elementwise over numpy arrays (or
     scalars) of uint32 -> four uint32 arrays. Ten rounds; the key is bumped by the Weyl constants before
     every round but the first, as in Random123 (whose known answers tests/test_dropout.py checks)."""
-    c = [np.asarray(x, dtype=np.uint64) for x in (c0, c1, c2, c3)]
-    k0, k1 = np.uint64(k0), np.uint64(k1)
     low = np.uint64(0xFFFFFFFF)
+    c = [np.asarray(x, dtype=np.uint64) & low for x in (c0, c1, c2, c3)]  # 32-bit words, as the kernel's casts
+    k0, k1 = np.uint64(k0), np.uint64(k1)
     for r in range(PHILOX_ROUNDS):
         if r:
             k0, k1 = (k0 + np.uint64(PHILOX_W0)) & low, (k1 + np.uint64(PHILOX_W1)) & low
