@@ -66,6 +66,21 @@ def test_a_mask_keeps_one_minus_p_and_scales_what_it_keeps():
         assert not np.array_equal(keep_mask(x.shape, other, int(other.step[0])), kept)
 
 
+@pytest.mark.parametrize("shape, groups, group0", [((2, 3, 5), 1, 0), ((2, 3, 5, 5), 3, 2), ((1, 2, 4, 4), 2, 1)])
+def test_every_element_takes_its_word_of_its_counter(shape, groups, group0):
+    """keep_mask's shared draws against the definition, one element at a time: word e & 3 of counter
+    (e >> 2, sequence, step, layer * 4 + site), e = (group0 + g) * L + l (groups not starting on a multiple of 4)."""
+    s = site(p=0.5, seed=2**40 + 9, kind=ATTENTION_PROBS, seq0=3, stride=5, groups=groups, group0=group0)
+    mask = keep_mask(shape, s, 11).reshape(shape[0], groups, -1)
+    L = mask.shape[-1]
+    for b in range(shape[0]):
+        for g in range(groups):
+            for l_ in range(L):
+                e = (group0 + g) * L + l_
+                words = philox4x32_10(e >> 2, 3 + 5 * b, 11, 1 * 4 + ATTENTION_PROBS, 9, 2**8)
+                assert mask[b, g, l_] == (int(words[e & 3]) >= 2**31), (b, g, l_)
+
+
 def test_a_slice_of_the_batch_or_the_heads_gets_that_slice_of_the_whole_mask():
     """What a rank holds (every world-th sequence; a tensor-parallel rank's heads) is keyed by its global place."""
     B, NH, T = 6, 4, 8

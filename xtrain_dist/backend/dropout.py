@@ -116,15 +116,23 @@ def check_elements(site: DropoutSite, shape: tuple[int, ...]) -> int:
 
 def keep_mask(shape: tuple[int, ...], site: DropoutSite, step: int) -> np.ndarray:
     """The mask of a tensor of `shape` at `site` in optimizer step `step` (the host's copy of site.step):
-    True where the element is kept."""
-    B = shape[0]
+    True where the element is kept.
+
+    Each counter's four words serve four elements, so Philox runs once per counter a group's elements span
+    (a quarter of the elements, and one more where a group does not start on a multiple of 4), and each
+    element takes its word from there: word k of counter q sits at 4 * (q - q0) + k of its group's row, which
+    for e = 4q + k is e - 4 * q0."""
+    B, G = shape[0], site.groups
     L = check_elements(site, shape)
-    b = np.arange(B, dtype=np.uint64)[:, None, None]
-    g = np.arange(site.groups, dtype=np.uint64)[None, :, None]
-    l_ = np.arange(L, dtype=np.uint64)[None, None, :]
-    e = (np.uint64(site.group0) + g) * np.uint64(L) + l_
-    seq = np.uint64(site.seq0) + b * np.uint64(site.seq_stride)
-    words = philox4x32_10(e >> np.uint64(2), seq, np.uint64(step), np.uint64(site.layer_site), *site.key)
-    lane = (e & np.uint64(3)).astype(np.intp)
-    bits = np.choose(lane, words)  # lane e & 3 of each element's four words
+    start = (np.uint64(site.group0) + np.arange(G, dtype=np.uint64)) * np.uint64(L)  # each group's first e
+    q0 = start >> np.uint64(2)  # each group's first counter
+    spanned = (L + 3) // 4 + 1  # the counters L elements span at most
+    q = q0[:, None] + np.arange(spanned, dtype=np.uint64)[None, :]  # (G, spanned)
+    seq = np.uint64(site.seq0) + np.arange(B, dtype=np.uint64) * np.uint64(site.seq_stride)
+    words = np.broadcast_arrays(*philox4x32_10(q[None], seq[:, None, None], np.uint64(step),
+                                               np.uint64(site.layer_site), *site.key))
+    row = np.stack(words, axis=-1).reshape(B, G, spanned * 4)
+    e = start[:, None] + np.arange(L, dtype=np.uint64)[None, :]  # (G, L)
+    index = (e - (q0[:, None] << np.uint64(2))).astype(np.intp)
+    bits = np.take_along_axis(row, np.broadcast_to(index, (B, G, L)), axis=-1)
     return (bits >= np.uint32(site.threshold)).reshape(shape)
