@@ -130,6 +130,7 @@ class TrainConfig:
     hellaswag: str = ""             # an llm.c eval file: multiple-choice accuracy at each evaluation (eval/hellaswag)
     metrics: str | None = None      # append one JSON line per step here
     tensorboard: str | None = None  # rank 0 writes the same records as TensorBoard event files here
+    wandb: str | None = None        # rank 0 logs the same scalars to this Weights & Biases project (train/wandb_log.py)
     sample_every: int = 0           # rank 0 draws text from the model every N steps and at the end; 0: never
     sample_tokens: int = 64         # tokens per draw
     sample_prompt: str = ""         # what the draw continues; "": <|endoftext|> (eval/sample.py)

@@ -170,6 +170,9 @@ def build_parser() -> OneLineParser:
     g.add_argument("--tensorboard", metavar="DIR", type=non_empty_path, default=None,
                    help="write the same records as TensorBoard event files into DIR (needs the [tensorboard] extra: "
                         "tensorboardX)")
+    g.add_argument("--wandb", metavar="PROJECT", default=None,
+                   help="log the same scalars to this Weights & Biases project (needs the [wandb] extra; "
+                        "WANDB_MODE=offline keeps the run on disk, no network needed)")
     g.add_argument("--sample-every", metavar="N", type=non_negative_int, default=0,
                    help="print text drawn from the model every N steps and at the end, as `python -m "
                         "xtrain_dist.sample` would from a checkpoint of that step with --seed SEED (default 0: never)")
@@ -333,6 +336,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         init_from=args.init_from,
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
         hellaswag=args.hellaswag or "", metrics=args.metrics, tensorboard=args.tensorboard,
+        wandb=args.wandb,
         sample_every=args.sample_every,
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,

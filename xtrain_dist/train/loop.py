@@ -30,6 +30,7 @@ from . import metrics
 from .cadence import Cadence
 from .graph import StepGraph, unsupported
 from .tensorboard import EventLog
+from .wandb_log import WandbLog
 
 
 @dataclass
@@ -292,6 +293,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             log(note)
         if events is not None:
             events.write(record)
+        if wandb_run is not None:
+            wandb_run.write(record)
         for folder in cadence.saves(done, stopping):
             save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
                  model=model, optimizer=optimizer, sampler=sampler, powersgd=powersgd)
@@ -303,6 +306,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
 
     progress = metrics.Progress(cfg.steps)
     events = EventLog(cfg.tensorboard) if rank == 0 and cfg.tensorboard else None
+    wandb_run = WandbLog(cfg.wandb, cfg.options) if rank == 0 and cfg.wandb is not None else None
     try:
         behind = None  # a step queued but not yet read: read once the next one is queued
         for step in range(start, cfg.steps):
@@ -352,6 +356,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     finally:
         if events is not None:
             events.close()
+        if wandb_run is not None:
+            wandb_run.close()
 
     result.param_sha256 = param_sha256(model)
     return result

@@ -21,7 +21,7 @@ from ..eval import evaluate, hellaswag, sample
 from ..model import check_dropout_attention, check_recompute
 from ..optim import check_schedule
 from ..parallel import ddp, pipeline, tensor
-from . import memory, metrics, tensorboard
+from . import memory, metrics, tensorboard, wandb_log
 from .cadence import Cadence, kept_folder
 from .graph import MODES as GRAPH_MODES
 
@@ -72,7 +72,8 @@ def check_outputs(cfg: TrainConfig) -> None:
                 raise XtrainError(f"{name} '{path}' is inside {flag} '{folder}': the run would write into the "
                                   "checkpoint it reads")
     inputs_in_run = [("corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus), ("--hellaswag", cfg.hellaswag)]
-    for name, path in [*outputs, *inputs_in_run] if cfg.save_dir else []:
+    written_folders = [("the --wandb folder", str(wandb_log.folder()))] if cfg.wandb is not None else []
+    for name, path in [*outputs, *inputs_in_run, *written_folders] if cfg.save_dir else []:
         if path and files.inside(path, cfg.save_dir):
             raise XtrainError(f"{name} '{path}' is inside --save-dir '{cfg.save_dir}': every checkpoint save "
                               "replaces that folder")
@@ -84,7 +85,7 @@ def check_outputs(cfg: TrainConfig) -> None:
 _PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_from", "report", "metrics", "log_every",
                        "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "recompute", "sample_every",
                        "sample_tokens", "sample_prompt", "extra", "options",
-                       "tensorboard"}
+                       "tensorboard", "wandb"}
 
 
 @dataclass
@@ -156,6 +157,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         files.check_writable(cfg.report, "--report")
     if cfg.tensorboard and launch.process_rank == 0:
         tensorboard.check(cfg.tensorboard)
+    if cfg.wandb is not None and launch.process_rank == 0:
+        wandb_log.check(cfg.wandb)
     cfg = evaluate.check(cfg, corpus, log)
     examples = hellaswag.load(cfg, corpus) if cfg.hellaswag else None
     if cfg.sample_every and launch.process_rank == 0:  # where rank 0 will draw: a prompt it cannot encode fails now

@@ -44,6 +44,12 @@ def tag(key: str) -> str:
     return f"{GROUPS.get(key, 'train')}/{key}"
 
 
+def scalars(record: dict) -> dict[str, float]:
+    """The scalars of a record, by tag: every number but the step (also what --wandb logs)."""
+    return {tag(key): value for key, value in record.items()
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)}
+
+
 class EventLog:
     """Rank 0's event file: one scalar per number of each record, at the record's step."""
 
@@ -51,9 +57,8 @@ class EventLog:
         self.writer = summary_writer_class()(logdir=str(logdir), flush_secs=FLUSH_S)
 
     def write(self, record: dict) -> None:
-        for key, value in record.items():
-            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                self.writer.add_scalar(tag(key), value, record["step"])
+        for name, value in scalars(record).items():
+            self.writer.add_scalar(name, value, record["step"])
 
     def close(self) -> None:
         self.writer.close()
