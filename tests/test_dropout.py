@@ -221,3 +221,18 @@ def test_dropout_with_flash_attention_is_one_line_and_exit_status_2():
     assert out.returncode == 2, out.stderr
     assert out.stderr.splitlines() == ["train_ddp: error: --dropout 0.1 needs --attention standard: --attention flash "
                                        "fuses the softmax into its kernels and keeps no probabilities to drop"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("dropout = 0.1", None),
+    ("dropout = 1", "dropout must be a number >= 0 and < 1, got '1'"),
+    ("dropout = true", "dropout must be a number, got true")])
+def test_a_config_file_gives_dropout_as_a_number(tmp_path, text, message):
+    (tmp_path / "run.toml").write_text(f"steps = 2\nbatch = 4\nseq = 16\n{text}\n")
+    argv = ["--config", str(tmp_path / "run.toml")]
+    if message is None:
+        assert parse_config(argv, Launch("single")).dropout == 0.1
+        return
+    with pytest.raises(XtrainError) as err:
+        parse_config(argv, Launch("single"))
+    assert str(err.value) == f"--config '{tmp_path / 'run.toml'}': {message}"
