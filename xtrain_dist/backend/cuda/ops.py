@@ -603,7 +603,7 @@ class CudaBackend(CublasProducts, DropoutOps):
         dv3, dq3, dk3 = (x.reshape(BH, T, hs) for x in (dv, dq, dk))
         for r0, r1 in _causal_chunks(T):
             self._gemm_batched(dy[:, r0:r1], v[:, :r1], datt[:, r0:r1, :r1], trans_b=True)         # dy v^T
-            self._gemm_batched(probs[:, r0:, r0:r1], dy[:, r0:], dv3[:, r0:r1], trans_a=True)      # att^T dy
+            self._gemm_batched(probs[:, r0:, r0:r1], dy[:, r0:], dv3[:, r0:r1], trans_a=True)      # probs^T dy
         if dropout is not None:  # the probabilities' gradient through the mask, in place
             self._dropout_into(datt.reshape(B, n_head, T, T), datt.reshape(B, n_head, T, T), dropout, wide=True)
         dscores = self._act_or_in_place(datt)
