@@ -23,6 +23,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
 from bf16_cases import SHAPES, assert_bf16_close, cases, upload  # noqa: E402
+from dropout_cases import DROPOUT_SHAPES, check_dropout_bitwise  # noqa: E402
 
 from xtrain_dist.backend.cuda import attention as cuda_attention  # noqa: E402
 from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
@@ -44,6 +45,12 @@ def be():
 
 def run_case(backend, case, host):
     return {name: backend.to_host(value) for name, value in case.run(backend, upload(backend, host)).items()}
+
+
+@pytest.mark.parametrize("shape, kind, groups, group0", DROPOUT_SHAPES)
+def test_dropout_is_bitwise_the_emulation(be, rng, shape, kind, groups, group0):
+    """In bf16 the kept values are rounded once, after the product, as the emulation's store() rounds them."""
+    check_dropout_bitwise(be, NumpyBackend("bf16"), rng, shape, kind, groups, group0)
 
 
 # ---------------------------------------------------------------------------- every op

@@ -20,11 +20,14 @@ cupy = pytest.importorskip("cupy")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
+from dropout_cases import DROPOUT_SHAPES, check_dropout_bitwise, dropout_site  # noqa: E402
+
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
 from xtrain_dist.backend.cuda import attention as cuda_attention  # noqa: E402
 from xtrain_dist.backend.cuda import cublas, cublaslt, gemm  # noqa: E402
 from xtrain_dist.backend.cuda import ops as cuda_ops  # noqa: E402
 from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
+from xtrain_dist.backend.dropout import ATTENTION_PROBS  # noqa: E402
 from xtrain_dist.config import model_config  # noqa: E402
 from xtrain_dist.model import GPT2  # noqa: E402
 
@@ -526,6 +529,28 @@ def test_attention_forward_backward(be, rng, b, t, c, nh):
     check(be.to_host(dqkv), want_dqkv, 2e-5, "dqkv")
 
 
+# ---------------------------------------------------------------------------- dropout (kernels/dropout.cu)
+
+@pytest.mark.parametrize("shape, kind, groups, group0", DROPOUT_SHAPES)
+def test_dropout_masks_and_values_are_bitwise_the_oracles(be, rng, shape, kind, groups, group0):
+    check_dropout_bitwise(be, ref.NumpyBackend("fp32"), rng, shape, kind, groups, group0)
+
+
+@pytest.mark.parametrize("b,t,c,nh", [(2, 33, 36, 4)])
+def test_attention_with_dropout_follows_numpy(be, rng, b, t, c, nh):
+    qkv, dout = randn(rng, b, t, 3 * c), randn(rng, b, t, c)
+    step = np.array([3], dtype=np.uint32)
+    host_site, site = (dropout_site(s, ATTENTION_PROBS, 1, 2, nh, nh) for s in (step, be.from_host(step)))
+    want_out, want_att = ref.attention_forward(qkv, nh, dropout=host_site)
+    assert not np.allclose(want_out, ref.attention_forward(qkv, nh)[0])
+    want_dqkv = ref.attention_backward(dout, qkv, want_att, nh, dropout=host_site)
+    out, att = be.attention_forward(be.from_host(qkv), nh, dropout=site)
+    check(be.to_host(out), want_out, 1e-5, "attention out")
+    check(be.to_host(att), want_att, 1e-5, "att")
+    dqkv = be.attention_backward(be.from_host(dout), be.from_host(qkv), att, nh, dropout=site)
+    check(be.to_host(dqkv), want_dqkv, 2e-5, "dqkv")
+
+
 @pytest.mark.parametrize("chunk", [8, 20, 32])
 @pytest.mark.parametrize("b,t,c,nh", [(2, 33, 36, 4), (1, 200, 64, 2)])
 def test_attention_in_causal_chunks(be, rng, monkeypatch, chunk, b, t, c, nh):
@@ -783,9 +808,15 @@ def test_the_clock_times_the_gpu_not_the_host(be, rng):
 
 # ---------------------------------------------------------------------------- the whole model
 
-def _model_step(backend, config, ids, targets, seed):
-    model = GPT2(config, backend, seed=seed)
+def _model_step(backend, config, ids, targets, seed, dropout=0.0):
+    model = GPT2(config, backend, seed=seed, dropout=dropout)
     dloss = 1.0 / ids.size
+    if dropout:  # a training step's forward: the batch's sequences 2, 4, ... of step 7
+        model.set_dropout_step(7)
+        losses, tape = model.stage_forward(backend.from_host(ids), None, backend.from_host(targets), dloss,
+                                           rows=(2, 2))
+        model.stage_backward(tape)
+        return model, float(backend.to_host(losses).mean()), backend.to_host(model.grads)
     losses = model.forward(backend.from_host(ids), backend.from_host(targets), dloss=dloss)
     model.backward()
     return model, float(backend.to_host(losses).mean()), backend.to_host(model.grads)
@@ -800,6 +831,18 @@ def test_tiny_model_loss_and_gradients_match_numpy(be, rng, request, vocab, matm
     _, loss_np, grads_np = _model_step(ref, config, ids, targets, seed)
     backend = request.getfixturevalue("be_lt") if matmul == "cublaslt" else be
     _, loss_cu, grads_cu = _model_step(backend, config, ids, targets, seed)
+    assert abs(loss_cu - loss_np) <= 1e-5 * abs(loss_np), (loss_cu, loss_np)
+    worst = float(np.abs(grads_cu - grads_np).max())
+    assert worst <= 1e-4 * float(np.abs(grads_np).max()), f"gradient max abs error {worst:.3g}"
+
+
+def test_tiny_model_with_dropout_matches_numpy(be, rng):
+    """Every dropout of a training step (embeddings, probabilities, both residual branches), forward and backward."""
+    config = model_config("tiny", 1001)
+    ids, targets = token_ids(rng, (B, T), 1001), token_ids(rng, (B, T), 1001)
+    _, loss_np, grads_np = _model_step(ref, config, ids, targets, 3, dropout=0.2)
+    _, loss_cu, grads_cu = _model_step(be, config, ids, targets, 3, dropout=0.2)
+    assert loss_np != _model_step(ref, config, ids, targets, 3)[1]
     assert abs(loss_cu - loss_np) <= 1e-5 * abs(loss_np), (loss_cu, loss_np)
     worst = float(np.abs(grads_cu - grads_np).max())
     assert worst <= 1e-4 * float(np.abs(grads_np).max()), f"gradient max abs error {worst:.3g}"
@@ -916,7 +959,8 @@ def test_ddp_two_virtual_ranks_match_single_rank_and_numpy():
 @pytest.mark.training
 @pytest.mark.parametrize("options", [
     {"grad_sync": "bucketed", "bucket_mb": 0.05}, {"grad_sync": "flat", "dtype": "bf16", "grad_accum": 2},
-    {"grad_sync": "per-param", "grad_compress": "bf16"}, {"zero": 1, "matmul": "cublaslt"}])
+    {"grad_sync": "per-param", "grad_compress": "bf16"}, {"zero": 1, "matmul": "cublaslt"},
+    {"dropout": 0.1, "grad_accum": 2}])  # dropout: each replay reads its step's number, so its own masks
 def test_a_step_replayed_from_a_cuda_graph_gives_the_same_bits(options):
     """--cuda-graph auto on one rank: the first step runs as usual, the second is captured and launched,
     the rest are launches, and losses and parameters are bitwise those of --cuda-graph off. The graph holds

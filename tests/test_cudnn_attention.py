@@ -316,3 +316,11 @@ def test_two_virtual_ranks_train_with_cudnn_attention_like_numpy_and_bitwise_ali
     assert "cuda: attention cudnn (given), matmul cublas (given), graphs off" in lines
     numpy_run = run(backend="numpy", attention="flash")
     np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=2e-2)
+
+
+def test_dropout_makes_auto_take_the_standard_attention():
+    """The fused kernels never hold the probabilities --dropout drops, so auto is standard with it, the
+    reason on the run's first line, even where cuDNN loads and a table asks for it."""
+    choice = defaults.choose("auto", "auto", "bf16", 64, {"defaults": {"attention": "cudnn"}}, lambda: True, 0.1)
+    assert (choice.attention, choice.attention_why) == ("standard", "--dropout needs it")
+    assert _choose().attention == "cudnn"

@@ -30,7 +30,7 @@ KIND_DTYPE = {"f32": np.float32, "i32": np.int32}
 def saved_arrays(model) -> list[tuple[str, tuple, np.dtype]]:
     """(name, shape, dtype) of every array GPT2.forward kept for backward, in memory.saved_activations'
     order: read from the model itself, the oracle for that list (also used by the GPU tests)."""
-    ids, acts, x, lnf, lnf_mean, lnf_rstd, dlogits = model._saved
+    ids, acts, x, lnf, lnf_mean, lnf_rstd, dlogits, _rows = model._saved  # rows: dropout's two numbers, no array
     named = [("ids", ids)]
     for layer, a in enumerate(acts):  # None: what --recompute leaves to backward
         named += [(f"h.{layer}.{f.name}", getattr(a, f.name)) for f in fields(a) if getattr(a, f.name) is not None]

@@ -97,6 +97,7 @@ positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
 positive_float = _checked(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+probability = _checked(float, lambda v: 0 <= v < 1, "a number >= 0 and < 1")  # NaN fails both comparisons
 # every timeout option's bound: a NaN or infinite timeout would switch the protection against hung peers off,
 # and one past what a socket or a lock takes (1e10 s overflows the platform's time_t) would fail deep in a
 # run, a traceback on one process while the others wait; a week is longer than any wait is meant to be

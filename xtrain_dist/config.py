@@ -115,6 +115,7 @@ class TrainConfig:
     attention: str = "auto"         # standard | flash | cudnn: keep the T x T probabilities, or recompute them
                                     # (model.py); auto: standard on numpy, the fastest measured on cuda
     recompute: int = 0              # 0 | 1 | 2: backward recomputes GELU (1), and the layernorms (2) (model.py)
+    dropout: float = 0.0            # Hugging Face GPT-2's three dropouts, Philox masks (backend/dropout.py); 0: off
     # output
     config: str = ""                # the --config file the run's options came from (an input it must not write)
     report: str | None = None
@@ -132,6 +133,7 @@ class TrainConfig:
     hellaswag: str = ""             # an llm.c eval file: multiple-choice accuracy at each evaluation (eval/hellaswag)
     metrics: str | None = None      # append one JSON line per step here
     tensorboard: str | None = None  # rank 0 writes the same records as TensorBoard event files here
+    wandb: str | None = None        # rank 0 logs the same scalars to this Weights & Biases project (train/wandb_log.py)
     sample_every: int = 0           # rank 0 draws text from the model every N steps and at the end; 0: never
     sample_tokens: int = 64         # tokens per draw
     sample_prompt: str = ""         # what the draw continues; "": <|endoftext|> (eval/sample.py)

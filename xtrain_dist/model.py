@@ -61,6 +61,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .backend.dropout import ATTENTION_OUT, ATTENTION_PROBS, EMBEDDINGS, MLP_OUT, DropoutSite, check_dropout
 from .command import must_be, one_of
 from .config import GPTConfig
 from .errors import XtrainError
@@ -287,6 +288,14 @@ def check_attention(attention: str) -> str:
     return attention
 
 
+def check_dropout_attention(dropout: float, attention: str) -> None:
+    """Dropout of attention's probabilities needs them: the standard attention holds them, the fused flash
+    kernels never do (each tile's probabilities live in registers), so --attention flash takes no --dropout."""
+    if dropout and attention != "standard":
+        raise XtrainError(f"--dropout {dropout:g} needs --attention standard: --attention {attention} fuses the "
+                          "softmax into its kernels and keeps no probabilities to drop")
+
+
 # What backward recomputes instead of forward keeping it (llm.c's -r): 0 nothing; 1 each block's GELU output,
 # the largest activation after attention's probabilities (B*T*4C); 2 also the two layernorm outputs
 # (2 B*T*C), from the layernorm's input, which is kept anyway. The same op on the same input gives the same
@@ -332,6 +341,7 @@ class Tape(NamedTuple):
     lnf_mean: object
     lnf_rstd: object
     dlogits: object   # the logits, turned into their gradient by the fused classifier
+    rows: tuple | None = None  # dropout: (seq0, seq_stride), the micro-batch's sequences in the global batch
 
 
 class KVCache:
@@ -378,15 +388,21 @@ class GPT2:
 
     def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32,
                  attention: str = "standard", recompute: int = 0, init: np.ndarray | None = None, tp=None,
-                 pp=None):
+                 pp=None, dropout: float = 0.0):
         """init: the initial parameters init_weights(config, seed) would draw, already drawn (a benchmark building
         many models of one seed draws them once: 3.4 s at GPT-2 124M); by default they are drawn here.
         tp: the communicator of this rank's tensor-parallel group (comm/mesh.py's mesh.tp), or None: the
         model holds the rank's shards and its passes all-reduce over the group (see the module's notes).
         pp: the communicator of this rank's pipeline group (mesh.pp), or None: the model holds its stage's
         blocks (stage_blocks), the embeddings on the first stage, ln_f and the tied classifier on the last, and
-        runs them with stage_forward and stage_backward (see the module's notes)."""
+        runs them with stage_forward and stage_backward (see the module's notes).
+        dropout: Hugging Face GPT-2's dropout probability (embeddings, attention probabilities, residual
+        branches), applied in a training forward (stage_forward given `rows`) with masks keyed by seed,
+        step, layer and each element's global index (backend/dropout.py); 0: none."""
         check_attention(attention)
+        self.dropout_p = check_dropout(dropout)
+        check_dropout_attention(self.dropout_p, attention)
+        self.seed = seed
         self.config = config
         self.ops = backend
         self.tp = tp if tp is not None and tp.world_size > 1 else None
@@ -426,6 +442,9 @@ class GPT2:
         self.p = _named_views(self.params_lowp, self.layout, config.n_layer)  # the weights the passes read
         self.g = _named_views(self.grads, self.layout, config.n_layer)
         self._saved = None  # forward's tape, for backward() without one
+        # the optimizer step dropout's masks are drawn for (the loop sets it, set_dropout_step): in memory on the
+        # backend, so a step captured as a CUDA graph reads each replay's number
+        self.dropout_step = xp.zeros(1, dtype=np.uint32)
 
     @property
     def split_over_ranks(self) -> bool:
@@ -601,6 +620,26 @@ class GPT2:
         the rank's columns, completed over the group before the replicated layernorm reads it."""
         return self._row_parallel(partial)
 
+    # ---------------------------------------------------------------- dropout
+    def set_dropout_step(self, step: int) -> None:
+        """The optimizer step (from 1) the next training forwards and backwards draw their masks for."""
+        self.ops.upload(self.dropout_step, np.array([step], dtype=np.uint32))
+
+    def _dropout_site(self, rows, layer: int, site: int, groups: int = 1, group0: int = 0):
+        """The DropoutSite of one of the model's dropouts for the micro-batch whose sequences `rows` names, or
+        None where nothing drops (no dropout, or a forward that is not training's: rows None)."""
+        if rows is None or not self.dropout_p:
+            return None
+        return DropoutSite(self.dropout_p, self.seed, self.dropout_step, layer, site, *rows, groups, group0)
+
+    def _attention_site(self, rows, layer: int):
+        """Attention's probabilities (B, NH, T, T) at their global heads: a tensor-parallel rank's come after
+        the heads of the ranks before it in its group."""
+        return self._dropout_site(rows, layer, ATTENTION_PROBS, self.n_head, self.tp_rank * self.n_head)
+
+    def _dropped(self, x, site):
+        return x if site is None else self.ops.dropout(x, site)
+
     # ---------------------------------------------------------------- forward
     def _layernorm_after(self, layer: int):
         """(weight, bias) of the layernorm that reads the residual stream block `layer` writes (-1: the
@@ -627,8 +666,13 @@ class GPT2:
         tape, self._saved = self._saved, None
         self.stage_backward(tape, None, on_grads_ready)
 
-    def stage_forward(self, ids, inp=None, targets=None, dloss: float | None = None, cache: KVCache | None = None):
+    def stage_forward(self, ids, inp=None, targets=None, dloss: float | None = None, cache: KVCache | None = None,
+                      rows: tuple[int, int] | None = None):
         """This rank's part of the forward of one micro-batch -> (out, tape).
+
+        rows: (seq0, seq_stride) when this is a training forward with dropout: row b of ids is sequence
+        seq0 + b * seq_stride of the step's global batch, which dropout's masks are keyed by (the tape keeps
+        it for backward). None (evaluation, sampling): no dropout, model.eval()'s semantics.
 
         The first stage embeds ids; a later one starts from `inp`, the residual stream (B, T, C) the stage
         before it sent. Every stage runs its blocks; the last one then the head, and `out` is what forward()
@@ -638,6 +682,7 @@ class GPT2:
         x = inp  # the residual stream the stage before sent, or on the first stage the embeddings of ids
         if self.is_first:
             x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
+            x = self._dropped(x, self._dropout_site(rows, 0, EMBEDDINGS))
         # every residual sum is followed by a layernorm (ln_2 in the block, then the next block's ln_1 or ln_f):
         # one op makes both, so the stream is written once and not read back (residual_layernorm_forward); at
         # the end of a stage before the last the next layernorm is the next stage's, so it runs the sum alone
@@ -650,10 +695,14 @@ class GPT2:
                 atty, att = cache.attention(layer, qkv, n_head), None
             elif self.attention in FLASH_LIKE:
                 atty, att = ops.flash_attention_forward(qkv, n_head)
+            elif self.dropout_p and rows is not None:
+                atty, att = ops.attention_forward(qkv, n_head, dropout=self._attention_site(rows, layer))
             else:
                 atty, att = ops.attention_forward(qkv, n_head)
             attproj = self._row_parallel(ops.matmul_forward(atty, w.attn_c_proj_weight,
                                                             self._row_bias(w.attn_c_proj_bias)))
+            # the residual branch's dropout after the row-parallel sum: the whole (B, T, C) output, as one rank's
+            attproj = self._dropped(attproj, self._dropout_site(rows, layer, ATTENTION_OUT))
             x_mid, ln2, ln2_mean, ln2_rstd = ops.residual_layernorm_forward(x, attproj, w.ln_2_weight, w.ln_2_bias)
             if self.recompute < 1:  # bias and GELU after the product in one op (an epilogue: cublaslt)
                 fch, fch_gelu = ops.matmul_gelu_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
@@ -662,6 +711,7 @@ class GPT2:
                 fch_gelu = ops.gelu_forward(fch)
             fcproj = self._row_parallel(ops.matmul_forward(fch_gelu, w.mlp_c_proj_weight,
                                                            self._row_bias(w.mlp_c_proj_bias)))
+            fcproj = self._dropped(fcproj, self._dropout_site(rows, layer, MLP_OUT))
             keep_ln, keep_gelu = self.recompute < 2, self.recompute < 1
             acts.append(_LayerActs(x, ln1 if keep_ln else None, ln1_mean, ln1_rstd, qkv, atty, att, x_mid,
                                    ln2 if keep_ln else None, ln2_mean, ln2_rstd, fch, fch_gelu if keep_gelu else None))
@@ -674,7 +724,7 @@ class GPT2:
             cache.length += ids.shape[1]
         keep = targets is not None and dloss is not None
         if not self.is_last:
-            return x, (Tape(ids, acts, x, None, None, None, None) if keep else None)
+            return x, (Tape(ids, acts, x, None, None, None, None, rows) if keep else None)
         lnf, lnf_mean, lnf_rstd = ln1, ln1_mean, ln1_rstd  # after the last block, ln1 is ln_f's
         logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection: (B, T, Vp)
         V = self.config.vocab_size
@@ -683,7 +733,7 @@ class GPT2:
         if dloss is None:
             return ops.crossentropy_forward(logits, targets, V), None
         losses = ops.fused_classifier(logits, targets, dloss, V)  # logits now hold dlogits, 0 past V
-        return losses, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd, logits)
+        return losses, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd, logits, rows)
 
     def pipelined_losses(self, ids, targets):
         """Per-token losses (B, T) of a forward through every pipeline stage (evaluation: nothing kept for
@@ -727,7 +777,7 @@ class GPT2:
         on_grads_ready(start, end) is called each time grads[start:end] is final (see
         layer_grad_ranges), so gradient sync can reduce it while earlier blocks still compute."""
         ops, p, g, n_head = self.ops, self.p, self.g, self.n_head
-        ids, acts, x_final, lnf, lnf_mean, lnf_rstd, dlogits = tape
+        ids, acts, x_final, lnf, lnf_mean, lnf_rstd, dlogits, rows = tape
         ranges = iter(self.layer_grad_ranges())
         announce = on_grads_ready or (lambda start, end: None)
 
@@ -743,8 +793,11 @@ class GPT2:
             # MLP: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
             fch_gelu = ops.gelu_forward(a.fch) if a.fch_gelu is None else a.fch_gelu  # --recompute 1
             # c_proj's backward and GELU's in one op (the derivative in the product's epilogue: cublaslt)
-            dfch = ops.matmul_backward_gelu(gw.mlp_c_proj_weight, gw.mlp_c_proj_bias, dres, fch_gelu,
+            # dropout's backward: the gradient through the forward's mask, drawn again from the same counters
+            dfcproj = self._dropped(dres, self._dropout_site(rows, layer, MLP_OUT))
+            dfch = ops.matmul_backward_gelu(gw.mlp_c_proj_weight, gw.mlp_c_proj_bias, dfcproj, fch_gelu,
                                             w.mlp_c_proj_weight, a.fch)
+            del dfcproj
             del fch_gelu  # a recomputed one goes now, not at the next block's
             ln2 = ops.layernorm_forward(a.x_mid, w.ln_2_weight, w.ln_2_bias)[0] if a.ln2 is None else a.ln2
             dln2 = self._column_parallel_dinp(ops.matmul_backward(gw.mlp_c_fc_weight, gw.mlp_c_fc_bias, dfch, ln2,
@@ -753,10 +806,14 @@ class GPT2:
             ops.layernorm_backward(dres, gw.ln_2_weight, gw.ln_2_bias, dln2, a.x_mid, w.ln_2_weight,
                                    a.ln2_mean, a.ln2_rstd)  # dres is now d x_mid
             # attention: x_mid = x_in + c_proj(attention(c_attn(ln_1(x_in))))
-            datty = ops.matmul_backward(gw.attn_c_proj_weight, gw.attn_c_proj_bias, dres, a.atty,
+            dattproj = self._dropped(dres, self._dropout_site(rows, layer, ATTENTION_OUT))
+            datty = ops.matmul_backward(gw.attn_c_proj_weight, gw.attn_c_proj_bias, dattproj, a.atty,
                                         w.attn_c_proj_weight)
+            del dattproj
             if self.attention in FLASH_LIKE:
                 dqkv = ops.flash_attention_backward(datty, a.qkv, a.atty, a.att, n_head)
+            elif self.dropout_p and rows is not None:
+                dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head, dropout=self._attention_site(rows, layer))
             else:
                 dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head)
             ln1 = ops.layernorm_forward(a.x_in, w.ln_1_weight, w.ln_1_bias)[0] if a.ln1 is None else a.ln1
@@ -767,6 +824,6 @@ class GPT2:
                                    a.ln1_mean, a.ln1_rstd)  # dres is now d x_in
             announce(*next(ranges))
         if self.is_first:
-            ops.encoder_backward(g.wte, g.wpe, dres, ids)
+            ops.encoder_backward(g.wte, g.wpe, self._dropped(dres, self._dropout_site(rows, 0, EMBEDDINGS)), ids)
         announce(*next(ranges))
         return None if self.is_first else dres

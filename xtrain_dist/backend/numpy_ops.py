@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from ..precision import check_dtype
+from .dropout import keep_mask
 
 LN_EPS = 1e-5
 # Elementwise ops over large arrays run a chunk of CHUNK elements at a time: numpy evaluates a formula one
@@ -362,13 +363,14 @@ class NumpyBackend:
 
     # ------------------------------------------------------------------ attention (kernels/attention.cu)
 
-    def attention_forward(self, qkv, n_head: int):
+    def attention_forward(self, qkv, n_head: int, dropout=None):
         """Causal multi-head self-attention over the fused q|k|v projection.
 
         qkv (B, T, 3C) -> (out (B, T, C), att (B, NH, T, T)); att holds the softmax probabilities, zero
         above the diagonal, and is kept for the backward pass. The scores are float32 in every precision
         (the product writes them in float32 and the softmax reads them), so exp() never sees a
-        bf16-rounded score."""
+        bf16-rounded score. dropout: a DropoutSite (backend/dropout.py) whose mask the probabilities pass
+        through before the product with v; att is kept without it, and backward draws the mask again."""
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
@@ -376,7 +378,8 @@ class NumpyBackend:
         scale = qkv.dtype.type(1.0 / np.sqrt(hs))
         scores = (q @ k.transpose(0, 1, 3, 2)) * scale
         att = self.causal_softmax(scores)
-        y = self.store(att @ v)                                  # (B, NH, T, hs)
+        probs = att if dropout is None else self.dropout(att, dropout)
+        y = self.store(probs @ v)                                # (B, NH, T, hs)
         return y.transpose(0, 2, 1, 3).reshape(B, T, C), att     # unpermute
 
     def causal_softmax(self, scores):
@@ -385,8 +388,8 @@ class NumpyBackend:
         e = np.exp(masked - masked.max(axis=-1, keepdims=True))
         return self.store(e / e.sum(axis=-1, keepdims=True))
 
-    def attention_backward(self, dout, qkv, att, n_head: int):
-        """Gradient of attention_forward with respect to qkv. -> dqkv (B, T, 3C)"""
+    def attention_backward(self, dout, qkv, att, n_head: int, dropout=None):
+        """Gradient of attention_forward (with the same `dropout`) with respect to qkv. -> dqkv (B, T, 3C)"""
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
@@ -394,7 +397,11 @@ class NumpyBackend:
         scale = qkv.dtype.type(1.0 / np.sqrt(hs))
         dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # permute like the forward's y
         datt = dy @ v.transpose(0, 1, 3, 2)                        # float32, like the scores
-        dv = self.store(att.transpose(0, 1, 3, 2) @ dy)
+        probs = att
+        if dropout is not None:  # y = dropout(att) v: dv from the dropped probabilities, datt through the mask
+            probs = self.dropout(att, dropout)
+            datt = self.dropout(datt, dropout, wide=True)
+        dv = self.store(probs.transpose(0, 1, 3, 2) @ dy)
         dscores = self._softmax_backward(datt, att, scale)
         dq = self.store(dscores @ k)
         dk = self.store(dscores.transpose(0, 1, 3, 2) @ q)
@@ -510,6 +517,18 @@ class NumpyBackend:
         """out = a + b. Its backward needs no op: the gradient passes unchanged to both inputs, which the
         model gets by letting layernorm_backward accumulate into the residual stream's gradient."""
         return self.store(a + b)
+
+    # ------------------------------------------------------------------ dropout (kernels/dropout.cu)
+
+    def dropout(self, x, site, wide: bool = False):
+        """Inverted dropout of x at `site` (a backend/dropout.py DropoutSite): x * site.scale where the
+        element's Philox bits keep it, 0 where they drop it; a new array. Its backward is this same op on the
+        gradient (the mask drawn again from the same counters). wide: x is a float32 buffer (attention's
+        probability gradient) rather than an activation, so the product is not rounded to the activation
+        dtype."""
+        keep = keep_mask(x.shape, site, int(site.step[0]))
+        out = np.where(keep, x * x.dtype.type(site.scale), x.dtype.type(0))
+        return out if wide else self.store(out)
 
     # ------------------------------------------------------------------ classifier (kernels/classifier.cu)
 
@@ -633,7 +652,7 @@ OPS = ("to_host", "to_host_later", "from_host", "upload", "from_host_act", "sync
        "layernorm_backward", "matmul_forward", "matmul_backward", "matmul_gelu_forward", "matmul_backward_gelu",
        "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
        "flash_attention_forward", "flash_attention_backward",
-       "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_forward", "fused_classifier",
+       "gelu_forward", "gelu_backward", "residual_forward", "dropout", "crossentropy_forward", "fused_classifier",
        "global_norm_squared", "clip_coefficient", "scale", "adamw_update", "lowp_copy", "widen_copy", "bf16_round")
 
 _fp32 = NumpyBackend("fp32")

@@ -28,6 +28,7 @@ from ..command import (
     non_negative_int,
     positive_float,
     positive_int,
+    probability,
     run_command,
     timeout_seconds,
     utf8_text,
@@ -170,6 +171,9 @@ def build_parser() -> OneLineParser:
     g.add_argument("--tensorboard", metavar="DIR", type=non_empty_path, default=None,
                    help="write the same records as TensorBoard event files into DIR (needs the [tensorboard] extra: "
                         "tensorboardX)")
+    g.add_argument("--wandb", metavar="PROJECT", default=None,
+                   help="log the same scalars to this Weights & Biases project (needs the [wandb] extra; "
+                        "WANDB_MODE=offline keeps the run on disk, no network needed)")
     g.add_argument("--sample-every", metavar="N", type=non_negative_int, default=0,
                    help="print text drawn from the model every N steps and at the end, as `python -m "
                         "xtrain_dist.sample` would from a checkpoint of that step with --seed SEED (default 0: never)")
@@ -203,6 +207,11 @@ def build_parser() -> OneLineParser:
     prec.add_argument("--recompute", type=int, choices=RECOMPUTE_LEVELS, default=0,
                       help="what backward computes again instead of forward keeping it: 1 each block's GELU "
                            "output, 2 also its layernorm outputs (same bits, less memory; default 0: nothing)")
+    p.add_argument("--dropout", metavar="P", type=probability, default=0.0,
+                   help="drop each element with probability P where Hugging Face's GPT-2 does (embeddings, "
+                        "attention probabilities, residual branches) in training, never in evaluation or sampling; "
+                        "the masks are the same bits at every world size, --tp, --pp and backend (default 0: off; "
+                        "needs --attention standard)")
     prec.add_argument("--dtype", choices=precision.DTYPES, default="fp32",
                       help="bf16: bfloat16 activations and matmuls, float32 master weights, gradients and "
                            "optimizer state (default fp32)")
@@ -224,7 +233,7 @@ def config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action
 
 # the argument types whose values a TOML file gives as integers, or as numbers; every other takes a string
 _INTEGER_TYPES = (positive_int, non_negative_int, int)
-_NUMBER_TYPES = (non_negative_float, positive_float, timeout_seconds)
+_NUMBER_TYPES = (non_negative_float, positive_float, probability, timeout_seconds)
 
 
 def _config_value(action: argparse.Action, key: str, value, where: str):
@@ -322,12 +331,13 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         init_from=args.init_from,
         eval_every=args.eval_every, eval_batches=args.eval_batches, val_corpus=args.val_corpus or "",
         hellaswag=args.hellaswag or "", metrics=args.metrics, tensorboard=args.tensorboard,
+        wandb=args.wandb,
         sample_every=args.sample_every,
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
         powersgd_rank=args.powersgd_rank, powersgd_start_step=args.powersgd_start_step,
         grad_accum=args.grad_accum, all_reduce=args.all_reduce, dtype=args.dtype, attention=args.attention,
-        recompute=args.recompute,
+        recompute=args.recompute, dropout=args.dropout,
         cuda_graph=args.cuda_graph, options=_options(parser, args),
     ).resolved()
 

@@ -31,6 +31,7 @@ from . import metrics
 from .cadence import Cadence
 from .graph import StepGraph, unsupported
 from .tensorboard import EventLog
+from .wandb_log import WandbLog
 
 
 @dataclass
@@ -76,6 +77,14 @@ def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
 
     Any split is exact: every token's loss is scaled by 1/(BATCH*SEQ) however the batch is cut."""
     return list(zip(np.array_split(ids, k), np.array_split(targets, k), strict=True))
+
+
+def micro_batch_rows(n_local: int, k: int, data_rank: int, data_world: int) -> list[tuple[int, int]]:
+    """Where each of micro_batches' k micro-batches sits in the step's global batch, for dropout's masks:
+    (seq0, seq_stride), row b of the micro-batch being global sequence seq0 + b * seq_stride. The rank holds
+    sequences data_rank, data_rank + data_world, ... (BatchSampler), cut into k as np.array_split cuts them."""
+    starts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(n_local), k)])[:-1]
+    return [(int(start) * data_world + data_rank, data_world) for start in starts]
 
 
 # numpy would warn of each overflow in a step that diverges; the finite check in the loop ends such a run
@@ -128,7 +137,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # this rank's pipeline group (stage = its rank there)
     pipe = step_comm.timing(mesh.pp, "pp") if mesh and cfg.pp > 1 else None
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
-                 recompute=cfg.recompute, tp=step_comm.timing(mesh.tp, "tp") if mesh else None, pp=pipe)
+                 recompute=cfg.recompute, tp=step_comm.timing(mesh.tp, "tp") if mesh else None, pp=pipe,
+                 dropout=cfg.dropout)
     optimizer = make_optimizer(model, cfg, step_comm)
     grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
@@ -167,13 +177,16 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # after the same step however the request reached them (one process's signal, or several).
     readout = xp.zeros(3, dtype=xp.float32)
     batch: list = []  # (ids, targets) on the device, per micro-batch
+    # --dropout: each micro-batch's place in the global batch, which its masks are keyed by (None: no dropout)
+    rows = (micro_batch_rows(sampler.n_local, cfg.grad_accum, data_rank, data_world) if cfg.dropout
+            else [None] * cfg.grad_accum)
     tapes: dict = {}  # what each micro-batch's backward needs from its forward, while it is in flight
 
     def forward(i: int, inp):
         """Micro-batch i's forward on this rank (its pipeline stage's part, from `inp`, the activations the
         stage before sent): the losses on the last stage, else the activations for the next one."""
         ids, targets = batch[i]
-        out, tapes[i] = model.stage_forward(ids, inp, targets, dloss)
+        out, tapes[i] = model.stage_forward(ids, inp, targets, dloss, rows=rows[i])
         if model.is_last and model.tp_rank == 0:  # a tensor-parallel group's ranks have the same loss: count it once
             readout[:1] += out.sum(dtype=xp.float32) * np.float32(dloss)
         return out
@@ -282,6 +295,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             log(note)
         if events is not None:
             events.write(record)
+        if wandb_run is not None:
+            wandb_run.write(record)
         for folder in cadence.saves(done, stopping):
             save(folder, rank=rank, comm=comm, step=done, cfg=cfg, corpus=corpus,
                  model=model, optimizer=optimizer, sampler=sampler, powersgd=powersgd)
@@ -293,6 +308,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
 
     progress = metrics.Progress(cfg.steps)
     events = EventLog(cfg.tensorboard) if rank == 0 and cfg.tensorboard else None
+    wandb_run = WandbLog(cfg.wandb, cfg.options) if rank == 0 and cfg.wandb is not None else None
     try:
         behind = None  # a step queued but not yet read: read once the next one is queued
         for step in range(start, cfg.steps):
@@ -310,6 +326,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                     backend.upload(d_ids, ids)
                     backend.upload(d_targets, targets)
             backend.upload(readout, np.array([0, stop is not None and stop.is_set(), 0], dtype=np.float32))
+            if cfg.dropout:
+                model.set_dropout_step(done)  # the masks' step: a number in memory, read by a replayed graph too
             lr = lr_at(step, cfg)
             optimizer.prepare(lr)
             if step_graph is not None and not profiling:  # a profiled step times each op: outside the graph
@@ -338,12 +356,15 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             else:
                 behind = queued
     except BaseException:
-        if events is not None:  # the run fails for its own reason: a write error of the event file is not it
-            with contextlib.suppress(XtrainError):
-                events.close()
+        # the run fails for its own reason: a write error of a side writer's closing is not it
+        for writer in (events, wandb_run):
+            if writer is not None:
+                with contextlib.suppress(XtrainError):
+                    writer.close()
         raise
-    if events is not None:
-        events.close()
+    for writer in (events, wandb_run):
+        if writer is not None:
+            writer.close()
 
     result.param_sha256 = param_sha256(model)
     return result

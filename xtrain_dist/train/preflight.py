@@ -19,10 +19,10 @@ from ..config import PRESETS, TrainConfig, model_config
 from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from ..errors import XtrainError
 from ..eval import evaluate, hellaswag, sample
-from ..model import check_recompute
+from ..model import check_dropout_attention, check_recompute
 from ..optim import check_schedule
 from ..parallel import ddp, pipeline, tensor
-from . import memory, metrics, tensorboard
+from . import memory, metrics, tensorboard, wandb_log
 from .cadence import Cadence, kept_folder
 from .graph import MODES as GRAPH_MODES
 
@@ -49,6 +49,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
         raise XtrainError(f"--all-reduce must be one of {', '.join(ALL_REDUCES)}, not {cfg.all_reduce!r}")
     precision.check_config(cfg)
     check_recompute(cfg.recompute)
+    check_dropout_attention(cfg.dropout, cfg.attention)
     if cfg.attention == "flash" and cfg.backend == "cuda":
         from ..backend.cuda.attention import check_flash_attention
         check_flash_attention(cfg.dtype, model.n_embd // model.n_head, cfg.model)
@@ -72,7 +73,7 @@ def resolve_auto(cfg: TrainConfig, model) -> tuple[TrainConfig, str]:
     from ..backend.cuda.device import device_name
     table = tuned.load_table(device_name(0)) if "auto" in (cfg.attention, cfg.matmul) else {}
     choice = defaults.choose(cfg.attention, cfg.matmul, cfg.dtype, model.n_embd // model.n_head, table,
-                             cudnn_sdpa.loads)
+                             cudnn_sdpa.loads, cfg.dropout)
     return replace(cfg, attention=choice.attention, matmul=choice.matmul), choice.line(cfg.cuda_graph)
 
 
@@ -130,7 +131,8 @@ def check_outputs(cfg: TrainConfig) -> None:
         raise XtrainError(f"--save-dir '{cfg.save_dir}' is inside --init-from '{cfg.init_from}': the run would "
                           "write into the checkpoint it reads")
     inputs_in_run = [("corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus), ("--hellaswag", cfg.hellaswag)]
-    for name, path in [*outputs, *inputs_in_run] if cfg.save_dir else []:
+    written_folders = [("the --wandb folder", str(wandb_log.folder()))] if cfg.wandb is not None else []
+    for name, path in [*outputs, *inputs_in_run, *written_folders] if cfg.save_dir else []:
         if name != "--save-dir" and path and files.inside(path, cfg.save_dir):
             raise XtrainError(f"{name} '{path}' is inside --save-dir '{cfg.save_dir}': every checkpoint save "
                               "replaces that folder")
@@ -168,7 +170,7 @@ def hold_outputs(cfg: TrainConfig) -> list[files.OutputLock]:
 _PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_from", "report", "metrics", "log_every",
                        "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "recompute", "sample_every",
                        "sample_tokens", "sample_prompt", "extra", "options",
-                       "tensorboard", "config"}
+                       "tensorboard", "config", "wandb"}
 
 
 @dataclass
@@ -240,6 +242,8 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         metrics.check_path(cfg.metrics)
         if launch.process_rank == 0 and not (cfg.resume or auto_resume):  # the process whose rank 0 writes it
             metrics.refuse_another_runs_records(cfg.metrics)
+    if cfg.wandb is not None and launch.process_rank == 0:
+        wandb_log.check(cfg.wandb)
     cfg = evaluate.check(cfg, corpus, log)
     examples = hellaswag.load(cfg, corpus) if cfg.hellaswag else None
     if cfg.sample_every and launch.process_rank == 0:  # where rank 0 will draw: a prompt it cannot encode fails now

@@ -46,6 +46,12 @@ def tag(key: str) -> str:
     return f"{GROUPS.get(key, 'train')}/{key}"
 
 
+def scalars(record: dict) -> dict[str, float]:
+    """The scalars of a record, by tag: every number but the step (also what --wandb logs)."""
+    return {tag(key): value for key, value in record.items()
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)}
+
+
 class EventLog:
     """Rank 0's event file: one scalar per number of each record, at the record's step.
 
@@ -75,10 +81,8 @@ class EventLog:
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.summary import scalar
         with self._writing():
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self.events.write_event(Event(wall_time=time.time(), step=record["step"],
-                                                  summary=scalar(tag(key), value)))
+            for name, value in scalars(record).items():
+                self.events.write_event(Event(wall_time=time.time(), step=record["step"], summary=scalar(name, value)))
             if self.clock() - self.flushed_at >= FLUSH_S:
                 self.events.flush()
                 self.flushed_at = self.clock()

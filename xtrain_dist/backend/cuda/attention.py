@@ -107,7 +107,7 @@ class AttentionOps:
             return buffer_f32
         return cupy.empty(buffer_f32.shape, dtype=self.act_dtype)
 
-    def attention_forward(self, qkv, n_head: int):
+    def attention_forward(self, qkv, n_head: int, dropout=None):
         qkv = _contiguous(qkv)
         self._act(qkv)
         (B, T, C, hs), (q, k, v) = self._split_qkv(qkv, n_head)
@@ -120,8 +120,9 @@ class AttentionOps:
                                alpha=_attention_scale(hs))
         att = self._act_or_in_place(scores)
         self._softmax(att, scores, T)
+        probs = att if dropout is None else self.dropout(att, dropout)  # att is kept undropped for backward
         y = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
-        att3, y3 = att.reshape(BH, T, T), y.reshape(BH, T, hs)
+        att3, y3 = probs.reshape(BH, T, T), y.reshape(BH, T, hs)
         for r0, r1 in _causal_chunks(T):
             self._gemm_batched(att3[:, r0:r1, :r1], v[:, :r1], y3[:, r0:r1])
         out = cupy.empty((B, T, C), dtype=self.act_dtype)
@@ -193,7 +194,7 @@ class AttentionOps:
         self._softmax(att, scores, scores.shape[-1])
         return att
 
-    def attention_backward(self, dout, qkv, att, n_head: int):
+    def attention_backward(self, dout, qkv, att, n_head: int, dropout=None):
         for a in (dout, qkv, att):
             _contiguous(a)
         self._act(dout, qkv, att)
@@ -202,6 +203,7 @@ class AttentionOps:
         dy = cupy.empty((B, n_head, T, hs), dtype=self.act_dtype)
         self._split_heads(dout, (dy,), C, B, n_head, T, hs)
         dy = dy.reshape(BH, T, hs)
+        probs = (att if dropout is None else self.dropout(att, dropout)).reshape(BH, T, T)  # what forward's y read
         att = att.reshape(BH, T, T)
         # chunk by chunk (_causal_chunks): query rows [r0, r1) against keys [0, r1), and keys [r0, r1) against
         # query rows [r0, T), the only ones whose att and dscores are not 0 there
@@ -210,7 +212,9 @@ class AttentionOps:
         dv3, dq3, dk3 = (x.reshape(BH, T, hs) for x in (dv, dq, dk))
         for r0, r1 in _causal_chunks(T):
             self._gemm_batched(dy[:, r0:r1], v[:, :r1], datt[:, r0:r1, :r1], trans_b=True)         # dy v^T
-            self._gemm_batched(att[:, r0:, r0:r1], dy[:, r0:], dv3[:, r0:r1], trans_a=True)        # att^T dy
+            self._gemm_batched(probs[:, r0:, r0:r1], dy[:, r0:], dv3[:, r0:r1], trans_a=True)      # probs^T dy
+        if dropout is not None:  # the probabilities' gradient through the mask, in place
+            self._dropout_into(datt.reshape(B, n_head, T, T), datt.reshape(B, n_head, T, T), dropout, wide=True)
         dscores = self._act_or_in_place(datt)
         self._softmax_backward(dscores, datt, att, T, _attention_scale(hs))
         for r0, r1 in _causal_chunks(T):

@@ -51,14 +51,18 @@ def attention_fits(attention: str, dtype: str, head_size: int, cudnn_loads) -> b
     return attention == "cudnn" and head_size in CUDNN_HEAD_SIZES and cudnn_loads()
 
 
-def choose(attention: str, matmul: str, dtype: str, head_size: int, table: dict, cudnn_loads) -> Choice:
+def choose(attention: str, matmul: str, dtype: str, head_size: int, table: dict, cudnn_loads,
+           dropout: float = 0.0) -> Choice:
     """The CUDA run's attention and matmul: each as given, or at auto from the tuning table's "defaults"
-    section (where the run can take it), else from the rule."""
+    section (where the run can take it), else from the rule. With --dropout the fused kernels never hold the
+    probabilities to drop, so auto is standard attention."""
     tuned = table.get("defaults", {}) if isinstance(table.get("defaults", {}), dict) else {}
     attention_why = matmul_why = "given"
     if attention == AUTO:
         wanted = tuned.get("attention")
-        if wanted in ATTENTION_ORDER and attention_fits(wanted, dtype, head_size, cudnn_loads):
+        if dropout:
+            attention, attention_why = "standard", "--dropout needs it"
+        elif wanted in ATTENTION_ORDER and attention_fits(wanted, dtype, head_size, cudnn_loads):
             attention, attention_why = wanted, "this GPU's tuning table"
         else:
             attention = next(a for a in ATTENTION_ORDER if attention_fits(a, dtype, head_size, cudnn_loads))

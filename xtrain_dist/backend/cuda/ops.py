@@ -18,6 +18,7 @@ from .attention import FLASH_KERNELS, AttentionOps
 from .compile import Kernels, kernel_constant
 from .cudnn_sdpa import SdpaGraphs
 from .device import check_stream, cupy, device_count, on_stream
+from .dropout import DropoutOps
 from .gemm import CublasProducts, _matrix_layout
 from .launch import BLOCK, _cdiv, _chunk_grid, _contiguous, _f32, _vec
 
@@ -51,7 +52,7 @@ def _column_splits(rows: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------- the backend
 
-class CudaBackend(AttentionOps, CublasProducts):
+class CudaBackend(AttentionOps, CublasProducts, DropoutOps):
     """numpy_ops on one CUDA device, on one stream owned by the calling (rank) thread; attention's ops are
     AttentionOps' (attention.py), the products' plumbing CublasProducts' (gemm.py)."""
 
