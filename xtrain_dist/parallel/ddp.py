@@ -230,8 +230,6 @@ def check_config(cfg) -> None:
             raise XtrainError(f"--powersgd-rank must be at least 1, got {cfg.powersgd_rank}")
         if cfg.powersgd_start_step < 0:
             raise XtrainError(f"--powersgd-start-step must be 0 or more, got {cfg.powersgd_start_step}")
-    if cfg.zero not in (0, 1):
-        raise XtrainError(f"--zero must be 0 or 1, got {cfg.zero}")
     if cfg.grad_accum < 1:
         raise XtrainError(f"--grad-accum must be at least 1, got {cfg.grad_accum}")
     pp = getattr(cfg, "pp", 1)

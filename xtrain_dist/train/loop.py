@@ -22,9 +22,8 @@ from ..eval.hellaswag import load as load_hellaswag
 from ..eval.sample import continuation, prompt_ids
 from ..model import GPT2
 from ..optim import lr_at
-from ..parallel.ddp import make_grad_sync
 from ..parallel.pipeline import run_schedule
-from ..parallel.zero import make_optimizer
+from ..parallel.zero import make_stage
 from ..profile import OpProfiler, mfu, nanogpt_flops_per_token
 from . import metrics
 from .cadence import Cadence
@@ -67,7 +66,9 @@ class QueuedStep:
 
 
 def param_sha256(model) -> str:
-    return hashlib.sha256(np.ascontiguousarray(model.ops.to_host(model.params)).tobytes()).hexdigest()
+    """Of the rank's flat parameters; at ZeRO-3, which keeps a shard, of the whole ones gathered (a collective)."""
+    flat = model.ops.to_host(model.params) if model.params is not None else model.params_flat()
+    return hashlib.sha256(np.ascontiguousarray(flat).tobytes()).hexdigest()
 
 
 def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
@@ -127,8 +128,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     pipe = step_comm.timing(mesh.pp, "pp") if mesh and cfg.pp > 1 else None
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
                  recompute=cfg.recompute, tp=step_comm.timing(mesh.tp, "tp") if mesh else None, pp=pipe)
-    optimizer = make_optimizer(model, cfg, step_comm)
-    grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
+    optimizer, grad_sync = make_stage(model, cfg, step_comm)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
                            overfit=cfg.overfit_batch)
     powersgd = getattr(grad_sync, "powersgd", None)  # --grad-compress powersgd: its state is saved and restored
@@ -153,7 +153,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
     result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
-                        start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
+                        start_step=start, param_bytes=model.param_bytes,
+                        grad_bytes=model.grads.nbytes if model.grads is not None else optimizer.grad_bytes,
                         zero_shards=optimizer.shards,
                         step_flops=nanogpt_flops_per_token(model.config, cfg.seq) * cfg.batch * cfg.seq)
     cadence = Cadence(cfg, start)
@@ -180,7 +181,9 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         """Micro-batch i's backward, accumulating into grads (from `dout`, the gradient the next stage sent):
         the gradient of the stage's input. The last micro-batch's (every schedule runs it last) starts the
         data-parallel communication."""
-        return model.stage_backward(tapes.pop(i), dout, grad_sync.on_grads_ready if i == len(batch) - 1 else None)
+        every = getattr(grad_sync, "every_micro_batch", False)  # ZeRO-2/3 keep no whole gradient to accumulate in
+        return model.stage_backward(tapes.pop(i), dout,
+                                    grad_sync.on_grads_ready if every or i == len(batch) - 1 else None)
 
     def received(i: int):
         """Where micro-batch i's activations, or their gradient, from another stage land: (B_micro, T, C)."""
