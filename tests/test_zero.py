@@ -193,3 +193,40 @@ def test_zero3_resumes_bitwise_at_its_mesh_and_exactly_at_another_stage_and_worl
     for other_world, stage in ((1, 0), (3, 2)):
         other = run(corpus, other_world, steps=8, zero=stage, resume=tmp_path / "ck", **options)
         assert max_rel_diff(other["losses"], full["losses"][4:]) < 1e-5
+
+
+@pytest.mark.parametrize("options, line", [
+    ({"zero": 4}, "--zero must be 0, 1, 2 or 3, got 4"),
+    ({"zero": 3, "zero3_prefetch": -1}, "--zero3-prefetch must be 0 or more (pass steps gathered ahead), got -1"),
+    ({"zero": 2, "tp": 2}, "--zero 2 and --tp do not work together yet: the tensor-parallel shards are not cut into "
+                           "ZeRO's shards yet"),
+    ({"zero": 3, "pp": 2}, "--zero 3 and --pp do not work together yet: the pipeline stages' tied wte is not sharded "
+                           "yet"),
+    ({"zero": 2, "grad_compress": "powersgd"}, "--zero 2 and --grad-compress powersgd do not work together yet: "
+                                               "PowerSGD's factors need the whole gradient of a matrix on every rank"),
+    ({"zero": 3, "backend": "cuda"}, "--zero 3 and --backend cuda do not work together yet: the gathers and "
+                                     "reduce-scatters run on the numpy backend only so far"),
+    ({"zero": 2, "grad_sync": "flat"}, "--zero 2 and --grad-sync flat do not work together yet: there is no whole "
+                                       "gradient buffer to reduce after backward: each block is reduce-scattered as "
+                                       "backward finishes it (--grad-sync bucketed)"),
+], ids=["stage", "prefetch", "tp", "pp", "powersgd", "cuda", "flat"])
+def test_what_zero2_and_zero3_do_not_do_yet_is_one_line(options, line):
+    from xtrain_dist.errors import XtrainError
+    from xtrain_dist.parallel import zero
+
+    cfg = TrainConfig(steps=1, batch=8, seq=32, world_size=2, **options)
+    with pytest.raises(XtrainError) as info:
+        zero.check_config(cfg)
+    assert str(info.value) == line
+
+
+def test_the_command_line_refuses_zero3_beside_tp_in_one_line():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", "2", "8", "32", "--world-size", "2",
+                          "--zero", "3", "--tp", "2"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.splitlines() == ["train_ddp: error: --zero 3 and --tp do not work together yet: the "
+                                       "tensor-parallel shards are not cut into ZeRO's shards yet"]

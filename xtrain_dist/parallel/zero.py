@@ -190,6 +190,48 @@ def _serve_calls(work: queue.Queue, errors: list, ops) -> None:
             work.task_done()
 
 
+def param_units(layout, blocks) -> dict:
+    """ZeRO-3's units of the parameters: key ("ln_f", a block's index, "wpe", "wte") -> (lo, hi, specs) of the
+    flat layout."""
+    units = {}
+    for key in ["ln_f", *blocks, "wpe", "wte"]:
+        specs = [s for s in layout if s.name.startswith(
+            f"transformer.h.{key}." if isinstance(key, int) else f"transformer.{key}.")]
+        units[key] = (specs[0].offset, specs[-1].offset + specs[-1].size, specs)
+    return units
+
+
+def pass_steps(blocks) -> tuple[list, dict]:
+    """The steps of a forward and backward pass in order, and the units each one reads (see FullyShardedAdamW)."""
+    order = ([("forward", "embed")] + [("forward", i) for i in blocks] + [("forward", "head")] +
+             [("backward", "head")] + [("backward", i) for i in reversed(blocks)] + [("backward", "embed")])
+    needs = {("forward", "embed"): ["wte", "wpe", blocks[0]], ("forward", "head"): ["ln_f", "wte"],
+             ("backward", "head"): ["ln_f", "wte"], ("backward", "embed"): []}
+    for i in blocks:
+        needs["forward", i] = [i, i + 1 if i < blocks[-1] else "ln_f"]
+        needs["backward", i] = [i]
+    return order, needs
+
+
+def window(order, needs, n: int, prefetch: int) -> set:
+    """The units a rank holds whole at pass step n: what it reads and what the next `prefetch` steps do."""
+    return {key for later in order[n:n + 1 + prefetch] for key in needs[later]}
+
+
+def gathered_elements(layout, blocks, prefetch: int) -> int:
+    """The most elements of gathered parameters a ZeRO-3 rank holds at once (the memory bound's figure)."""
+    units = param_units(layout, blocks)
+    order, needs = pass_steps(blocks)
+    return max(sum(units[k][1] - units[k][0] for k in window(order, needs, n, prefetch)) for n in range(len(order)))
+
+
+def grad_buffer_elements(ranges) -> int:
+    """The fewest elements of unit gradient buffers a ZeRO-2/3 rank holds at the worst moment of backward: the
+    embeddings' unit (the last range: alive through backward) and the largest other one beside it."""
+    sizes = [hi - lo for lo, hi in ranges]
+    return sizes[-1] + max(sizes[:-1], default=0)
+
+
 def _step_specs(model, step) -> list:
     """The parameters a pass step reads or writes the gradient of: the head (ln_f and the tied wte), a block,
     or the embeddings (wpe and wte)."""
@@ -344,20 +386,8 @@ class FullyShardedAdamW(ShardedGradAdamW):
         self.prefetch = cfg.zero3_prefetch
         model.params = model.params_lowp = model.decay_mask = None
         bind_views(model.p, None, model.layout)
-        last = model.blocks[-1]
-        self.param_units = {}  # key -> (lo, hi, specs) of the flat layout
-        for key in ["ln_f", *model.blocks, "wpe", "wte"]:
-            specs = [s for s in model.layout if s.name.startswith(
-                f"transformer.h.{key}." if isinstance(key, int) else f"transformer.{key}.")]
-            self.param_units[key] = (specs[0].offset, specs[-1].offset + specs[-1].size, specs)
-        self.order = ([("forward", "embed")] + [("forward", i) for i in model.blocks] + [("forward", "head")] +
-                      [("backward", "head")] + [("backward", i) for i in reversed(model.blocks)] +
-                      [("backward", "embed")])
-        self.needs = {("forward", "embed"): ["wte", "wpe", model.blocks[0]], ("forward", "head"): ["ln_f", "wte"],
-                      ("backward", "head"): ["ln_f", "wte"], ("backward", "embed"): []}
-        for i in model.blocks:
-            self.needs["forward", i] = [i, i + 1 if i < last else "ln_f"]
-            self.needs["backward", i] = [i]
+        self.param_units = param_units(model.layout, model.blocks)  # key -> (lo, hi, specs) of the flat layout
+        self.order, self.needs = pass_steps(model.blocks)
         self._position = {at: n for n, at in enumerate(self.order)}
         self.held: dict = {}    # key -> the buffer the model's views point into
         self.coming: dict = {}  # key -> (event, float32 buffer) of a gather handed to the thread
@@ -387,10 +417,10 @@ class FullyShardedAdamW(ShardedGradAdamW):
         n = self._position[at]
         need = self.needs[at]
         ahead = [key for later in self.order[n + 1:n + 1 + self.prefetch] for key in self.needs[later]]
-        window = set(need) | set(ahead)
-        for key in [k for k in self.held if k not in window]:
+        keep = window(self.order, self.needs, n, self.prefetch)
+        for key in [k for k in self.held if k not in keep]:
             self._release(key)
-        for key in [k for k in self.coming if k not in window]:  # a pass that stopped short (evaluation)
+        for key in [k for k in self.coming if k not in keep]:  # a pass that stopped short (evaluation)
             self.thread.wait(self.coming.pop(key)[0])
         for key in need:
             self._bind(key)

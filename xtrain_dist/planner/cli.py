@@ -127,7 +127,8 @@ def build_parser() -> OneLineParser:
                      help="micro-batches per step (the pipeline's m)")
     run.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="bf16",
                      help="bf16: bf16 activations and products; tf32: float32 storage, TF32 products")
-    run.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: AdamW's state sharded over dp")
+    run.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                     help="1: AdamW's state sharded over dp; 2: the gradients too; 3: the parameters too")
     run.add_argument("--recompute", type=int, choices=(0, 1, 2), default=0,
                      help="backward recomputes GELU (1), and the layernorms (2)")
     run.add_argument("--attention", choices=("standard", "flash"), default="standard",
@@ -261,10 +262,13 @@ def report_lines(shape: Shape, mesh: Mesh, run: Run, hw: Hardware, t: StepTime, 
         f"{run.recompute}, --attention {run.attention}" + (", sequence parallel" if run.sequence_parallel else ""),
         "",
         "memory per device (the device that holds the most):",
-        row("parameters (float32 master" + (", bf16 copy" if run.precision == "bf16" else "") + ", decay mask)",
+        row("parameters (float32 master" + (", bf16 copy" if run.precision == "bf16" else "") + ", decay mask)"
+            if run.zero < 3 else "parameters (ZeRO-3 shard, gathered blocks)",
             gib(m.parameters)),
-        row("gradients (float32)", gib(m.gradients)),
-        row("AdamW m and v (float32" + (", this rank's ZeRO-1 shard)" if run.zero else ")"), gib(m.optimizer)),
+        row("gradients (float32" + (", shard, blocks in backward)" if run.zero >= 2 else ")"),
+            gib(m.gradients)),
+        row("AdamW m and v (float32" + (f", this rank's ZeRO-{run.zero} shard)" if run.zero else ")"),
+            gib(m.optimizer)),
         row("activations kept for backward", gib(m.activations)),
         row("total", gib(total), f"{fits} in {memory_gib:g} GiB"),
         "",
