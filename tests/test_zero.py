@@ -230,3 +230,23 @@ def test_the_command_line_refuses_zero3_beside_tp_in_one_line():
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.splitlines() == ["train_ddp: error: --zero 3 and --tp do not work together yet: the "
                                        "tensor-parallel shards are not cut into ZeRO's shards yet"]
+
+
+def test_zero3_scores_hellaswag_and_draws_samples_as_zero1_does(corpus, tmp_path):
+    """13 examples over 3 ranks: 5, 4 and 4, so the ranks run different numbers of passes, and the ranks that
+    run fewer must still take part in each gather; every rank draws rank 0's sample beside it."""
+    from xtrain_dist.eval.hellaswag import Example, eval_file_chunks
+    from xtrain_dist.files import write_atomic
+
+    rng = np.random.default_rng(0)
+
+    def ids(n):
+        return rng.integers(0, corpus.vocab_size, size=n).astype(np.int32)
+
+    examples = [Example(i, i % 4, ids(6 + i % 5), tuple(ids(2 + k) for k in range(4))) for i in range(13)]
+    path = tmp_path / "hs.bin"
+    write_atomic(path, eval_file_chunks(examples), "test")
+    kw = {"steps": 2, "hellaswag": str(path), "sample_every": 2, "sample_tokens": 4}
+    sharded, whole = run(corpus, 3, zero=3, **kw), run(corpus, 3, zero=1, **kw)
+    assert sharded["hellaswag"] == whole["hellaswag"] and sharded["samples"] == whole["samples"] != []
+    assert sharded["param_sha256"] == whole["param_sha256"]

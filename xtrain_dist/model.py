@@ -350,8 +350,8 @@ class KVCache:
         c, xp = model.config, model.ops.xp
         # a tensor-parallel rank caches its own heads; a pipeline stage fills only its own blocks' layers
         shape = (c.n_layer, batch, c.n_head // model.tp_size, c.n_ctx, c.n_embd // c.n_head)
-        self.keys = xp.zeros(shape, dtype=model.params_lowp.dtype)
-        self.values = xp.zeros(shape, dtype=model.params_lowp.dtype)
+        self.keys = xp.zeros(shape, dtype=model.act_dtype)
+        self.values = xp.zeros(shape, dtype=model.act_dtype)
         self.length = 0  # positions cached, in every layer
         self.xp = xp
 
@@ -378,6 +378,10 @@ class KVCache:
 class WholeBuffers:
     """The passes' parameters and gradients are views of the whole flat buffers, bound once: nothing to do at a
     block's start (ZeRO-0 and -1; parallel/zero.py's ZeRO-2 and -3 stages are the other `units`)."""
+
+    # whether every rank of the data-parallel group must run each forward together (ZeRO-3 gathers the
+    # parameters of each block from all of them): evaluation and sampling then run on every rank alike
+    forward_is_collective = False
 
     def before_forward(self, step) -> None:
         """step: "embed", a block's index or "head", about to run forward."""
@@ -434,6 +438,7 @@ class GPT2:
         # rounded to bf16 in a float64 check: the numpy emulation computing in float64)
         lowp_dtype = backend.act_dtype if host.dtype == np.float32 else host.dtype
         self.params_lowp = self.params if backend.dtype == "fp32" else xp.empty(self.size, dtype=lowp_dtype)
+        self.act_dtype = self.params_lowp.dtype  # what forward and backward read the parameters in
         self.refresh_lowp()
         self.grads = xp.zeros(self.size, dtype=host.dtype)
         mask = np.zeros(self.size, dtype=np.uint8)

@@ -377,6 +377,8 @@ class FullyShardedAdamW(ShardedGradAdamW):
     rounded into a bf16 buffer at once (the float32 one then goes): the same elementwise rounding as
     model.refresh_lowp, so the same bits as ZeRO-1's copy."""
 
+    forward_is_collective = True  # every rank's shard is in each block's gather
+
     def __init__(self, model, cfg: TrainConfig, comm):
         super().__init__(model, cfg, comm)
         xp = self.ops.xp
@@ -500,11 +502,6 @@ NOT_YET = (
     ("--grad-sync flat", lambda cfg: cfg.grad_sync == "flat",
      "there is no whole gradient buffer to reduce after backward: each block is reduce-scattered as backward "
      "finishes it (--grad-sync bucketed)"),
-    ("--sample-every", lambda cfg: cfg.zero == 3 and cfg.sample_every,
-     "rank 0 draws alone, and at ZeRO-3 every rank must take part in each block's gather"),
-    ("--hellaswag", lambda cfg: cfg.zero == 3 and bool(cfg.hellaswag),
-     "the ranks score different numbers of forward passes, and at ZeRO-3 every rank must take part in each "
-     "block's gather"),
 )
 
 

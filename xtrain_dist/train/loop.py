@@ -147,8 +147,9 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # sampling never changes what the run trains on; with --tp every rank of rank 0's tensor-parallel group
     # runs the same draws beside it (their forward passes all-reduce together, their logits are the same bits), and
     # with --pp every stage of rank 0's pipeline group (the logits are the last stage's, broadcast to the others)
+    # (at ZeRO-3 every rank draws beside it: each forward gathers every rank's shard of the parameters)
     prompt = (prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
-              if cfg.sample_every and data_rank == 0 else None)
+              if cfg.sample_every and (data_rank == 0 or model.units.forward_is_collective) else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
