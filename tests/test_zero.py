@@ -250,3 +250,31 @@ def test_zero3_scores_hellaswag_and_draws_samples_as_zero1_does(corpus, tmp_path
     sharded, whole = run(corpus, 3, zero=3, **kw), run(corpus, 3, zero=1, **kw)
     assert sharded["hellaswag"] == whole["hellaswag"] and sharded["samples"] == whole["samples"] != []
     assert sharded["param_sha256"] == whole["param_sha256"]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_the_memory_bound_counts_the_blocks_a_zero3_rank_gathers(corpus, prefetch):
+    """The pre-flight bound's parameters are the shards and the widest window of gathered blocks: exactly what
+    the ranks held at their peak; its gradients the shard and the fewest blocks' buffers backward can hold."""
+    from xtrain_dist.config import model_config
+    from xtrain_dist.train.memory import rank_memories
+
+    cfg = TrainConfig(steps=2, batch=8, seq=32, model="tiny", seed=7, world_size=2, zero=3,
+                      zero3_prefetch=prefetch).resolved()
+    report = train(cfg, corpus, log=lambda line: None)
+    bounds = rank_memories(model_config("tiny", corpus.vocab_size), cfg, 4)
+    for bound, peak, params, grads in zip(bounds, report["zero_peak_bytes"], report["param_bytes"],
+                                          report["grad_bytes"], strict=True):
+        assert bound.parameters == params + params // 4 + peak["gathered_params"]  # float32 shard, its decay mask
+        assert grads < bound.gradients <= grads + peak["grad_buffers"]
+    if prefetch == 0:  # at its widest the embedding's step holds wte, wpe and block 0 (whose ln_1 it runs)
+        from xtrain_dist.model import param_layout
+
+        specs = param_layout(model_config("tiny", corpus.vocab_size))[0]
+
+        def span(prefix):
+            mine = [s for s in specs if s.name.startswith(prefix)]
+            return mine[-1].offset + mine[-1].size - mine[0].offset
+
+        widest = span("transformer.wte.") + span("transformer.wpe.") + span("transformer.h.0.")
+        assert report["zero_peak_bytes"][0]["gathered_params"] == 4 * widest

@@ -290,4 +290,7 @@ def report_fields(cfg, results) -> dict:
         "comm_bytes_per_step": results[0].comm_bytes,
         # every rank's shard, also those of other processes: each process cuts the same shards
         "zero_shards": [list(shard) for shard in results[0].zero_shards] if cfg.zero else None,
+        # per rank of this process, ZeRO-2/3 (parallel/zero.py): the most bytes of blocks' gradient buffers and of
+        # gathered parameters a rank held at once, beside its shards (param_bytes, grad_bytes)
+        "zero_peak_bytes": [r.zero_peak_bytes for r in results] if cfg.zero >= 2 else None,
     }

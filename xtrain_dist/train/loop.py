@@ -48,6 +48,8 @@ class RankResult:
     param_bytes: int = 0
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
+    # ZeRO-2/3: the most bytes of blocks' gradient buffers and (ZeRO-3) of gathered parameters held at once
+    zero_peak_bytes: dict | None = None
     profile: list | None = None      # --profile-step: OpProfiler.rows of that step
     # --cuda-graph: the mode, the steps run from the captured graph, and why none were where that is so
     cuda_graph: dict = field(default_factory=dict)
@@ -344,4 +346,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             events.close()
 
     result.param_sha256 = param_sha256(model)
+    if cfg.zero >= 2:
+        result.zero_peak_bytes = {"grad_buffers": optimizer.peak_grad_buffer_bytes,
+                                  "gathered_params": getattr(optimizer, "peak_gathered_bytes", 0)}
     return result
