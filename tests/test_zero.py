@@ -278,3 +278,22 @@ def test_the_memory_bound_counts_the_blocks_a_zero3_rank_gathers(corpus, prefetc
 
         widest = span("transformer.wte.") + span("transformer.wpe.") + span("transformer.h.0.")
         assert report["zero_peak_bytes"][0]["gathered_params"] == 4 * widest
+
+
+def test_bench_zero_sets_what_a_rank_holds_beside_the_bound(tmp_path):
+    """bin/bench_zero at world 2, ZeRO-1 and -3, of the tiny model: rank 0's arrays are the pre-flight bound's
+    (ZeRO-1 exactly; ZeRO-3 at least, the blocks' gradient buffers in flight being a lower bound, and within
+    15% of it), and both follow world 1. (In the tiny model wte is most of the parameters, and ZeRO-3 gathers
+    it whole: at world 2 a ZeRO-3 rank holds more than a ZeRO-1 rank, docs/ddp.md.)"""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bin" / "bench_zero"
+    done = subprocess.run([sys.executable, str(script), "--model", "tiny", "--worlds", "2", "--stages", "1,3",
+                           "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {r["stage"]: r for r in json.loads((tmp_path / "zero.json").read_text())["rows"]}
+    assert rows[1]["held_bytes"] == rows[1]["bound_bytes"]
+    assert rows[3]["bound_bytes"] <= rows[3]["held_bytes"] <= 1.15 * rows[3]["bound_bytes"]
+    assert all(r["ranks_equal"] and r["loss_rel_diff"] < 1e-5 for r in rows.values())

@@ -275,6 +275,7 @@ class ShardedGradAdamW(ShardedAdamW):
         self._reduced: set = set()  # units whose sum is in self.grad this step: the next micro-batch adds to it
         self.peak_grad_buffer_bytes = 0  # the most bytes of unit gradient buffers alive at once
         self._grad_buffer_bytes = 0
+        self._counting = threading.Lock()  # the rank's thread adds a buffer's bytes, the communication thread takes
         self.thread = _CommThread(self.ops, f"rank{comm.rank}-zero")
         self.close = self.thread.close
         model.grads = None
@@ -295,8 +296,9 @@ class ShardedGradAdamW(ShardedAdamW):
                 lo, hi = self.ranges[r]
                 buf = xp.zeros(hi - lo, dtype=self.grad.dtype)
                 self._filling[r] = buf
-                self._grad_buffer_bytes += buf.nbytes
-                self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self._grad_buffer_bytes)
+                with self._counting:
+                    self._grad_buffer_bytes += buf.nbytes
+                    self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self._grad_buffer_bytes)
                 bind_views(self.model.g, buf, self._range_specs[r], lo)
 
     # ------------------------------------------------------------ the gradient sync's calls
@@ -326,7 +328,8 @@ class ShardedGradAdamW(ShardedAdamW):
         else:
             into[...] = part
             self._reduced.add(r)
-        self._grad_buffer_bytes -= buf.nbytes
+        with self._counting:
+            self._grad_buffer_bytes -= buf.nbytes
 
     def finish(self) -> None:
         backward_done = self.ops.timestamp()
