@@ -230,6 +230,8 @@ def check_config(cfg) -> None:
             raise XtrainError(f"--powersgd-rank must be at least 1, got {cfg.powersgd_rank}")
         if cfg.powersgd_start_step < 0:
             raise XtrainError(f"--powersgd-start-step must be 0 or more, got {cfg.powersgd_start_step}")
+    if isinstance(cfg.zero, bool) or cfg.zero not in (0, 1, 2, 3):  # the stages parallel/zero.py runs
+        raise XtrainError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.grad_accum < 1:
         raise XtrainError(f"--grad-accum must be at least 1, got {cfg.grad_accum}")
     pp = getattr(cfg, "pp", 1)

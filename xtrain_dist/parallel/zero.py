@@ -47,8 +47,6 @@ from ..optim import AdamW, schedule_buffer
 from .ddp import make_grad_sync
 from .tensor import refuse_what_does_not_work_yet
 
-STAGES = (0, 1, 2, 3)
-
 
 def shard_bounds(size: int, world_size: int) -> list[tuple[int, int]]:
     """ZeRO-1's shards: world_size contiguous slices of the flat buffer, cut on ALIGN boundaries (so
@@ -509,9 +507,8 @@ NOT_YET = (
 
 
 def check_config(cfg) -> None:
-    """--zero names a stage, --zero3-prefetch a count, and a stage above 1 asks for nothing NOT_YET lists."""
-    if isinstance(cfg.zero, bool) or cfg.zero not in STAGES:
-        raise XtrainError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    """--zero3-prefetch is a count, and a stage above 1 asks for nothing NOT_YET lists (after parallel/ddp.py's
+    checks, --zero's stage among them)."""
     prefetch = getattr(cfg, "zero3_prefetch", 1)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise XtrainError(f"--zero3-prefetch must be 0 or more (pass steps gathered ahead), got {prefetch}")
