@@ -185,8 +185,8 @@ def device_memory(shape: Shape, mesh: Mesh, run: Run) -> RankMemory:
     # at the widest (--zero3-prefetch 1: block 0's ln_1 with the embedding, block 1 prefetched)
     block = sum(pad(n) for n in layer_tensors(shape, mesh.tp))
     embeddings = pad(shape.n_ctx * shape.d_model) + pad(shape.padded_vocab(mesh.tp) * shape.d_model // mesh.tp)
-    if run.zero >= 2:
-        gradients = 4 * (hi - lo) + 4 * (embeddings + block)
+    if run.zero >= 2:  # (ln_f's gradient shares the last block's buffer)
+        gradients = 4 * (hi - lo) + 4 * (embeddings + block + (2 * pad(shape.d_model) if mesh.pp == 1 else 0))
     if run.zero == 3:
         gathered = (act if run.precision == "bf16" else 4) * (embeddings + 2 * block)
         parameters = (4 + ITEMSIZE["u8"]) * (hi - lo) + gathered
