@@ -296,3 +296,11 @@ def test_bench_zero_sets_what_a_rank_holds_beside_the_bound(tmp_path):
     assert rows[1]["held_bytes"] == rows[1]["bound_bytes"]
     assert rows[3]["bound_bytes"] <= rows[3]["held_bytes"] <= 1.15 * rows[3]["bound_bytes"]
     assert all(r["ranks_equal"] and r["loss_rel_diff"] < 1e-5 for r in rows.values())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_compression_rounds_each_block_as_zero1_rounds_each_bucket(corpus, stage):
+    """Rounding is elementwise, before and after the rank-order sum: the same bits in blocks as in buckets."""
+    kw = {"steps": 3, "grad_compress": "bf16"}
+    sharded, whole = run(corpus, 2, zero=stage, **kw), run(corpus, 2, zero=1, **kw)
+    assert sharded["param_sha256"] == whole["param_sha256"] != run(corpus, 2, zero=1, steps=3)["param_sha256"]
