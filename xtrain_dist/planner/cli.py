@@ -3,7 +3,8 @@
 A preset or a custom shape, a mesh (dp x tp x pp), a batch, a sequence and a precision in; per-device
 memory, the step's time by part, and the scaling table out. The arithmetic is planner/projection.py's;
 docs/planning.md works an example. Tensor and pipeline parallelism are projections by Megatron-LM's
-formulas: the trainer itself splits only the data (dp, with --zero 1 for the optimizer state).
+formulas: the trainer itself splits only the data (dp, with --zero 1 for the optimizer state, 2 and 3 for the gradients
+and the parameters too).
 
     xtrain-plan --model gpt2-124m --gpus 8 --batch 64 --bus-gbps 370 --inter-node-gbps 40
     xtrain-plan --layers 126 --d-model 16384 --d-ff 53248 --heads 128 --vocab 128256 --seq 8192 \\
