@@ -788,7 +788,7 @@ def test_a_run_replays_from_the_configuration_it_wrote(tmp_path):
                                  "seq, tokenizer, corpus"),
     ("steps = 0", "steps must be a positive integer, got '0'"),
     ("dtype = 'fp16'", "dtype must be one of fp32, bf16, got 'fp16'"),
-    ("zero = 2", "zero must be one of 0, 1, got 2"),
+    ("zero = 4", "zero must be one of 0, 1, 2, 3, got 4"),
 ])
 def test_a_config_file_s_bad_key_or_value_is_one_line_naming_it_and_the_file(tmp_path, text, message):
     config = tmp_path / "run.toml"

@@ -371,7 +371,7 @@ def test_accumulation_with_uneven_micro_batches(corpus):
     (["--world-size", "2", "--grad-accum", "3"],
      "BATCH (4) must be at least the world size times --grad-accum (2 x 3 = 6): every micro-batch needs a "
      "sequence on every rank"),
-    (["--zero", "2"], "--zero must be one of 0, 1, got '2'"),
+    (["--zero", "4"], "--zero must be one of 0, 1, 2, 3, got '4'"),
     (["--grad-compress", "fp8"], "--grad-compress must be one of none, bf16, powersgd, got 'fp8'"),
 ])
 def test_bad_options_get_one_line(capsys, args, message):
@@ -384,7 +384,7 @@ def test_bad_options_get_one_line(capsys, args, message):
     (dict(bucket_mb=0.0), "--bucket-mb must be a positive number, got 0"),
     (dict(bucket_mb=float("nan")), "--bucket-mb must be a positive number, got nan"),
     (dict(grad_accum=0), "--grad-accum must be at least 1, got 0"),
-    (dict(zero=2), "--zero must be 0 or 1, got 2"),
+    (dict(zero=4), "--zero must be 0, 1, 2 or 3, got 4"),
     (dict(grad_sync="ring"), "--grad-sync must be one of per-param, flat, bucketed, got 'ring'"),
 ])
 def test_a_config_built_in_code_is_checked_as_the_command_line_is(options, message):

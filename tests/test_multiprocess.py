@@ -177,6 +177,23 @@ def test_mpirun_trains_like_world1_with_bitwise_equal_ranks(tmp_path, reference)
 
 
 @needs_mpi
+def test_zero3_through_four_mpi_processes_is_four_thread_ranks_bitwise(tmp_path, reference):
+    """Every block gathered and reduce-scattered by each process's communication thread, over MPI."""
+    report = tmp_path / "mpi.json"
+    out = run([str(MPIRUN), "-n", "4", sys.executable, "-m", "xtrain_dist.train_ddp", *TRAIN_ARGS, "--zero", "3",
+               "--grad-accum", "2", "--report", str(report)])
+    assert out.returncode == 0, out.stderr
+    data = json.loads(report.read_text())
+    assert data["launch"]["processes"] == 4 and data["zero"] == 3
+    threads = train(TrainConfig(steps=STEPS, batch=BATCH, seq=SEQ, seed=SEED, world_size=4, zero=3,
+                                grad_accum=2).resolved(), Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS),
+                    log=lambda line: None)
+    assert data["losses"] == threads["losses"] and data["param_sha256"] == threads["param_sha256"]
+    a, b = np.array(data["losses"]), np.array(reference[1]["losses"])
+    assert np.max(np.abs(a - b) / np.abs(b)) <= 1e-5
+
+
+@needs_mpi
 def test_mpirun_with_two_rank_threads_per_process(tmp_path, reference, hellaswag_file):
     report = tmp_path / "hybrid.json"
     out = run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", *TRAIN_ARGS,

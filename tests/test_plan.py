@@ -111,6 +111,22 @@ def test_memory_is_the_preflight_checks(preset, dp, batch, zero, precision, atte
     assert planned == preflight
 
 
+@pytest.mark.parametrize("zero, dp, precision", [(2, 4, "fp32"), (3, 4, "fp32"), (3, 2, "bf16")])
+def test_zero2_and_zero3_memory_is_the_preflight_checks(zero, dp, precision):
+    """The planner counts the gathered blocks (the embeddings and two blocks at the widest) and the gradient
+    buffers (the embeddings' and the last block's with ln_f) from the shape; the pre-flight check walks the
+    layout's units and windows (parallel/zero.py). GPT-2's tensors are whole multiples of 32 elements, so the
+    two agree to the byte."""
+    config = model_config("gpt2-124m", 50257)
+    cfg = TrainConfig(steps=1, batch=8, seq=1024, model="gpt2-124m", world_size=dp, zero=zero,
+                      dtype="bf16" if precision == "bf16" else "fp32")
+    preflight = rank_memories(config, cfg, 2 if precision == "bf16" else 4)[0]
+    planned = device_memory(Shape.of(config), Mesh(dp=dp), Run(batch=8, seq=1024, precision=precision, zero=zero))
+    assert planned == preflight
+    whole = device_memory(Shape.of(config), Mesh(dp=dp), Run(batch=8, seq=1024, precision=precision, zero=1))
+    assert planned.gradients < whole.gradients and (zero == 2 or planned.parameters < whole.parameters)
+
+
 def test_ring_all_reduce_and_the_overlap_model():
     assert ring_all_reduce_s(1e9, 4, 100.0) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9)  # 15 ms
     assert ring_all_reduce_s(1e9, 1, 100.0) == 0.0

@@ -249,14 +249,20 @@ def count_params(config: GPTConfig) -> int:
 def _named_views(flat, specs: list[ParamSpec], n_layer: int) -> SimpleNamespace:
     """Attribute access to the views: v.wte, v.ln_f_weight, v.h[l].attn_c_attn_weight, ..."""
     views = SimpleNamespace(h=[SimpleNamespace() for _ in range(n_layer)])
+    bind_views(views, flat, specs)
+    return views
+
+
+def bind_views(views: SimpleNamespace, flat, specs: list[ParamSpec], start: int = 0) -> None:
+    """Point the views of `specs` at `flat`, a buffer holding the flat layout from element `start` on (ZeRO-3
+    binds a block's gathered parameters so, ZeRO-2 and -3 its gradient buffer); flat None unbinds them."""
     for s in specs:
-        view = flat[s.offset: s.offset + s.size].reshape(s.shape)
+        view = None if flat is None else flat[s.offset - start: s.offset - start + s.size].reshape(s.shape)
         parts = s.name.split(".")
         if parts[1] == "h":
             setattr(views.h[int(parts[2])], "_".join(parts[3:]), view)
         else:
             setattr(views, "_".join(parts[1:-1]) if parts[1] in ("wte", "wpe") else "_".join(parts[1:]), view)
-    return views
 
 
 def init_weights(config: GPTConfig, seed: int) -> np.ndarray:
@@ -357,8 +363,8 @@ class KVCache:
         c, xp = model.config, model.ops.xp
         # a tensor-parallel rank caches its own heads; a pipeline stage fills only its own blocks' layers
         shape = (c.n_layer, batch, c.n_head // model.tp_size, c.n_ctx, c.n_embd // c.n_head)
-        self.keys = xp.zeros(shape, dtype=model.params_lowp.dtype)
-        self.values = xp.zeros(shape, dtype=model.params_lowp.dtype)
+        self.keys = xp.zeros(shape, dtype=model.act_dtype)
+        self.values = xp.zeros(shape, dtype=model.act_dtype)
         self.length = 0  # positions cached, in every layer
         self.xp = xp
 
@@ -380,6 +386,24 @@ class KVCache:
         e = xp.exp(scores - scores.max(axis=-1, keepdims=True))
         y = (e / e.sum(axis=-1, keepdims=True)) @ self.values[layer, :, :, :end].astype(xp.float32)
         return y.transpose(0, 2, 1, 3).reshape(B, n, C3 // 3).astype(qkv.dtype)
+
+
+class WholeBuffers:
+    """The passes' parameters and gradients are views of the whole flat buffers, bound once: nothing to do at a
+    block's start (ZeRO-0 and -1; parallel/zero.py's ZeRO-2 and -3 stages are the other `units`)."""
+
+    # whether every rank of the data-parallel group must run each forward together (ZeRO-3 gathers the
+    # parameters of each block from all of them): evaluation and sampling then run on every rank alike
+    forward_is_collective = False
+
+    def before_forward(self, step) -> None:
+        """step: "embed", a block's index or "head", about to run forward."""
+
+    def before_backward(self, step) -> None:
+        """step: "head", a block's index or "embed", about to run backward."""
+
+    def forward_done(self) -> None:
+        """A forward that keeps nothing for backward (evaluation, generation) has ended."""
 
 
 class GPT2:
@@ -433,6 +457,7 @@ class GPT2:
         # rounded to bf16 in a float64 check: the numpy emulation computing in float64)
         lowp_dtype = backend.act_dtype if host.dtype == np.float32 else host.dtype
         self.params_lowp = self.params if backend.dtype == "fp32" else xp.empty(self.size, dtype=lowp_dtype)
+        self.act_dtype = self.params_lowp.dtype  # what forward and backward read the parameters in
         self.refresh_lowp()
         self.grads = xp.zeros(self.size, dtype=host.dtype)
         mask = np.zeros(self.size, dtype=np.uint8)
@@ -445,6 +470,10 @@ class GPT2:
         # the optimizer step dropout's masks are drawn for (the loop sets it, set_dropout_step): in memory on the
         # backend, so a step captured as a CUDA graph reads each replay's number
         self.dropout_step = xp.zeros(1, dtype=np.uint32)
+        # where the passes' parameters and gradients come from: the whole flat buffers, or a ZeRO-2/3 stage
+        # (parallel/zero.py) that binds a block's views before the pass needs them (before_forward,
+        # before_backward) and takes its gradients once backward announces them final
+        self.units = WholeBuffers()
 
     @property
     def split_over_ranks(self) -> bool:
@@ -465,7 +494,10 @@ class GPT2:
 
     @property
     def param_bytes(self) -> int:
-        """Memory of the parameters: the float32 master and, under bf16, the copy forward reads."""
+        """Memory of the parameters: the float32 master and, under bf16, the copy forward reads (ZeRO-3: the
+        rank's float32 shard, parallel/zero.py)."""
+        if self.params is None:
+            return self.units.param_bytes
         return self.params.nbytes + (self.lowp_copy.nbytes if self.lowp_copy is not None else 0)
 
     # ---------------------------------------------------------------- the layout, for gradient sync
@@ -570,19 +602,26 @@ class GPT2:
         """Host copies of the parameters under GPT2LMHeadModel's names and shapes (lm_head is tied to wte):
         wte's V rows, without the padded ones. The full tensors whatever the tensor parallelism: from
         `flat`, gather_flat(params) already made, or gathered here (a collective of the group)."""
-        flat = self.gather_flat(self.params) if flat is None else flat
+        flat = self.params_flat() if flat is None else flat
         return {s.name: flat[s.offset: s.offset + s.hf_size].reshape(s.hf_shape).copy()
                 for s in param_layout(self.config)[0]}
 
     def full_flat(self, state: dict[str, np.ndarray]) -> np.ndarray:
         """The full layout's flat parameters on the host from tensors in state_dict's names and shapes."""
-        host = np.zeros(self.full_size, dtype=self.params.dtype)
+        host = np.zeros(self.full_size, dtype=(self.params if self.params is not None else self.units.params).dtype)
         for s in param_layout(self.config)[0]:
             host[s.offset: s.offset + s.hf_size] = np.asarray(state[s.name]).reshape(-1)
         return host
 
+    def params_flat(self) -> np.ndarray:
+        """A host copy of the parameters in the full layout (a collective of the groups that hold them)."""
+        return self.gather_flat(self.params) if self.params is not None else self.units.params_flat()
+
     def load_flat(self, full: np.ndarray) -> None:
         """Parameters from a host flat buffer of the full layout: this rank's shards of it."""
+        if self.params is None:  # ZeRO-3: the rank's shard only (parallel/zero.py)
+            self.units.load_flat(self.shard_flat(full))
+            return
         self.params[...] = self.ops.from_host(self.shard_flat(full))
         self.refresh_lowp()
 
@@ -591,7 +630,8 @@ class GPT2:
         self.load_flat(self.full_flat(state))
 
     def zero_grad(self) -> None:
-        self.grads.fill(0)
+        if self.grads is not None:  # ZeRO-2/3 keep no whole gradient buffer (parallel/zero.py)
+            self.grads.fill(0)
 
     # ---------------------------------------------------------------- tensor parallelism
     def _row_bias(self, bias):
@@ -680,6 +720,8 @@ class GPT2:
         The tape holds what stage_backward needs (None unless targets and dloss are given)."""
         ops, p, n_head = self.ops, self.p, self.n_head
         x = inp  # the residual stream the stage before sent, or on the first stage the embeddings of ids
+        keep = targets is not None and dloss is not None
+        self.units.before_forward("embed")
         if self.is_first:
             x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
             x = self._dropped(x, self._dropout_site(rows, 0, EMBEDDINGS))
@@ -689,6 +731,7 @@ class GPT2:
         ln1, ln1_mean, ln1_rstd = ops.layernorm_forward(x, *self._layernorm_after(self.blocks[0] - 1))
         acts = []
         for layer in self.blocks:
+            self.units.before_forward(layer)
             w = p.h[layer]
             qkv = ops.matmul_forward(ln1, w.attn_c_attn_weight, w.attn_c_attn_bias)
             if cache is not None:
@@ -722,16 +765,19 @@ class GPT2:
                                                                             *self._layernorm_after(layer))
         if cache is not None:  # each stage's cache holds its own blocks' keys and values
             cache.length += ids.shape[1]
-        keep = targets is not None and dloss is not None
         if not self.is_last:
             return x, (Tape(ids, acts, x, None, None, None, None, rows) if keep else None)
+        self.units.before_forward("head")
         lnf, lnf_mean, lnf_rstd = ln1, ln1_mean, ln1_rstd  # after the last block, ln1 is ln_f's
         logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection: (B, T, Vp)
         V = self.config.vocab_size
         if targets is None:
+            self.units.forward_done()
             return logits[..., :V], None
         if dloss is None:
-            return ops.crossentropy_forward(logits, targets, V), None
+            losses = ops.crossentropy_forward(logits, targets, V)
+            self.units.forward_done()
+            return losses, None
         losses = ops.fused_classifier(logits, targets, dloss, V)  # logits now hold dlogits, 0 past V
         return losses, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd, logits, rows)
 
@@ -782,6 +828,7 @@ class GPT2:
         announce = on_grads_ready or (lambda start, end: None)
 
         if self.is_last:
+            self.units.before_backward("head")
             dlnf = ops.matmul_backward(g.wte.T, None, dlogits, lnf, p.wte.T)
             dres = self.ops.xp.zeros_like(x_final)  # gradient of the residual stream, carried down the blocks
             ops.layernorm_backward(dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean,
@@ -789,6 +836,7 @@ class GPT2:
         else:
             dres = dout
         for a, layer in zip(reversed(acts), reversed(self.blocks), strict=True):
+            self.units.before_backward(layer)
             w, gw = p.h[layer], g.h[layer]
             # MLP: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
             fch_gelu = ops.gelu_forward(a.fch) if a.fch_gelu is None else a.fch_gelu  # --recompute 1
@@ -824,6 +872,7 @@ class GPT2:
                                    a.ln1_mean, a.ln1_rstd)  # dres is now d x_in
             announce(*next(ranges))
         if self.is_first:
+            self.units.before_backward("embed")
             ops.encoder_backward(g.wte, g.wpe, self._dropped(dres, self._dropout_site(rows, 0, EMBEDDINGS)), ids)
         announce(*next(ranges))
         return None if self.is_first else dres

@@ -53,7 +53,7 @@ def trainer_state(step: int, cfg: TrainConfig, corpus, model, optimizer, sampler
                   flat: np.ndarray | None = None) -> dict:
     """flat: the full layout's parameters (GPT2.gather_flat), where the caller has them already."""
     used = layout_size(model.config)
-    flat = model.gather_flat(model.params) if flat is None else flat
+    flat = model.params_flat() if flat is None else flat
     return {
         "format": FORMAT, "version": VERSION, "xtrain_dist_version": __version__,
         "step": step,
@@ -111,12 +111,17 @@ def save(folder, *, rank: int, comm, step: int, cfg: TrainConfig, corpus, model,
 
     Every rank calls it: rank 0 writes the model and the run's state, the optimizer state is written
     by rank 0 or, when it is sharded, by every rank for its shard; all ranks wait until it is in place.
-    With PowerSGD (`powersgd`, parallel/powersgd.py) every rank also writes its Q and error buffers.
+    With PowerSGD (`powersgd`, parallel/powersgd.py) every rank also writes its Q and error buffers. At
+    ZeRO-2 the parameters are whole on every rank as at ZeRO-1; at ZeRO-3 every rank's shard is all-gathered
+    first, so the folder is the same one Hugging Face folder at every stage, and m and v are saved as ZeRO-1
+    saves them (one file per rank): a run resumes at any stage and world size.
     With tensor or pipeline parallelism every rank first gathers its groups' shards and stages (collectives of
     the groups), so the files hold the full model and its optimizer state whatever --tp and --pp were: a run
     resumes at any --tp and --pp."""
-    gathers, shards = rank == 0 or model.split_over_ranks, saves_shards(model, optimizer)
-    flat = model.gather_flat(model.params) if gathers else None
+    # ZeRO-3's ranks hold shards of the parameters: every rank takes part in gathering them
+    gathers = rank == 0 or model.split_over_ranks or model.params is None
+    shards = saves_shards(model, optimizer)
+    flat = model.params_flat() if gathers else None
     optimizer_state = optimizer_state_to_save(model, optimizer) if gathers or shards else None
 
     def write(new: Path) -> None:

@@ -208,6 +208,10 @@ class HellaSwag:
         self.n_completions = len(examples[0].completions)
         mine = examples[rank::world]
         chunks = passes_by_length(mine, tokens)
+        # the most passes any rank runs: where every rank must run each forward together (ZeRO-3's gathers,
+        # model.WholeBuffers.forward_is_collective) a rank with fewer runs empty ones to that count
+        self.most_passes = max(len(passes_by_length(examples[r::world], tokens)) for r in range(world))
+        self.empty = backend.from_host(np.zeros((1, 1), dtype=np.int32))
         self.passes = []
         for chunk in chunks:
             chosen = [mine[i] for i in chunk]
@@ -229,6 +233,9 @@ class HellaSwag:
                 continue
             losses = losses.astype(xp.float64)
             scores.append((losses * mask).sum(axis=1) / mask.sum(axis=1))
+        if model.units.forward_is_collective:
+            for _ in range(self.most_passes - len(self.passes)):
+                model.forward(self.empty, self.empty)
         if self.passes and not scores:
             return None
         if not scores:  # a rank with no example (more ranks than examples)

@@ -230,8 +230,8 @@ def check_config(cfg) -> None:
             raise XtrainError(f"--powersgd-rank must be at least 1, got {cfg.powersgd_rank}")
         if cfg.powersgd_start_step < 0:
             raise XtrainError(f"--powersgd-start-step must be 0 or more, got {cfg.powersgd_start_step}")
-    if cfg.zero not in (0, 1):
-        raise XtrainError(f"--zero must be 0 or 1, got {cfg.zero}")
+    if isinstance(cfg.zero, bool) or cfg.zero not in (0, 1, 2, 3):  # the stages parallel/zero.py runs
+        raise XtrainError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.grad_accum < 1:
         raise XtrainError(f"--grad-accum must be at least 1, got {cfg.grad_accum}")
     pp = getattr(cfg, "pp", 1)
@@ -292,4 +292,7 @@ def report_fields(cfg, results) -> dict:
         "comm_bytes_per_step": results[0].comm_bytes,
         # every rank's shard, also those of other processes: each process cuts the same shards
         "zero_shards": [list(shard) for shard in results[0].zero_shards] if cfg.zero else None,
+        # per rank of this process, ZeRO-2/3 (parallel/zero.py): the most bytes of blocks' gradient buffers and of
+        # gathered parameters a rank held at once, beside its shards (param_bytes, grad_bytes)
+        "zero_peak_bytes": [r.zero_peak_bytes for r in results] if cfg.zero >= 2 else None,
     }

@@ -3,7 +3,8 @@
 A preset or a custom shape, a mesh (dp x tp x pp), a batch, a sequence and a precision in; per-device
 memory, the step's time by part, and the scaling table out. The arithmetic is planner/projection.py's;
 docs/planning.md works an example. Tensor and pipeline parallelism are projections by Megatron-LM's
-formulas: the trainer itself splits only the data (dp, with --zero 1 for the optimizer state).
+formulas: the trainer itself splits only the data (dp, with --zero 1 for the optimizer state, 2 and 3 for the gradients
+and the parameters too).
 
     xtrain-plan --model gpt2-124m --gpus 8 --batch 64 --bus-gbps 370 --inter-node-gbps 40
     xtrain-plan --layers 126 --d-model 16384 --d-ff 53248 --heads 128 --vocab 128256 --seq 8192 \\
@@ -179,7 +180,8 @@ def build_parser() -> OneLineParser:
                      help="micro-batches per step (the pipeline's m)")
     run.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="bf16",
                      help="bf16: bf16 activations and products; tf32: float32 storage, TF32 products")
-    run.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: AdamW's state sharded over dp")
+    run.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                     help="1: AdamW's state sharded over dp; 2: the gradients too; 3: the parameters too")
     run.add_argument("--recompute", type=int, choices=(0, 1, 2), default=0,
                      help="backward recomputes GELU (1), and the layernorms (2)")
     run.add_argument("--attention", choices=("standard", "flash"), default="standard",
@@ -313,10 +315,13 @@ def report_lines(shape: Shape, mesh: Mesh, run: Run, hw: Hardware, t: StepTime, 
         f"{run.recompute}, --attention {run.attention}" + (", sequence parallel" if run.sequence_parallel else ""),
         "",
         "memory per device (the device that holds the most):",
-        row("parameters (float32 master" + (", bf16 copy" if run.precision == "bf16" else "") + ", decay mask)",
+        row("parameters (float32 master" + (", bf16 copy" if run.precision == "bf16" else "") + ", decay mask)"
+            if run.zero < 3 else "parameters (ZeRO-3 shard, gathered blocks)",
             gib(m.parameters)),
-        row("gradients (float32)", gib(m.gradients)),
-        row("AdamW m and v (float32" + (", this rank's ZeRO-1 shard)" if run.zero else ")"), gib(m.optimizer)),
+        row("gradients (float32" + (", shard, blocks in backward)" if run.zero >= 2 else ")"),
+            gib(m.gradients)),
+        row("AdamW m and v (float32" + (f", this rank's ZeRO-{run.zero} shard)" if run.zero else ")"),
+            gib(m.optimizer)),
         row("activations kept for backward", gib(m.activations)),
         row("total", gib(total), f"{fits} in {memory_gib:g} GiB"),
         "",

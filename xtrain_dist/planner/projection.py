@@ -179,8 +179,19 @@ def device_memory(shape: Shape, mesh: Mesh, run: Run) -> RankMemory:
     act = ACT_ITEMSIZE[run.precision]
     parameters = 4 * size + (act * size if run.precision == "bf16" else 0) + ITEMSIZE["u8"] * size
     lo, hi = shard_bounds(size, mesh.dp)[0] if run.zero else (0, size)
+    gradients = 4 * size
+    # ZeRO-2 and -3 (parallel/zero.py): the shard, and the buffers backward fills: the embeddings' (alive through
+    # backward, the tied wte) and a block's; ZeRO-3 also gathers the parameters of the embeddings and two blocks
+    # at the widest (--zero3-prefetch 1: block 0's ln_1 with the embedding, block 1 prefetched)
+    block = sum(pad(n) for n in layer_tensors(shape, mesh.tp))
+    embeddings = pad(shape.n_ctx * shape.d_model) + pad(shape.padded_vocab(mesh.tp) * shape.d_model // mesh.tp)
+    if run.zero >= 2:  # (ln_f's gradient shares the last block's buffer)
+        gradients = 4 * (hi - lo) + 4 * (embeddings + block + (2 * pad(shape.d_model) if mesh.pp == 1 else 0))
+    if run.zero == 3:
+        gathered = (act if run.precision == "bf16" else 4) * (embeddings + 2 * block)
+        parameters = (4 + ITEMSIZE["u8"]) * (hi - lo) + gathered
     rows = len(range(0, run.batch, mesh.dp))
-    return RankMemory(parameters=parameters, gradients=4 * size, optimizer=2 * 4 * (hi - lo),
+    return RankMemory(parameters=parameters, gradients=gradients, optimizer=2 * 4 * (hi - lo),
                       activations=activation_bytes(shape, mesh, run, -(-rows // run.grad_accum)))
 
 
@@ -245,7 +256,10 @@ def step_time(shape: Shape, mesh: Mesh, run: Run, hw: Hardware) -> StepTime:
         dp_comm = send + buckets * hw.latency_s
         backward_last_micro = compute * 2 / 3 / run.grad_accum
         dp_exposed = exposed_comm_s(dp_comm, last, backward_last_micro, hw.overlap)
-        if run.zero:  # the float32 parameters gathered after the step: half a ring all-reduce, nothing hides it
+        if run.zero == 3:  # every block gathered before forward and again before backward: twice the float32
+            # parameters' half ring, which prefetch hides behind compute in this projection
+            dp_comm += 2 * (ring_all_reduce_s(4 * size, mesh.dp, bus) / 2) + 2 * (shape.n_layer + 3) * hw.latency_s
+        elif run.zero:  # the float32 parameters gathered after the step: half a ring all-reduce, nothing hides it
             gather = ring_all_reduce_s(4 * size, mesh.dp, bus) / 2 + hw.latency_s
             dp_comm += gather
             dp_exposed += gather

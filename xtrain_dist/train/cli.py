@@ -192,7 +192,10 @@ def build_parser() -> OneLineParser:
     sync.add_argument("--powersgd-start-step", metavar="S", type=int, default=TrainConfig.powersgd_start_step,
                       help="powersgd: the first S steps all-reduce gradients uncompressed (default "
                            f"{TrainConfig.powersgd_start_step})")
-    sync.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: shard the optimizer state (ZeRO-1)")
+    sync.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                      help="1: shard the optimizer state (ZeRO-1); 2: the gradients too; 3: the parameters too")
+    sync.add_argument("--zero3-prefetch", type=int, default=1, metavar="N",
+                      help="--zero 3: gather the parameters of the next N blocks while one computes (0: when needed)")
     sync.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     sync.add_argument("--all-reduce", choices=ALL_REDUCES, default="library",
                       help="how gradients are all-reduced: library, the communicator's own (default), or ring, "
@@ -335,6 +338,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         sample_every=args.sample_every,
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
         grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
+        zero3_prefetch=args.zero3_prefetch,
         powersgd_rank=args.powersgd_rank, powersgd_start_step=args.powersgd_start_step,
         grad_accum=args.grad_accum, all_reduce=args.all_reduce, dtype=args.dtype, attention=args.attention,
         recompute=args.recompute, dropout=args.dropout,

@@ -23,9 +23,8 @@ from ..eval.hellaswag import load as load_hellaswag
 from ..eval.sample import continuation, prompt_ids
 from ..model import GPT2
 from ..optim import lr_at
-from ..parallel.ddp import make_grad_sync
 from ..parallel.pipeline import run_schedule
-from ..parallel.zero import make_optimizer
+from ..parallel.zero import make_stage
 from ..profile import OpProfiler, mfu, nanogpt_flops_per_token
 from . import metrics
 from .cadence import Cadence
@@ -51,6 +50,8 @@ class RankResult:
     param_bytes: int = 0
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
+    # ZeRO-2/3: the most bytes of blocks' gradient buffers and (ZeRO-3) of gathered parameters held at once
+    zero_peak_bytes: dict | None = None
     profile: list | None = None      # --profile-step: OpProfiler.rows of that step
     # --cuda-graph: the mode, the steps run from the captured graph, and why none were where that is so
     cuda_graph: dict = field(default_factory=dict)
@@ -69,7 +70,9 @@ class QueuedStep:
 
 
 def param_sha256(model) -> str:
-    return hashlib.sha256(np.ascontiguousarray(model.ops.to_host(model.params)).tobytes()).hexdigest()
+    """Of the rank's flat parameters; at ZeRO-3, which keeps a shard, of the whole ones gathered (a collective)."""
+    flat = model.ops.to_host(model.params) if model.params is not None else model.params_flat()
+    return hashlib.sha256(np.ascontiguousarray(flat).tobytes()).hexdigest()
 
 
 def micro_batches(ids: np.ndarray, targets: np.ndarray, k: int):
@@ -139,8 +142,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
                  recompute=cfg.recompute, tp=step_comm.timing(mesh.tp, "tp") if mesh else None, pp=pipe,
                  dropout=cfg.dropout)
-    optimizer = make_optimizer(model, cfg, step_comm)
-    grad_sync = make_grad_sync(cfg, step_comm, model, shards=optimizer.shards)
+    optimizer, grad_sync = make_stage(model, cfg, step_comm)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
                            overfit=cfg.overfit_batch)
     powersgd = getattr(grad_sync, "powersgd", None)  # --grad-compress powersgd: its state is saved and restored
@@ -159,13 +161,15 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     # sampling never changes what the run trains on; with --tp every rank of rank 0's tensor-parallel group
     # runs the same draws beside it (their forward passes all-reduce together, their logits are the same bits), and
     # with --pp every stage of rank 0's pipeline group (the logits are the last stage's, broadcast to the others)
+    # (at ZeRO-3 every rank draws beside it: each forward gathers every rank's shard of the parameters)
     prompt = (prompt_ids(corpus.tokenizer, cfg.sample_prompt, cfg.tokenizer, "--sample-prompt")
-              if cfg.sample_every and data_rank == 0 else None)
+              if cfg.sample_every and (data_rank == 0 or model.units.forward_is_collective) else None)
     # Each rank scales by the *global* token count, so the all-reduced sum of gradients is the
     # gradient of the global-batch mean loss, however the batch splits over ranks and micro-batches.
     dloss = 1.0 / (cfg.batch * cfg.seq)
     result = RankResult(rank, num_params=model.num_params, optimizer_state_bytes=optimizer.state_bytes,
-                        start_step=start, param_bytes=model.param_bytes, grad_bytes=model.grads.nbytes,
+                        start_step=start, param_bytes=model.param_bytes,
+                        grad_bytes=model.grads.nbytes if model.grads is not None else optimizer.grad_bytes,
                         zero_shards=optimizer.shards,
                         step_flops=nanogpt_flops_per_token(model.config, cfg.seq) * cfg.batch * cfg.seq)
     cadence = Cadence(cfg, start)
@@ -195,7 +199,9 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         """Micro-batch i's backward, accumulating into grads (from `dout`, the gradient the next stage sent):
         the gradient of the stage's input. The last micro-batch's (every schedule runs it last) starts the
         data-parallel communication."""
-        return model.stage_backward(tapes.pop(i), dout, grad_sync.on_grads_ready if i == len(batch) - 1 else None)
+        every = getattr(grad_sync, "every_micro_batch", False)  # ZeRO-2/3 keep no whole gradient to accumulate in
+        return model.stage_backward(tapes.pop(i), dout,
+                                    grad_sync.on_grads_ready if every or i == len(batch) - 1 else None)
 
     def received(i: int):
         """Where micro-batch i's activations, or their gradient, from another stage land: (B_micro, T, C)."""
@@ -367,4 +373,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             writer.close()
 
     result.param_sha256 = param_sha256(model)
+    if cfg.zero >= 2:
+        result.zero_peak_bytes = {"grad_buffers": optimizer.peak_grad_buffer_bytes,
+                                  "gathered_params": getattr(optimizer, "peak_gathered_bytes", 0)}
     return result

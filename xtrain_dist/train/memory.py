@@ -11,6 +11,7 @@ out the transient ones (an op's temporaries, the gradients of activations, alloc
 refused by it cannot have fit, and a run it passes may still run short.
 """
 
+import itertools
 import math
 import resource
 import sys
@@ -22,7 +23,7 @@ from ..errors import XtrainError
 from ..model import param_layout, stage_blocks
 from ..parallel.pipeline import schedule_peak_in_flight
 from ..parallel.powersgd import state_elements
-from ..parallel.zero import shard_bounds
+from ..parallel.zero import gathered_elements, grad_buffer_elements, shard_bounds
 
 GIB = float(1 << 30)
 ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
@@ -69,9 +70,10 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
 @dataclass
 class RankMemory:
     """Bytes one rank holds, by what holds them."""
-    parameters: int    # the float32 master, the activation-dtype copy forward reads, the weight-decay mask
-    gradients: int
-    optimizer: int     # AdamW's m and v: the whole buffer, or this rank's ZeRO-1 shard
+    parameters: int    # the float32 master, the activation-dtype copy forward reads, the weight-decay mask (ZeRO-3:
+    #                    the rank's shards of them, and the most gathered blocks it holds at once)
+    gradients: int     # the whole buffer, or (ZeRO-2, -3) the rank's shard and the blocks' buffers in backward
+    optimizer: int     # AdamW's m and v: the whole buffer, or this rank's ZeRO-1/2/3 shard
     activations: int   # what forward keeps for backward: the rank's largest micro-batch's, times the micro-batches
     #                    a pipeline stage holds at once (parallel/pipeline.py's peak_in_flight)
     validation: int = 0  # its share of the --eval-batches held-out windows and their targets (int32)
@@ -127,15 +129,25 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
         layout, size = param_layout(config, tp, pp, stage)
         # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
         compression = 4 * state_elements(layout, cfg.powersgd_rank) if cfg.grad_compress == "powersgd" else 0
-        parameters = 4 * size + (size * act_itemsize if cfg.dtype != "fp32" else 0) + ITEMSIZE["u8"] * size
+        lowp = act_itemsize if cfg.dtype != "fp32" else 0
+        parameters = 4 * size + size * lowp + ITEMSIZE["u8"] * size
+        gradients = 4 * size
         # ZeRO-1 shards the rank's flat buffer over its data-parallel group
         lo, hi = shard_bounds(size, dp)[dp_index] if cfg.zero else (0, size)
+        if cfg.zero >= 2:  # parallel/zero.py: the gradient's shard, and the blocks' buffers backward fills
+            blocks = stage_blocks(config.n_layer, pp, stage)
+            ends = [s.offset + s.size for s in layout if s.name.endswith("ln_1.bias")]  # each block's last tensor
+            gradients = 4 * (hi - lo) + 4 * grad_buffer_elements(list(itertools.pairwise([0, *ends, size])))
+        if cfg.zero == 3:  # the shards, and the gathered blocks of the widest window (in the activation dtype)
+            parameters = (4 + ITEMSIZE["u8"]) * (hi - lo) + gathered_elements(
+                layout, blocks, cfg.zero3_prefetch) * (act_itemsize if cfg.dtype != "fp32" else 4)
         # one micro-batch at a time without a pipeline (gradient accumulation), whatever --pp-schedule says
         in_flight = schedule_peak_in_flight(cfg.pp_schedule, pp, cfg.grad_accum, stage) if pp > 1 else 1
         # the rank takes the sequences i % dp == its data-parallel index, then cuts them into --grad-accum
         # micro-batches
         rows = len(range(dp_index, cfg.batch, dp))
-        memories.append(RankMemory(parameters=parameters, gradients=4 * size + compression, optimizer=2 * 4 * (hi - lo),
+        memories.append(RankMemory(parameters=parameters, gradients=gradients + compression,
+                                   optimizer=2 * 4 * (hi - lo),
                                    activations=in_flight * saved_bytes(stage, -(-rows // cfg.grad_accum)),
                                    # evaluate.Evaluator keeps every batch's windows of this rank's rows
                                    validation=cfg.eval_batches * rows * cfg.seq * 2 * ITEMSIZE["i32"],
@@ -182,7 +194,10 @@ def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) 
     if available is None:
         return None
     least = least_bytes(needs)
-    options = ["--zero 1"] if not cfg.zero else []
+    # ZeRO-3 where it runs (parallel/zero.py's NOT_YET): on the numpy backend, without --tp, --pp or PowerSGD
+    zero3 = (cfg.backend != "cuda" and cfg.tp == 1 and getattr(cfg, "pp", 1) == 1 and cfg.grad_compress != "powersgd"
+             and cfg.grad_sync == "bucketed")
+    options = ["--zero 1"] if not cfg.zero else ["--zero 3"] if cfg.zero < 3 and zero3 else []
     options += ["--attention flash"] if cfg.attention in ("standard", "auto") else []
     options += ["--recompute 2"] if cfg.recompute < 2 else []
     # the held-out windows are named where they matter, not as 0.6 MiB beside gigabytes of activations

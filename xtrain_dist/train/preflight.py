@@ -21,7 +21,7 @@ from ..errors import XtrainError
 from ..eval import evaluate, hellaswag, sample
 from ..model import check_dropout_attention, check_recompute
 from ..optim import check_schedule
-from ..parallel import ddp, pipeline, tensor
+from ..parallel import ddp, pipeline, tensor, zero
 from . import memory, metrics, tensorboard, wandb_log
 from .cadence import Cadence, kept_folder
 from .graph import MODES as GRAPH_MODES
@@ -45,6 +45,7 @@ def check_config(cfg: TrainConfig, corpus: Corpus) -> None:
     tensor.check_config(cfg, model)
     pipeline.check_config(cfg, model)
     ddp.check_config(cfg)
+    zero.check_config(cfg)
     if cfg.all_reduce not in ALL_REDUCES:
         raise XtrainError(f"--all-reduce must be one of {', '.join(ALL_REDUCES)}, not {cfg.all_reduce!r}")
     precision.check_config(cfg)
