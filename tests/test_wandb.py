@@ -16,7 +16,7 @@ import pytest
 
 from xtrain_dist.config import TrainConfig
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-from xtrain_dist.errors import XtrainError
+from xtrain_dist.errors import XtrainError, shown
 from xtrain_dist.train import wandb_log
 from xtrain_dist.train.job import train
 from xtrain_dist.train.tensorboard import scalars
@@ -68,7 +68,7 @@ def test_a_project_name_wandb_would_refuse_is_one_line(stand_in, project):
     with pytest.raises(XtrainError) as err:
         wandb_log.check(project)
     assert str(err.value) == ("--wandb must be a W&B project name of at most 128 characters, none of / \\ # ? % :, "
-                              f"got '{project}'")
+                              f"got '{shown(project)}'")
 
 
 def test_the_command_line_without_the_package_is_one_line_before_training(tmp_path):

@@ -175,10 +175,11 @@ def test_a_zero3_rank_holds_a_quarter_of_what_a_zero1_rank_does_at_world_4(corpu
 
     shard = 4 * (TINY_SIZE // 4)  # bytes of a float32 shard (TINY_SIZE is 4 x 2894 x ALIGN)
     schedule = 3 * 4  # AdamW's learning rate and bias corrections
+    dropout_step = 4  # the step dropout's masks are drawn for (a uint32 the model keeps in memory)
     # ZeRO-1: whole parameters and gradients, the decay mask (a byte an element), m and v of the shard
-    assert held(1) == 4 * TINY_SIZE * 2 + TINY_SIZE + 2 * shard + schedule
+    assert held(1) == 4 * TINY_SIZE * 2 + TINY_SIZE + 2 * shard + schedule + dropout_step
     # ZeRO-3: the shards of all four and of the mask
-    assert held(3) == 4 * shard + shard // 4 + schedule
+    assert held(3) == 4 * shard + shard // 4 + schedule + dropout_step
 
 
 @pytest.mark.parametrize("world, options", [(2, {}), (4, {"grad_accum": 2})])
