@@ -44,7 +44,9 @@ It is a test instrument, not a backend: nothing in xtrain_dist imports it, and a
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import itertools
 import os
@@ -759,6 +761,40 @@ _compile_lock = threading.Lock()
 _launch_lock = threading.Lock()  # one launch at a time: the runtime's thread indices are process globals
 
 
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Hold an exclusive lock on PATH (created if missing) while the block runs: the simulator's test modules
+    run in processes side by side, and each would otherwise compile the same kernels at the same time."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _precompiled_header(flags: tuple[str, ...]) -> Path:
+    """cudasim.h compiled once per text and flags (a GCC precompiled header beside a copy of it), for
+    `-include`: parsing the standard headers it pulls in is half of each kernel file's compile. GCC checks
+    that the flags match and reads the text header instead where they do not, so this is only ever time."""
+    text = (HERE / "cudasim.h").read_text()
+    key = hashlib.sha256("\0".join([text, *flags]).encode()).hexdigest()[:24]
+    folder = _cache_dir() / f"pch-{key}"
+    header = folder / "cudasim.h"
+    if not header.exists():
+        with _file_lock(_cache_dir() / f"pch-{key}.lock"):
+            if not header.exists():
+                work = Path(tempfile.mkdtemp(prefix="build-", dir=_cache_dir()))
+                (work / "cudasim.h").write_text(text)
+                result = subprocess.run(["g++", *(f for f in flags if f != "-shared"),
+                                         "-x", "c++-header", str(work / "cudasim.h"), "-o",
+                                         str(work / "cudasim.h.gch")], capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise RuntimeError(f"cudasim: g++ failed on cudasim.h:\n{result.stderr}")
+                os.replace(work, folder)  # atomic: the header appears with its .gch beside it
+    return header
+
+
 def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, list[str]]:
     """Compile `code` (what NVRTC would get) with g++ into a cached shared library."""
     names = _KERNEL.findall(code)
@@ -772,26 +808,32 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
             return _libraries[key], names
     target = _cache_dir() / f"{key}.so"
     if not target.exists():
-        work = Path(tempfile.mkdtemp(prefix="build-", dir=_cache_dir()))
-        (work / "kernels.cuh").write_text(code)
-        glue = ['#include "kernels.cuh"'] + [
-            f'extern "C" int cudasim_launch_{n}(const unsigned* g, const unsigned* b, void** a, '
-            f'unsigned long long o, char* e, int es) {{ return cudasim::launch({n}, g, b, a, o, e, es); }}\n'
-            f'extern "C" const char* cudasim_signature_{n}() {{ static const std::string s = '
-            f'cudasim::signature({n}); return s.c_str(); }}' for n in names]
-        (work / "glue.cpp").write_text("\n".join(glue) + "\n")
-        partial = work / "out.so"
-        result = subprocess.run(["g++", *flags, *defines, f"-I{HERE / 'include'}", f"-I{work}",
-                                 "-include", str(HERE / "cudasim.h"), str(work / "glue.cpp"), "-o", str(partial)],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"cudasim: g++ failed:\n{result.stderr}")
-        os.replace(partial, target)  # atomic: a concurrent compile of the same text writes the same bytes
-        shutil.rmtree(work, ignore_errors=True)  # #line directives point a debugger at kernels/ itself
+        with _file_lock(_cache_dir() / f"{key}.lock"):  # another process compiling it: wait for its library
+            if not target.exists():
+                _compile(code, names, defines, flags, target)
     with _compile_lock:
         if key not in _libraries:
             _libraries[key] = ctypes.CDLL(str(target))
         return _libraries[key], names
+
+
+def _compile(code: str, names: list[str], defines: list[str], flags: tuple[str, ...], target: Path) -> None:
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=_cache_dir()))
+    (work / "kernels.cuh").write_text(code)
+    glue = ['#include "kernels.cuh"'] + [
+        f'extern "C" int cudasim_launch_{n}(const unsigned* g, const unsigned* b, void** a, '
+        f'unsigned long long o, char* e, int es) {{ return cudasim::launch({n}, g, b, a, o, e, es); }}\n'
+        f'extern "C" const char* cudasim_signature_{n}() {{ static const std::string s = '
+        f'cudasim::signature({n}); return s.c_str(); }}' for n in names]
+    (work / "glue.cpp").write_text("\n".join(glue) + "\n")
+    partial = work / "out.so"
+    result = subprocess.run(["g++", *flags, *defines, f"-I{HERE / 'include'}", f"-I{work}",
+                             "-include", str(_precompiled_header(flags)), str(work / "glue.cpp"), "-o", str(partial)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"cudasim: g++ failed:\n{result.stderr}")
+    os.replace(partial, target)  # atomic: a concurrent compile of the same text writes the same bytes
+    shutil.rmtree(work, ignore_errors=True)  # #line directives point a debugger at kernels/ itself
 
 
 _CTYPES = {"i4": ctypes.c_int32, "i8": ctypes.c_int64, "u4": ctypes.c_uint32, "u8": ctypes.c_uint64,
