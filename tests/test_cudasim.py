@@ -828,8 +828,10 @@ def _losses(stdout: str) -> list[float]:
 def test_the_command_line_trains_on_cuda_like_numpy():
     """train_ddp's --backend cuda path end to end (device choice, two virtual ranks, bf16, and again with
     --matmul cublaslt), before a GPU session spends time on it: the same command on numpy's bf16 emulation
-    gives the same losses."""
-    command = ["-m", "xtrain_dist.train_ddp", "3", "4", "32", "--model", "tiny", "--world-size", "2", "--dtype", "bf16"]
+    gives the same losses. Two held-out batches, not the command's 20: evaluation runs, at a tenth of its cost
+    on the simulator."""
+    command = ["-m", "xtrain_dist.train_ddp", "3", "4", "32", "--model", "tiny", "--world-size", "2", "--dtype", "bf16",
+               "--eval-batches", "2"]
     cuda = subprocess.run([*RUN, *command, "--backend", "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert cuda.returncode == 0, cuda.stderr[-2000:]
     assert "cuda backend, bf16, 2 rank(s) on GPUs [0, 0]" in cuda.stdout
@@ -869,8 +871,10 @@ def test_the_report_says_what_the_gpu_held_and_the_preflight_bound_is_below_it(t
 def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
     """The pre-flight memory check on --backend cuda reads each GPU's free memory (cudaMemGetInfo; the
     simulator's is XTRAIN_CUDASIM_MEMORY) and counts the virtual ranks sharing it: 42 MiB holds one tiny
-    rank with its 32 MiB cuBLAS workspace but not two, nor one with --matmul cublaslt's 32 MiB more."""
-    command = [*RUN, "-m", "xtrain_dist.train_ddp", "1", "4", "32", "--model", "tiny", "--backend", "cuda"]
+    rank with its 32 MiB cuBLAS workspace but not two, nor one with --matmul cublaslt's 32 MiB more (no
+    evaluation: the check is the point, and the simulator's time)."""
+    command = [*RUN, "-m", "xtrain_dist.train_ddp", "1", "4", "32", "--model", "tiny", "--backend", "cuda",
+               "--eval-batches", "0"]
     env = dict(os.environ, XTRAIN_CUDASIM_MEMORY=str(42 << 20))
     one = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
