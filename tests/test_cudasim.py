@@ -485,6 +485,7 @@ def test_cublas_stand_in_rounds_a_bf16_product_before_adding_a_bf16_c():
 # same kernels. NCCL's tests run with two simulated GPUs (rank threads of one process on one GPU each,
 # through fake_nccl).
 OP_TESTS = ["-m", "not training"]
+TRAINING_TESTS = ["-m", "training"]
 CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"]
 
 
@@ -541,9 +542,12 @@ SHUFFLED = str(2 + time.time_ns() % 2**31)
 # One test per module and order, each a process of its own: the simulator runs a launch on one core, the modules
 # are independent (kernels compile once into a shared cache, under a lock), and pytest-xdist's workers take them
 # side by side with the rest of the suite.
-RUNS = [("forward", CUDA_MODULES, "1"), ("reverse", OP_TESTS + CUDA_MODULES, "1"),
-        (SHUFFLED, OP_TESTS + CUDA_MODULES, "1"), ("forward", NCCL_MODULES, "2")]
-RUN_IDS = ["cuda-forward", "cuda-ops-reverse", "cuda-ops-shuffled", "nccl-2-gpus"]
+# The forward order's run is in two, its training tests and the rest: test_cuda_ops.py whole is the longest run
+# (minutes), and a parallel run cannot end before its longest test.
+RUNS = [("forward", TRAINING_TESTS + CUDA_MODULES, "1"), ("forward", OP_TESTS + CUDA_MODULES, "1"),
+        ("forward", NCCL_MODULES, "2"), ("reverse", OP_TESTS + CUDA_MODULES, "1"),
+        (SHUFFLED, OP_TESTS + CUDA_MODULES, "1")]
+RUN_IDS = ["cuda-training-forward", "cuda-ops-forward", "nccl-2-gpus", "cuda-ops-reverse", "cuda-ops-shuffled"]
 
 
 @pytest.mark.long
