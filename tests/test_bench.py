@@ -46,10 +46,11 @@ def test_every_script_writes_json_markdown_and_png(results):
 
 def test_bench_cpu_writes_its_rows_and_both_sides_learn_the_same(tmp_path):
     """numpy against PyTorch: the same weights and batches give the same losses to float32 rounding,
-    each side's figure is the median of its steps, and the three files are written."""
+    each side's figure is the median of its steps, and the three files are written; --beside-a-busy-core adds
+    the default's step and each thread count's beside a busy core, and the ratio to the best."""
     pytest.importorskip("torch")
     run = script("bench_cpu", "--presets", "tiny", "--batch", "4", "--seq", "16", "--steps", "3", "--warmup", "1",
-                 "--repeats", "2", "--out", tmp_path)
+                 "--repeats", "2", "--beside-a-busy-core", "--out", tmp_path)
     assert run.returncode == 0, run.stderr
     for suffix in (".json", ".md", ".png"):
         assert (tmp_path / f"cpu_step{suffix}").stat().st_size > 0
@@ -61,6 +62,10 @@ def test_bench_cpu_writes_its_rows_and_both_sides_learn_the_same(tmp_path):
         assert 0 < row[f"{side}_ms_min"] <= row[f"{side}_ms"]
     assert row["numpy_over_torch"] == pytest.approx(row["numpy_ms"] / row["torch_ms"])
     assert "| tiny | 4 x 16 |" in (tmp_path / "cpu_step.md").read_text()
+    (busy,) = data["busy_core_rows"]
+    assert list(busy["threads_ms"]) == [str(t) for t in range(1, len(os.sched_getaffinity(0)) + 1)]
+    assert busy["default_over_best"] == pytest.approx(busy["default_ms"] / min(busy["threads_ms"].values()))
+    assert "### World 1 beside a process that keeps one core busy" in (tmp_path / "cpu_step.md").read_text()
 
 
 def test_bench_sample_races_equal_draws(tmp_path):

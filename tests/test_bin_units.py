@@ -279,7 +279,8 @@ def test_bench_cpu_row_is_the_median_of_the_timed_steps(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_cpu, "train", train)
     monkeypatch.setattr(bench_cpu, "torch_steps", torch_steps)
-    args = types.SimpleNamespace(batch=2, seq=8, steps=2, warmup=1, repeats=2, threads=1, out=tmp_path)
+    args = types.SimpleNamespace(batch=2, seq=8, steps=2, warmup=1, repeats=2, threads=1, beside_a_busy_core=False,
+                                 out=tmp_path)
     threads_before = torch.get_num_threads()
     try:
         bench_cpu.run(args, None, [TrainConfig(steps=3, batch=2, seq=8, model="tiny").resolved()])

@@ -642,8 +642,9 @@ def test_only_process_0_needs_a_writable_report(shipped_corpus, tmp_path):
         prepare(shipped_corpus, Launch("single"), report=report)
 
 
-def test_blas_threads_are_shared_with_the_other_processes_on_the_node(shipped_corpus, monkeypatch):
-    """2 rank threads in each of 2 processes on a node of 8 cores: 2 BLAS threads per rank, not 4."""
+def test_each_rank_runs_one_blas_thread_unless_told_whatever_the_cores(shipped_corpus, monkeypatch):
+    """2 rank threads in each of 2 processes on a node of 8 cores: 1 BLAS thread per rank (not the 2 that
+    sharing the cores would give: numpy_ops.CPU_THREADS_PER_RANK says why), and --cpu-threads 3 gives 3."""
     from xtrain_dist.backend import numpy_ops
     from xtrain_dist.comm.launch_env import Launch
     from xtrain_dist.config import TrainConfig
@@ -660,10 +661,11 @@ def test_blas_threads_are_shared_with_the_other_processes_on_the_node(shipped_co
 
     monkeypatch.setattr(numpy_ops, "available_cores", lambda: 8)
     monkeypatch.setattr(job, "threadpool_limits", limits)
-    cfg = TrainConfig(steps=1, batch=2, seq=16, world_size=2, eval_batches=0).resolved()
-    with pytest.raises(Stop):
-        job.train(cfg, shipped_corpus, log=lambda line: None, launch=Launch("single", local_processes=2))
-    assert asked == [(2, "blas")]
+    for threads in (None, 3):
+        cfg = TrainConfig(steps=1, batch=2, seq=16, world_size=2, eval_batches=0, cpu_threads=threads).resolved()
+        with pytest.raises(Stop):
+            job.train(cfg, shipped_corpus, log=lambda line: None, launch=Launch("single", local_processes=2))
+    assert asked == [(1, "blas"), (3, "blas")]
 
 
 def test_a_process_that_cannot_start_tells_the_others_within_its_rdzv_timeout(tmp_path):

@@ -486,6 +486,7 @@ def test_cublas_stand_in_rounds_a_bf16_product_before_adding_a_bf16_c():
 # same kernels. NCCL's tests run with two simulated GPUs (rank threads of one process on one GPU each,
 # through fake_nccl).
 OP_TESTS = ["-m", "not training"]
+TRAINING_TESTS = ["-m", "training"]
 CUDA_MODULES = ["tests/test_cuda_ops.py", "tests/test_cuda_bf16.py", "tests/test_cudnn_attention.py"]
 # every variant of the flash MMA kernels (backend/cuda/flash_variants.py) against the oracle: forward and
 # reverse order (their pipelines of 2 and 3 stages hand buffers between warps), not a third time shuffled
@@ -498,7 +499,7 @@ VARIANT_MODULES = ["tests/test_cuda_flash_variants.py"]
 # where the simulator is, rather than what looks like a hang.
 PROGRESS = re.compile(r"^(\S+::\S+) ([A-Z]+)\s.*\[\s*(\d+)%\]\s*$")
 PROGRESS_EVERY = 30.0
-_REPORTING = threading.Lock()  # the modules run side by side, each reporting from its own thread
+_REPORTING = threading.Lock()  # one line at a time on the terminal
 
 
 def run_showing_progress(command, env, label, request, tmp_path, timeout=1200):
@@ -542,47 +543,42 @@ NCCL_MODULES = ["tests/test_nccl.py", "tests/test_nccl_groups.py"]
 SHUFFLED = str(2 + time.time_ns() % 2**31)
 
 
-@pytest.mark.parametrize("order, select, devices", [("forward", CUDA_MODULES + VARIANT_MODULES, "1"),
-                                                    ("reverse", OP_TESTS + CUDA_MODULES + VARIANT_MODULES, "1"),
-                                                    (SHUFFLED, OP_TESTS + CUDA_MODULES, "1"),
-                                                    ("forward", NCCL_MODULES, "2")],
-                         ids=["cuda-forward", "cuda-ops-reverse", "cuda-ops-shuffled", "nccl-2-gpus"])
-def test_the_gpu_test_modules_pass_on_the_simulator(order, select, devices, request, tmp_path):
+# One test per module and order, each a process of its own: the simulator runs a launch on one core, the modules
+# are independent (kernels compile once into a shared cache, under a lock), and pytest-xdist's workers take them
+# side by side with the rest of the suite.
+# The forward order's run is in two, its training tests and the rest: test_cuda_ops.py whole is the longest run
+# (minutes), and a parallel run cannot end before its longest test.
+RUNS = [("forward", TRAINING_TESTS + CUDA_MODULES, "1"), ("forward", OP_TESTS + CUDA_MODULES + VARIANT_MODULES, "1"),
+        ("forward", NCCL_MODULES, "2"), ("reverse", OP_TESTS + CUDA_MODULES + VARIANT_MODULES, "1"),
+        (SHUFFLED, OP_TESTS + CUDA_MODULES, "1")]
+RUN_IDS = ["cuda-training-forward", "cuda-ops-forward", "nccl-2-gpus", "cuda-ops-reverse", "cuda-ops-shuffled"]
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("order, options, module, devices", [
+    (order, [s for s in select if not s.endswith(".py")], module, devices)
+    for order, select, devices in RUNS for module in select if module.endswith(".py")],
+    ids=[f"{run}-{Path(module).stem}" for run, (_, select, _) in zip(RUN_IDS, RUNS, strict=True)
+         for module in select if module.endswith(".py")])
+def test_the_gpu_test_modules_pass_on_the_simulator(order, options, module, devices, request, tmp_path):
     """Every kernel against its numpy oracle (fp32 and bf16, flash attention included), the whole tiny
     model, two virtual ranks training with every DDP option, and NCCL in one process (world 1 bits, rank
     threads on two GPUs, training over it): the GPU tests, run on the CPU. Those marked real_gpu (timing
-    across streams, commands and NCCL worlds in processes of their own) skip."""
+    across streams, commands and NCCL worlds in processes of their own) skip. -rps lists every passed and
+    skipped test by name, so a module that skipped whole (no GPU stand-in, an import gone wrong) is seen, not
+    hidden behind a "N passed" closing line."""
     env = dict(os.environ, XTRAIN_CUDASIM="1", XTRAIN_CUDASIM_ORDER=order, XTRAIN_CUDASIM_DEVICES=devices,
                PYTHONUNBUFFERED="1")
-    options = [s for s in select if not s.endswith(".py")]
-    modules = [s for s in select if s.endswith(".py")]
-    # one process per module, all at once: the simulator runs a launch on one core, and the modules are
-    # independent (kernels compile into a shared cache by atomic rename), so two modules take the time of
-    # the longer on two cores. -rps lists every passed and skipped test by name, so a module that skipped
-    # whole (no GPU stand-in, an import gone wrong) is seen, not hidden behind a "N passed" closing line.
-    results = {}
-
-    def run(module):
-        folder = tmp_path / Path(module).stem
-        folder.mkdir()
-        results[module] = run_showing_progress(
-            [sys.executable, "-m", "pytest", "-v", "-rps", "-p", "no:cacheprovider", *options, module], env,
-            f"simulator, {request.node.callspec.id}, {Path(module).stem}", request, folder)
-
-    threads = [threading.Thread(target=run, args=(module,)) for module in modules]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    returncode, stdout, stderr = run_showing_progress(
+        [sys.executable, "-m", "pytest", "-v", "-rps", "-p", "no:cacheprovider", "-o", "addopts=", "-p", "no:xdist",
+         *options, module],
+        env, f"simulator, {request.node.callspec.id}", request, tmp_path)
     replay = f"XTRAIN_CUDASIM_ORDER={order} XTRAIN_CUDASIM_DEVICES={devices}"
-    for module in modules:
-        assert module in results, f"{module} on the simulator ({replay}) did not finish within its limit"
-        returncode, stdout, stderr = results[module]
-        tail = "\n".join(stdout.splitlines()[-30:])
-        assert returncode == 0, f"{module} on the simulator ({replay}) failed:\n{tail}\n{stderr[-2000:]}"
-        assert " passed" in tail.splitlines()[-1], tail
-        passed = [line for line in stdout.splitlines() if line.startswith(f"PASSED {module}::")]
-        assert passed, f"{module} passed no test on the simulator ({replay}):\n{tail}"
+    tail = "\n".join(stdout.splitlines()[-30:])
+    assert returncode == 0, f"{module} on the simulator ({replay}) failed:\n{tail}\n{stderr[-2000:]}"
+    assert " passed" in tail.splitlines()[-1], tail
+    passed = [line for line in stdout.splitlines() if line.startswith(f"PASSED {module}::")]
+    assert passed, f"{module} passed no test on the simulator ({replay}):\n{tail}"
 
 
 def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
@@ -836,12 +832,15 @@ def _losses(stdout: str) -> list[float]:
     return [float(line.split("| loss ")[1].split()[0]) for line in stdout.splitlines() if line.startswith("step ")]
 
 
+@pytest.mark.long
 def test_the_command_line_trains_on_cuda_like_numpy():
     """train_ddp's --backend cuda path end to end (device choice, two virtual ranks, bf16, with --matmul
     cublas and with the default, cublaslt), before a GPU session spends time on it: the same command on
     numpy's bf16 emulation gives the same losses. The first line says what the defaults chose (tiny's
-    16-channel heads: standard attention)."""
-    command = ["-m", "xtrain_dist.train_ddp", "3", "4", "32", "--model", "tiny", "--world-size", "2", "--dtype", "bf16"]
+    16-channel heads: standard attention). Two held-out batches, not the command's 20: evaluation runs, at a
+    tenth of its cost on the simulator."""
+    command = ["-m", "xtrain_dist.train_ddp", "3", "4", "32", "--model", "tiny", "--world-size", "2", "--dtype", "bf16",
+               "--eval-batches", "2"]
     cuda = subprocess.run([*RUN, *command, "--backend", "cuda", "--matmul", "cublas"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert cuda.returncode == 0, cuda.stderr[-2000:]
@@ -885,8 +884,10 @@ def test_the_report_says_what_the_gpu_held_and_the_preflight_bound_is_below_it(t
 def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
     """The pre-flight memory check on --backend cuda reads each GPU's free memory (cudaMemGetInfo; the
     simulator's is XTRAIN_CUDASIM_MEMORY) and counts the virtual ranks sharing it: 42 MiB holds one tiny
-    rank with its 32 MiB cuBLAS workspace but not two, nor one with --matmul cublaslt's 32 MiB more."""
-    command = [*RUN, "-m", "xtrain_dist.train_ddp", "1", "4", "32", "--model", "tiny", "--backend", "cuda"]
+    rank with its 32 MiB cuBLAS workspace but not two, nor one with --matmul cublaslt's 32 MiB more (no
+    evaluation: the check is the point, and the simulator's time)."""
+    command = [*RUN, "-m", "xtrain_dist.train_ddp", "1", "4", "32", "--model", "tiny", "--backend", "cuda",
+               "--eval-batches", "0"]
     env = dict(os.environ, XTRAIN_CUDASIM_MEMORY=str(42 << 20))
     one = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
@@ -905,39 +906,46 @@ def test_virtual_ranks_too_large_for_their_gpu_are_refused_before_they_start():
     assert " of AdamW state and 64.0 MiB of cuBLAS workspace, and " in line, line
 
 
+@pytest.mark.long
 def test_bench_gpu_runs_our_rows_on_the_simulator(tmp_path):
-    """bin/bench_gpu's side of ours (fp32, bf16, flash, cuDNN's attention through its stand-in, each --matmul,
-    with and without a CUDA graph, the per-op profile and attention's share, the results files) runs; the
-    first losses agree (the same weights and batch), a graph row's replayed step ends with the loss of the same
-    row without it, to the bit, and the profile names the step's ops."""
-    result = subprocess.run([*RUN, "bin/bench_gpu", "--presets", "small", "--shapes", "1x64", "--precisions",
-                             "fp32,bf16", "--torch-modes", "", "--steps", "1", "--warmup", "1", "--vocab", "512",
-                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, XTRAIN_CUDASIM_CUDNN="1"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    [report] = tmp_path.glob("*.json")
-    rows = json.loads(report.read_text())["rows"]
-    plain = [("fp32", "ours"), ("fp32", "ours lt"), ("bf16", "ours"), ("bf16", "ours flash"), ("bf16", "ours cudnn"),
-             ("bf16", "ours lt"), ("bf16", "ours flash lt"), ("bf16", "ours cudnn lt")]
-    assert [(r["precision"], r["impl"]) for r in rows] == [
-        *[r for r in plain if r[0] == "fp32"], *[(p, f"{impl} graph") for p, impl in plain if p == "fp32"],
-        *[r for r in plain if r[0] == "bf16"], *[(p, f"{impl} graph") for p, impl in plain if p == "bf16"]]
-    by_impl = {(r["precision"], r["impl"]): r for r in rows}
-    for precision, impl in plain:
-        graph = by_impl[precision, f"{impl} graph"]
-        assert graph["graph_launches"] == 1  # the timed step, after the warm one
-        assert graph["last_loss"] == by_impl[precision, impl]["last_loss"], (precision, impl)
-    for row in rows:
-        assert "error" not in row, row
-        assert abs(row["first_loss"] - rows[0]["first_loss"]) < 1e-3 * rows[0]["first_loss"], row
-        ops = {p["op"] for p in row["profile"]}
-        assert {"matmul_forward", "fused_classifier", "adamw_update"} <= ops, ops
-        assert ("flash_attention_forward" in ops) == ("flash" in row["impl"] or "cudnn" in row["impl"]), ops
-        assert row.get("flash_kernels") == ("kernels/flash_attention_mma.cu" if "flash" in row["impl"] else
-                                            "cuDNN's fused attention (backend/cuda/cudnn_sdpa.py)"
-                                            if "cudnn" in row["impl"] else None)
-        assert 0 < row["attention_share"] < 1
-    assert len(list(tmp_path.glob("*.md"))) == 1
+    """bin/bench_gpu's side of ours (fp32, bf16, flash, cuDNN's attention through its stand-in, each
+    --matmul, with and without a CUDA graph, the per-op profile and attention's share, the results files)
+    runs; the first losses agree (the same weights and batch), a graph row's replayed step ends with the loss
+    of the same row without it, to the bit, and the profile names the step's ops. The tiny model takes the
+    rows of standard attention; flash attention's rows need heads of 64 channels, the small model's (each
+    small row costs the simulator about ten tiny ones), and so do cuDNN's."""
+    plain = {"tiny": [("fp32", "ours"), ("fp32", "ours lt"), ("bf16", "ours"), ("bf16", "ours lt")],
+             "small": [("bf16", "ours flash"), ("bf16", "ours cudnn"), ("bf16", "ours flash lt"),
+                       ("bf16", "ours cudnn lt")]}
+    for preset, precisions, attentions in (("tiny", "fp32,bf16", "standard"), ("small", "bf16", "flash,cudnn")):
+        out = tmp_path / preset
+        result = subprocess.run([*RUN, "bin/bench_gpu", "--presets", preset, "--shapes", "1x64", "--precisions",
+                                 precisions, "--attentions", attentions, "--torch-modes", "", "--steps", "1",
+                                 "--warmup", "1", "--vocab", "512", "--out", str(out)], cwd=ROOT, capture_output=True,
+                                text=True, timeout=600, env=dict(os.environ, XTRAIN_CUDASIM_CUDNN="1"))
+        assert result.returncode == 0, result.stderr[-2000:]
+        [report] = out.glob("*.json")
+        rows = json.loads(report.read_text())["rows"]
+        assert [(r["precision"], r["impl"]) for r in rows] == [
+            row for precision in precisions.split(",") for row in
+            [*[r for r in plain[preset] if r[0] == precision],
+             *[(p, f"{impl} graph") for p, impl in plain[preset] if p == precision]]]
+        by_impl = {(r["precision"], r["impl"]): r for r in rows}
+        for precision, impl in plain[preset]:
+            graph = by_impl[precision, f"{impl} graph"]
+            assert graph["graph_launches"] == 1  # the timed step, after the warm one
+            assert graph["last_loss"] == by_impl[precision, impl]["last_loss"], (precision, impl)
+        for row in rows:
+            assert "error" not in row, row
+            assert abs(row["first_loss"] - rows[0]["first_loss"]) < 1e-3 * rows[0]["first_loss"], row
+            ops = {p["op"] for p in row["profile"]}
+            assert {"matmul_forward", "fused_classifier", "adamw_update"} <= ops, ops
+            assert ("flash_attention_forward" in ops) == ("flash" in row["impl"] or "cudnn" in row["impl"]), ops
+            assert row.get("flash_kernels") == ("kernels/flash_attention_mma.cu" if "flash" in row["impl"] else
+                                                "cuDNN's fused attention (backend/cuda/cudnn_sdpa.py)"
+                                                if "cudnn" in row["impl"] else None)
+            assert 0 < row["attention_share"] < 1
+        assert len(list(out.glob("*.md"))) == 1
     assert "### Where our step's time goes: small, 1 x 64, bf16, ours flash lt (flash attention: " \
         "kernels/flash_attention_mma.cu)" in report.with_suffix(".md").read_text()
     assert "Attention alone: " in report.with_suffix(".md").read_text()
@@ -1130,6 +1138,7 @@ def test_gpu_session_summary_reads_what_the_steps_leave(tmp_path):
         assert expected in summary, (expected, summary)
 
 
+@pytest.mark.long
 def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_path):
     """bin/gpu_session.sh (gpu_session/cuda.sh, then gpu_session/bench.sh) and bin/gpu_session/nccl.sh,
     unchanged, with every Python process they start on the simulator (tests/cudasim/site): each step runs
@@ -1142,9 +1151,11 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
                XTRAIN_CUDASIM_NCCL_TIMEOUT="5", PYTHONDONTWRITEBYTECODE="1", PY=sys.executable)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     small = "--precisions bf16 --torch-modes= --steps 1 --warmup 0 --vocab 512"
-    # run 1 first, before the sweeps, so a small one: it pays for the simulator's first kernel builds
-    runs = {"BENCH_GPU_RUNS": f"60 --presets tiny --shapes 1x32 {small} --no-profile;120 --presets small --shapes 1x64 "
-            f"{small}", "BENCH_GEMM_ARGS": f"--preset tiny --tokens 16 --no-torch --reps 1 --precisions bf16 "
+    # run 1 first, before the sweeps, so a small one: it pays for the simulator's first kernel builds; run 2 one
+    # row of the small model (its eight took more than their cap on a busy 2-core machine)
+    run2 = f"--presets small --shapes 1x64 {small} --attentions standard --matmuls cublas --cuda-graphs off"
+    runs = {"BENCH_GPU_RUNS": f"60 --presets tiny --shapes 1x32 {small} --no-profile;120 {run2}",
+            "BENCH_GEMM_ARGS": f"--preset tiny --tokens 16 --no-torch --reps 1 --precisions bf16 "
             f"--search --tuned-dir {tmp_path / 'tuned'}", "TUNED_DIR": str(tmp_path / "tuned"),
             "BENCH_ATTENTION_ARGS": "--shapes 1x1x64x64 --no-torch --reps 1 --warmup 0"}
     # PACK_RESULTS=1, as the device call sets it
@@ -1172,8 +1183,7 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
         in environment, environment
     summary = (out / "bench" / "bench_results.md").read_text()
     # run 2 may meet its cap on a loaded machine: a run cut short (124) keeps the rows it finished
-    assert re.search(rf"- run 2: `bin/bench_gpu --presets small --shapes 1x64 {small}`: exit (0|124) \(run2/bench_gpu-",
-                     summary), summary
+    assert re.search(rf"- run 2: `bin/bench_gpu {re.escape(run2)}`: exit (0|124) \(run2/bench_gpu-", summary), summary
     assert "- run 1: `bin/bench_gpu --presets tiny --shapes 1x32" in summary and "`: exit 0 (run1/bench_gpu-" in summary
     # first, the best row of each side over both runs (here ours only: the dry run races no PyTorch)
     assert summary.index("## Our best row against PyTorch's best") < summary.index("- run 1:"), summary
@@ -1196,7 +1206,10 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     if shutil.which("compute-sanitizer") is None:  # a step that could not run fails the call
         assert "racecheck: exit 127 (last line: compute-sanitizer not on this machine)" in summary, summary
         assert "bench exit 1," in verdict and session.returncode == 1, session.stderr[-2000:]
-    nccl = subprocess.run(["bash", "bin/gpu_session/nccl.sh"], cwd=ROOT, env=dict(env, OUT=str(tmp_path / "nccl")),
+    # the script's own flow: one test of tests/test_nccl.py stands in for the module, which runs whole on the
+    # simulator in test_the_gpu_test_modules_pass_on_the_simulator[nccl-2-gpus-test_nccl]
+    nccl = subprocess.run(["bash", "bin/gpu_session/nccl.sh"], cwd=ROOT, env=dict(
+        env, OUT=str(tmp_path / "nccl"), PYTEST_ADDOPTS="-k test_world1_collectives_keep_the_bits"),
                           capture_output=True, text=True, timeout=300)
     summary = (tmp_path / "nccl" / "nccl_results.md").read_text()
     # one process's fake NCCL cannot reach another process: the probe fails there, the summary says so, and

@@ -248,8 +248,8 @@ def test_more_blas_threads_than_cores_is_said_once(tmp_path):
     assert over.returncode == 0, over.stderr
     assert over.stdout.splitlines()[0] == (
         f"note: --cpu-threads {cores} x 2 rank(s) on this machine is {2 * cores} BLAS threads on {cores} cores: "
-        "threads beyond the cores slow the step down, often many times over (leave --cpu-threads out to share "
-        "the cores)")
+        "threads beyond the cores slow the step down, often many times over (leave --cpu-threads out for one a "
+        "rank)")
     shared = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert shared.returncode == 0 and "note:" not in shared.stdout, shared.stdout
 

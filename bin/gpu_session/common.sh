@@ -39,7 +39,7 @@ sanitize() {
     echo "compute-sanitizer not on this machine" | tee "$OUT/sanitizer_$tool.txt"
     return 127
   fi
-  step "compute-sanitizer $tool" "$max" compute-sanitizer --tool "$tool" --error-exitcode 9 $PY -m pytest -q -x \
+  step "compute-sanitizer $tool" "$max" compute-sanitizer --tool "$tool" --error-exitcode 9 $PY -m pytest -q -x -o addopts= \
     tests/test_cuda_ops.py tests/test_cuda_bf16.py -m "not training" -k "not tiny_model and not B4-T64" \
     > "$OUT/sanitizer_$tool.txt" 2>&1
   rc=$?

@@ -74,13 +74,14 @@ TESTS="tests/test_kernels_compile.py tests/test_cuda_ops.py tests/test_cuda_bf16
   tests/test_cudasim.py::test_the_stand_in_has_real_cupys_names_values_and_parameters
   tests/test_cudasim.py::test_the_stand_in_cublas_constants_are_cupys"
 # in parallel processes on the one GPU where pytest-xdist is installed: the numpy oracles are most of the
-# tests' time, and they are CPU work; the real_gpu tests (timings, peak memory) then run alone
+# tests' time, and they are CPU work; the real_gpu tests (timings, peak memory) then run alone (-o addopts=:
+# pyproject's addopts would start a worker per core)
 PARALLEL=()
 $PY -c "import xdist" 2>/dev/null && PARALLEL=(-n "${TEST_WORKERS:-8}")
-step tests 150 $PY -m pytest -q -rs -p no:cacheprovider "${PARALLEL[@]}" -m "not real_gpu" $TESTS \
+step tests 150 $PY -m pytest -q -rs -p no:cacheprovider -o addopts= "${PARALLEL[@]}" -m "not real_gpu" $TESTS \
   2>&1 | tee "$OUT/pytest_cuda.txt"
 tests_rc=${PIPESTATUS[0]}
-step "tests (real_gpu)" 90 $PY -m pytest -q -rs -p no:cacheprovider -m real_gpu $TESTS 2>&1 \
+step "tests (real_gpu)" 90 $PY -m pytest -q -rs -p no:cacheprovider -o addopts= -m real_gpu $TESTS 2>&1 \
   | tee -a "$OUT/pytest_cuda.txt"
 real_rc=${PIPESTATUS[0]}
 [ "$real_rc" = 5 ] && real_rc=0  # 5: none selected

@@ -56,7 +56,7 @@ require_gpu
 cat "$OUT/environment.txt"
 
 echo "## tests/test_nccl.py"
-$PY -m pytest -q -rs -s tests/test_nccl.py 2>&1 | tee "$OUT/pytest_nccl.txt"
+$PY -m pytest -q -rs -s -o addopts= tests/test_nccl.py 2>&1 | tee "$OUT/pytest_nccl.txt"
 tests_rc=${PIPESTATUS[0]}
 
 port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }

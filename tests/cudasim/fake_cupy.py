@@ -44,7 +44,9 @@ It is a test instrument, not a backend: nothing in xtrain_dist imports it, and a
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import itertools
 import os
@@ -759,27 +761,39 @@ _compile_lock = threading.Lock()
 _launch_lock = threading.Lock()  # one launch at a time: the runtime's thread indices are process globals
 
 
-def _precompiled_header(header: str, flags: tuple[str, ...]) -> Path:
-    """cudasim.h, precompiled once per text and flags into the cache (<key>/cudasim.h beside its .gch): g++
-    spends most of a small kernel file's compile on the runtime's C++ headers, and every variant of a
-    kernel file (backend/cuda/flash_variants.py) is a file of its own. g++ takes the .gch where the flags
-    match and reads the header itself where they do not, so a stale or foreign one costs time, not bits."""
-    folder = _cache_dir() / ("pch-" + hashlib.sha256("\0".join([*flags, header]).encode()).hexdigest()[:24])
-    prefix = folder / "cudasim.h"
-    if not (folder / "cudasim.h.gch").exists():
-        work = Path(tempfile.mkdtemp(prefix="pch-build-", dir=_cache_dir()))
-        shutil.copy(HERE / "cudasim.h", work / "cudasim.h")
-        result = subprocess.run(["g++", *(f for f in flags if f != "-shared"), "-x", "c++-header",
-                                 f"-I{HERE / 'include'}", str(work / "cudasim.h"), "-o", str(work / "cudasim.h.gch")],
-                                capture_output=True, text=True)
-        if result.returncode != 0:  # no precompiled header: the plain one, as before
-            shutil.rmtree(work, ignore_errors=True)
-            return HERE / "cudasim.h"
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Hold an exclusive lock on PATH (created if missing) while the block runs: the simulator's test modules
+    run in processes side by side, and each would otherwise compile the same kernels at the same time."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            os.replace(work, folder)  # atomic: a concurrent build of the same header gives the same bytes
-        except OSError:  # another process was first
-            shutil.rmtree(work, ignore_errors=True)
-    return prefix
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _precompiled_header(header: str, flags: tuple[str, ...]) -> Path:
+    """cudasim.h, precompiled once per text (its own and the headers it includes, `header`) and flags into
+    the cache (<key>/cudasim.h beside its .gch), for `-include`: g++ spends most of a small kernel file's
+    compile on the runtime's C++ headers, and every variant of a kernel file (backend/cuda/flash_variants.py)
+    is a file of its own. g++ takes the .gch where the flags match and reads the header itself where they do
+    not, so a stale or foreign one costs time, not bits."""
+    key = hashlib.sha256("\0".join([*flags, header]).encode()).hexdigest()[:24]
+    folder = _cache_dir() / f"pch-{key}"
+    if not (folder / "cudasim.h.gch").exists():
+        with _file_lock(_cache_dir() / f"pch-{key}.lock"):
+            if not (folder / "cudasim.h.gch").exists():
+                work = Path(tempfile.mkdtemp(prefix="pch-build-", dir=_cache_dir()))
+                shutil.copy(HERE / "cudasim.h", work / "cudasim.h")
+                result = subprocess.run(["g++", *(f for f in flags if f != "-shared"), "-x", "c++-header",
+                                         f"-I{HERE / 'include'}", str(work / "cudasim.h"), "-o",
+                                         str(work / "cudasim.h.gch")], capture_output=True, text=True)
+                if result.returncode != 0:  # no precompiled header: the plain one
+                    shutil.rmtree(work, ignore_errors=True)
+                    return HERE / "cudasim.h"
+                os.replace(work, folder)  # atomic: the header appears with its .gch beside it
+    return folder / "cudasim.h"
 
 
 def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, list[str]]:
@@ -795,27 +809,33 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
             return _libraries[key], names
     target = _cache_dir() / f"{key}.so"
     if not target.exists():
-        prefix = _precompiled_header(header, flags)
-        work = Path(tempfile.mkdtemp(prefix="build-", dir=_cache_dir()))
-        (work / "kernels.cuh").write_text(code)
-        glue = ['#include "kernels.cuh"'] + [
-            f'extern "C" int cudasim_launch_{n}(const unsigned* g, const unsigned* b, void** a, '
-            f'unsigned long long o, char* e, int es) {{ return cudasim::launch({n}, g, b, a, o, e, es); }}\n'
-            f'extern "C" const char* cudasim_signature_{n}() {{ static const std::string s = '
-            f'cudasim::signature({n}); return s.c_str(); }}' for n in names]
-        (work / "glue.cpp").write_text("\n".join(glue) + "\n")
-        partial = work / "out.so"
-        result = subprocess.run(["g++", *flags, *defines, f"-I{HERE / 'include'}", f"-I{work}",
-                                 "-include", str(prefix), str(work / "glue.cpp"), "-o", str(partial)],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"cudasim: g++ failed:\n{result.stderr}")
-        os.replace(partial, target)  # atomic: a concurrent compile of the same text writes the same bytes
-        shutil.rmtree(work, ignore_errors=True)  # #line directives point a debugger at kernels/ itself
+        with _file_lock(_cache_dir() / f"{key}.lock"):  # another process compiling it: wait for its library
+            if not target.exists():
+                _compile(code, names, defines, flags, target, _precompiled_header(header, flags))
     with _compile_lock:
         if key not in _libraries:
             _libraries[key] = ctypes.CDLL(str(target))
         return _libraries[key], names
+
+
+def _compile(code: str, names: list[str], defines: list[str], flags: tuple[str, ...], target: Path,
+             prefix: Path) -> None:
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=_cache_dir()))
+    (work / "kernels.cuh").write_text(code)
+    glue = ['#include "kernels.cuh"'] + [
+        f'extern "C" int cudasim_launch_{n}(const unsigned* g, const unsigned* b, void** a, '
+        f'unsigned long long o, char* e, int es) {{ return cudasim::launch({n}, g, b, a, o, e, es); }}\n'
+        f'extern "C" const char* cudasim_signature_{n}() {{ static const std::string s = '
+        f'cudasim::signature({n}); return s.c_str(); }}' for n in names]
+    (work / "glue.cpp").write_text("\n".join(glue) + "\n")
+    partial = work / "out.so"
+    result = subprocess.run(["g++", *flags, *defines, f"-I{HERE / 'include'}", f"-I{work}",
+                             "-include", str(prefix), str(work / "glue.cpp"), "-o", str(partial)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"cudasim: g++ failed:\n{result.stderr}")
+    os.replace(partial, target)  # atomic: a concurrent compile of the same text writes the same bytes
+    shutil.rmtree(work, ignore_errors=True)  # #line directives point a debugger at kernels/ itself
 
 
 _CTYPES = {"i4": ctypes.c_int32, "i8": ctypes.c_int64, "u4": ctypes.c_uint32, "u8": ctypes.c_uint64,

@@ -35,8 +35,9 @@ TESTS = {
 
 def run(copy: Path, selection: str, order: str) -> bool:
     env = dict(os.environ, XTRAIN_CUDASIM="1", XTRAIN_CUDASIM_ORDER=order, XTRAIN_TEST_SEED="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", selection,
-                             "tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"], cwd=copy, env=env,
+    # -o addopts=: one process (pyproject's addopts would start a worker per core for each of these short runs)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
+                             "-k", selection, "tests/test_cuda_ops.py", "tests/test_cuda_bf16.py"], cwd=copy, env=env,
                             capture_output=True, text=True)
     return result.returncode == 0
 

@@ -92,17 +92,21 @@ def keep_freed_arrays(mmap_above: int = 32 << 20, trim_above: int = 64 << 20) ->
         return _heap_set
 
 
-# ------------------------------------------------------------------ the cores the ranks' BLAS shares
+# ------------------------------------------------------------------ the cores, and the BLAS threads of a rank
 
 def available_cores() -> int:
     """The cores this process may run on (its affinity mask, where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def cpu_threads_per_rank(ranks_on_node: int) -> int:
-    """Share the cores among the rank threads of every process of the job on this node: BLAS threads
-    beyond that only spin."""
-    return max(1, available_cores() // ranks_on_node)
+# The BLAS threads of each rank unless --cpu-threads says otherwise: one, whatever the cores and the ranks.
+# A rank's products are small (the mini model's take about a millisecond), and a product split over threads
+# waits for the slowest: with anything else running on the machine one of them is often off its core, and
+# `--model mini` at world 1 with 2 threads on 2 cores took 750-760 ms a step beside other work against 148 ms with
+# 1 (docs/options.md, --cpu-threads). Nor is a count taken from the load at start-up an answer: OpenBLAS's
+# products are not the same bits at every thread count on every CPU (on an AMD EPYC, 1 and 2 threads differ),
+# so a run's bits would follow what else ran beside it. The cores are used by ranks (--world-size), one each.
+CPU_THREADS_PER_RANK = 1
 
 
 # ------------------------------------------------------------------ bf16 rounding (kernels/bf16_round.cu)

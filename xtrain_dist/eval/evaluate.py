@@ -132,10 +132,10 @@ def evaluate_checkpoint(argv) -> tuple[float, str]:
     if seq > model.config.n_ctx:
         raise XtrainError(f"--seq ({seq}) exceeds the model's context length ({model.config.n_ctx})")
     held_out = Evaluator(corpus.val, batch, seq, batches, 0, 1, model.ops, source=source)
-    # the BLAS threads train_ddp gives a world-1 run's rank: OpenBLAS's products are not the same bits at
+    # the BLAS threads train_ddp gives a rank by default: OpenBLAS's products are not the same bits at
     # every thread count on every CPU (on an AMD EPYC, 1 and 2 threads differ), and with the same count the
     # loss is the one such a run printed, to the bit
-    with threadpool_limits(numpy_ops.cpu_threads_per_rank(1), user_api="blas"):
+    with threadpool_limits(numpy_ops.CPU_THREADS_PER_RANK, user_api="blas"):
         loss = held_out.loss(model, LocalGroup(1).communicator(0))
     return loss, (f"{PROG}: loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) on {batches} x {batch} "
                   f"windows of {seq} tokens of {source}")

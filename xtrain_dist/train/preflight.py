@@ -377,4 +377,4 @@ def warn_oversubscribed(cfg: TrainConfig, ranks_on_node: int, log) -> None:
     if cfg.backend == "numpy" and cfg.cpu_threads and cfg.cpu_threads * ranks_on_node > cores:
         log(f"note: --cpu-threads {cfg.cpu_threads} x {ranks_on_node} rank(s) on this machine is "
             f"{cfg.cpu_threads * ranks_on_node} BLAS threads on {cores} cores: threads beyond the cores slow "
-            "the step down, often many times over (leave --cpu-threads out to share the cores)")
+            "the step down, often many times over (leave --cpu-threads out for one a rank)")
