@@ -8,5 +8,5 @@ SHIPPED = {"xtrain_dist.kernels": "kernels", "xtrain_dist.shipped_data": "data"}
 
 setup(packages=find_packages(include=["xtrain_dist", "xtrain_dist.*"]) + list(SHIPPED),
       package_dir=SHIPPED,
-      package_data={"xtrain_dist.kernels": ["*.cu", "*.cuh", "tuned/*.json"],
+      package_data={"xtrain_dist.kernels": ["*.cu", "*.cuh", "tuned/*.json", "tuned/*.txt"],
                     "xtrain_dist.shipped_data": ["tokenizer.json", "shakespeare.txt", "README.md"]})

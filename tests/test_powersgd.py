@@ -269,12 +269,11 @@ def test_the_cuda_backend_trains_as_numpy_does_on_the_simulator(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     command = ["-m", "xtrain_dist.train_ddp", "3", "4", "16", "--model", "tiny", "--world-size", "2",
-               "--grad-compress", "powersgd", "--powersgd-start-step", "1", "--powersgd-rank", "2",
-               "--bucket-mb", "0.05"]
+               "--grad-compress", "powersgd", "--powersgd-start-step", "1", "--powersgd-rank", "2"]
     reports = {}
-    for name, prefix, extra in (("numpy", [sys.executable], []),
+    for name, prefix, extra in (("numpy", [sys.executable], ["--bucket-mb", "0.05"]),
                                 ("bucketed", [sys.executable, str(root / "tests" / "cudasim" / "run.py")],
-                                 ["--backend", "cuda"]),
+                                 ["--backend", "cuda", "--bucket-mb", "0.05"]),
                                 ("flat", [sys.executable, str(root / "tests" / "cudasim" / "run.py")],
                                  ["--backend", "cuda", "--grad-sync", "flat"])):
         done = subprocess.run([*prefix, *command, *extra, "--report", str(tmp_path / f"{name}.json")], cwd=root,
