@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
+from finite_differences import assert_gradients_match_finite_differences
 
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.backend.dropout import (
@@ -125,16 +126,7 @@ def test_the_gradient_through_dropout_matches_finite_differences():
         return float(model.stage_forward(ids, None, targets, rows=rows)[0].sum() * dloss)
 
     assert loss() == pytest.approx(float(losses.sum() * dloss), rel=1e-14)  # the same masks again
-    eps = 1e-6
-    probe = [s.offset + rng.integers(0, s.hf_size) for s in model.layout for _ in range(2)]
-    for i in probe:
-        keep = model.params[i]
-        model.params[i] = keep + eps
-        up = loss()
-        model.params[i] = keep - eps
-        down = loss()
-        model.params[i] = keep
-        assert model.grads[i] == pytest.approx((up - down) / (2 * eps), rel=1e-5, abs=1e-9), i
+    assert_gradients_match_finite_differences(model, loss, rng)
 
 
 def test_evaluation_and_sampling_run_without_dropout():

@@ -5,6 +5,7 @@ from itertools import pairwise
 
 import numpy as np
 import pytest
+from finite_differences import assert_gradients_match_finite_differences
 from padded_vocab import assert_padded_rows_stay_zero
 
 from xtrain_dist.backend import numpy_ops
@@ -137,16 +138,7 @@ def test_whole_model_gradient_matches_finite_differences(attention, recompute):
     def loss():
         return float(model.forward(ids, targets).sum() * dloss)
 
-    eps = 1e-6
-    probe = [s.offset + rng.integers(0, s.hf_size) for s in model.layout for _ in range(2)]
-    for i in probe:
-        keep = model.params[i]
-        model.params[i] = keep + eps
-        up = loss()
-        model.params[i] = keep - eps
-        down = loss()
-        model.params[i] = keep
-        assert model.grads[i] == pytest.approx((up - down) / (2 * eps), rel=1e-5, abs=1e-9), i
+    assert_gradients_match_finite_differences(model, loss, rng)
 
 
 def test_backward_announces_every_range_once_in_order():
