@@ -70,9 +70,11 @@ def test_the_wheel_holds_the_kernels_and_the_data(installed):
     assert package.is_relative_to(bin_dir.parent) and not package.is_relative_to(REPO)
     assert (Path(where[1]), Path(where[2])) == (package / "kernels", package / "shipped_data")
     for name, shipped in (("kernels", Path(where[1])), ("data", Path(where[2]))):
-        assert sorted(p.name for p in shipped.iterdir()) == sorted(p.name for p in (REPO / name).iterdir()), name
-        for path in (REPO / name).iterdir():
-            assert (shipped / path.name).read_bytes() == path.read_bytes(), path
+        # every file, kernels/tuned/ (the tuning tables and the variants' register record) too
+        files = sorted(p.relative_to(REPO / name) for p in (REPO / name).rglob("*") if p.is_file())
+        assert sorted(p.relative_to(shipped) for p in shipped.rglob("*") if p.is_file()) == files, name
+        for path in files:
+            assert (shipped / path).read_bytes() == (REPO / name / path).read_bytes(), path
 
 
 def test_every_console_script_answers_help(installed):
