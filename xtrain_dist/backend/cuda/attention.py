@@ -21,7 +21,8 @@ from .device import cupy
 from .launch import BLOCK, _cdiv, _chunk_grid, _contiguous, _f32, _vec
 
 # The block shapes the kernels are written for, read from beside them in their files, so that a kernel
-# and its launch cannot disagree: the softmax's rows per block and threads, flash attention's tiles.
+# and its launch cannot disagree: the softmax's rows per block and threads, flash attention's tiles (the MMA
+# kernels' launches are flash_variants.py's, per variant).
 SOFTMAX_ROWS_PER_BLOCK = kernel_constant("attention", "SOFTMAX_ROWS_PER_BLOCK")
 SOFTMAX_BLOCK = kernel_constant("attention", "SOFTMAX_BLOCK")
 FLASH_HS = kernel_constant("flash_attention", "FLASH_HS")
@@ -29,9 +30,7 @@ FLASH_TILE = kernel_constant("flash_attention", "FLASH_TILE")
 FLASH_WARPS = kernel_constant("flash_attention", "FLASH_WARPS")
 FLASH_THREADS = kernel_constant("flash_attention", "FLASH_THREADS")
 MMA_HS = kernel_constant("flash_attention_mma", "MMA_HS")
-MMA_THREADS = kernel_constant("flash_attention_mma", "MMA_THREADS")
 MMA_BLOCK_ROWS = kernel_constant("flash_attention_mma", "MMA_BLOCK_ROWS")
-MMA_DOT_ROWS = kernel_constant("flash_attention_mma", "MMA_DOT_ROWS")
 MMA_TILE = kernel_constant("flash_attention_mma", "MMA_TILE")
 # The kernels of the flash attention ops (CudaBackend(flash_kernels=)): --attention flash's
 # flash_attention_mma.cu (FlashAttention-2's scheme on mma.sync), or the WMMA kernels of flash_attention.cu it
