@@ -153,6 +153,13 @@ def _utf8(text: str) -> str:
 utf8_text = _checked(_utf8, lambda text: True, "UTF-8 text")
 
 
+def _say(line: str) -> None:
+    """Write one line to stderr in one write: print() writes the text and its newline apart, and between
+    the two another process of an MPI job could write its own line to the same pipe, joining the two."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def run_command(prog: str, main: Callable[[], int | None]) -> int:
     """Run a command line's `main` and turn how it ends into an exit status: an XtrainError (bad input, a
     missing engine, a path with a name too long for the file system, an allocation larger than memory) is
@@ -163,23 +170,22 @@ def run_command(prog: str, main: Callable[[], int | None]) -> int:
     try:
         return main() or 0
     except XtrainError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        _say(f"{prog}: error: {e}")
         return 2
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        _say(f"{prog}: interrupted")
         return 130
     except BrokenPipeError:  # `| head` stopped reading: end quietly, as a SIGPIPE'd program does
         # Python flushes stdout once more at exit: point it at /dev/null so that cannot fail as well
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except MemoryError as e:  # sizes asked for that the machine cannot hold (numpy names the allocation)
-        print(f"{prog}: error: not enough memory: {first_line(e)}", file=sys.stderr)
+        _say(f"{prog}: error: not enough memory: {first_line(e)}")
         return 2
     except OSError as e:
         # a path with a name longer than the file system takes fails at the first stat() of it, wherever
         # that is: it is bad input like any other (the path is in the error), not a bug
         if e.errno != errno.ENAMETOOLONG:
             raise
-        print(f"{prog}: error: '{e.filename}' cannot be used: a name in it is longer than the file system allows",
-              file=sys.stderr)
+        _say(f"{prog}: error: '{e.filename}' cannot be used: a name in it is longer than the file system allows")
         return 2
