@@ -121,19 +121,23 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
     workspace = ((cublas.WORKSPACE_BYTES if cfg.backend == "cuda" else 0)
                  + (cublaslt.WORKSPACE_BYTES if cfg.matmul == "cublaslt" or (cfg.matmul == "auto" and
                                                                               cfg.backend == "cuda") else 0))
+    layouts = {}  # by stage: every rank of a stage holds the same layout (thousands of ranks in a what-if run)
     memories = []
     for rank in range(cfg.world_size):
         # the mesh is arange(world).reshape(pp, dp, tp): rank r is on stage r // (dp tp), data-parallel index
         # r // tp % dp
         stage, dp_index = rank // (dp * tp), rank // tp % dp
-        layout, size = param_layout(config, tp, pp, stage)
+        if stage not in layouts:
+            layout, size = param_layout(config, tp, pp, stage)
+            layouts[stage] = layout, size, shard_bounds(size, dp) if cfg.zero else None
+        layout, size, bounds = layouts[stage]
         # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
         compression = 4 * state_elements(layout, cfg.powersgd_rank) if cfg.grad_compress == "powersgd" else 0
         lowp = act_itemsize if cfg.dtype != "fp32" else 0
         parameters = 4 * size + size * lowp + ITEMSIZE["u8"] * size
         gradients = 4 * size
         # ZeRO-1 shards the rank's flat buffer over its data-parallel group
-        lo, hi = shard_bounds(size, dp)[dp_index] if cfg.zero else (0, size)
+        lo, hi = bounds[dp_index] if cfg.zero else (0, size)
         if cfg.zero >= 2:  # parallel/zero.py: the gradient's shard, and the blocks' buffers backward fills
             blocks = stage_blocks(config.n_layer, pp, stage)
             ends = [s.offset + s.size for s in layout if s.name.endswith("ln_1.bias")]  # each block's last tensor
