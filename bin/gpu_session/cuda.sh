@@ -67,12 +67,12 @@ for dtype in fp32 bf16; do  # kernel_errors.md and kernel_errors_bf16.md; their 
 done
 
 echo "## tests"
-# (the two test_cudasim tests hold the simulator's CuPy stand-in to the real CuPy and cuBLAS: the cuBLAS
+# TESTS: what pytest runs (the two test_cudasim tests hold the simulator's CuPy stand-in to the real CuPy and cuBLAS: the cuBLAS
 # enum values can only be read where libcublas loads, as it does here; test_cublaslt holds the ctypes
 # binding to this machine's cublasLt.h and libcublasLt, as CI does to the pip wheel's)
-TESTS="tests/test_kernels_compile.py tests/test_cuda_ops.py tests/test_cuda_bf16.py tests/test_cublaslt.py
+TESTS=${TESTS:-"tests/test_kernels_compile.py tests/test_cuda_ops.py tests/test_cuda_bf16.py tests/test_cublaslt.py
   tests/test_cudasim.py::test_the_stand_in_has_real_cupys_names_values_and_parameters
-  tests/test_cudasim.py::test_the_stand_in_cublas_constants_are_cupys"
+  tests/test_cudasim.py::test_the_stand_in_cublas_constants_are_cupys"}
 # in parallel processes on the one GPU where pytest-xdist is installed: the numpy oracles are most of the
 # tests' time, and they are CPU work; the real_gpu tests (timings, peak memory) then run alone (-o addopts=:
 # pyproject's addopts would start a worker per core)
