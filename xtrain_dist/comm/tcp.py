@@ -340,8 +340,12 @@ def _closed_peer(peers) -> int | None:
         if sock is None:
             continue
         try:
-            if select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK):
+            # not waiting: another thread of the process (a group's, or the gradient sync's) may have read what
+            # made it readable, and a blocking peek would then sit out the socket's timeout
+            if select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
                 return index
+        except BlockingIOError:  # read meanwhile by that other thread: alive
+            continue
         except (OSError, ValueError):  # reset, or closed here meanwhile
             return index
     return None
