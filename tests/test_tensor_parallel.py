@@ -271,18 +271,27 @@ def test_an_mpi_library_without_thread_multiple_refuses_the_overlapped_sync(corp
 MPIRUN = Path(sys.executable).parent / "mpirun"
 
 
-@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
-def test_dp_2_x_tp_2_through_mpi_processes_follows_world_one(world_one, tmp_path):
-    folder, one = world_one
+def mpirun_train(processes: int, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """python -m xtrain_dist.train_ddp ARGS under mpirun -n PROCESSES, from this checkout."""
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    out = subprocess.run([str(MPIRUN), "-n", "4", sys.executable, "-m", "xtrain_dist.train_ddp", "20", "4", "32",
-                          "--tp", "2", "--seed", "7", "--eval-batches", "0", "--report", str(tmp_path / "r.json"),
-                          "--save-dir", str(tmp_path / "mpi")], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([str(MPIRUN), "-n", str(processes), sys.executable, "-m", "xtrain_dist.train_ddp", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+@pytest.mark.parametrize("processes", [4, 2])
+def test_dp_2_x_tp_2_through_mpi_processes_follows_world_one(world_one, tmp_path, processes):
+    """Four MPI processes of one rank each, and two of two rank threads: each tensor-parallel group the threads of
+    one process, each data-parallel group a process communicator (comm/hybrid.py)."""
+    folder, one = world_one
+    out = mpirun_train(processes, "20", "4", "32", "--world-size", "4", "--tp", "2", "--seed", "7", "--eval-batches",
+                       "0", "--report", str(tmp_path / "r.json"), "--save-dir", str(tmp_path / "mpi"))
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["launch"]["comm"] == "mpi" and report["config"]["tp"] == 2
+    assert report["launch"]["threads_per_process"] == 4 // processes
     relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
     assert relative.max() < 1e-5, relative.max()
     digests = report["param_sha256"]
@@ -290,6 +299,18 @@ def test_dp_2_x_tp_2_through_mpi_processes_follows_world_one(world_one, tmp_path
     reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "mpi")
     for name, tensor in reference.items():
         np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+def test_world_one_s_checkpoint_resumes_at_dp_2_x_tp_2_over_rank_threads_of_two_processes(world_one, tmp_path):
+    folder, one = world_one
+    out = mpirun_train(2, "20", "4", "32", "--world-size", "4", "--tp", "2", "--seed", "7", "--eval-batches", "0",
+                       "--resume", str(kept_folder(folder / "one", 10)), "--report", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr
+    resumed = json.loads((tmp_path / "r.json").read_text())
+    assert resumed["start_step"] == 10
+    relative = np.abs(np.array(resumed["losses"]) - one["losses"][10:]) / np.array(one["losses"][10:])
+    assert relative.max() < 1e-5, relative.max()
 
 
 def test_evaluation_hellaswag_and_samples_at_tp_are_world_one_s(corpus, tmp_path):
@@ -314,19 +335,6 @@ def test_a_bad_tp_on_the_command_line_is_one_line_and_exit_status_2():
                          env={**os.environ, "PYTHONPATH": str(root)})
     assert (out.returncode, out.stdout, out.stderr) == (
         2, "", "train_ddp: error: --tp must be a divisor of the world size (4), got '3'\n")
-
-
-@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
-def test_tp_over_rank_threads_of_several_processes_is_one_line(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    out = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "2", "4", "32",
-                          "--world-size", "4", "--tp", "2"], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 2, out.stderr
-    assert ("train_ddp: error: --tp splits the world into groups, and groups and point-to-point across rank threads "
-            "of several processes are not built: run one rank thread per process (mpirun -n N, torchrun "
-            "--nproc-per-node N)") in out.stderr.splitlines(), out.stderr
 
 
 def test_the_report_counts_each_groups_payload_as_the_textbook_does(corpus, tmp_path):
