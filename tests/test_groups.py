@@ -487,6 +487,36 @@ def test_a_group_whose_processes_interleave_gathers_and_sends_in_its_own_order()
             assert after == ring.tobytes()
 
 
+def test_a_rank_that_fails_releases_its_peers_waiting_in_groups_across_processes():
+    """dp 2 x tp 2 on 2 x 2 threads: rank 3 fails before its data-parallel all-reduce; rank 1, waiting for it in
+    that group (a split of the process communicator), and ranks 0 and 2, waiting in a pipeline message across
+    processes, are released by the abort at once, not at the 30 s timeout."""
+    from test_comm import HybridGroup
+    released = {}
+
+    def body(rank, comm):
+        if rank == 3:
+            DeviceMesh(comm, dp=2, tp=2)
+            time.sleep(0.3)  # the others are waiting in their groups by then (were they not, they would find the abort)
+            raise RuntimeError("rank 3 failed")
+        try:
+            mesh = DeviceMesh(comm, dp=2, tp=2)
+            if rank == 1:
+                mesh.dp.all_reduce(np.zeros(4, np.float32))
+            else:
+                mesh.dp.recv(np.zeros(4, np.float32), 1 - mesh.dp.rank)  # 0 and 2 wait for each other: nobody sends
+        except CommAborted as e:
+            released[rank] = str(e)
+            raise
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_thread_ranks(4, body, group=HybridGroup(2, 2), timeout_s=30)
+    assert time.monotonic() - t0 < 10
+    assert str(info.value.error) == "rank 3 failed"
+    assert sorted(released) == [0, 1, 2] and all("rank 3 failed" in line for line in released.values()), released
+
+
 def test_the_world_of_several_processes_sends_only_through_a_group():
     from test_comm import HybridGroup
 
