@@ -577,3 +577,25 @@ def test_all_reduce_must_be_library_or_ring(corpus):
     from xtrain_dist.errors import XtrainError
     with pytest.raises(XtrainError, match=r"^--all-reduce must be one of library, ring, not 'tree'$"):
         train_run(corpus, all_reduce="tree")
+
+
+@needs_mpi
+def test_the_ring_over_rank_threads_of_several_processes_needs_a_mesh_s_group(corpus):
+    """Checked before anything starts (no MPI is joined): over the world of 2 processes x 2 threads the ring is
+    refused in one line; beside --tp it runs on the data-parallel group, a split, and passes."""
+    from xtrain_dist.comm.launch_env import Launch
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.errors import XtrainError
+    from xtrain_dist.train.preflight import prepare
+
+    def prepared(**kw):
+        cfg = TrainConfig(steps=2, batch=4, seq=32, model="tiny", world_size=4, all_reduce="ring", **kw).resolved()
+        return prepare(cfg, corpus, Launch("mpirun", 0, 2), 2, log=lambda line: None)
+
+    with pytest.raises(XtrainError) as info:
+        prepared()
+    assert str(info.value) == (
+        "--all-reduce ring sends between ranks, and point-to-point between rank threads of different processes runs "
+        "on a group split from the world (comm.split; the device mesh's groups), not on the world itself: run one "
+        "rank thread per process (mpirun -n N, torchrun --nproc-per-node N)")
+    assert prepared(tp=2).engine == "mpi"
