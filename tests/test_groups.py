@@ -458,7 +458,8 @@ def test_a_mesh_over_rank_threads_of_several_processes(processes, threads, dp, t
 
 
 def test_a_group_whose_processes_interleave_gathers_and_sends_in_its_own_order():
-    """Ranks 0 4 2 6 (processes 0 1 0 1) and 1 5 3 7: each process's shares are apart in the group's buffer."""
+    """Ranks 0 4 2 6 (processes 0 1 0 1) and 1 5 3 7: each process's shares are apart in the group's buffer; and such
+    a group splits again."""
     from test_comm import HybridGroup
     counts = [3, 0, 2, 5]
 
@@ -469,17 +470,27 @@ def test_a_group_whose_processes_interleave_gathers_and_sends_in_its_own_order()
         group.all_gather(np.full(counts[group.rank], rank, np.float32), gathered, counts)
         shard = np.empty(counts[group.rank], np.float32)
         group.reduce_scatter(rank_data(rank, offsets[-1], seed=2), shard, counts)
-        after = np.empty(4, np.float32)
         ring_all_reduce(group, after := rank_data(rank, 4, seed=3))
-        return group.rank, gathered.tolist(), shard.tobytes(), after.tobytes()
+        # and groups of this group: [4 0] [6 2] (one thread per process), and the whole of it again (a hybrid)
+        halves = group.split(group.rank // 2, key=-group.rank)
+        half = np.array([10.0 ** rank])
+        halves.all_reduce(half)
+        again = group.split(0)
+        before = np.zeros(1)
+        again.sendrecv(np.array([float(rank)]), (again.rank + 1) % 4, before, (again.rank - 1) % 4)
+        return group.rank, gathered.tolist(), shard.tobytes(), after.tobytes(), (halves.rank, half[0], before[0])
 
     results = run_thread_ranks(8, body, group=HybridGroup(2, 4), timeout_s=30)
+    for rank, (_, _, _, _, (half_rank, half, before)) in enumerate(results):
+        partner = rank + 4 if rank < 4 else rank - 4
+        assert (half_rank, half, before) == (int(rank < 4), 10.0 ** rank + 10.0 ** partner,
+                                             {0: 6, 4: 0, 2: 4, 6: 2}[rank - rank % 2] + rank % 2)
     for parity in (0, 1):
         members = [0 + parity, 4 + parity, 2 + parity, 6 + parity]
         total = process_order_sum([rank_data(r, 10, seed=2) for r in members], [r // 4 for r in members])
         ring = ring_oracle([rank_data(r, 4, seed=3) for r in members])
         for place, r in enumerate(members):
-            got_place, gathered, shard, after = results[r]
+            got_place, gathered, shard, after, _ = results[r]
             assert got_place == place
             assert gathered == [float(m) for m, c in zip(members, counts, strict=True) for _ in range(c)]
             lo = sum(counts[:place])
