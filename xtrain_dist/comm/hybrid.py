@@ -1,6 +1,7 @@
 """Thread ranks inside process ranks: several rank threads per process, several processes per job.
 
-Global rank g = process_rank * local_world + local. A collective is three simple ones: the threads of a
+Global rank g = process_rank * local_world + local (a group split from the world numbers its own ranks:
+`members` says which thread of which process each is). A collective is three simple ones: the threads of a
 process combine among themselves (the thread communicator), thread 0 of each process (the leader) runs
 the collective across processes (MPI or TCP, process ranks), and the leader's result is broadcast to
 its threads. Only leaders call the process communicator, one call at a time, so the world's collectives
@@ -25,9 +26,11 @@ grants it; a library that grants less is refused in one line when such groups ar
 
 Point-to-point between two threads of one process goes through the thread communicator; between threads
 of different processes, through a communicator of that pair of threads alone (a two-process split made
-with the group), so concurrent messages of other pairs can never be received in its place. A group of
-one thread per process needs no pairs (its process communicator is the pairs'). The world itself has none
-(W x W of them for every job, whether or not it sends): messages go over a group split from it.
+with the group), so concurrent messages of other pairs can never be received in its place. That is one
+split per pair of a group's ranks in different processes, at most n(n-1)/2 for n ranks: groups of the
+third kind are few and small (tp or pp across nodes). A group of one thread per process needs no pairs
+(its process communicator is the pairs'). The world itself has none (W x W of them for every job, whether
+or not it sends): messages go over a group split from it.
 """
 
 import threading
