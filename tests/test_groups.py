@@ -412,6 +412,7 @@ def group_kind(group, harness) -> str:
     (2, 2, 1, 4, 1, ("hybrid", "threads", "threads")),      # tp across two nodes of two threads
     (2, 2, 1, 1, 4, ("threads", "threads", "hybrid")),      # stages 0 1 | 2 3: messages inside and across
     (4, 2, 4, 1, 2, ("threads", "hybrid", "processes")),
+    (3, 2, 3, 1, 2, ("threads", "hybrid", "processes")),    # dp [0 1 | 2] and [3 | 4 5]: unequal parts
 ])
 def test_a_mesh_over_rank_threads_of_several_processes(processes, threads, dp, tp, pp, kinds):
     """Each group of the mesh is the cheapest communicator that holds it, and gives its ranks what a group

@@ -105,8 +105,9 @@ class HybridCommunicator:
             self.local.all_gather(send, block, [share[r] for r in mine])
         if self.leader:
             per_process = [sum(share[r] for r in ranks) for ranks in self._by_process]
-            if self._contiguous:
-                self.inter.all_gather(block.copy(), out, None if counts is None else per_process)
+            if self._contiguous:  # (equal shares make equal blocks only where every process holds as many ranks)
+                equal = counts is None and len(set(per_process)) == 1
+                self.inter.all_gather(block.copy(), out, None if equal else per_process)
             else:  # every process's packed block, in process order, then each share to its place
                 packed = np.empty_like(out)
                 self.inter.all_gather(block, packed, per_process)
