@@ -257,6 +257,28 @@ def test_tcp_refuses_a_peer_one_collective_behind():
     assert raised[1] is not None
 
 
+@pytest.mark.skipif(not hasattr(__import__("select"), "POLLRDHUP"), reason="the kernel is asked on Linux only")
+def test_a_live_tcp_peer_whose_bytes_another_thread_took_is_not_taken_for_dead(monkeypatch):
+    """The liveness probe runs beside other threads reading the same sockets (a group's, the gradient sync's): a
+    socket that was readable when one thread looked may have been read empty by another before it peeks. Such a
+    peek waited out the socket's timeout and named the live peer dead; the probe must not read at all."""
+    from xtrain_dist.comm import tcp
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        peer = socket.create_connection(server.getsockname())
+        mine = server.accept()[0]
+    mine.settimeout(1)
+    monkeypatch.setattr(tcp.select, "select", lambda r, w, x, t=None: (r, w, x))  # readable, as it once was
+    t0 = time.monotonic()
+    assert tcp._closed_peer([None, mine]) is None and time.monotonic() - t0 < 0.5
+    peer.sendall(b"last")  # a peer that sent its last bytes and closed: gone once they are read, not before
+    peer.close()
+    time.sleep(0.05)
+    assert tcp._closed_peer([None, mine]) is None
+    mine.recv(4)
+    assert tcp._closed_peer([None, mine]) == 1
+    mine.close()
+
+
 class HybridGroup:
     """`processes` processes of `threads` rank threads each, all in this process: each process's threads a
     LocalGroup, its leaders joined by another LocalGroup that stands in for MPI or TCP. Fits run_thread_ranks."""

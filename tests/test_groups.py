@@ -381,15 +381,184 @@ def test_a_tcp_process_that_dies_outside_a_group_ends_the_group_at_once():
     assert lines[1].startswith("rank 1: recv aborted: "), lines[1]
 
 
-def test_groups_across_rank_threads_of_several_processes_are_refused_in_one_line():
+# -------------------------------------------------------------------- rank threads inside processes
+def process_order_sum(arrays, processes):
+    """What a group of rank threads in several processes all-reduces to: each process's arrays summed in the
+    group's order, then the processes' sums in the order their first rank comes."""
+    partial = {}
+    for array, process in zip(arrays, processes, strict=True):
+        partial[process] = array.copy() if process not in partial else partial[process] + array
+    total = None
+    for part in partial.values():
+        total = part if total is None else total + part
+    return total
+
+
+def group_kind(group, harness) -> str:
+    """'threads' (one process's thread communicator), 'processes' (one split of the process communicator)
+    or 'hybrid'."""
     from xtrain_dist.comm.hybrid import HybridCommunicator
-    from xtrain_dist.comm.local import LocalGroup
+    from xtrain_dist.comm.local import LocalCommunicator
+    if isinstance(group, HybridCommunicator):
+        return "hybrid"
+    assert isinstance(group, LocalCommunicator)
+    return "threads" if any(group.group._root is local for local in harness.locals) else "processes"
+
+
+@pytest.mark.parametrize("processes, threads, dp, tp, pp, kinds", [
+    (2, 2, 2, 2, 1, ("threads", "processes", "threads")),   # tp inside a node, dp across nodes
+    (2, 2, 2, 1, 2, ("threads", "threads", "processes")),   # a pipeline stage per node
+    (2, 4, 2, 2, 2, ("threads", "threads", "processes")),
+    (2, 2, 1, 4, 1, ("hybrid", "threads", "threads")),      # tp across two nodes of two threads
+    (2, 2, 1, 1, 4, ("threads", "threads", "hybrid")),      # stages 0 1 | 2 3: messages inside and across
+    (4, 2, 4, 1, 2, ("threads", "hybrid", "processes")),
+    (3, 2, 3, 1, 2, ("threads", "hybrid", "processes")),    # dp [0 1 | 2] and [3 | 4 5]: unequal parts
+])
+def test_a_mesh_over_rank_threads_of_several_processes(processes, threads, dp, tp, pp, kinds):
+    """Each group of the mesh is the cheapest communicator that holds it, and gives its ranks what a group
+    of one process gives: the sums of its own ranks (the same bits on each), gathers and broadcasts in its
+    order, and point-to-point messages between any two of its ranks, inside a process or across."""
+    from test_comm import HybridGroup
+    harness = HybridGroup(processes, threads)
+
+    def body(rank, comm):
+        mesh = DeviceMesh(comm, dp=dp, tp=tp, pp=pp)
+        seen = {}
+        for axis in ("tp", "dp", "pp"):
+            group, members = getattr(mesh, axis), mesh.group_ranks(axis)
+            size, me = group.world_size, group.rank
+            assert (me, size) == (members.index(rank), len(members))
+            summed = rank_data(rank, 5, seed=9)
+            group.all_reduce(summed)
+            gathered = np.zeros(size, np.int64)
+            group.all_gather(np.array([rank], np.int64), gathered)
+            root = np.full(2, rank, np.float32)
+            group.broadcast(root, root=size - 1)
+            ring = np.full(3, -1.0, np.float32)  # from the rank before, around the group
+            group.sendrecv(np.full(3, rank, np.float32), (me + 1) % size, ring, (me - 1) % size) if size > 1 else None
+            last = np.zeros(1, np.float32)
+            if size > 1 and me == 0:
+                group.send(np.array([rank], np.float32), size - 1)
+            elif size > 1 and me == size - 1:
+                group.recv(last, 0)
+            seen[axis] = (group_kind(group, harness), summed.tobytes(), gathered.tolist(), root.tolist(),
+                          ring.tolist(), last.tolist())
+        comm.barrier()
+        return mesh, seen
+
+    for rank, (mesh, seen) in enumerate(run_thread_ranks(processes * threads, body, group=harness, timeout_s=30)):
+        assert tuple(seen[axis][0] for axis in ("tp", "dp", "pp")) == kinds
+        for axis in ("tp", "dp", "pp"):
+            members = mesh.group_ranks(axis)
+            me, size = members.index(rank), len(members)
+            expected = process_order_sum([rank_data(r, 5, seed=9) for r in members], [r // threads for r in members])
+            assert seen[axis][1] == expected.tobytes(), axis
+            assert seen[axis][2:] == (members, [float(members[-1])] * 2,
+                                      [float(members[(me - 1) % size]) if size > 1 else -1.0] * 3,
+                                      [float(members[0]) if size > 1 and me == size - 1 else 0.0]), axis
+
+
+def test_a_group_whose_processes_interleave_gathers_and_sends_in_its_own_order():
+    """Ranks 0 4 2 6 (processes 0 1 0 1) and 1 5 3 7: each process's shares are apart in the group's buffer; and such
+    a group splits again."""
+    from test_comm import HybridGroup
+    counts = [3, 0, 2, 5]
+
+    def body(rank, comm):
+        group = comm.split(rank % 2, key=rank % 4 * 10 + rank // 4)
+        offsets = np.cumsum([0, *counts])
+        gathered = np.full(offsets[-1], np.nan, np.float32)
+        group.all_gather(np.full(counts[group.rank], rank, np.float32), gathered, counts)
+        shard = np.empty(counts[group.rank], np.float32)
+        group.reduce_scatter(rank_data(rank, offsets[-1], seed=2), shard, counts)
+        ring_all_reduce(group, after := rank_data(rank, 4, seed=3))
+        # and groups of this group: [4 0] [6 2] (one thread per process), and the whole of it again (a hybrid)
+        halves = group.split(group.rank // 2, key=-group.rank)
+        half = np.array([10.0 ** rank])
+        halves.all_reduce(half)
+        again = group.split(0)
+        before = np.zeros(1)
+        again.sendrecv(np.array([float(rank)]), (again.rank + 1) % 4, before, (again.rank - 1) % 4)
+        return group.rank, gathered.tolist(), shard.tobytes(), after.tobytes(), (halves.rank, half[0], before[0])
+
+    results = run_thread_ranks(8, body, group=HybridGroup(2, 4), timeout_s=30)
+    for rank, (_, _, _, _, (half_rank, half, before)) in enumerate(results):
+        partner = rank + 4 if rank < 4 else rank - 4
+        assert (half_rank, half, before) == (int(rank < 4), 10.0 ** rank + 10.0 ** partner,
+                                             {0: 6, 4: 0, 2: 4, 6: 2}[rank - rank % 2] + rank % 2)
+    for parity in (0, 1):
+        members = [0 + parity, 4 + parity, 2 + parity, 6 + parity]
+        total = process_order_sum([rank_data(r, 10, seed=2) for r in members], [r // 4 for r in members])
+        ring = ring_oracle([rank_data(r, 4, seed=3) for r in members])
+        for place, r in enumerate(members):
+            got_place, gathered, shard, after, _ = results[r]
+            assert got_place == place
+            assert gathered == [float(m) for m, c in zip(members, counts, strict=True) for _ in range(c)]
+            lo = sum(counts[:place])
+            assert shard == total[lo:lo + counts[place]].tobytes()
+            assert after == ring.tobytes()
+
+
+def test_a_rank_that_fails_releases_its_peers_waiting_in_groups_across_processes():
+    """dp 2 x tp 2 on 2 x 2 threads: rank 3 fails before its data-parallel all-reduce; rank 1, waiting for it in
+    that group (a split of the process communicator), and ranks 0 and 2, waiting in a pipeline message across
+    processes, are released by the abort at once, not at the 30 s timeout."""
+    from test_comm import HybridGroup
+    released = {}
+
+    def body(rank, comm):
+        if rank == 3:
+            DeviceMesh(comm, dp=2, tp=2)
+            time.sleep(0.3)  # the others are waiting in their groups by then (were they not, they would find the abort)
+            raise RuntimeError("rank 3 failed")
+        try:
+            mesh = DeviceMesh(comm, dp=2, tp=2)
+            if rank == 1:
+                mesh.dp.all_reduce(np.zeros(4, np.float32))
+            else:
+                mesh.dp.recv(np.zeros(4, np.float32), 1 - mesh.dp.rank)  # 0 and 2 wait for each other: nobody sends
+        except CommAborted as e:
+            released[rank] = str(e)
+            raise
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_thread_ranks(4, body, group=HybridGroup(2, 2), timeout_s=30)
+    assert time.monotonic() - t0 < 10
+    assert str(info.value.error) == "rank 3 failed"
+    assert sorted(released) == [0, 1, 2] and all("rank 3 failed" in line for line in released.values()), released
+
+
+def test_the_world_of_several_processes_sends_only_through_a_group():
+    from test_comm import HybridGroup
+
     from xtrain_dist.errors import XtrainError
-    hybrid = HybridCommunicator(LocalGroup(2).communicator(0), LocalGroup(1).communicator(0), 0, 2)
-    with pytest.raises(XtrainError) as info:
-        hybrid.split(0)
-    assert str(info.value).startswith("groups and point-to-point across rank threads of several processes are not "
-                                      "built: run one rank thread per process")
+
+    def body(rank, comm):
+        if rank == 1:
+            comm.send(np.zeros(1, np.float32), 0)  # another thread of its process: the thread communicator's
+        if rank == 0:
+            comm.recv(np.zeros(1, np.float32), 1)
+            with pytest.raises(XtrainError) as info:
+                comm.send(np.zeros(1, np.float32), 2)
+            return str(info.value)
+
+    assert run_thread_ranks(4, body, group=HybridGroup(2, 2), timeout_s=10)[0] == (
+        "point-to-point between rank threads of different processes runs on a group split from the world "
+        "(comm.split; the device mesh's groups), not on the world itself")
+
+
+def test_groups_across_processes_need_an_mpi_library_with_thread_multiple(monkeypatch):
+    from test_comm import HybridGroup
+
+    from xtrain_dist.comm.local import LocalCommunicator
+    monkeypatch.setattr(LocalCommunicator, "concurrent_groups", False, raising=False)  # as MpiCommunicator's may be
+    with pytest.raises(RankFailed) as info:
+        run_thread_ranks(4, lambda rank, comm: DeviceMesh(comm, dp=2, tp=2), group=HybridGroup(2, 2), timeout_s=10)
+    assert str(info.value.error) == (
+        "groups across rank threads of several MPI processes have several threads of a process call MPI at once, "
+        "and this MPI library was initialised without MPI_THREAD_MULTIPLE: run one rank thread per process "
+        "(mpirun -n N with --world-size N)")
 
 
 # -------------------------------------------------------------------- training with --all-reduce ring
@@ -420,3 +589,25 @@ def test_all_reduce_must_be_library_or_ring(corpus):
     from xtrain_dist.errors import XtrainError
     with pytest.raises(XtrainError, match=r"^--all-reduce must be one of library, ring, not 'tree'$"):
         train_run(corpus, all_reduce="tree")
+
+
+@needs_mpi
+def test_the_ring_over_rank_threads_of_several_processes_needs_a_mesh_s_group(corpus):
+    """Checked before anything starts (no MPI is joined): over the world of 2 processes x 2 threads the ring is
+    refused in one line; beside --tp it runs on the data-parallel group, a split, and passes."""
+    from xtrain_dist.comm.launch_env import Launch
+    from xtrain_dist.config import TrainConfig
+    from xtrain_dist.errors import XtrainError
+    from xtrain_dist.train.preflight import prepare
+
+    def prepared(**kw):
+        cfg = TrainConfig(steps=2, batch=4, seq=32, model="tiny", world_size=4, all_reduce="ring", **kw).resolved()
+        return prepare(cfg, corpus, Launch("mpirun", 0, 2), 2, log=lambda line: None)
+
+    with pytest.raises(XtrainError) as info:
+        prepared()
+    assert str(info.value) == (
+        "--all-reduce ring sends between ranks, and point-to-point between rank threads of different processes runs "
+        "on a group split from the world (comm.split; the device mesh's groups), not on the world itself: run one "
+        "rank thread per process (mpirun -n N, torchrun --nproc-per-node N)")
+    assert prepared(tp=2).engine == "mpi"

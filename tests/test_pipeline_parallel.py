@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_tensor_parallel import CONFIG, MPIRUN, on_thread_ranks, run, saved_params
+from test_tensor_parallel import CONFIG, MPIRUN, mpirun_train, on_thread_ranks, run, saved_params
 
 from xtrain_dist.backend.numpy_ops import NumpyBackend
 from xtrain_dist.comm.launch_env import Launch
@@ -352,20 +352,6 @@ def test_a_bad_pp_on_the_command_line_is_one_line_and_exit_status_2():
         2, "", "train_ddp: error: --pp must be a divisor of the world size (4), got '3'\n")
 
 
-@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
-def test_pp_over_rank_threads_of_several_processes_is_one_line():
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    out = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "xtrain_dist.train_ddp", "2", "4", "32",
-                          "--world-size", "4", "--pp", "2", "--eval-batches", "0"], capture_output=True, text=True,
-                         timeout=120, env=env)
-    assert out.returncode == 2, out.stderr
-    assert ("train_ddp: error: --pp splits the world into groups, and groups and point-to-point across rank threads "
-            "of several processes are not built: run one rank thread per process (mpirun -n N, torchrun "
-            "--nproc-per-node N)") in out.stderr, out.stderr  # each process's line: mpiexec may join the two
-
-
 def test_pp_with_the_cuda_backend_refuses_the_overlapped_sync_in_one_line():
     """Checked here without a GPU (tests/test_cuda_ops.py runs the allowed syncs on the CUDA backend)."""
     cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda")
@@ -394,26 +380,46 @@ def test_a_stage_s_memory_counts_its_part_and_the_micro_batches_its_schedule_hol
 
 
 # ---------------------------------------------------------------------------------------------- MPI processes
-@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
-@pytest.mark.parametrize("processes, options", [(2, ["--pp", "2"]), (8, ["--tp", "2", "--pp", "2"])])
-def test_pipelines_through_mpi_processes_follow_world_one(world_one, tmp_path, processes, options):
-    """pp 2, and dp 2 x tp 2 x pp 2, one rank per MPI process."""
+def assert_follows_world_one(report, world_one, tmp_path, world: int, tp: int) -> None:
+    """Losses within 1e-5 of world 1's, the gathered checkpoint world 1's model, and one digest per part of the
+    model (stage and tensor-parallel shard), the same on each of its data-parallel replicas."""
     folder, one = world_one
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    out = subprocess.run([str(MPIRUN), "-n", str(processes), sys.executable, "-m", "xtrain_dist.train_ddp", "20", "4",
-                          "32", *options, "--grad-accum", "2", "--seed", "7", "--eval-batches", "0",
-                          "--report", str(tmp_path / "r.json"), "--save-dir", str(tmp_path / "mpi")],
-                         capture_output=True, text=True, timeout=180, env=env)
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "run")
+    for name, tensor in reference.items():
+        np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
+    digests, stage = report["param_sha256"], world // 2  # pp 2: a stage's ranks are world / 2 apart
+    assert len(digests) == world and len(set(digests)) == 2 * tp
+    assert digests == [digests[r // stage * stage + r % tp] for r in range(world)]
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun beside this Python: pip install -e '.[mpi]'")
+@pytest.mark.parametrize("processes, world, tp", [(2, 2, 1), (8, 8, 2), (2, 8, 2)])
+def test_pipelines_through_mpi_processes_follow_world_one(world_one, tmp_path, processes, world, tp):
+    """pp 2 and dp 2 x tp 2 x pp 2, one rank per MPI process; dp 2 x tp 2 x pp 2 over two MPI processes of 4 rank
+    threads (a stage per process: tp and dp groups inside it, the pipeline groups process communicators). dp 2 x
+    pp 2 over processes of 2 threads runs below, through TCP."""
+    out = mpirun_train(processes, "20", "4", "32", "--world-size", str(world), "--tp", str(tp), "--pp", "2",
+                       "--grad-accum", "2", "--seed", "7", "--eval-batches", "0", "--report", str(tmp_path / "r.json"),
+                       "--save-dir", str(tmp_path / "run"), timeout=180)
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["launch"]["comm"] == "mpi" and report["config"]["pp"] == 2
-    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
-    assert relative.max() < 1e-5, relative.max()
-    reference, gathered = saved_params(folder, "one"), saved_params(tmp_path, "mpi")
-    for name, tensor in reference.items():
-        np.testing.assert_allclose(gathered[name], tensor, rtol=0, atol=2e-5, err_msg=name)
-    # one digest per part of the model (stage and tensor-parallel shard), the same on its data-parallel replicas
-    digests = report["param_sha256"]
-    assert len(digests) == processes and len(set(digests)) == processes // (2 if processes == 8 else 1)
+    assert report["launch"]["threads_per_process"] == world // processes
+    assert_follows_world_one(report, world_one, tmp_path, world, tp)
+
+
+def test_dp_2_x_pp_2_over_rank_threads_of_two_tcp_processes_follows_world_one(world_one, tmp_path):
+    """The same over TCP (torchrun's variables, without torchrun), with the other schedule."""
+    from test_multiprocess import free_port, reaped, torchrun_style
+    args = ["-m", "xtrain_dist.train_ddp", "20", "4", "32", "--world-size", "4", "--pp", "2", "--pp-schedule",
+            "gpipe", "--grad-accum", "2", "--seed", "7", "--eval-batches", "0", "--report", str(tmp_path / "r.json"),
+            "--save-dir", str(tmp_path / "run")]
+    port = free_port()
+    with reaped([torchrun_style(r, 2, port, args) for r in range(2)]) as procs:
+        outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["launch"] == {"kind": "torchrun", "processes": 2, "threads_per_process": 2, "comm": "tcp"}
+    assert_follows_world_one(report, world_one, tmp_path, 4, 1)

@@ -22,10 +22,13 @@ A point-to-point message carries its own count per pair of ranks instead of the 
 number. An abort closes the sockets of every communicator split from the same world.
 """
 
+import array
+import fcntl
 import os
 import select
 import socket
 import struct
+import termios
 import threading
 import time
 
@@ -335,16 +338,35 @@ def _flat(buf):
 
 
 def _closed_peer(peers) -> int | None:
-    """The index of a connection whose peer has closed it (readable, and nothing to read), or None."""
+    """The index of a connection whose peer has closed it (and nothing left to read), or None."""
     for index, sock in enumerate(peers):
         if sock is None:
             continue
         try:
-            if select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK):
+            if _peer_closed(sock):
                 return index
         except (OSError, ValueError):  # reset, or closed here meanwhile
             return index
     return None
+
+
+def _peer_closed(sock) -> bool:
+    """Whether the peer closed its end of sock, with no bytes of it left unread. Another thread of this process
+    (a group's, the gradient sync's) may read sock at the same time: on Linux the kernel is asked (POLLRDHUP)
+    without reading; elsewhere a peek, which can wait out the socket's timeout if that thread took the bytes that
+    made sock readable between the select and the peek."""
+    if hasattr(select, "POLLRDHUP"):
+        poller = select.poll()
+        poller.register(sock, select.POLLRDHUP)
+        events = sum(event for _, event in poller.poll(0))
+        if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+            return True
+        if not events & select.POLLRDHUP:
+            return False
+        unread = array.array("i", [0])  # the peer's last bytes may still wait here: then it has not gone yet
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, unread, True)
+        return unread[0] == 0
+    return bool(select.select([sock], [], [], 0)[0]) and not sock.recv(1, socket.MSG_PEEK)
 
 
 def _recv_into(conn, view):

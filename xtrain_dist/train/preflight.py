@@ -11,7 +11,7 @@ from pathlib import Path
 from .. import files, precision
 from ..backend import numpy_ops, rank_device
 from ..checkpoint import hf, resume, store
-from ..comm.hybrid import NOT_BUILT
+from ..comm.hybrid import WORLD_POINT_TO_POINT
 from ..comm.launch_env import Launch, gpu_for
 from ..comm.ring import ALL_REDUCES
 from ..comm.world import choose_engine, config_fingerprint
@@ -214,12 +214,10 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         from ..backend.cuda.device import device_count
         gpus = device_count()
     engine = choose_engine(cfg.comm, cfg.backend, launch, local_world, gpus)
-    if cfg.all_reduce == "ring" and engine in ("mpi", "tcp") and local_world > 1:
-        raise XtrainError(f"--all-reduce ring sends between ranks, and {NOT_BUILT}")
-    if cfg.tp > 1 and engine in ("mpi", "tcp") and local_world > 1:
-        raise XtrainError(f"--tp splits the world into groups, and {NOT_BUILT}")
-    if cfg.pp > 1 and engine in ("mpi", "tcp") and local_world > 1:
-        raise XtrainError(f"--pp splits the world into groups, and {NOT_BUILT}")
+    # with --tp or --pp the ring runs on the data-parallel group, split from the world (comm/hybrid.py)
+    if cfg.all_reduce == "ring" and engine in ("mpi", "tcp") and local_world > 1 and cfg.tp == cfg.pp == 1:
+        raise XtrainError(f"--all-reduce ring sends between ranks, and {WORLD_POINT_TO_POINT}: run one rank thread "
+                          "per process (mpirun -n N, torchrun --nproc-per-node N)")
     corpus = corpus or Corpus.load(cfg.tokenizer, cfg.corpus, val_path=cfg.val_corpus or None)
     cfg, chosen = resolve_auto(cfg, model_config(cfg.model, corpus.vocab_size))
     if chosen and launch.process_rank == 0:
