@@ -19,7 +19,7 @@ from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import GPTConfig, TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.model import GPT2, join_flats, param_layout, shard_flat
+from xtrain_dist.model import GPT2, join_flats, param_layout, shard_flat, vocab_rows
 from xtrain_dist.train import loop, memory
 from xtrain_dist.train.cadence import kept_folder
 from xtrain_dist.train.cli import parse_config
@@ -72,11 +72,21 @@ class CountingGroup:
 
 
 # ---------------------------------------------------------------------------------------------- the split
-def test_shards_join_back_into_the_full_layout_and_cut_c_attn_by_heads():
-    full = np.random.default_rng(0).standard_normal(param_layout(CONFIG)[1]).astype(np.float32)
-    for tp in (1, 2, 4):
-        shards = [shard_flat(full, CONFIG, tp, r) for r in range(tp)]
-        assert np.array_equal(join_flats(shards, CONFIG), full)
+# 6 heads at tp 3: the padded vocabulary's 128 rows do not divide by 3, so each rank holds 43 and the last one's
+# 129th row is more padding; ranks 1 and 2 (rows 43 .. 128) hold only padded rows of the 10 tokens
+ODD = GPTConfig(vocab_size=10, n_ctx=16, n_layer=1, n_head=6, n_embd=24)
+
+
+@pytest.mark.parametrize("config, tps", [(CONFIG, (1, 2, 4)), (ODD, (3, 6))])
+@pytest.mark.parametrize("vocab_parallel", [True, False])
+def test_shards_join_back_into_the_full_layout_and_cut_c_attn_by_heads(config, tps, vocab_parallel):
+    full = np.random.default_rng(0).standard_normal(param_layout(config)[1]).astype(np.float32)
+    full = join_flats([full], config)  # zero between the tensors (ALIGN's padding), as a model's buffers are
+    for tp in tps:
+        shards = [shard_flat(full, config, tp, r, vocab_parallel=vocab_parallel) for r in range(tp)]
+        assert np.array_equal(join_flats(shards, config, vocab_parallel=vocab_parallel), full)
+    if config is not CONFIG:
+        return
     specs = {s.name: s for s in param_layout(CONFIG)[0]}
     c_attn = specs["transformer.h.0.attn.c_attn.weight"]
     weight = full[c_attn.offset: c_attn.offset + c_attn.size].reshape(c_attn.shape)  # (C, 3C): q | k | v
@@ -85,38 +95,55 @@ def test_shards_join_back_into_the_full_layout_and_cut_c_attn_by_heads():
     rank1 = shard_flat(full, CONFIG, 2, 1)[local.offset: local.offset + local.size].reshape(local.shape)
     # rank 1 of 2 holds heads 2 and 3 (channels 16..31) of each of q, k and v
     assert np.array_equal(rank1, np.concatenate([weight[:, 16:32], weight[:, 48:64], weight[:, 80:96]], axis=1))
+    # and rows 64 .. 127 of wte (the padded vocabulary's 128 cut in two) under the vocabulary-parallel split
+    wte = {s.name: s for s in param_layout(CONFIG, 2, vocab_parallel=vocab_parallel)[0]}["transformer.wte.weight"]
+    assert (wte.shape, wte.split) == (((64, 32), "vocab") if vocab_parallel else ((128, 32), "replicated"))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_a_step_at_tp_is_world_one_s_with_four_all_reduces_of_b_t_c_per_layer(tp):
-    """In float64, where the sums' other order changes nothing above 1e-12: the same losses and gradients."""
+@pytest.mark.parametrize("config, tp, vocab_parallel", [(CONFIG, 2, False), (CONFIG, 4, False), (CONFIG, 2, True),
+                                                       (CONFIG, 4, True), (ODD, 3, True)])
+def test_a_step_at_tp_is_world_one_s_with_four_all_reduces_of_b_t_c_per_layer(config, tp, vocab_parallel):
+    """In float64, where the sums' other order changes nothing above 1e-12: the same losses and gradients.
+    The vocabulary-parallel classifier adds one all-reduce of (B, T, C) for the embedding, one of (2, B, T) for
+    the softmax's sums and one of (B, T, C) for the classifier's input gradient, and never gathers the logits:
+    each rank keeps its vocab_rows columns of them, and its rows of wte's gradient."""
+    CONFIG = config
     rng = np.random.default_rng(1)
     ids, targets = (rng.integers(0, CONFIG.vocab_size, (2, 8)).astype(np.int32) for _ in range(2))
     one = GPT2(CONFIG, NumpyBackend(), seed=3, dtype=np.float64)
     init = one.gather_flat(one.params)
     # biases and gains away from their zeros and ones, so that a bias added on every rank would show
-    full = init + rng.standard_normal(one.full_size) * 0.05
+    full = join_flats([init + rng.standard_normal(one.full_size) * 0.05], CONFIG)  # zero between the tensors
     one.load_flat(full)
     losses = one.forward(ids, targets, 1 / 16)
     one.backward()
 
     def rank(comm):
         group = CountingGroup(comm)
-        model = GPT2(CONFIG, NumpyBackend(), seed=3, tp=group, dtype=np.float64)
+        model = GPT2(CONFIG, NumpyBackend(), seed=3, tp=group, dtype=np.float64, vocab_parallel=vocab_parallel)
         assert np.array_equal(model.gather_flat(model.params), init)  # the full draws, sliced: the same model
         model.load_flat(full)
         mine = model.forward(ids, targets, 1 / 16)
+        dlogits_shape = model._saved.dlogits.shape
         model.backward()
         calls = list(group.all_reduced)
-        return mine, calls, model.gather_flat(model.params), model.gather_flat(model.grads), model.grad_norm_squared()
+        return (mine, calls, model.gather_flat(model.params), model.gather_flat(model.grads), model.grad_norm_squared(),
+                dlogits_shape, model.g.wte.shape)
 
-    for mine, calls, params, grads, norm_squared in on_thread_ranks(tp, rank):
+    width = vocab_rows(CONFIG, tp) if vocab_parallel else CONFIG.padded_vocab_size
+    for mine, calls, params, grads, norm_squared, dlogits_shape, wte_grad_shape in on_thread_ranks(tp, rank):
         assert np.array_equal(params, full)
         np.testing.assert_allclose(mine, losses, rtol=1e-12)
         np.testing.assert_allclose(grads, one.grads[:one.full_size], rtol=1e-9, atol=1e-15)
         np.testing.assert_allclose(norm_squared, one.grad_norm_squared(), rtol=1e-12)
+        assert dlogits_shape == (2, 8, width) and wte_grad_shape == (width, CONFIG.n_embd)
         # Megatron's g after both row-parallel products in forward, f before both column-parallel ones in backward
-        assert calls == [2 * 8 * CONFIG.n_embd] * (4 * CONFIG.n_layer)
+        blocks = [2 * 8 * CONFIG.n_embd] * (2 * CONFIG.n_layer)
+        if vocab_parallel:  # the embedding's sum first, the softmax's sums and the classifier's input gradient last
+            blocks = [2 * 8 * CONFIG.n_embd, *blocks, 2 * 2 * 8, 2 * 8 * CONFIG.n_embd, *blocks]
+        else:
+            blocks = blocks + blocks
+        assert calls == blocks
 
 
 def test_saved_activations_are_a_tensor_parallel_rank_s():
@@ -329,17 +356,22 @@ def test_tp_over_rank_threads_of_several_processes_is_one_line(tmp_path):
             "--nproc-per-node N)") in out.stderr.splitlines(), out.stderr
 
 
-def test_the_report_counts_each_groups_payload_as_the_textbook_does(corpus, tmp_path):
+@pytest.mark.parametrize("classifier", ["vocab", "replicated"])
+def test_the_report_counts_each_groups_payload_as_the_textbook_does(corpus, tmp_path, classifier):
     """comm_bytes_per_step, rank 0's bytes handed to collectives in a step by group: at dp 2 x tp 2, the
     tensor-parallel group's four all-reduces of (B/dp, T, C) float32 per layer and the gradient norm's one
-    float32; the data-parallel group's flat gradient sync of the rank's shards; the world's loss and stop
+    float32, and with the vocabulary-parallel classifier two more of (B/dp, T, C) (the embedding, the classifier's
+    input gradient), the all-gather of each row's largest logit (B/dp, T) and the all-reduce of the softmax's two
+    sums (2, B/dp, T); the data-parallel group's flat gradient sync of the rank's shards; the world's loss and stop
     request (two float32)."""
-    report = run(corpus, tmp_path, "bytes", steps=2, world_size=4, tp=2, grad_sync="flat")
+    report = run(corpus, tmp_path, "bytes", steps=2, world_size=4, tp=2, grad_sync="flat", tp_classifier=classifier)
     config = model_config("tiny", corpus.vocab_size)
     rows, seq, width = 4 // 2, 32, config.n_embd
-    shards = param_layout(config, 2)[1]
-    assert report["comm_bytes_per_step"] == {"tp": 4 * config.n_layer * rows * seq * width * 4 + 4,
-                                                    "dp": shards * 4, "world": 2 * 4}
+    vocab = classifier == "vocab"
+    shards = param_layout(config, 2, vocab_parallel=vocab)[1]
+    assert report["comm_bytes_per_step"] == {
+        "tp": (4 * config.n_layer + 2 * vocab) * rows * seq * width * 4 + 3 * vocab * rows * seq * 4 + 4,
+        "dp": shards * 4, "world": 2 * 4}
 
 
 def test_bench_mesh_measures_each_mesh_against_the_textbook_and_world_one(tmp_path):

@@ -60,10 +60,10 @@ class Shape:
                      config.n_ctx)
 
     def padded_vocab(self, tp: int) -> int:
-        """The classifier's rows: a multiple of 128 (config.VOCAB_ALIGN), and of 128 tp where tp cuts the
-        vocabulary, as Megatron pads it."""
-        align = VOCAB_ALIGN * tp
-        return -(-self.vocab_size // align) * align
+        """The classifier's rows over tp devices that cut the vocabulary: a multiple of 128 (config.VOCAB_ALIGN),
+        split evenly, each device's share rounded up where tp does not divide it (model.vocab_rows)."""
+        padded = -(-self.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
+        return -(-padded // tp) * tp
 
 
 @dataclass(frozen=True)
