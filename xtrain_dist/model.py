@@ -808,42 +808,51 @@ class GPT2:
             return x, (Tape(ids, acts, x, None, None, None, None, rows) if keep else None)
         self.units.before_forward("head")
         lnf, lnf_mean, lnf_rstd = ln1, ln1_mean, ln1_rstd  # after the last block, ln1 is ln_f's
-        logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection: (B, T, Vp), or (B, T, R) of a shard
-        V = self.config.vocab_size
-        if self.vocab_parallel:
-            return self._vocab_parallel_head(logits, targets, dloss, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd,
-                                                                          logits, rows))
-        if targets is None:
+        out, dlogits = self.head_forward(lnf, targets, dloss)
+        if dlogits is None:
             self.units.forward_done()
-            return logits[..., :V], None
-        if dloss is None:
-            losses = ops.crossentropy_forward(logits, targets, V)
-            self.units.forward_done()
-            return losses, None
-        losses = ops.fused_classifier(logits, targets, dloss, V)  # logits now hold dlogits, 0 past V
-        return losses, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd, logits, rows)
+            return out, None
+        return out, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd, dlogits, rows)
 
-    def _vocab_parallel_head(self, logits, targets, dloss, tape):
-        """stage_forward's end on a shard of the classifier's columns (see the module's notes): the (B, T, V)
-        logits gathered over the group without targets (sampling), else the losses from the group's maxima and
-        sums, with the shard's logits turned into their gradient when dloss is given."""
-        ops, xp, V, row0 = self.ops, self.ops.xp, self.config.vocab_size, self.vocab_row0
+    def head_forward(self, lnf, targets=None, dloss: float | None = None):
+        """The tied classifier and the loss on ln_f's output (B, T, C) -> (out, dlogits): out as forward() returns
+        it (the logits of the V tokens without targets, else the per-token losses); with dloss also dlogits, the
+        logits turned into their gradient for head_backward (else None). Vocabulary-parallel: the rank's columns
+        only, the cross-entropy from the group's maxima and sums (see the module's notes); the logits are
+        gathered over the group for sampling alone."""
+        ops, V = self.ops, self.config.vocab_size
+        logits = ops.matmul_forward(lnf, self.p.wte.T)  # tied output projection: (B, T, Vp), or (B, T, R) of a shard
         if targets is None:
-            everyone = xp.empty((self.tp_size, *logits.shape), dtype=logits.dtype)
-            self.tp.all_gather(logits, everyone)
-            self.units.forward_done()
-            return xp.moveaxis(everyone, 0, -2).reshape(*logits.shape[:-1], -1)[..., :V], None
-        maxes = ops.vocab_max(logits, V, row0)
-        every_max = xp.empty((self.tp_size, *maxes.shape), dtype=maxes.dtype)
-        self.tp.all_gather(maxes, every_max)  # every rank takes the largest of the same gathered bits
-        maxes = every_max.max(axis=0)
-        sums = ops.vocab_sums(logits, targets, maxes, V, row0)
-        self.tp.all_reduce(sums)
-        losses = ops.vocab_classifier(logits, targets, maxes, sums, dloss, V, row0)
-        if dloss is None:
-            self.units.forward_done()
-            return losses, None
-        return losses, tape  # the tape's logits now hold the shard's dlogits
+            return (self._gathered_logits(logits) if self.vocab_parallel else logits)[..., :V], None
+        if self.vocab_parallel:
+            xp, row0 = ops.xp, self.vocab_row0
+            maxes = ops.vocab_max(logits, V, row0)
+            every_max = xp.empty((self.tp_size, *maxes.shape), dtype=maxes.dtype)
+            self.tp.all_gather(maxes, every_max)  # every rank takes the largest of the same gathered bits
+            maxes = every_max.max(axis=0)
+            sums = ops.vocab_sums(logits, targets, maxes, V, row0)
+            self.tp.all_reduce(sums)
+            losses = ops.vocab_classifier(logits, targets, maxes, sums, dloss, V, row0)
+        elif dloss is None:
+            losses = ops.crossentropy_forward(logits, targets, V)
+        else:
+            losses = ops.fused_classifier(logits, targets, dloss, V)  # logits now hold dlogits, 0 past V
+        return losses, (None if dloss is None else logits)
+
+    def _gathered_logits(self, logits):
+        """The (B, T, R) logits of every rank of the group side by side: (B, T, N R), the padded vocabulary's
+        columns in order (an all-gather)."""
+        xp = self.ops.xp
+        everyone = xp.empty((self.tp_size, *logits.shape), dtype=logits.dtype)
+        self.tp.all_gather(logits, everyone)
+        return xp.moveaxis(everyone, 0, -2).reshape(*logits.shape[:-1], -1)
+
+    def head_backward(self, dlogits, lnf):
+        """head_forward's backward: wte's gradient (the rank's rows) += dlogits^T lnf; returns the gradient of lnf,
+        completed over the group where the classifier is vocabulary-parallel (a partial sum over the rank's
+        columns: Megatron's f)."""
+        dlnf = self.ops.matmul_backward(self.g.wte.T, None, dlogits, lnf, self.p.wte.T)
+        return self._column_parallel_dinp(dlnf) if self.vocab_parallel else dlnf
 
     def pipelined_losses(self, ids, targets):
         """Per-token losses (B, T) of a forward through every pipeline stage (evaluation: nothing kept for
@@ -893,9 +902,7 @@ class GPT2:
 
         if self.is_last:
             self.units.before_backward("head")
-            dlnf = ops.matmul_backward(g.wte.T, None, dlogits, lnf, p.wte.T)
-            if self.vocab_parallel:  # a partial sum over the shard's columns
-                dlnf = self._column_parallel_dinp(dlnf)
+            dlnf = self.head_backward(dlogits, lnf)
             dres = self.ops.xp.zeros_like(x_final)  # gradient of the residual stream, carried down the blocks
             ops.layernorm_backward(dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean,
                                    lnf_rstd)
