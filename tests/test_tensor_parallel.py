@@ -389,6 +389,15 @@ def test_bench_mesh_measures_each_mesh_against_the_textbook_and_world_one(tmp_pa
     assert all(r["bytes"] == r["expected_bytes"] for r in rows)
     assert rows[2]["bytes"]["tp"] * 2 == rows[1]["bytes"]["tp"] + 4  # half the rows each, the norm's float the same
     assert all(r["loss_rel_diff"] < 1e-5 for r in rows)
+    # the classifier alone: at tp 2 the vocabulary-parallel rank holds half of wte's rows and of the logits' columns
+    # (the shipped tokenizer's 4096 rows, split evenly), hands its group the maxima, the sums and the input
+    # gradient (4 x 16 tokens: 4 x 64 x (1 + 2 + 64) bytes), and its loss is world 1's
+    heads = json.loads((tmp_path / "mesh.json").read_text())["classifier"]
+    assert [(h["tp"], h["classifier"]) for h in heads] == [(1, "replicated"), (2, "replicated"), (2, "vocab")]
+    assert heads[0]["wte_bytes"] == heads[1]["wte_bytes"] == 2 * heads[2]["wte_bytes"] == 4096 * 64 * 4
+    assert heads[0]["logits_bytes"] == heads[1]["logits_bytes"] == 2 * heads[2]["logits_bytes"] == 4 * 16 * 4096 * 4
+    assert (heads[1]["comm_bytes"], heads[2]["comm_bytes"]) == (0, 4 * 64 * (1 + 2 + 64))
+    assert heads[1]["loss_rel_diff"] == 0 and heads[2]["loss_rel_diff"] < 1e-6
     bad = subprocess.run([sys.executable, str(script), "--meshes", "1,ep2"], capture_output=True, text=True,
                          timeout=60)
     assert (bad.returncode, bad.stderr) == (2, "bench_mesh: error: --meshes must be a comma-separated list of 1, dpN, "
