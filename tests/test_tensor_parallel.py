@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -240,6 +241,7 @@ def test_a_tp_2_checkpoint_resumes_at_tp_1_and_back(corpus, world_one, tmp_path,
 @pytest.mark.parametrize("argv, line", [
     (["--tp", "0"], "--tp must be a positive integer, got '0'"),
     (["--tp", "two"], "--tp must be a positive integer, got 'two'"),
+    (["--tp-classifier", "replicated"], "--tp-classifier has no effect without --tp (2 or more tensor-parallel ranks)"),
 ])
 def test_tp_must_be_a_positive_integer(argv, line):
     with pytest.raises(XtrainError) as info:
@@ -252,6 +254,8 @@ def test_tp_must_be_a_positive_integer(argv, line):
     ({"world_size": 8, "tp": 8}, "--tp must be a divisor of the model's 4 heads, got '8'"),
     ({"world_size": 2, "tp": 2, "grad_compress": "powersgd"}, "--tp 2 and --grad-compress powersgd do not work "
      "together yet: PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
+    ({"world_size": 2, "tp": 2, "tp_classifier": "rows"}, "--tp-classifier must be one of vocab, replicated, got "
+     "'rows'"),
     ({"world_size": 4, "tp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "
      "(the world size over --tp) times --grad-accum (2 x 2 = 4): every micro-batch needs a sequence in every "
      "data-parallel group"),
@@ -263,6 +267,19 @@ def test_bad_tp_runs_are_one_line_before_any_rank_starts(corpus, kw, line):
     assert str(info.value) == line
 
 
+def test_the_vocabulary_parallel_classifier_on_cuda_is_one_line(corpus):
+    """(parallel/tensor.py's check, which the trainer runs once it has found a GPU: this machine may have none)"""
+    from xtrain_dist.parallel import tensor
+    config = model_config("tiny", corpus.vocab_size)
+    cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, tp=2, backend="cuda", grad_sync="flat")
+    with pytest.raises(XtrainError) as info:
+        tensor.check_config(cfg, config)
+    assert str(info.value) == ("--tp 2 and --backend cuda --tp-classifier vocab do not work together yet: the "
+                               "vocabulary-parallel embedding and cross-entropy have no CUDA kernels yet: add "
+                               "--tp-classifier replicated")
+    tensor.check_config(replace(cfg, tp_classifier="replicated"), config)
+
+
 def test_a_tp_rank_s_memory_counts_its_shards(corpus):
     config = model_config("tiny", corpus.vocab_size)
     cfg = TrainConfig(steps=1, batch=4, seq=32, world_size=4, tp=2)
@@ -270,9 +287,15 @@ def test_a_tp_rank_s_memory_counts_its_shards(corpus):
                                                                                            seq=32, world_size=2), 4)
     assert two[0].gradients == 4 * param_layout(config, 2)[1] < one[0].gradients
     # each rank of the 2 x 2 mesh takes its data-parallel group's two rows, as each rank of world 2 does, and keeps
-    # its heads' and its MLP columns' activations of them: less than a whole model's, more than half (the residual
-    # stream and the logits are whole on every rank)
+    # its heads', its MLP columns' and its logit columns' activations of them: less than a whole model's, more than
+    # half (the residual stream is whole on every rank)
     assert one[0].activations / 2 < two[0].activations < one[0].activations
+    # --tp-classifier replicated keeps wte and the logits whole: the bound counts the Vp x C rows and B x T x Vp
+    # logits that the vocabulary-parallel rank holds half of
+    whole = memory.rank_memories(config, replace(cfg, tp_classifier="replicated"), 4)
+    C, V, tokens = config.n_embd, config.padded_vocab_size, 2 * 32
+    assert whole[0].gradients - two[0].gradients == 4 * (V - V // 2) * C
+    assert whole[0].activations - two[0].activations == 4 * tokens * (V - V // 2)
     assert len({m.activations for m in two}) == 1
     # ZeRO-1 shards each rank's buffer over its data-parallel group: ranks 0 and 1 hold the first half's state
     from xtrain_dist.parallel.zero import shard_bounds
