@@ -111,6 +111,16 @@ def test_memory_is_the_preflight_checks(preset, dp, batch, zero, precision, atte
     assert planned == preflight
 
 
+@pytest.mark.parametrize("preset, tp", [("mini", 2), ("gpt2-774m", 5)])
+def test_tensor_parallel_memory_is_the_preflight_checks(preset, tp):
+    """The vocabulary-parallel wte and logits: ceil(Vp / tp) rows and columns a device, also where tp does not divide
+    Vp (50304 over the 774M model's tp 5: 10061 rows, the last device's one row past Vp padding)."""
+    config = model_config(preset, 50257)
+    cfg = TrainConfig(steps=1, batch=2, seq=64, model=preset, world_size=tp, tp=tp, attention="standard")
+    planned = device_memory(Shape.of(config), Mesh(tp=tp), Run(batch=2, seq=64, precision="fp32"))
+    assert planned == rank_memories(config, cfg, 4)[0]
+
+
 @pytest.mark.parametrize("zero, dp, precision", [(2, 4, "fp32"), (3, 4, "fp32"), (3, 2, "bf16")])
 def test_zero2_and_zero3_memory_is_the_preflight_checks(zero, dp, precision):
     """The planner counts the gathered blocks (the embeddings and two blocks at the widest) and the gradient

@@ -159,7 +159,9 @@ def activation_bytes(shape: Shape, mesh: Mesh, run: Run, rows: int) -> int:
                 dims = (*dims[:-1], shape.d_ff)
             block += _bytes(dims, kind, act) // (mesh.tp if field_ in TP_SPLIT or run.sequence_parallel else 1)
         else:
-            cut = field_ == "dlogits" or (run.sequence_parallel and field_ != "ids")
+            if field_ == "dlogits":  # the device's columns of the logits, vocab_rows of the padded vocabulary
+                dims = (*dims[:-1], shape.padded_vocab(mesh.tp) // mesh.tp)
+            cut = run.sequence_parallel and field_ not in ("ids", "dlogits")
             rest += _bytes(dims, kind, act) // (mesh.tp if cut else 1)
     layers = -(-shape.n_layer // mesh.pp)
     if mesh.pp == 1:
