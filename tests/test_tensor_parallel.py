@@ -101,6 +101,45 @@ def test_shards_join_back_into_the_full_layout_and_cut_c_attn_by_heads(config, t
     assert (wte.shape, wte.split) == (((64, 32), "vocab") if vocab_parallel else ((128, 32), "replicated"))
 
 
+def test_the_vocab_ops_on_shards_are_the_whole_vocabulary_s_ops():
+    """The oracle of the vocabulary-parallel ops, one by one: 3 shards of 43 columns of a 128-wide padded vocabulary
+    of 100 tokens (the last shard one column past it, the last two mostly padding), their collectives done by hand.
+    The embedding and its gradient are the whole op's bits; the loss and dlogits are fused_classifier's but for
+    the sum's order."""
+    ops, rng, V, Vp, tp, C = NumpyBackend(), np.random.default_rng(5), 100, 128, 3, 8
+    R = -(-Vp // tp)
+    ids = rng.integers(0, V, (2, 5)).astype(np.int32)
+    wte = np.zeros((R * tp, C), dtype=np.float32)
+    wte[:V] = rng.standard_normal((V, C))
+    wpe = rng.standard_normal((5, C)).astype(np.float32)
+    whole = ops.encoder_forward(ids, wte[:Vp], wpe)
+    parts = [ops.vocab_encoder_forward(ids, wte[r * R:(r + 1) * R], wpe, r * R) for r in range(tp)]
+    assert np.array_equal(sum(parts), whole)
+    dout = rng.standard_normal((2, 5, C)).astype(np.float32)
+    dwte, dwpe = np.zeros((Vp, C), dtype=np.float32), np.zeros_like(wpe)
+    ops.encoder_backward(dwte, dwpe, dout, ids)
+    shards, shard_dwpe = np.zeros((tp, R, C), dtype=np.float32), np.zeros_like(wpe)
+    for r in range(tp):
+        ops.vocab_encoder_backward(shards[r], shard_dwpe if r == 0 else np.zeros_like(wpe), dout, ids, r * R)
+    assert np.array_equal(shards.reshape(-1, C)[:Vp], dwte) and np.array_equal(shard_dwpe, dwpe)
+
+    logits = (rng.standard_normal((2, 5, R * tp)) * 3).astype(np.float32)
+    logits[..., V:] = 0  # the padded columns' logits, as zero rows of wte make them
+    targets = rng.integers(0, V, (2, 5)).astype(np.int32)
+    dlogits = logits[..., :Vp].copy()
+    losses = ops.fused_classifier(dlogits, targets, 0.25, V)
+    pieces = [logits[..., r * R:(r + 1) * R].copy() for r in range(tp)]
+    maxes = np.max([ops.vocab_max(piece, V, r * R) for r, piece in enumerate(pieces)], axis=0)
+    sums = sum(ops.vocab_sums(piece, targets, maxes, V, r * R) for r, piece in enumerate(pieces))
+    np.testing.assert_allclose(ops.vocab_classifier(pieces[0].copy(), targets, maxes, sums, None, V, 0), losses,
+                               rtol=1e-6)
+    mine = [ops.vocab_classifier(piece, targets, maxes, sums, 0.25, V, r * R) for r, piece in enumerate(pieces)]
+    assert all(np.array_equal(m, mine[0]) for m in mine)
+    np.testing.assert_allclose(mine[0], losses, rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=-1)[..., :Vp], dlogits, rtol=1e-5, atol=1e-8)
+    assert not np.concatenate(pieces, axis=-1)[..., V:].any()  # no gradient for a padded row
+
+
 @pytest.mark.parametrize("config, tp, vocab_parallel", [(CONFIG, 2, False), (CONFIG, 4, False), (CONFIG, 2, True),
                                                        (CONFIG, 4, True), (ODD, 3, True)])
 def test_a_step_at_tp_is_world_one_s_with_four_all_reduces_of_b_t_c_per_layer(config, tp, vocab_parallel):
