@@ -1279,7 +1279,8 @@ def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
     above, 1e-4; bf16: 1e-3, as the bf16 DDP test's), both ranks' replicated parameters bitwise equal (the
     report's sha256 is of each rank's own shards, so the two differ). Graphs are off, in one line."""
     lines = []
-    cuda = _train(backend="cuda", world_size=2, tp=2, steps=3, grad_sync="flat", dtype=dtype, log=lines.append)
+    cuda = _train(backend="cuda", world_size=2, tp=2, steps=3, grad_sync="flat", dtype=dtype, log=lines.append,
+                  tp_classifier="replicated")
     numpy_run = _train(backend="numpy", world_size=1, steps=3, dtype=dtype)
     rtol = 1e-4 if dtype == "fp32" else 1e-3
     np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=rtol)

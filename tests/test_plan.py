@@ -57,13 +57,13 @@ def test_tensor_parallel_cuts_the_products_heads_and_vocabulary():
     # per device: the products' weights halved, qkv's and fc's biases halved (qkv's 48 padded to 64)
     block = F * C // 2 + C + C * F // 2 + F // 2 + 2 * C + C * C // 2 + C + 3 * C * C // 2 + 64 + 2 * C
     assert block == 4384
-    # the vocabulary padded to 128 x tp = 256 rows, half of them here
-    assert device_params(SMALL, Mesh(tp=2)) == block + 4 * C + 256 * C // 2 + 2 * C == 8672
+    # the vocabulary padded to 128 rows (as the trainer pads it, whatever the tp), half of them here
+    assert device_params(SMALL, Mesh(tp=2)) == block + 4 * C + 128 * C // 2 + 2 * C == 6624
     whole = device_memory(SMALL, Mesh(), Run(batch=2, seq=4, precision="fp32")).activations
     half = device_memory(SMALL, Mesh(tp=2), Run(batch=2, seq=4, precision="fp32")).activations
     B, T = 2, 4
-    # qkv, atty, the probabilities and the MLP's two are halved; the logits' gradient is 256 / 2 = 128 wide
-    halved = B * T * 3 * C + B * T * C + B * 2 * T * T + 2 * B * T * F
+    # qkv, atty, the probabilities and the MLP's two are halved, and the logits' gradient (128 wide)
+    halved = B * T * 3 * C + B * T * C + B * 2 * T * T + 2 * B * T * F + B * T * 128
     assert whole - half == 4 * halved // 2
     # sequence parallelism cuts every other array too but the token ids: x_in, ln1, x_mid, ln2 and their
     # statistics in each layer; x, ln_f and its statistics after
@@ -109,6 +109,16 @@ def test_memory_is_the_preflight_checks(preset, dp, batch, zero, precision, atte
                                                                 attention=attention, recompute=recompute,
                                                                 grad_accum=accum))
     assert planned == preflight
+
+
+@pytest.mark.parametrize("preset, tp", [("mini", 2), ("gpt2-774m", 5)])
+def test_tensor_parallel_memory_is_the_preflight_checks(preset, tp):
+    """The vocabulary-parallel wte and logits: ceil(Vp / tp) rows and columns a device, also where tp does not divide
+    Vp (50304 over the 774M model's tp 5: 10061 rows, the last device's one row past Vp padding)."""
+    config = model_config(preset, 50257)
+    cfg = TrainConfig(steps=1, batch=2, seq=64, model=preset, world_size=tp, tp=tp, attention="standard")
+    planned = device_memory(Shape.of(config), Mesh(tp=tp), Run(batch=2, seq=64, precision="fp32"))
+    assert planned == rank_memories(config, cfg, 4)[0]
 
 
 @pytest.mark.parametrize("zero, dp, precision", [(2, 4, "fp32"), (3, 4, "fp32"), (3, 2, "bf16")])

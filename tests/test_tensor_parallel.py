@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import GPTConfig, TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.model import GPT2, join_flats, param_layout, shard_flat
+from xtrain_dist.model import GPT2, join_flats, param_layout, shard_flat, vocab_rows
 from xtrain_dist.train import loop, memory
 from xtrain_dist.train.cadence import kept_folder
 from xtrain_dist.train.cli import parse_config
@@ -72,11 +73,21 @@ class CountingGroup:
 
 
 # ---------------------------------------------------------------------------------------------- the split
-def test_shards_join_back_into_the_full_layout_and_cut_c_attn_by_heads():
-    full = np.random.default_rng(0).standard_normal(param_layout(CONFIG)[1]).astype(np.float32)
-    for tp in (1, 2, 4):
-        shards = [shard_flat(full, CONFIG, tp, r) for r in range(tp)]
-        assert np.array_equal(join_flats(shards, CONFIG), full)
+# 6 heads at tp 3: the padded vocabulary's 128 rows do not divide by 3, so each rank holds 43 and the last one's
+# 129th row is more padding; ranks 1 and 2 (rows 43 .. 128) hold only padded rows of the 10 tokens
+ODD = GPTConfig(vocab_size=10, n_ctx=16, n_layer=1, n_head=6, n_embd=24)
+
+
+@pytest.mark.parametrize("config, tps", [(CONFIG, (1, 2, 4)), (ODD, (3, 6))])
+@pytest.mark.parametrize("vocab_parallel", [True, False])
+def test_shards_join_back_into_the_full_layout_and_cut_c_attn_by_heads(config, tps, vocab_parallel):
+    full = np.random.default_rng(0).standard_normal(param_layout(config)[1]).astype(np.float32)
+    full = join_flats([full], config)  # zero between the tensors (ALIGN's padding), as a model's buffers are
+    for tp in tps:
+        shards = [shard_flat(full, config, tp, r, vocab_parallel=vocab_parallel) for r in range(tp)]
+        assert np.array_equal(join_flats(shards, config, vocab_parallel=vocab_parallel), full)
+    if config is not CONFIG:
+        return
     specs = {s.name: s for s in param_layout(CONFIG)[0]}
     c_attn = specs["transformer.h.0.attn.c_attn.weight"]
     weight = full[c_attn.offset: c_attn.offset + c_attn.size].reshape(c_attn.shape)  # (C, 3C): q | k | v
@@ -85,38 +96,94 @@ def test_shards_join_back_into_the_full_layout_and_cut_c_attn_by_heads():
     rank1 = shard_flat(full, CONFIG, 2, 1)[local.offset: local.offset + local.size].reshape(local.shape)
     # rank 1 of 2 holds heads 2 and 3 (channels 16..31) of each of q, k and v
     assert np.array_equal(rank1, np.concatenate([weight[:, 16:32], weight[:, 48:64], weight[:, 80:96]], axis=1))
+    # and rows 64 .. 127 of wte (the padded vocabulary's 128 cut in two) under the vocabulary-parallel split
+    wte = {s.name: s for s in param_layout(CONFIG, 2, vocab_parallel=vocab_parallel)[0]}["transformer.wte.weight"]
+    assert (wte.shape, wte.split) == (((64, 32), "vocab") if vocab_parallel else ((128, 32), "replicated"))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_a_step_at_tp_is_world_one_s_with_four_all_reduces_of_b_t_c_per_layer(tp):
-    """In float64, where the sums' other order changes nothing above 1e-12: the same losses and gradients."""
+def test_the_vocab_ops_on_shards_are_the_whole_vocabulary_s_ops():
+    """The oracle of the vocabulary-parallel ops, one by one: 3 shards of 43 columns of a 128-wide padded vocabulary
+    of 100 tokens (the last shard one column past it, the last two mostly padding), their collectives done by hand.
+    The embedding and its gradient are the whole op's bits; the loss and dlogits are fused_classifier's but for
+    the sum's order."""
+    ops, rng, V, Vp, tp, C = NumpyBackend(), np.random.default_rng(5), 100, 128, 3, 8
+    R = -(-Vp // tp)
+    ids = rng.integers(0, V, (2, 5)).astype(np.int32)
+    wte = np.zeros((R * tp, C), dtype=np.float32)
+    wte[:V] = rng.standard_normal((V, C))
+    wpe = rng.standard_normal((5, C)).astype(np.float32)
+    whole = ops.encoder_forward(ids, wte[:Vp], wpe)
+    parts = [ops.vocab_encoder_forward(ids, wte[r * R:(r + 1) * R], wpe, r * R) for r in range(tp)]
+    assert np.array_equal(sum(parts), whole)
+    dout = rng.standard_normal((2, 5, C)).astype(np.float32)
+    dwte, dwpe = np.zeros((Vp, C), dtype=np.float32), np.zeros_like(wpe)
+    ops.encoder_backward(dwte, dwpe, dout, ids)
+    shards, shard_dwpe = np.zeros((tp, R, C), dtype=np.float32), np.zeros_like(wpe)
+    for r in range(tp):
+        ops.vocab_encoder_backward(shards[r], shard_dwpe if r == 0 else np.zeros_like(wpe), dout, ids, r * R)
+    assert np.array_equal(shards.reshape(-1, C)[:Vp], dwte) and np.array_equal(shard_dwpe, dwpe)
+
+    logits = (rng.standard_normal((2, 5, R * tp)) * 3).astype(np.float32)
+    logits[..., V:] = 0  # the padded columns' logits, as zero rows of wte make them
+    targets = rng.integers(0, V, (2, 5)).astype(np.int32)
+    dlogits = logits[..., :Vp].copy()
+    losses = ops.fused_classifier(dlogits, targets, 0.25, V)
+    pieces = [logits[..., r * R:(r + 1) * R].copy() for r in range(tp)]
+    maxes = np.max([ops.vocab_max(piece, V, r * R) for r, piece in enumerate(pieces)], axis=0)
+    sums = sum(ops.vocab_sums(piece, targets, maxes, V, r * R) for r, piece in enumerate(pieces))
+    np.testing.assert_allclose(ops.vocab_classifier(pieces[0].copy(), targets, maxes, sums, None, V, 0), losses,
+                               rtol=1e-6)
+    mine = [ops.vocab_classifier(piece, targets, maxes, sums, 0.25, V, r * R) for r, piece in enumerate(pieces)]
+    assert all(np.array_equal(m, mine[0]) for m in mine)
+    np.testing.assert_allclose(mine[0], losses, rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=-1)[..., :Vp], dlogits, rtol=1e-5, atol=1e-8)
+    assert not np.concatenate(pieces, axis=-1)[..., V:].any()  # no gradient for a padded row
+
+
+@pytest.mark.parametrize("config, tp, vocab_parallel", [(CONFIG, 2, False), (CONFIG, 4, False), (CONFIG, 2, True),
+                                                       (CONFIG, 4, True), (ODD, 3, True)])
+def test_a_step_at_tp_is_world_one_s_with_four_all_reduces_of_b_t_c_per_layer(config, tp, vocab_parallel):
+    """In float64, where the sums' other order changes nothing above 1e-12: the same losses and gradients.
+    The vocabulary-parallel classifier adds one all-reduce of (B, T, C) for the embedding, one of (2, B, T) for
+    the softmax's sums and one of (B, T, C) for the classifier's input gradient, and never gathers the logits:
+    each rank keeps its vocab_rows columns of them, and its rows of wte's gradient."""
+    CONFIG = config
     rng = np.random.default_rng(1)
     ids, targets = (rng.integers(0, CONFIG.vocab_size, (2, 8)).astype(np.int32) for _ in range(2))
     one = GPT2(CONFIG, NumpyBackend(), seed=3, dtype=np.float64)
     init = one.gather_flat(one.params)
     # biases and gains away from their zeros and ones, so that a bias added on every rank would show
-    full = init + rng.standard_normal(one.full_size) * 0.05
+    full = join_flats([init + rng.standard_normal(one.full_size) * 0.05], CONFIG)  # zero between the tensors
     one.load_flat(full)
     losses = one.forward(ids, targets, 1 / 16)
     one.backward()
 
     def rank(comm):
         group = CountingGroup(comm)
-        model = GPT2(CONFIG, NumpyBackend(), seed=3, tp=group, dtype=np.float64)
+        model = GPT2(CONFIG, NumpyBackend(), seed=3, tp=group, dtype=np.float64, vocab_parallel=vocab_parallel)
         assert np.array_equal(model.gather_flat(model.params), init)  # the full draws, sliced: the same model
         model.load_flat(full)
         mine = model.forward(ids, targets, 1 / 16)
+        dlogits_shape = model._saved.dlogits.shape
         model.backward()
         calls = list(group.all_reduced)
-        return mine, calls, model.gather_flat(model.params), model.gather_flat(model.grads), model.grad_norm_squared()
+        return (mine, calls, model.gather_flat(model.params), model.gather_flat(model.grads), model.grad_norm_squared(),
+                dlogits_shape, model.g.wte.shape)
 
-    for mine, calls, params, grads, norm_squared in on_thread_ranks(tp, rank):
+    width = vocab_rows(CONFIG, tp) if vocab_parallel else CONFIG.padded_vocab_size
+    for mine, calls, params, grads, norm_squared, dlogits_shape, wte_grad_shape in on_thread_ranks(tp, rank):
         assert np.array_equal(params, full)
         np.testing.assert_allclose(mine, losses, rtol=1e-12)
         np.testing.assert_allclose(grads, one.grads[:one.full_size], rtol=1e-9, atol=1e-15)
         np.testing.assert_allclose(norm_squared, one.grad_norm_squared(), rtol=1e-12)
+        assert dlogits_shape == (2, 8, width) and wte_grad_shape == (width, CONFIG.n_embd)
         # Megatron's g after both row-parallel products in forward, f before both column-parallel ones in backward
-        assert calls == [2 * 8 * CONFIG.n_embd] * (4 * CONFIG.n_layer)
+        blocks = [2 * 8 * CONFIG.n_embd] * (2 * CONFIG.n_layer)
+        if vocab_parallel:  # the embedding's sum first, the softmax's sums and the classifier's input gradient last
+            blocks = [2 * 8 * CONFIG.n_embd, *blocks, 2 * 2 * 8, 2 * 8 * CONFIG.n_embd, *blocks]
+        else:
+            blocks = blocks + blocks
+        assert calls == blocks
 
 
 def test_saved_activations_are_a_tensor_parallel_rank_s():
@@ -213,6 +280,7 @@ def test_a_tp_2_checkpoint_resumes_at_tp_1_and_back(corpus, world_one, tmp_path,
 @pytest.mark.parametrize("argv, line", [
     (["--tp", "0"], "--tp must be a positive integer, got '0'"),
     (["--tp", "two"], "--tp must be a positive integer, got 'two'"),
+    (["--tp-classifier", "replicated"], "--tp-classifier has no effect without --tp (2 or more tensor-parallel ranks)"),
 ])
 def test_tp_must_be_a_positive_integer(argv, line):
     with pytest.raises(XtrainError) as info:
@@ -225,6 +293,8 @@ def test_tp_must_be_a_positive_integer(argv, line):
     ({"world_size": 8, "tp": 8}, "--tp must be a divisor of the model's 4 heads, got '8'"),
     ({"world_size": 2, "tp": 2, "grad_compress": "powersgd"}, "--tp 2 and --grad-compress powersgd do not work "
      "together yet: PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
+    ({"world_size": 2, "tp": 2, "tp_classifier": "rows"}, "--tp-classifier must be one of vocab, replicated, got "
+     "'rows'"),
     ({"world_size": 4, "tp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "
      "(the world size over --tp) times --grad-accum (2 x 2 = 4): every micro-batch needs a sequence in every "
      "data-parallel group"),
@@ -236,6 +306,19 @@ def test_bad_tp_runs_are_one_line_before_any_rank_starts(corpus, kw, line):
     assert str(info.value) == line
 
 
+def test_the_vocabulary_parallel_classifier_on_cuda_is_one_line(corpus):
+    """(parallel/tensor.py's check, which the trainer runs once it has found a GPU: this machine may have none)"""
+    from xtrain_dist.parallel import tensor
+    config = model_config("tiny", corpus.vocab_size)
+    cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, tp=2, backend="cuda", grad_sync="flat")
+    with pytest.raises(XtrainError) as info:
+        tensor.check_config(cfg, config)
+    assert str(info.value) == ("--tp 2 and --backend cuda --tp-classifier vocab do not work together yet: the "
+                               "vocabulary-parallel embedding and cross-entropy have no CUDA kernels yet: add "
+                               "--tp-classifier replicated")
+    tensor.check_config(replace(cfg, tp_classifier="replicated"), config)
+
+
 def test_a_tp_rank_s_memory_counts_its_shards(corpus):
     config = model_config("tiny", corpus.vocab_size)
     cfg = TrainConfig(steps=1, batch=4, seq=32, world_size=4, tp=2)
@@ -243,9 +326,15 @@ def test_a_tp_rank_s_memory_counts_its_shards(corpus):
                                                                                            seq=32, world_size=2), 4)
     assert two[0].gradients == 4 * param_layout(config, 2)[1] < one[0].gradients
     # each rank of the 2 x 2 mesh takes its data-parallel group's two rows, as each rank of world 2 does, and keeps
-    # its heads' and its MLP columns' activations of them: less than a whole model's, more than half (the residual
-    # stream and the logits are whole on every rank)
+    # its heads', its MLP columns' and its logit columns' activations of them: less than a whole model's, more than
+    # half (the residual stream is whole on every rank)
     assert one[0].activations / 2 < two[0].activations < one[0].activations
+    # --tp-classifier replicated keeps wte and the logits whole: the bound counts the Vp x C rows and B x T x Vp
+    # logits that the vocabulary-parallel rank holds half of
+    whole = memory.rank_memories(config, replace(cfg, tp_classifier="replicated"), 4)
+    C, V, tokens = config.n_embd, config.padded_vocab_size, 2 * 32
+    assert whole[0].gradients - two[0].gradients == 4 * (V - V // 2) * C
+    assert whole[0].activations - two[0].activations == 4 * tokens * (V - V // 2)
     assert len({m.activations for m in two}) == 1
     # ZeRO-1 shards each rank's buffer over its data-parallel group: ranks 0 and 1 hold the first half's state
     from xtrain_dist.parallel.zero import shard_bounds
@@ -342,17 +431,22 @@ def test_a_bad_tp_on_the_command_line_is_one_line_and_exit_status_2():
         2, "", "train_ddp: error: --tp must be a divisor of the world size (4), got '3'\n")
 
 
-def test_the_report_counts_each_groups_payload_as_the_textbook_does(corpus, tmp_path):
+@pytest.mark.parametrize("classifier", ["vocab", "replicated"])
+def test_the_report_counts_each_groups_payload_as_the_textbook_does(corpus, tmp_path, classifier):
     """comm_bytes_per_step, rank 0's bytes handed to collectives in a step by group: at dp 2 x tp 2, the
     tensor-parallel group's four all-reduces of (B/dp, T, C) float32 per layer and the gradient norm's one
-    float32; the data-parallel group's flat gradient sync of the rank's shards; the world's loss and stop
+    float32, and with the vocabulary-parallel classifier two more of (B/dp, T, C) (the embedding, the classifier's
+    input gradient), the all-gather of each row's largest logit (B/dp, T) and the all-reduce of the softmax's two
+    sums (2, B/dp, T); the data-parallel group's flat gradient sync of the rank's shards; the world's loss and stop
     request (two float32)."""
-    report = run(corpus, tmp_path, "bytes", steps=2, world_size=4, tp=2, grad_sync="flat")
+    report = run(corpus, tmp_path, "bytes", steps=2, world_size=4, tp=2, grad_sync="flat", tp_classifier=classifier)
     config = model_config("tiny", corpus.vocab_size)
     rows, seq, width = 4 // 2, 32, config.n_embd
-    shards = param_layout(config, 2)[1]
-    assert report["comm_bytes_per_step"] == {"tp": 4 * config.n_layer * rows * seq * width * 4 + 4,
-                                                    "dp": shards * 4, "world": 2 * 4}
+    vocab = classifier == "vocab"
+    shards = param_layout(config, 2, vocab_parallel=vocab)[1]
+    assert report["comm_bytes_per_step"] == {
+        "tp": (4 * config.n_layer + 2 * vocab) * rows * seq * width * 4 + 3 * vocab * rows * seq * 4 + 4,
+        "dp": shards * 4, "world": 2 * 4}
 
 
 def test_bench_mesh_measures_each_mesh_against_the_textbook_and_world_one(tmp_path):
@@ -370,6 +464,15 @@ def test_bench_mesh_measures_each_mesh_against_the_textbook_and_world_one(tmp_pa
     assert all(r["bytes"] == r["expected_bytes"] for r in rows)
     assert rows[2]["bytes"]["tp"] * 2 == rows[1]["bytes"]["tp"] + 4  # half the rows each, the norm's float the same
     assert all(r["loss_rel_diff"] < 1e-5 for r in rows)
+    # the classifier alone: at tp 2 the vocabulary-parallel rank holds half of wte's rows and of the logits' columns
+    # (the shipped tokenizer's 4096 rows, split evenly), hands its group the maxima, the sums and the input
+    # gradient (4 x 16 tokens: 4 x 64 x (1 + 2 + 64) bytes), and its loss is world 1's
+    heads = json.loads((tmp_path / "mesh.json").read_text())["classifier"]
+    assert [(h["tp"], h["classifier"]) for h in heads] == [(1, "replicated"), (2, "replicated"), (2, "vocab")]
+    assert heads[0]["wte_bytes"] == heads[1]["wte_bytes"] == 2 * heads[2]["wte_bytes"] == 4096 * 64 * 4
+    assert heads[0]["logits_bytes"] == heads[1]["logits_bytes"] == 2 * heads[2]["logits_bytes"] == 4 * 16 * 4096 * 4
+    assert (heads[1]["comm_bytes"], heads[2]["comm_bytes"]) == (0, 4 * 64 * (1 + 2 + 64))
+    assert heads[1]["loss_rel_diff"] == 0 and heads[2]["loss_rel_diff"] < 1e-6
     bad = subprocess.run([sys.executable, str(script), "--meshes", "1,ep2"], capture_output=True, text=True,
                          timeout=60)
     assert (bad.returncode, bad.stderr) == (2, "bench_mesh: error: --meshes must be a comma-separated list of 1, dpN, "

@@ -26,14 +26,23 @@ runs on the rank's own heads and the MLP on its own quarter-width columns. A row
 rank a partial sum of the (B, T, C) output, which one all-reduce over the group completes (Megatron's g);
 in backward a column-parallel product gives a partial sum of its input's gradient, completed the same way
 before the layernorm below it reads it (Megatron's f). Everything else is replicated: layernorms, the
-row-parallel biases, and the embeddings with the tied classifier. The classifier is replicated rather than
-split over the vocabulary: every rank computes the full (B, T, Vp) logits and the loss itself, which costs
-each rank the classifier's whole product and memory but keeps the fused classifier and the loss exactly
-those of one rank, with no parallel cross-entropy. Replicated parameters get equal gradients on every rank
-of the group by construction: each is computed from tensors that are bitwise equal there (the residual
-stream after each all-reduce, and its gradient after each), by the same ops in the same order. The
-layout's `split` says how each tensor is cut; the flat buffers hold the rank's shards (shard_flat), and
-checkpoints join them back into the full tensors (join_flats).
+row-parallel biases and wpe. wte, with the tied classifier, is split over the vocabulary (Megatron's
+vocabulary-parallel embedding and cross-entropy; vocab_parallel=False, --tp-classifier replicated, keeps it whole
+on every rank instead): rank r holds rows r*R .. (r+1)*R - 1 of the padded vocabulary, R = ceil(Vp / N)
+(vocab_rows; Vp / N where N divides Vp, as it does GPT-2's 50304 = 2^7 x 3 x 131 for every N dividing 12 heads;
+elsewhere the last rank's rows past Vp are more padding, zero and no token's, which no checkpoint holds). The
+embedding is looked up on the rank that holds each token's row (the others give zeros) and completed by one
+all-reduce of (B, T, C). Each rank's logits are its R columns (B, T, R); the cross-entropy comes from each row's
+largest logit over the group (an all-gather of the ranks' (B, T) maxima, whose largest every rank takes), then
+one all-reduce of (2, B, T): the sums of exp(logit - max) and the target's shifted logit, which the rank holding
+its column gives. Each rank turns its own columns into their gradient from those, so no rank holds the whole
+(B, T, Vp) logits or their gradient; the classifier's input gradient, a partial sum over the rank's columns, is
+completed by one more all-reduce (Megatron's f), and wte's gradient stays with its shard. Sampling, which draws
+from every token's probability, all-gathers the logits of the positions it runs (forward without targets).
+Replicated parameters get equal gradients on every rank of the group by construction: each is computed from
+tensors that are bitwise equal there (the residual stream after each all-reduce, and its gradient after each), by
+the same ops in the same order. The layout's `split` says how each tensor is cut; the flat buffers hold the
+rank's shards (shard_flat), and checkpoints join them back into the full tensors (join_flats).
 
 Pipeline parallelism (--pp M). The n_layer blocks are cut into M contiguous stages (stage_blocks: as even as can
 be, the extra blocks on the first stages, since the last one also runs the classifier); a rank holds its stage's
@@ -79,7 +88,8 @@ class ParamSpec:
     init_std: float | None    # normal(0, std); None: ones for a layernorm weight, zeros otherwise
     decay: bool               # AdamW weight decay applies (matrices and embeddings only)
     rows: int = 0             # the rows that are parameters (wte: V of Vp); the rest, if any, stay zero. 0: all
-    split: str = "replicated"  # how --tp cuts the tensor: replicated, column, qkv (columns by heads) or row
+    split: str = "replicated"  # how --tp cuts the tensor: replicated, column, qkv (columns by heads), row, or
+    #                            vocab (wte's rows, vocab_rows each: the last rank's may run past Vp)
 
     def __post_init__(self):
         if not self.rows:
@@ -124,6 +134,12 @@ def check_tp(config: GPTConfig, tp: int) -> None:
         raise XtrainError(must_be("--tp", f"a divisor of the model's {config.n_head} heads", tp))
 
 
+def vocab_rows(config: GPTConfig, tp: int) -> int:
+    """The rows of wte (the classifier's columns) each of tp ranks holds under the vocabulary-parallel split: the
+    padded vocabulary cut evenly, rounded up where tp does not divide it."""
+    return -(-config.padded_vocab_size // tp)
+
+
 def check_pp(config: GPTConfig, pp: int) -> None:
     """A pipeline of pp stages gives every stage one block at least."""
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or pp > config.n_layer:
@@ -148,9 +164,11 @@ def stage_of(name: str, config: GPTConfig, pp: int) -> int:
     return pp - 1 if parts[1] == "ln_f" else 0
 
 
-def param_layout(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> tuple[list[ParamSpec], int]:
+def param_layout(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0,
+                 vocab_parallel: bool = True) -> tuple[list[ParamSpec], int]:
     """The flat layout: every parameter's spec, and the total number of elements (padding included). With
-    tp > 1, that of one rank of a tensor-parallel group of tp: its shards, in the same order. With pp > 1,
+    tp > 1, that of one rank of a tensor-parallel group of tp: its shards, in the same order (wte's vocab_rows
+    rows, or all of them where not vocab_parallel). With pp > 1,
     that of pipeline stage `stage`: its blocks, with wpe and wte on the first stage and ln_f and wte (the
     tied classifier's copy) on the last, in the same order."""
     check_tp(config, tp)
@@ -163,8 +181,9 @@ def param_layout(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) ->
         entries += [(f"transformer.h.{layer}.{suffix}", *rest) for suffix, *rest in _block_params(config, tp)]
     entries = [(name, shape, std, 0, split) for name, shape, std, split in entries]
     entries += [("transformer.wpe.weight", (config.n_ctx, C), INIT_STD, 0, "replicated")] if first else []
-    entries += [("transformer.wte.weight", (config.padded_vocab_size, C), INIT_STD, config.vocab_size,
-                 "replicated")] if first or last else []
+    if first or last:
+        entries += [(WTE, (vocab_rows(config, tp), C), INIT_STD, 0, "vocab") if tp > 1 and vocab_parallel else
+                    (WTE, (config.padded_vocab_size, C), INIT_STD, config.vocab_size, "replicated")]
     specs, offset = [], 0
     for name, shape, std, rows, split in entries:
         specs.append(ParamSpec(name, shape, offset, std, decay=len(shape) == 2, rows=rows, split=split))
@@ -181,6 +200,12 @@ def shard_tensor(full: np.ndarray, split: str, tp: int, index: int) -> np.ndarra
     """Rank `index`'s shard of a full tensor (Conv1D's (in, out) layout) in a tensor-parallel group of tp."""
     if split == "replicated":
         return full
+    if split == "vocab":  # rows of a last shard that run past the tensor's are zero padding
+        rows = -(-full.shape[0] // tp)
+        shard = np.zeros((rows, *full.shape[1:]), dtype=full.dtype)
+        mine = full[index * rows: (index + 1) * rows]
+        shard[:len(mine)] = mine
+        return shard
     if split == "row":
         rows = full.shape[0] // tp
         return full[index * rows: (index + 1) * rows]
@@ -190,10 +215,11 @@ def shard_tensor(full: np.ndarray, split: str, tp: int, index: int) -> np.ndarra
 
 
 def join_shards(shards: list[np.ndarray], split: str) -> np.ndarray:
-    """The full tensor from every rank's shard, in rank order: shard_tensor undone."""
+    """The full tensor from every rank's shard, in rank order: shard_tensor undone (a vocab split's rows past the
+    full tensor's, padding, left for the caller to cut)."""
     if split == "replicated":
         return shards[0]
-    if split == "row":
+    if split in ("row", "vocab"):
         return np.concatenate(shards, axis=0)
     groups = _column_groups(split)
     grouped = [s.reshape(*s.shape[:-1], groups, -1) for s in shards]
@@ -201,11 +227,11 @@ def join_shards(shards: list[np.ndarray], split: str) -> np.ndarray:
 
 
 def shard_flat(full: np.ndarray, config: GPTConfig, tp: int, index: int, size: int | None = None, pp: int = 1,
-               stage: int = 0) -> np.ndarray:
+               stage: int = 0, vocab_parallel: bool = True) -> np.ndarray:
     """A flat buffer of the full layout (parameters, or AdamW's m or v) as rank `index` of a tensor-parallel
     group of tp, on pipeline stage `stage` of pp, holds it: its shards in param_layout(config, tp, pp, stage),
     zero-padded to `size` elements."""
-    specs, total = param_layout(config, tp, pp, stage)
+    specs, total = param_layout(config, tp, pp, stage, vocab_parallel)
     full_specs = {f.name: f for f in param_layout(config)[0]}
     out = np.zeros(size or total, dtype=full.dtype)
     for s in specs:
@@ -215,17 +241,18 @@ def shard_flat(full: np.ndarray, config: GPTConfig, tp: int, index: int, size: i
     return out
 
 
-def join_flats(flats: list[np.ndarray], config: GPTConfig, pp: int = 1, stage: int = 0) -> np.ndarray:
+def join_flats(flats: list[np.ndarray], config: GPTConfig, pp: int = 1, stage: int = 0,
+               vocab_parallel: bool = True) -> np.ndarray:
     """The full layout's flat buffer from every tensor-parallel rank's of one pipeline stage, in rank order:
     shard_flat undone. The tensors of other stages stay zero."""
-    specs, _ = param_layout(config, len(flats), pp, stage)
+    specs, _ = param_layout(config, len(flats), pp, stage, vocab_parallel)
     full_specs, total = param_layout(config)
     full_specs = {f.name: f for f in full_specs}
     out = np.zeros(total, dtype=flats[0].dtype)
     for s in specs:
         f = full_specs[s.name]
         shards = [flat[s.offset: s.offset + s.size].reshape(s.shape) for flat in flats]
-        out[f.offset: f.offset + f.size] = join_shards(shards, s.split).reshape(-1)
+        out[f.offset: f.offset + f.size] = join_shards(shards, s.split).reshape(-1)[:f.size]
     return out
 
 
@@ -412,7 +439,7 @@ class GPT2:
 
     def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32,
                  attention: str = "standard", recompute: int = 0, init: np.ndarray | None = None, tp=None,
-                 pp=None, dropout: float = 0.0):
+                 pp=None, dropout: float = 0.0, vocab_parallel: bool = True):
         """init: the initial parameters init_weights(config, seed) would draw, already drawn (a benchmark building
         many models of one seed draws them once: 3.4 s at GPT-2 124M); by default they are drawn here.
         tp: the communicator of this rank's tensor-parallel group (comm/mesh.py's mesh.tp), or None: the
@@ -422,7 +449,9 @@ class GPT2:
         runs them with stage_forward and stage_backward (see the module's notes).
         dropout: Hugging Face GPT-2's dropout probability (embeddings, attention probabilities, residual
         branches), applied in a training forward (stage_forward given `rows`) with masks keyed by seed,
-        step, layer and each element's global index (backend/dropout.py); 0: none."""
+        step, layer and each element's global index (backend/dropout.py); 0: none.
+        vocab_parallel: with tp, wte (and the tied classifier) cut over the group by the vocabulary; False: whole
+        on every rank (see the module's notes)."""
         check_attention(attention)
         self.dropout_p = check_dropout(dropout)
         check_dropout_attention(self.dropout_p, attention)
@@ -436,12 +465,18 @@ class GPT2:
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp_size - 1
         self.blocks = stage_blocks(config.n_layer, self.pp_size, self.stage)  # the blocks this rank runs
         self.n_head = config.n_head // self.tp_size  # the heads this rank attends with
+        self.vocab_parallel = vocab_parallel and self.tp is not None
+        if self.vocab_parallel and not hasattr(backend, "vocab_max"):
+            raise XtrainError(f"the vocabulary-parallel classifier has no ops on the {backend.name} backend yet: "
+                              "use --tp-classifier replicated")
+        # the first row of wte (the first logit column) this rank holds: vocab_parallel's shard starts there
+        self.vocab_row0 = self.tp_rank * vocab_rows(config, self.tp_size) if self.vocab_parallel else 0
         self.full_size = param_layout(config)[1]  # of the full layout, which checkpoints hold
         # standard: attention keeps its (B, NH, T, T) probabilities for backward; flash (and cudnn): only a
         # log-sum-exp per row, and backward recomputes them (the same function, less memory and traffic)
         self.attention = attention
         self.recompute = check_recompute(recompute)  # see RECOMPUTE_LEVELS
-        self.layout, used = param_layout(config, self.tp_size, self.pp_size, self.stage)
+        self.layout, used = param_layout(config, self.tp_size, self.pp_size, self.stage, self.vocab_parallel)
         # a caller that shards the buffers (ZeRO) may ask for a total divisible by the world size
         self.size = -(-used // pad_to_multiple) * pad_to_multiple
         self.num_params = count_params(config)  # without wte's padded rows; self.size counts them
@@ -450,8 +485,8 @@ class GPT2:
         host = np.zeros(self.size, dtype=dtype)
         full = init_weights(config, seed) if init is None else init[:self.full_size]
         # every rank draws the full model and keeps its shards: the same model at any --tp
-        host[:used] = shard_flat(full, config, self.tp_size, self.tp_rank, pp=self.pp_size, stage=self.stage) \
-            if self.split_over_ranks else full
+        host[:used] = shard_flat(full, config, self.tp_size, self.tp_rank, pp=self.pp_size, stage=self.stage,
+                                 vocab_parallel=self.vocab_parallel) if self.split_over_ranks else full
         self.params = backend.from_host(host)
         # what forward and backward read: params itself, or its copy in the activation dtype (float64 values
         # rounded to bf16 in a float64 check: the numpy emulation computing in float64)
@@ -565,7 +600,7 @@ class GPT2:
             everyone = xp.empty(buf.size * self.tp_size, dtype=buf.dtype)
             self.tp.all_gather(buf, everyone)
             flats = list(np.array(self.ops.to_host(everyone)).reshape(self.tp_size, buf.size))
-        stage_flat = join_flats(flats, self.config, self.pp_size, self.stage)
+        stage_flat = join_flats(flats, self.config, self.pp_size, self.stage, self.vocab_parallel)
         if self.pp is None:
             return stage_flat
         stages = xp.empty(stage_flat.size * self.pp_size, dtype=buf.dtype)
@@ -579,7 +614,7 @@ class GPT2:
             out[:self.full_size] = full[:self.full_size]
             return out
         return shard_flat(full[:self.full_size], self.config, self.tp_size, self.tp_rank, self.size, self.pp_size,
-                          self.stage)
+                          self.stage, self.vocab_parallel)
 
     @property
     def tied_range(self) -> tuple[int, int] | None:
@@ -723,7 +758,11 @@ class GPT2:
         keep = targets is not None and dloss is not None
         self.units.before_forward("embed")
         if self.is_first:
-            x = ops.encoder_forward(ids, p.wte, p.wpe if cache is None else p.wpe[cache.length:])
+            wpe = p.wpe if cache is None else p.wpe[cache.length:]
+            if self.vocab_parallel:  # the rank holding each token's row gives its embedding, the others zeros
+                x = self._row_parallel(ops.vocab_encoder_forward(ids, p.wte, wpe, self.vocab_row0))
+            else:
+                x = ops.encoder_forward(ids, p.wte, wpe)
             x = self._dropped(x, self._dropout_site(rows, 0, EMBEDDINGS))
         # every residual sum is followed by a layernorm (ln_2 in the block, then the next block's ln_1 or ln_f):
         # one op makes both, so the stream is written once and not read back (residual_layernorm_forward); at
@@ -769,17 +808,51 @@ class GPT2:
             return x, (Tape(ids, acts, x, None, None, None, None, rows) if keep else None)
         self.units.before_forward("head")
         lnf, lnf_mean, lnf_rstd = ln1, ln1_mean, ln1_rstd  # after the last block, ln1 is ln_f's
-        logits = ops.matmul_forward(lnf, p.wte.T)  # tied output projection: (B, T, Vp)
-        V = self.config.vocab_size
+        out, dlogits = self.head_forward(lnf, targets, dloss)
+        if dlogits is None:
+            self.units.forward_done()
+            return out, None
+        return out, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd, dlogits, rows)
+
+    def head_forward(self, lnf, targets=None, dloss: float | None = None):
+        """The tied classifier and the loss on ln_f's output (B, T, C) -> (out, dlogits): out as forward() returns
+        it (the logits of the V tokens without targets, else the per-token losses); with dloss also dlogits, the
+        logits turned into their gradient for head_backward (else None). Vocabulary-parallel: the rank's columns
+        only, the cross-entropy from the group's maxima and sums (see the module's notes); the logits are
+        gathered over the group for sampling alone."""
+        ops, V = self.ops, self.config.vocab_size
+        logits = ops.matmul_forward(lnf, self.p.wte.T)  # tied output projection: (B, T, Vp), or (B, T, R) of a shard
         if targets is None:
-            self.units.forward_done()
-            return logits[..., :V], None
-        if dloss is None:
+            return (self._gathered_logits(logits) if self.vocab_parallel else logits)[..., :V], None
+        if self.vocab_parallel:
+            xp, row0 = ops.xp, self.vocab_row0
+            maxes = ops.vocab_max(logits, V, row0)
+            every_max = xp.empty((self.tp_size, *maxes.shape), dtype=maxes.dtype)
+            self.tp.all_gather(maxes, every_max)  # every rank takes the largest of the same gathered bits
+            maxes = every_max.max(axis=0)
+            sums = ops.vocab_sums(logits, targets, maxes, V, row0)
+            self.tp.all_reduce(sums)
+            losses = ops.vocab_classifier(logits, targets, maxes, sums, dloss, V, row0)
+        elif dloss is None:
             losses = ops.crossentropy_forward(logits, targets, V)
-            self.units.forward_done()
-            return losses, None
-        losses = ops.fused_classifier(logits, targets, dloss, V)  # logits now hold dlogits, 0 past V
-        return losses, Tape(ids, acts, x, lnf, lnf_mean, lnf_rstd, logits, rows)
+        else:
+            losses = ops.fused_classifier(logits, targets, dloss, V)  # logits now hold dlogits, 0 past V
+        return losses, (None if dloss is None else logits)
+
+    def _gathered_logits(self, logits):
+        """The (B, T, R) logits of every rank of the group side by side: (B, T, N R), the padded vocabulary's
+        columns in order (an all-gather)."""
+        xp = self.ops.xp
+        everyone = xp.empty((self.tp_size, *logits.shape), dtype=logits.dtype)
+        self.tp.all_gather(logits, everyone)
+        return xp.moveaxis(everyone, 0, -2).reshape(*logits.shape[:-1], -1)
+
+    def head_backward(self, dlogits, lnf):
+        """head_forward's backward: wte's gradient (the rank's rows) += dlogits^T lnf; returns the gradient of lnf,
+        completed over the group where the classifier is vocabulary-parallel (a partial sum over the rank's
+        columns: Megatron's f)."""
+        dlnf = self.ops.matmul_backward(self.g.wte.T, None, dlogits, lnf, self.p.wte.T)
+        return self._column_parallel_dinp(dlnf) if self.vocab_parallel else dlnf
 
     def pipelined_losses(self, ids, targets):
         """Per-token losses (B, T) of a forward through every pipeline stage (evaluation: nothing kept for
@@ -829,7 +902,7 @@ class GPT2:
 
         if self.is_last:
             self.units.before_backward("head")
-            dlnf = ops.matmul_backward(g.wte.T, None, dlogits, lnf, p.wte.T)
+            dlnf = self.head_backward(dlogits, lnf)
             dres = self.ops.xp.zeros_like(x_final)  # gradient of the residual stream, carried down the blocks
             ops.layernorm_backward(dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean,
                                    lnf_rstd)
@@ -873,6 +946,10 @@ class GPT2:
             announce(*next(ranges))
         if self.is_first:
             self.units.before_backward("embed")
-            ops.encoder_backward(g.wte, g.wpe, self._dropped(dres, self._dropout_site(rows, 0, EMBEDDINGS)), ids)
+            dembed = self._dropped(dres, self._dropout_site(rows, 0, EMBEDDINGS))
+            if self.vocab_parallel:
+                ops.vocab_encoder_backward(g.wte, g.wpe, dembed, ids, self.vocab_row0)
+            else:
+                ops.encoder_backward(g.wte, g.wpe, dembed, ids)
         announce(*next(ranges))
         return None if self.is_first else dres

@@ -57,7 +57,7 @@ def op_flops(name: str, args: tuple) -> float:
 # the arguments each op updates in place, read and then written (the others are read, or written alone)
 IN_PLACE = {"matmul_backward": (0, 1), "matmul_backward_gelu": (0, 1), "layernorm_backward": (1, 2),
             "encoder_backward": (0, 1), "adamw_update": (0, 2, 3), "fused_classifier": (0,), "scale": (0,),
-            "bf16_round": (0,)}
+            "bf16_round": (0,), "vocab_encoder_backward": (0, 1), "vocab_classifier": (0,)}
 
 
 def _arrays(values):

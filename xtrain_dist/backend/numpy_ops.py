@@ -572,6 +572,84 @@ class NumpyBackend:
         self.store(padded)
         return losses
 
+    # ------------------------------------------------------------------ vocabulary-parallel classifier (--tp)
+    # A tensor-parallel rank of --tp-classifier vocab holds rows row0 .. row0 + len(wte) - 1 of wte (model.py): these
+    # ops are the embedding's and the classifier's part on such a shard; the collectives between them are the
+    # model's. Only this backend has them: the cuda backend refuses --tp-classifier vocab (parallel/tensor.py).
+
+    def vocab_encoder_forward(self, ids, wte, wpe, row0: int):
+        """encoder_forward on a shard of wte: out[b, t] = wte[ids[b, t] - row0] + wpe[t] where the shard holds the
+        token's row, 0 where it does not. One rank of the group holds each token, so the group's all-reduce sums
+        one encoder_forward value with zeros, which leaves its bits as they are."""
+        local = ids - row0
+        mine = (local >= 0) & (local < wte.shape[0])
+        rows = wte[np.where(mine, local, 0)] + wpe[:ids.shape[1]]
+        return self.store(np.where(mine[..., None], rows, rows.dtype.type(0)))
+
+    @staticmethod
+    def vocab_encoder_backward(dwte, dwpe, dout, ids, row0: int) -> None:
+        """encoder_backward on a shard of wte: dwte[ids[b, t] - row0] += dout[b, t] for the tokens whose rows it
+        holds (in (b, t) order, as encoder_backward); dwpe as encoder_backward (wpe and dout are whole on every
+        rank of the group)."""
+        C = dout.shape[-1]
+        local = ids.reshape(-1) - row0
+        mine = (local >= 0) & (local < dwte.shape[0])
+        np.add.at(dwte, local[mine], dout.reshape(-1, C)[mine])
+        dwpe[: ids.shape[1]] += dout.sum(axis=0)
+
+    @staticmethod
+    def _token_columns(logits, vocab_size: int, col0: int) -> int:
+        """How many of a shard's logit columns (global ids col0, col0 + 1, ...) are tokens': those below
+        vocab_size; the rest are the padded vocabulary's."""
+        return max(0, min(logits.shape[-1], vocab_size - col0))
+
+    def vocab_max(self, logits, vocab_size: int, col0: int):
+        """Each row's largest logit over the shard's token columns, (B, T) (-inf on a shard of padded columns
+        only): the group's largest of them is the softmax's shift, fused_classifier's max."""
+        n = self._token_columns(logits, vocab_size, col0)
+        if n == 0:
+            return np.full(logits.shape[:-1], -np.inf, dtype=logits.dtype)
+        return logits[..., :n].max(axis=-1)
+
+    def vocab_sums(self, logits, targets, maxes, vocab_size: int, col0: int):
+        """(2, B, T): the sum of exp(logit - maxes) over the shard's token columns, and the target's logit -
+        maxes where the shard holds the target's column (0 elsewhere). Summed over the group (one all-reduce):
+        the softmax's denominator and the target's shifted logit, as fused_classifier computes them whole."""
+        n = self._token_columns(logits, vocab_size, col0)
+        out = np.zeros((2, *targets.shape), dtype=logits.dtype)
+        if n == 0:
+            return out
+        shifted = logits[..., :n] - maxes[..., None]
+        out[0] = np.exp(shifted).sum(axis=-1)
+        local = targets - col0
+        mine = (local >= 0) & (local < n)
+        picked = np.take_along_axis(shifted, np.where(mine, local, 0)[..., None], axis=-1)[..., 0]
+        out[1] = np.where(mine, picked, out.dtype.type(0))
+        return out
+
+    def vocab_classifier(self, logits, targets, maxes, sums, dloss: float | None, vocab_size: int, col0: int):
+        """losses (B, T) = log(sums[0]) - sums[1], from vocab_sums summed over the group (evaluation: dloss None).
+        With dloss, also the shard's part of fused_classifier's backward: logits overwritten with their gradient
+        (softmax - onehot(targets)) * dloss, 0 in the padded columns, from the group's maxes and sums: no rank
+        ever holds another's logits."""
+        losses = np.log(sums[0]) - sums[1]
+        if dloss is None:
+            return losses
+        n = self._token_columns(logits, vocab_size, col0)
+        padded = logits
+        tokens = logits[..., :n]
+        padded[..., n:] = 0
+        np.subtract(tokens, maxes[..., None], out=tokens)
+        np.exp(tokens, out=tokens)
+        d = logits.dtype.type(dloss)
+        np.multiply(tokens, (d / sums[0])[..., None], out=tokens)  # probabilities * dloss
+        rows = padded.reshape(-1, padded.shape[-1])
+        local = targets.reshape(-1) - col0
+        mine = (local >= 0) & (local < n)
+        rows[np.flatnonzero(mine), local[mine]] -= d
+        self.store(padded)
+        return losses
+
     # ------------------------------------------------------------------ optimizer (kernels/adamw.cu, global_norm.cu)
 
     @staticmethod

@@ -5,9 +5,12 @@ all-reduces after the row-parallel products and before the column-parallel ones 
 (comm/mesh.py) lays the world out as dp x tp with tp fastest, so ranks 0 .. tp-1 are one model; and the
 data-parallel gradient sync runs inside each data-parallel group (the ranks holding the same shard). This
 module checks the option before any rank starts, and says what a tensor-parallel run cannot do yet.
+
+--tp-classifier: vocab (the default) cuts wte and the tied classifier over the group by the vocabulary, Megatron's
+vocabulary-parallel embedding and cross-entropy; replicated keeps them whole on every rank (model.py's notes).
 """
 
-from ..command import must_be
+from ..command import must_be, one_of
 from ..config import GPTConfig
 from ..errors import XtrainError
 from ..model import check_tp
@@ -32,13 +35,22 @@ def refuse_what_does_not_work_yet(split: str, refused: tuple, cfg) -> None:
             raise XtrainError(f"{split} and {option} do not work together yet: {why}")
 
 
-NOT_YET = not_yet("the tensor-parallel all-reduces", "tensor-parallel shards")
+TP_CLASSIFIERS = ("vocab", "replicated")
+
+NOT_YET = (
+    *not_yet("the tensor-parallel all-reduces", "tensor-parallel shards"),
+    ("--backend cuda --tp-classifier vocab", lambda cfg: cfg.backend == "cuda" and cfg.tp_classifier == "vocab",
+     "the vocabulary-parallel embedding and cross-entropy have no CUDA kernels yet: add --tp-classifier "
+     "replicated"),
+)
 
 
 def check_config(cfg, config: GPTConfig) -> None:
     """--tp divides the world and the model's heads, and asks for nothing NOT_YET lists: one line if not."""
     if isinstance(cfg.tp, bool) or not isinstance(cfg.tp, int) or cfg.tp < 1:
         raise XtrainError(must_be("--tp", "a positive integer", cfg.tp))
+    if cfg.tp_classifier not in TP_CLASSIFIERS:
+        raise XtrainError(must_be("--tp-classifier", one_of(TP_CLASSIFIERS), cfg.tp_classifier))
     if cfg.world_size % cfg.tp:
         raise XtrainError(must_be("--tp", f"a divisor of the world size ({cfg.world_size})", cfg.tp))
     check_tp(config, cfg.tp)

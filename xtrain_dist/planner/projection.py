@@ -60,10 +60,10 @@ class Shape:
                      config.n_ctx)
 
     def padded_vocab(self, tp: int) -> int:
-        """The classifier's rows: a multiple of 128 (config.VOCAB_ALIGN), and of 128 tp where tp cuts the
-        vocabulary, as Megatron pads it."""
-        align = VOCAB_ALIGN * tp
-        return -(-self.vocab_size // align) * align
+        """The classifier's rows over tp devices that cut the vocabulary: a multiple of 128 (config.VOCAB_ALIGN),
+        split evenly, each device's share rounded up where tp does not divide it (model.vocab_rows)."""
+        padded = -(-self.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
+        return -(-padded // tp) * tp
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,9 @@ def activation_bytes(shape: Shape, mesh: Mesh, run: Run, rows: int) -> int:
                 dims = (*dims[:-1], shape.d_ff)
             block += _bytes(dims, kind, act) // (mesh.tp if field_ in TP_SPLIT or run.sequence_parallel else 1)
         else:
-            cut = field_ == "dlogits" or (run.sequence_parallel and field_ != "ids")
+            if field_ == "dlogits":  # the device's columns of the logits, vocab_rows of the padded vocabulary
+                dims = (*dims[:-1], shape.padded_vocab(mesh.tp) // mesh.tp)
+            cut = run.sequence_parallel and field_ not in ("ids", "dlogits")
             rest += _bytes(dims, kind, act) // (mesh.tp if cut else 1)
     layers = -(-shape.n_layer // mesh.pp)
     if mesh.pp == 1:

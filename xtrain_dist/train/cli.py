@@ -40,6 +40,7 @@ from ..model import ATTENTIONS, RECOMPUTE_LEVELS
 from ..optim import LR_SCHEDULES
 from ..parallel import ddp
 from ..parallel.pipeline import SCHEDULES
+from ..parallel.tensor import TP_CLASSIFIERS
 from ..precision import MATMULS
 from ..profile import rows_markdown
 from . import memory
@@ -92,6 +93,10 @@ def build_parser() -> OneLineParser:
                    help="pipeline stages per model: the blocks cut into PP contiguous stages, the micro-batches of "
                         "--grad-accum run through them; the world is pp x dp x tp (default 1; see "
                         "docs/parallelism.md)")
+    p.add_argument("--tp-classifier", choices=TP_CLASSIFIERS, default="vocab",
+                   help="with --tp: vocab (Megatron's vocabulary-parallel embedding and cross-entropy: each rank "
+                        "holds 1/tp of wte's rows and computes only its logits) or replicated (the whole wte and "
+                        "logits on every rank) (default vocab; see docs/parallelism.md)")
     p.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b",
                    help="the pipeline's order of micro-batches: gpipe (all forwards, then all backwards) or 1f1b "
                         "(one forward, one backward: fewer activations held) (default 1f1b)")
@@ -320,7 +325,7 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
         model=args.model, backend=args.backend, world_size=world_size, tp=args.tp, pp=args.pp,
-        pp_schedule=args.pp_schedule, seed=args.seed,
+        pp_schedule=args.pp_schedule, tp_classifier=args.tp_classifier, seed=args.seed,
         overfit_batch=args.overfit_batch,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         lr_schedule=args.lr_schedule, cooldown_steps=args.cooldown_steps,
@@ -367,6 +372,8 @@ WITHOUT_EFFECT = [
     ("--rdzv-advertise", lambda a, launch: launch.multi_process, f"--rdzv-advertise {_ALONE}"),
     ("--rdzv-timeout", lambda a, launch: launch.multi_process, f"--rdzv-timeout {_ALONE}"),
     ("--pp-schedule", lambda a, launch: a.pp > 1, "--pp-schedule has no effect without --pp (2 or more stages)"),
+    ("--tp-classifier", lambda a, launch: a.tp > 1,
+     "--tp-classifier has no effect without --tp (2 or more tensor-parallel ranks)"),
     ("--powersgd-rank", lambda a, launch: a.grad_compress == "powersgd",
      "--powersgd-rank has no effect without --grad-compress powersgd"),
     ("--powersgd-start-step", lambda a, launch: a.grad_compress == "powersgd",

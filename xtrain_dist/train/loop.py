@@ -141,7 +141,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     pipe = step_comm.timing(mesh.pp, "pp") if mesh and cfg.pp > 1 else None
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
                  recompute=cfg.recompute, tp=step_comm.timing(mesh.tp, "tp") if mesh else None, pp=pipe,
-                 dropout=cfg.dropout)
+                 dropout=cfg.dropout, vocab_parallel=cfg.tp_classifier == "vocab")
     optimizer, grad_sync = make_stage(model, cfg, step_comm)
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
                            overfit=cfg.overfit_batch)

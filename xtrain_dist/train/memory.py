@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..backend.cuda import cublas, cublaslt
 from ..config import GPTConfig
 from ..errors import XtrainError
-from ..model import param_layout, stage_blocks
+from ..model import param_layout, stage_blocks, vocab_rows
 from ..parallel.pipeline import schedule_peak_in_flight
 from ..parallel.powersgd import state_elements
 from ..parallel.zero import gathered_elements, grad_buffer_elements, shard_bounds
@@ -30,15 +30,18 @@ ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
 
 
 def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
-                      recompute: int = 0, tp: int = 1, pp: int = 1, stage: int = 0) -> list[tuple[str, tuple, str]]:
+                      recompute: int = 0, tp: int = 1, pp: int = 1, stage: int = 0,
+                      vocab_parallel: bool = True) -> list[tuple[str, tuple, str]]:
     """What GPT2.forward keeps for backward, array by array: (name, shape, kind), kind "act" for the
     activation dtype, "f32" or "i32" for arrays of that type whatever the precision. Its order and names
     follow GPT2.stage_forward's Tape (forward's `_saved`) and `_LayerActs` (less what --recompute leaves to
     backward), which tests/test_memory.py holds it to. With tp > 1, one tensor-parallel rank's: its heads' q, k, v,
-    attention and output, its share of the MLP's hidden width; the residual stream is whole on every rank.
+    attention and output, its share of the MLP's hidden width, and (vocab_parallel) its vocab_rows columns of the
+    logits; the residual stream is whole on every rank.
     With pp > 1, one micro-batch's on pipeline stage `stage` (GPT2.stage_forward's Tape): its blocks', and the
     head's on the last stage only (a stage before it keeps x, the activations it sends)."""
     C, NH, V = config.n_embd, config.n_head, config.padded_vocab_size  # the logits are Vp wide (model.py)
+    V = vocab_rows(config, tp) if tp > 1 and vocab_parallel else V  # or a shard's columns of them
     Ct, NHt = C // tp, NH // tp  # the rank's share of the attention's channels and heads
     arrays = [("ids", (B, T), "i32")]
     for layer in stage_blocks(config.n_layer, pp, stage):
@@ -112,7 +115,8 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
 
     def saved_bytes(stage: int, rows: int) -> int:
         if (stage, rows) not in activations:
-            saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute, tp, pp, stage)
+            saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute, tp, pp, stage,
+                                      cfg.tp_classifier == "vocab")
             activations[stage, rows] = sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
                                            for _, shape, kind in saved)
         return activations[stage, rows]
@@ -128,7 +132,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
         # r // tp % dp
         stage, dp_index = rank // (dp * tp), rank // tp % dp
         if stage not in layouts:
-            layout, size = param_layout(config, tp, pp, stage)
+            layout, size = param_layout(config, tp, pp, stage, cfg.tp_classifier == "vocab")
             layouts[stage] = layout, size, shard_bounds(size, dp) if cfg.zero else None
         layout, size, bounds = layouts[stage]
         # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
