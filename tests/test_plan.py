@@ -127,6 +127,21 @@ def test_zero2_and_zero3_memory_is_the_preflight_checks(zero, dp, precision):
     assert planned.gradients < whole.gradients and (zero == 2 or planned.parameters < whole.parameters)
 
 
+def test_zero3_memory_of_the_small_model_is_the_closed_form_count():
+    """At dp 4 in float32 a ZeRO-3 rank holds a quarter of the 17 bytes per parameter (float32 parameters, their
+    decay-mask byte, float32 gradients, m and v) and, at its fullest pass step (a block's MLP backward:
+    its MLP half gathered and its gradient filling, the attention half below prefetched), 4 bytes for each of
+    two MLP halves and one attention half. bin/bench_zero measured 63.47 MiB against this 61.21 (docs/ddp.md)."""
+    C, F, V, T, L = 384, 4 * 384, 4096, 256, 6  # --model small with the shipped 4096-token vocabulary
+    mlp = F * C + C + C * F + F + 2 * C   # c_proj, c_fc, ln_2: each a multiple of 32 elements, so unpadded
+    attn = C * C + C + C * 3 * C + 3 * C + 2 * C
+    n = L * (mlp + attn) + 2 * C + T * C + V * C
+    m = device_memory(Shape.of(model_config("small", V)), Mesh(dp=4), Run(batch=8, seq=64, precision="fp32", zero=3))
+    assert m.parameters + m.gradients + m.optimizer == 17 * n // 4 + 4 * (2 * mlp + attn)
+    assert round((m.parameters + m.gradients + m.optimizer) / (1 << 20), 2) == 61.21
+    assert (m.parameters + m.gradients + m.optimizer) / (17 * n) < 0.31  # ZeRO-0 holds 17 n
+
+
 def test_ring_all_reduce_and_the_overlap_model():
     assert ring_all_reduce_s(1e9, 4, 100.0) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9)  # 15 ms
     assert ring_all_reduce_s(1e9, 1, 100.0) == 0.0
