@@ -297,6 +297,7 @@ class ShardedGradAdamW(ShardedAdamW):
         self.order, self.needs, self._writes = pass_steps(model.blocks)
         self._filling: dict = {}   # unit key -> its gradient buffer, while backward writes it
         self._reduced: set = set()  # units whose sum is in self.grad this step: the next micro-batch adds to it
+        self._in_flight: list = []  # the events of the reduce-scatters handed over and maybe not done
         # the most bytes of gathered parameters and gradient buffers alive at once, as (gathered, gradients)
         self.peak_transient = (0, 0)
         self._grad_buffer_bytes = 0
@@ -325,7 +326,14 @@ class ShardedGradAdamW(ShardedAdamW):
             self._submit(key)
 
     def _allocate(self, step) -> None:
-        """Zeroed gradient buffers for the units `step` writes, the model's views bound to them."""
+        """Zeroed gradient buffers for the units `step` writes, the model's views bound to them. First the rank
+        waits until at most one reduce-scatter is still running (the one just handed over), so that buffers
+        do not pile up behind a slow thread: a rank holds the step's buffers and at most one unit's more."""
+        if len(self._in_flight) > 1:
+            waiting = self.ops.timestamp()
+            while len(self._in_flight) > 1:
+                self.thread.wait(self._in_flight.pop(0))
+            self.comm.waited(waiting, self.ops.timestamp())
         xp = self.ops.xp
         for key in self._writes[step]:
             if key not in self._filling:
@@ -352,7 +360,7 @@ class ShardedGradAdamW(ShardedAdamW):
     def _submit(self, key) -> None:
         buf = self._filling.pop(key)
         bind_views(self.model.g, None, self.param_units[key][2])
-        self.thread.submit(lambda: self._reduce_into_shard(key, buf))
+        self._in_flight.append(self.thread.submit(lambda: self._reduce_into_shard(key, buf)))
 
     def _reduce_into_shard(self, key, buf) -> None:
         """On the communication thread: unit `key`'s gradient summed over the ranks, this rank's part of it added
@@ -383,6 +391,7 @@ class ShardedGradAdamW(ShardedAdamW):
         self.thread.drain()
         self.comm.waited(backward_done, self.ops.timestamp())
         self._reduced.clear()
+        self._in_flight.clear()
         if self._filling:
             raise RuntimeError(f"backward never announced the gradients of units {sorted(map(str, self._filling))}")
 
@@ -390,6 +399,7 @@ class ShardedGradAdamW(ShardedAdamW):
         self.thread.drain()
         self._reduced.clear()
         self._filling.clear()
+        self._in_flight.clear()
 
     # ------------------------------------------------------------ the step
     @property
