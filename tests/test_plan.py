@@ -113,10 +113,9 @@ def test_memory_is_the_preflight_checks(preset, dp, batch, zero, precision, atte
 
 @pytest.mark.parametrize("zero, dp, precision", [(2, 4, "fp32"), (3, 4, "fp32"), (3, 2, "bf16")])
 def test_zero2_and_zero3_memory_is_the_preflight_checks(zero, dp, precision):
-    """The planner counts the gathered blocks (the embeddings and two blocks at the widest) and the gradient
-    buffers (the embeddings' and the last block's with ln_f) from the shape; the pre-flight check walks the
-    layout's units and windows (parallel/zero.py). GPT-2's tensors are whole multiples of 32 elements, so the
-    two agree to the byte."""
+    """The planner sizes the units (block halves, wte, wpe, ln_f) from the shape, the pre-flight check from the
+    layout, and both walk the pass steps for the one that holds the most (parallel/zero.py's transient_bytes).
+    GPT-2's tensors are whole multiples of 32 elements, so the two agree to the byte."""
     config = model_config("gpt2-124m", 50257)
     cfg = TrainConfig(steps=1, batch=8, seq=1024, model="gpt2-124m", world_size=dp, zero=zero,
                       dtype="bf16" if precision == "bf16" else "fp32")

@@ -70,8 +70,8 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
 class RankMemory:
     """Bytes one rank holds, by what holds them."""
     parameters: int    # the float32 master, the activation-dtype copy forward reads, the weight-decay mask (ZeRO-3:
-    #                    the rank's shards of them, and the most gathered blocks it holds at once)
-    gradients: int     # the whole buffer, or (ZeRO-2, -3) the rank's shard and the blocks' buffers in backward
+    #                    the rank's shards of them, and the units gathered at the pass step that holds the most)
+    gradients: int     # the whole buffer, or (ZeRO-2, -3) the rank's shard and that step's units' buffers
     optimizer: int     # AdamW's m and v: the whole buffer, or this rank's ZeRO-1/2/3 shard
     activations: int   # what forward keeps for backward: the rank's largest micro-batch's, times the micro-batches
     #                    a pipeline stage holds at once (parallel/pipeline.py's peak_in_flight)
