@@ -324,6 +324,8 @@ def test_a_billion_micro_batches_at_pp_2_are_checked_without_listing_the_schedul
     (["--powersgd-start-step", "-7"], "--powersgd-start-step has no effect without --grad-compress powersgd"),
     (["--powersgd-rank", "2"], "--powersgd-rank has no effect without --grad-compress powersgd"),
     (["--grad-sync", "flat", "--bucket-mb", "3"], "--bucket-mb has no effect without --grad-sync bucketed"),
+    (["--zero", "3", "--bucket-mb", "3"], "--bucket-mb has no effect at --zero 2 and 3: each unit (a block's half, "
+                                          "ln_f, wpe, wte) is reduce-scattered as backward finishes it"),
     (["--save-every", "0"], "--save-every needs --save-dir"),
 ])
 def test_options_without_effect_are_one_line(args, line):

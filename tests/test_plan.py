@@ -123,10 +123,9 @@ def test_tensor_parallel_memory_is_the_preflight_checks(preset, tp):
 
 @pytest.mark.parametrize("zero, dp, precision", [(2, 4, "fp32"), (3, 4, "fp32"), (3, 2, "bf16")])
 def test_zero2_and_zero3_memory_is_the_preflight_checks(zero, dp, precision):
-    """The planner counts the gathered blocks (the embeddings and two blocks at the widest) and the gradient
-    buffers (the embeddings' and the last block's with ln_f) from the shape; the pre-flight check walks the
-    layout's units and windows (parallel/zero.py). GPT-2's tensors are whole multiples of 32 elements, so the
-    two agree to the byte."""
+    """The planner sizes the units (block halves, wte, wpe, ln_f) from the shape, the pre-flight check from the
+    layout, and both walk the pass steps for the one that holds the most (parallel/zero.py's transient_bytes).
+    GPT-2's tensors are whole multiples of 32 elements, so the two agree to the byte."""
     config = model_config("gpt2-124m", 50257)
     cfg = TrainConfig(steps=1, batch=8, seq=1024, model="gpt2-124m", world_size=dp, zero=zero,
                       dtype="bf16" if precision == "bf16" else "fp32")
@@ -135,6 +134,21 @@ def test_zero2_and_zero3_memory_is_the_preflight_checks(zero, dp, precision):
     assert planned == preflight
     whole = device_memory(Shape.of(config), Mesh(dp=dp), Run(batch=8, seq=1024, precision=precision, zero=1))
     assert planned.gradients < whole.gradients and (zero == 2 or planned.parameters < whole.parameters)
+
+
+def test_zero3_memory_of_the_small_model_is_the_closed_form_count():
+    """At dp 4 in float32 a ZeRO-3 rank holds a quarter of the 17 bytes per parameter (float32 parameters, their
+    decay-mask byte, float32 gradients, m and v) and, at its fullest pass step (a block's MLP backward:
+    its MLP half gathered and its gradient filling, the attention half below prefetched), 4 bytes for each of
+    two MLP halves and one attention half. bin/bench_zero measured 63.47 MiB against this 61.21 (docs/ddp.md)."""
+    C, F, V, T, L = 384, 4 * 384, 4096, 256, 6  # --model small with the shipped 4096-token vocabulary
+    mlp = F * C + C + C * F + F + 2 * C   # c_proj, c_fc, ln_2: each a multiple of 32 elements, so unpadded
+    attn = C * C + C + C * 3 * C + 3 * C + 2 * C
+    n = L * (mlp + attn) + 2 * C + T * C + V * C
+    m = device_memory(Shape.of(model_config("small", V)), Mesh(dp=4), Run(batch=8, seq=64, precision="fp32", zero=3))
+    assert m.parameters + m.gradients + m.optimizer == 17 * n // 4 + 4 * (2 * mlp + attn)
+    assert round((m.parameters + m.gradients + m.optimizer) / (1 << 20), 2) == 61.21
+    assert (m.parameters + m.gradients + m.optimizer) / (17 * n) < 0.31  # ZeRO-0 holds 17 n
 
 
 def test_ring_all_reduce_and_the_overlap_model():

@@ -423,11 +423,17 @@ class WholeBuffers:
     # parameters of each block from all of them): evaluation and sampling then run on every rank alike
     forward_is_collective = False
 
+    # whether backward takes the tied classifier's wte gradient at the embedding's backward rather than at the
+    # head's (the same product, later: ZeRO-2 and -3 then keep no wte gradient buffer through the blocks)
+    wte_grad_at_end = False
+
     def before_forward(self, step) -> None:
-        """step: "embed", a block's index or "head", about to run forward."""
+        """step: "embed", ("attn", i) or ("mlp", i) (block i's halves: the MLP's from the residual sum with ln_2
+        on) or "head", about to run forward."""
 
     def before_backward(self, step) -> None:
-        """step: "head", a block's index or "embed", about to run backward."""
+        """step: "head", ("mlp", i), ("attn", i) (block i's halves, from its ln_2's backward on the attention's)
+        or "embed", about to run backward."""
 
     def forward_done(self) -> None:
         """A forward that keeps nothing for backward (evaluation, generation) has ended."""
@@ -770,7 +776,7 @@ class GPT2:
         ln1, ln1_mean, ln1_rstd = ops.layernorm_forward(x, *self._layernorm_after(self.blocks[0] - 1))
         acts = []
         for layer in self.blocks:
-            self.units.before_forward(layer)
+            self.units.before_forward(("attn", layer))
             w = p.h[layer]
             qkv = ops.matmul_forward(ln1, w.attn_c_attn_weight, w.attn_c_attn_bias)
             if cache is not None:
@@ -785,6 +791,7 @@ class GPT2:
                                                             self._row_bias(w.attn_c_proj_bias)))
             # the residual branch's dropout after the row-parallel sum: the whole (B, T, C) output, as one rank's
             attproj = self._dropped(attproj, self._dropout_site(rows, layer, ATTENTION_OUT))
+            self.units.before_forward(("mlp", layer))
             x_mid, ln2, ln2_mean, ln2_rstd = ops.residual_layernorm_forward(x, attproj, w.ln_2_weight, w.ln_2_bias)
             if self.recompute < 1:  # bias and GELU after the product in one op (an epilogue: cublaslt)
                 fch, fch_gelu = ops.matmul_gelu_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
@@ -847,11 +854,12 @@ class GPT2:
         self.tp.all_gather(logits, everyone)
         return xp.moveaxis(everyone, 0, -2).reshape(*logits.shape[:-1], -1)
 
-    def head_backward(self, dlogits, lnf):
-        """head_forward's backward: wte's gradient (the rank's rows) += dlogits^T lnf; returns the gradient of lnf,
-        completed over the group where the classifier is vocabulary-parallel (a partial sum over the rank's
-        columns: Megatron's f)."""
-        dlnf = self.ops.matmul_backward(self.g.wte.T, None, dlogits, lnf, self.p.wte.T)
+    def head_backward(self, dlogits, lnf, weight_grad: bool = True):
+        """head_forward's backward: wte's gradient (the rank's rows) += dlogits^T lnf (unless weight_grad is
+        False: ZeRO-2/3 add it at the embedding's backward, where wte's gradient unit is); returns the gradient
+        of lnf, completed over the group where the classifier is vocabulary-parallel (a partial sum over the
+        rank's columns: Megatron's f)."""
+        dlnf = self.ops.matmul_backward(self.g.wte.T if weight_grad else None, None, dlogits, lnf, self.p.wte.T)
         return self._column_parallel_dinp(dlnf) if self.vocab_parallel else dlnf
 
     def pipelined_losses(self, ids, targets):
@@ -902,14 +910,15 @@ class GPT2:
 
         if self.is_last:
             self.units.before_backward("head")
-            dlnf = self.head_backward(dlogits, lnf)
+            late = self.units.wte_grad_at_end and self.is_first  # the classifier's wte gradient comes at the end
+            dlnf = self.head_backward(dlogits, lnf, weight_grad=not late)
             dres = self.ops.xp.zeros_like(x_final)  # gradient of the residual stream, carried down the blocks
             ops.layernorm_backward(dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean,
                                    lnf_rstd)
         else:
             dres = dout
         for a, layer in zip(reversed(acts), reversed(self.blocks), strict=True):
-            self.units.before_backward(layer)
+            self.units.before_backward(("mlp", layer))
             w, gw = p.h[layer], g.h[layer]
             # MLP: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
             fch_gelu = ops.gelu_forward(a.fch) if a.fch_gelu is None else a.fch_gelu  # --recompute 1
@@ -926,6 +935,7 @@ class GPT2:
             del ln2
             ops.layernorm_backward(dres, gw.ln_2_weight, gw.ln_2_bias, dln2, a.x_mid, w.ln_2_weight,
                                    a.ln2_mean, a.ln2_rstd)  # dres is now d x_mid
+            self.units.before_backward(("attn", layer))
             # attention: x_mid = x_in + c_proj(attention(c_attn(ln_1(x_in))))
             dattproj = self._dropped(dres, self._dropout_site(rows, layer, ATTENTION_OUT))
             datty = ops.matmul_backward(gw.attn_c_proj_weight, gw.attn_c_proj_bias, dattproj, a.atty,
@@ -946,6 +956,8 @@ class GPT2:
             announce(*next(ranges))
         if self.is_first:
             self.units.before_backward("embed")
+            if self.is_last and late:  # the head's weight gradient, deferred (same operands, same order into g.wte)
+                ops.matmul_backward(g.wte.T, None, dlogits, lnf, None)
             dembed = self._dropped(dres, self._dropout_site(rows, 0, EMBEDDINGS))
             if self.vocab_parallel:
                 ops.vocab_encoder_backward(g.wte, g.wpe, dembed, ids, self.vocab_row0)

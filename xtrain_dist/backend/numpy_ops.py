@@ -333,13 +333,16 @@ class NumpyBackend:
         """dweight += inp^T @ dout; dbias += sum over rows of dout; returns dinp = dout @ weight^T.
 
         dweight and dbias are float32 gradients (the product of two bf16 operands accumulates into them in
-        float32); dweight may be a transposed view (the tied classifier passes wte's gradient as dwte.T)."""
-        IC, OC = weight.shape
+        float32); dweight may be a transposed view (the tied classifier passes wte's gradient as dwte.T).
+        dweight None: dinp alone; weight None: the gradients alone, dinp None (ZeRO-2 and -3 take the tied
+        classifier's weight gradient at the end of backward, model.WholeBuffers.wte_grad_at_end)."""
+        IC, OC = inp.shape[-1], dout.shape[-1]
         dout2 = dout.reshape(-1, OC)
-        dweight += inp.reshape(-1, IC).T @ dout2
+        if dweight is not None:
+            dweight += inp.reshape(-1, IC).T @ dout2
         if dbias is not None:
             dbias += dout2.sum(axis=0)
-        return self.store((dout2 @ weight.T).reshape(inp.shape))
+        return None if weight is None else self.store((dout2 @ weight.T).reshape(inp.shape))
 
     def matmul_gelu_forward(self, inp, weight, bias):
         """The MLP's first layer and its GELU: pre = matmul_forward(inp, weight, bias), out = gelu_forward(pre).

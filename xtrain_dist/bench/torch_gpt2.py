@@ -244,3 +244,96 @@ def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def has_fully_shard() -> str | None:
+    """None where this torch has FSDP2's fully_shard (torch.distributed.fsdp, torch 2.6 on), else why not."""
+    try:
+        import torch
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        import torch
+
+        return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2)"
+    return None
+
+
+def fsdp_run(cfg: TrainConfig, world: int, threads: int = 1) -> dict:
+    """Train `cfg` (resolved) in PyTorch FSDP2 as ddp_run trains it in DDP: `world` processes, gloo over loopback,
+    the same initial weights and global batches, fully_shard on each block and then on the whole model (the
+    root unit: wte, tied with the classifier, wpe and ln_f), PyTorch's defaults otherwise (parameters resharded
+    after forward, gradients reduce-scattered per unit). Returns {"step_ms": per step (rank 0), "losses",
+    "state_bytes": rank 0's local shards of the parameters, gradients and AdamW's exp_avg and exp_avg_sq after
+    the last step, "rss_growth_bytes": per rank, its process's peak RSS less its RSS before the model was built
+    (everything the run took: shards, gathered units, activations, the allocator's caches)}."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="xtrain-torch-fsdp-") as tmp:
+        try:
+            mp.spawn(_fsdp_rank, args=(world, Path(tmp), cfg, threads), nprocs=world, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            last = str(err).strip().splitlines()[-1]
+            raise XtrainError(f"the PyTorch FSDP2 peer failed in rank {err.error_index}: {last}") from None
+        with np.load(Path(tmp) / "rank0.npz") as saved:
+            result = {"step_ms": saved["step_ms"].tolist(), "losses": saved["losses"].tolist(),
+                      "state_bytes": {k: int(saved[k]) for k in ("parameters", "gradients", "optimizer")}}
+        result["rss_growth_bytes"] = [int((Path(tmp) / f"rank{r}.rss").read_text()) for r in range(world)]
+    return result
+
+
+def _fsdp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int) -> None:
+    """One process of fsdp_run."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .. import model as our_model
+    from ..backend import numpy_ops
+    from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from ..data.sampler import BatchSampler
+
+    def rss() -> int:  # this process's resident set now, from /proc (ru_maxrss is the peak)
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank, world_size=world)
+    try:
+        corpus = Corpus.load(cfg.tokenizer or DEFAULT_TOKENIZER, cfg.corpus or DEFAULT_CORPUS,
+                             val_path=cfg.val_corpus or None)
+        mcfg = model_config(cfg.model, corpus.vocab_size)
+        state = our_model.GPT2(mcfg, numpy_ops, seed=cfg.seed).state_dict()
+        before = rss()
+        module = build(mcfg, state, sdpa=True)
+        del state
+        mesh = init_device_mesh("cpu", (world,))
+        for block in module.transformer["h"]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        opt = adamw(module, cfg)
+        sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=world)
+        loss_scale = sampler.n_local * world / cfg.batch  # FSDP averages the ranks' gradients, as DDP does
+        step_ms, losses = [], []
+        for step in range(cfg.steps):
+            ids, targets = (torch.from_numpy(a.astype(np.int64)) for a in sampler.next())
+            t0 = time.perf_counter()
+            loss, _ = train_step(module, opt, ids, targets, step, cfg, loss_scale)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            loss = loss.detach()
+            dist.all_reduce(loss)
+            losses.append(loss.item() / world)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        params = list(module.parameters())
+        local = [p.to_local() for p in params]
+        nbytes = {"parameters": sum(t.nbytes for t in local),
+                  "gradients": sum(p.grad.to_local().nbytes for p in params if p.grad is not None),
+                  "optimizer": sum(v.to_local().nbytes for p in params for v in opt.state[p].values()
+                                   if torch.is_tensor(v) and v.dim() > 0)}
+        (tmp / f"rank{rank}.rss").write_text(str(peak - before))
+        if rank == 0:
+            np.savez(tmp / "rank0.npz", step_ms=np.array(step_ms), losses=np.array(losses), **nbytes)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -6,20 +6,23 @@ gradients and AdamW's m and v alike) and runs AdamW's per-element arithmetic (op
   stage  parameters        gradients                          optimizer state  filled by
   0      whole             whole                              whole            all-reduce (parallel/ddp.py)
   1      whole             whole, the shard reduced           the shard        reduce-scatter, all-gather after AdamW
-  2      whole             the shard + blocks in backward     the shard        reduce-scatter per block, all-gather
-  3      the shard + the   the shard + blocks in backward     the shard        all-gather per block before use,
-         blocks in use                                                         reduce-scatter per block
+  2      whole             the shard + units in backward      the shard        reduce-scatter per unit, all-gather
+  3      the shard + the   the shard + units in backward      the shard        all-gather per unit before use,
+         units in use                                                          reduce-scatter per unit
 
 ZeRO-1 is ShardedAdamW, whose gradients parallel/ddp.py's PieceReducer reduce-scatters into the shards.
 ZeRO-2 (ShardedGradAdamW) and ZeRO-3 (FullyShardedAdamW) are also the model's `units` (model.WholeBuffers'
-hooks): backward asks for a block's gradient buffer before the block runs (before_backward) and announces it
-final after (on_grads_ready, the gradient sync's call); forward and backward ask ZeRO-3 for a block's
-parameters before it runs (before_forward, before_backward). The model never knows the stage, nor the loop.
+hooks): backward asks for a unit's gradient buffer before the step that writes it (before_backward), which also
+says that the units the steps before wrote are final (as does backward's announcement, on_grads_ready, the
+gradient sync's call); forward and backward ask ZeRO-3 for a unit's parameters before the step that reads them
+(before_forward, before_backward). The model never knows the stage, nor the loop.
 
-The unit is what backward announces (model.layer_grad_ranges: a block, with ln_f the last one and with the
-embeddings the end) for gradients, and for ZeRO-3's parameters ln_f, each block, wpe and wte (tied with the
-classifier) on their own. Every collective of a stage runs on one communication thread per rank, in the
-order the rank's own thread hands them over, which is the same on every rank: the passes are the same code.
+The units (param_units) are ln_f, each block's MLP half and attention half, wpe and wte, for gradients and
+parameters alike; pass_steps says which steps read and write which. wte (tied with the classifier) is gathered
+for the embedding and for the head only, and its gradient exists only during the embedding's backward, where
+the model also takes the classifier's part of it (model.WholeBuffers.wte_grad_at_end). Every collective of a
+stage runs on one communication thread per rank, in the order the rank's own thread hands them over, which is
+the same on every rank: the passes are the same code.
 
 Reduction order. A shard's gradient is the sum over ranks, in rank order, of each rank's gradient (the
 communicator's reduce-scatter, as ZeRO-1's). With one micro-batch per step the per-rank gradient is the same
@@ -189,26 +192,56 @@ def _serve_calls(work: queue.Queue, errors: list, ops) -> None:
 
 
 def param_units(layout, blocks) -> dict:
-    """ZeRO-3's units of the parameters: key ("ln_f", a block's index, "wpe", "wte") -> (lo, hi, specs) of the
-    flat layout."""
+    """The units ZeRO-2 and -3 gather and reduce-scatter: key -> (lo, hi, specs) of the flat layout. A block is two
+    units, its MLP half ("mlp", i: c_proj, c_fc, ln_2) and its attention half ("attn", i: c_proj, c_attn, ln_1),
+    each a contiguous run of the layout (model._block_params lists a block in backward's order); ln_f, wpe and
+    wte (tied with the classifier) are one each. Halves, because a rank in backward holds a unit's parameters,
+    its gradient, the next unit's prefetched parameters and the previous unit's gradient in its reduce-scatter:
+    with whole blocks that is four blocks, with halves about two."""
     units = {}
-    for key in ["ln_f", *blocks, "wpe", "wte"]:
-        specs = [s for s in layout if s.name.startswith(
-            f"transformer.h.{key}." if isinstance(key, int) else f"transformer.{key}.")]
+
+    def add(key, specs):
         units[key] = (specs[0].offset, specs[-1].offset + specs[-1].size, specs)
+
+    add("ln_f", [s for s in layout if s.name.startswith("transformer.ln_f.")])
+    for i in blocks:
+        mine = [s for s in layout if s.name.startswith(f"transformer.h.{i}.")]
+        cut = next(n for n, s in enumerate(mine) if s.name.endswith("ln_2.bias")) + 1
+        add(("mlp", i), mine[:cut])
+        add(("attn", i), mine[cut:])
+    add("wpe", [s for s in layout if s.name == "transformer.wpe.weight"])
+    add("wte", [s for s in layout if s.name == "transformer.wte.weight"])
     return units
 
 
-def pass_steps(blocks) -> tuple[list, dict]:
-    """The steps of a forward and backward pass in order, and the units each one reads (see FullyShardedAdamW)."""
-    order = ([("forward", "embed")] + [("forward", i) for i in blocks] + [("forward", "head")] +
-             [("backward", "head")] + [("backward", i) for i in reversed(blocks)] + [("backward", "embed")])
-    needs = {("forward", "embed"): ["wte", "wpe", blocks[0]], ("forward", "head"): ["ln_f", "wte"],
-             ("backward", "head"): ["ln_f", "wte"], ("backward", "embed"): []}
+def pass_steps(blocks) -> tuple[list, dict, dict]:
+    """The steps of a forward and backward pass in order (the model's before_forward and before_backward calls),
+    the units each one reads the parameters of, and the units each one writes the gradients of.
+
+    Forward: the embedding reads wte, wpe and block 0's ln_1 (its layernorm runs with the embedding); a block's
+    attention half reads its attention unit, its MLP half (from the residual sum with ln_2 on) its MLP unit and
+    the next block's ln_1 or ln_f (the same op sums the residual and runs the next layernorm); the head ln_f and
+    wte. Backward: the head reads ln_f and wte and writes ln_f's gradient; each half reads and writes its unit;
+    the embedding reads nothing and writes wpe's and wte's gradients, the classifier's part of wte's included
+    (the model takes it at the end of backward, ShardedGradAdamW.wte_grad_at_end). Every unit's gradient is
+    written by one step only, so it is final when the next step starts."""
+    order = [("forward", "embed")]
     for i in blocks:
-        needs["forward", i] = [i, i + 1 if i < blocks[-1] else "ln_f"]
-        needs["backward", i] = [i]
-    return order, needs
+        order += [("forward", ("attn", i)), ("forward", ("mlp", i))]
+    order += [("forward", "head"), ("backward", "head")]
+    for i in reversed(blocks):
+        order += [("backward", ("mlp", i)), ("backward", ("attn", i))]
+    order += [("backward", "embed")]
+    needs = {("forward", "embed"): ["wte", "wpe", ("attn", blocks[0])], ("forward", "head"): ["ln_f", "wte"],
+             ("backward", "head"): ["ln_f", "wte"], ("backward", "embed"): []}
+    writes = {"head": ["ln_f"], "embed": ["wpe", "wte"]}
+    for i in blocks:
+        needs["forward", ("attn", i)] = [("attn", i)]
+        needs["forward", ("mlp", i)] = [("mlp", i), ("attn", i + 1) if i < blocks[-1] else "ln_f"]
+        for half in ("mlp", "attn"):
+            needs["backward", (half, i)] = [(half, i)]
+            writes[half, i] = [(half, i)]
+    return order, needs, writes
 
 
 def window(order, needs, n: int, prefetch: int) -> set:
@@ -216,28 +249,25 @@ def window(order, needs, n: int, prefetch: int) -> set:
     return {key for later in order[n:n + 1 + prefetch] for key in needs[later]}
 
 
-def gathered_elements(layout, blocks, prefetch: int) -> int:
-    """The most elements of gathered parameters a ZeRO-3 rank holds at once (the memory bound's figure)."""
-    units = param_units(layout, blocks)
-    order, needs = pass_steps(blocks)
-    return max(sum(units[k][1] - units[k][0] for k in window(order, needs, n, prefetch)) for n in range(len(order)))
+def transient_bytes(sizes: dict, blocks, stage: int, prefetch: int, param_itemsize: int) -> tuple[int, int]:
+    """(parameter bytes, gradient bytes) beside the shards at the pass step where a ZeRO-2 (stage 2) or ZeRO-3
+    rank holds the most at once: at ZeRO-3 the gathered units of the step's window (param_itemsize each: the
+    activation dtype's), and at both the float32 gradient buffers the step writes. sizes: unit key -> elements
+    (param_units' spans, or the planner's closed form). A lower bound: a unit's gradient still in its
+    reduce-scatter while the next step runs is not counted (the measured peak holds at most one more)."""
+    order, needs, writes = pass_steps(blocks)
+    best = (0, 0)
+    for n, (direction, step) in enumerate(order):
+        gathered = sum(sizes[k] for k in window(order, needs, n, prefetch)) if stage == 3 else 0
+        grads = sum(sizes[k] for k in writes[step]) if direction == "backward" else 0
+        here = (param_itemsize * gathered, 4 * grads)
+        best = max(best, here, key=sum)
+    return best
 
 
-def grad_buffer_elements(ranges) -> int:
-    """The fewest elements of unit gradient buffers a ZeRO-2/3 rank holds at the worst moment of backward: the
-    embeddings' unit (the last range: alive through backward) and the largest other one beside it."""
-    sizes = [hi - lo for lo, hi in ranges]
-    return sizes[-1] + max(sizes[:-1], default=0)
-
-
-def _step_specs(model, step) -> list:
-    """The parameters a pass step reads or writes the gradient of: the head (ln_f and the tied wte), a block,
-    or the embeddings (wpe and wte)."""
-    if step == "head":
-        return [s for s in model.layout if s.name.startswith("transformer.ln_f.") or s.name.endswith("wte.weight")]
-    if step == "embed":
-        return [s for s in model.layout if s.name.startswith(("transformer.wte.", "transformer.wpe."))]
-    return [s for s in model.layout if s.name.startswith(f"transformer.h.{step}.")]
+def unit_sizes(layout, blocks) -> dict:
+    """param_units' spans in elements (transient_bytes' sizes)."""
+    return {key: hi - lo for key, (lo, hi, _) in param_units(layout, blocks).items()}
 
 
 class ShardedGradAdamW(ShardedAdamW):
@@ -245,33 +275,31 @@ class ShardedGradAdamW(ShardedAdamW):
 
     What a rank holds: the whole float32 parameters (and their bf16 copy under bf16), its shard of the
     gradients (self.grad, hi - lo float32), m and v of its shard, and, during backward, the gradient buffers
-    of the units backward is filling or has announced and the communication thread has not reduce-scattered
-    yet: the unit of the block running, ln_f's unit (with the last block) from the head's backward until that
-    block ends, and the embeddings' unit (wpe and wte) through the whole backward, since the tied classifier
-    adds to wte's gradient at its start and the embedding at its end. Announced units wait in the thread's
-    queue; each is dropped as soon as its reduce-scatter has added its part into the shard. No buffer of the
-    whole gradient exists.
+    of the units (param_units: ln_f, each block's MLP and attention halves, wpe, wte) that the step running
+    writes, and of those its communication thread has not reduce-scattered yet. A unit's gradient is final when
+    the next step starts (each is written by one step, pass_steps), or when backward announces its range, which
+    ever comes first; it is then handed to the thread, and dropped as soon as its reduce-scatter has added its
+    part into the shard. No buffer of the whole gradient exists. wte's gradient lives only through the
+    embedding's backward: the model takes the tied classifier's part of it there too (wte_grad_at_end), with
+    the same operands and in the same order as at the head, so the same bits.
 
     The model's gradient views (model.g) point into these buffers while they live and are None otherwise."""
 
     every_micro_batch = True  # the loop announces every micro-batch's gradients, not only the last one's
+    wte_grad_at_end = True  # the model: the classifier's wte gradient at the embedding's backward (see above)
 
     def __init__(self, model, cfg: TrainConfig, comm):
         super().__init__(model, cfg, comm)
         xp = self.ops.xp
         self.grad = xp.zeros(self.hi - self.lo, dtype=model.grads.dtype)
         self.compress = cfg.grad_compress == "bf16"
-        self.ranges = model.layer_grad_ranges()
-        self._range_specs = [[s for s in model.layout if lo <= s.offset < hi] for lo, hi in self.ranges]
-        self._range_at = {lo: r for r, (lo, _) in enumerate(self.ranges)}
-        # which units' gradient buffers each backward step writes into
-        self._writes = {}
-        for step in ["head", *model.blocks, "embed"]:
-            self._writes[step] = sorted({r for s in _step_specs(model, step) for r, (lo, hi) in enumerate(self.ranges)
-                                         if lo <= s.offset < hi})
-        self._filling: dict = {}   # unit index -> its gradient buffer, while backward writes it
+        self.param_units = param_units(model.layout, model.blocks)  # key -> (lo, hi, specs) of the flat layout
+        self.order, self.needs, self._writes = pass_steps(model.blocks)
+        self._filling: dict = {}   # unit key -> its gradient buffer, while backward writes it
         self._reduced: set = set()  # units whose sum is in self.grad this step: the next micro-batch adds to it
-        self.peak_grad_buffer_bytes = 0  # the most bytes of unit gradient buffers alive at once
+        self._in_flight: list = []  # the events of the reduce-scatters handed over and maybe not done
+        # the most bytes of gathered parameters and gradient buffers alive at once, as (gathered, gradients)
+        self.peak_transient = (0, 0)
         self._grad_buffer_bytes = 0
         self._counting = threading.Lock()  # the rank's thread adds a buffer's bytes, the communication thread takes
         self.thread = _CommThread(self.ops, f"rank{comm.rank}-zero")
@@ -288,28 +316,57 @@ class ShardedGradAdamW(ShardedAdamW):
         pass
 
     def before_backward(self, step) -> None:
+        self._submit_final(step)
+        self._allocate(step)
+        self._count()
+
+    def _submit_final(self, step) -> None:
+        """Hand the thread the gradients the steps before `step` wrote: no later step writes them."""
+        for key in [k for k in self._filling if k not in self._writes[step]]:
+            self._submit(key)
+
+    def _allocate(self, step) -> None:
+        """Zeroed gradient buffers for the units `step` writes, the model's views bound to them. First the rank
+        waits until at most one reduce-scatter is still running (the one just handed over), so that buffers
+        do not pile up behind a slow thread: a rank holds the step's buffers and at most one unit's more."""
+        if len(self._in_flight) > 1:
+            waiting = self.ops.timestamp()
+            while len(self._in_flight) > 1:
+                self.thread.wait(self._in_flight.pop(0))
+            self.comm.waited(waiting, self.ops.timestamp())
         xp = self.ops.xp
-        for r in self._writes[step]:
-            if r not in self._filling:
-                lo, hi = self.ranges[r]
+        for key in self._writes[step]:
+            if key not in self._filling:
+                lo, hi, specs = self.param_units[key]
                 buf = xp.zeros(hi - lo, dtype=self.grad.dtype)
-                self._filling[r] = buf
+                self._filling[key] = buf
                 with self._counting:
                     self._grad_buffer_bytes += buf.nbytes
-                    self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self._grad_buffer_bytes)
-                bind_views(self.model.g, buf, self._range_specs[r], lo)
+                bind_views(self.model.g, buf, specs, lo)
+
+    def _gathered_bytes(self) -> int:
+        return 0
+
+    def _count(self) -> None:
+        with self._counting:
+            here = (self._gathered_bytes(), self._grad_buffer_bytes)
+        self.peak_transient = max(self.peak_transient, here, key=sum)
 
     # ------------------------------------------------------------ the gradient sync's calls
     def on_grads_ready(self, start: int, end: int) -> None:
-        r = self._range_at[start]
-        buf = self._filling.pop(r)
-        bind_views(self.model.g, None, self._range_specs[r])
-        self.thread.submit(lambda: self._reduce_into_shard(r, buf))
+        for key in [k for k in self._filling if start <= self.param_units[k][0] < end]:
+            self._submit(key)
 
-    def _reduce_into_shard(self, r: int, buf) -> None:
-        """On the communication thread: unit r's gradient summed over the ranks, this rank's part of it added
-        into its shard (written, for the step's first micro-batch); then the buffer goes."""
-        lo, hi = self.ranges[r]
+    def _submit(self, key) -> None:
+        buf = self._filling.pop(key)
+        bind_views(self.model.g, None, self.param_units[key][2])
+        self._in_flight.append(self.thread.submit(lambda: self._reduce_into_shard(key, buf)))
+
+    def _reduce_into_shard(self, key, buf) -> None:
+        """On the communication thread: unit `key`'s gradient summed over the ranks, this rank's part of it added
+        into its shard (written, for the step's first micro-batch); then the buffer goes. The sum is elementwise,
+        so cutting the gradient into other units gives the same bits."""
+        lo, hi, _ = self.param_units[key]
         counts = _overlaps(lo, hi, self.shards)
         offsets = shard_offsets(hi - lo, self.comm.world_size, counts)
         rank = self.comm.rank
@@ -321,11 +378,11 @@ class ShardedGradAdamW(ShardedAdamW):
             self.ops.bf16_round(part)
         start = max(lo, self.lo) - self.lo
         into = self.grad[start:start + part.size]
-        if r in self._reduced:
+        if key in self._reduced:
             into += part
         else:
             into[...] = part
-            self._reduced.add(r)
+            self._reduced.add(key)
         with self._counting:
             self._grad_buffer_bytes -= buf.nbytes
 
@@ -334,13 +391,15 @@ class ShardedGradAdamW(ShardedAdamW):
         self.thread.drain()
         self.comm.waited(backward_done, self.ops.timestamp())
         self._reduced.clear()
+        self._in_flight.clear()
         if self._filling:
-            raise RuntimeError(f"backward never announced the gradients of units {sorted(self._filling)}")
+            raise RuntimeError(f"backward never announced the gradients of units {sorted(map(str, self._filling))}")
 
     def reset(self) -> None:
         self.thread.drain()
         self._reduced.clear()
         self._filling.clear()
+        self._in_flight.clear()
 
     # ------------------------------------------------------------ the step
     @property
@@ -365,13 +424,14 @@ class ShardedGradAdamW(ShardedAdamW):
 
 class FullyShardedAdamW(ShardedGradAdamW):
     """ZeRO-3: parameters sharded too. A rank keeps its float32 shard of the parameters (self.params), and
-    gathers a unit's parameters (ln_f, a block, wpe, wte) into a buffer of their own just before a pass step
-    reads them, binding the model's views (model.p) to it, and drops it when no step in reach needs it.
+    gathers a unit's parameters (param_units: ln_f, a block's MLP or attention half, wpe, wte) into a buffer of
+    their own just before a pass step reads them, binding the model's views (model.p) to it, and drops it when
+    no step in reach needs it.
 
-    What a pass step needs: the embedding wte, wpe and block 0 (its ln_1 runs with the embedding); block i's
-    forward block i and block i + 1 (the next ln_1, or ln_f, runs in the same op as the residual sum); the
-    head ln_f and wte, in forward and backward; block i's backward block i alone; the embedding's backward
-    nothing. With --zero3-prefetch N the units of the next N steps of the pass are gathered by the
+    What each pass step reads is pass_steps' table: wte is gathered for the embedding and for the head (the
+    classifier's product in forward and its input gradient in backward), and dropped between; the embedding's
+    backward needs no parameter (the classifier's wte gradient, taken there, reads the logits' gradient and
+    ln_f's output). With --zero3-prefetch N the units of the next N steps of the pass are gathered by the
     communication thread while this one computes; the window (what this step needs and what the next N do) is
     all a rank holds whole, plus the gradient buffers ZeRO-2 holds. Nothing is prefetched past the end of
     backward: the optimizer is about to change the parameters. Under bf16 the gathered float32 unit is
@@ -389,20 +449,22 @@ class FullyShardedAdamW(ShardedGradAdamW):
         self.prefetch = cfg.zero3_prefetch
         model.params = model.params_lowp = model.decay_mask = None
         bind_views(model.p, None, model.layout)
-        self.param_units = param_units(model.layout, model.blocks)  # key -> (lo, hi, specs) of the flat layout
-        self.order, self.needs = pass_steps(model.blocks)
         self._position = {at: n for n, at in enumerate(self.order)}
         self.held: dict = {}    # key -> the buffer the model's views point into
         self.coming: dict = {}  # key -> (event, float32 buffer) of a gather handed to the thread
-        self.peak_gathered_bytes = 0  # the most bytes of gathered units alive at once (held and coming)
 
     # ------------------------------------------------------------ the model's hooks
     def before_forward(self, step) -> None:
         self._use(("forward", step))
+        self._count()
 
     def before_backward(self, step) -> None:
+        # the finished gradients' reduce-scatters are queued before this step's gathers, which the rank then
+        # waits for: so they are done, and their buffers gone, by the time the step computes
+        self._submit_final(step)
         self._use(("backward", step))
-        super().before_backward(step)
+        self._allocate(step)
+        self._count()
 
     def forward_done(self) -> None:
         """A forward without backward (evaluation, generation) ends: wait for what is coming, drop it all."""
@@ -430,7 +492,6 @@ class FullyShardedAdamW(ShardedGradAdamW):
         for key in ahead:
             if key not in self.held and key not in self.coming:
                 self.coming[key] = self._gather(key)
-        self._count()
 
     def _gather(self, key):
         """Hand the all-gather of unit `key`'s parameters to the communication thread: (event, buffer)."""
@@ -464,9 +525,8 @@ class FullyShardedAdamW(ShardedGradAdamW):
         for key in list(self.held):
             self._release(key)
 
-    def _count(self) -> None:
-        alive = sum(b.nbytes for b in self.held.values()) + sum(b.nbytes for _, b in self.coming.values())
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, alive)
+    def _gathered_bytes(self) -> int:
+        return sum(b.nbytes for b in self.held.values()) + sum(b.nbytes for _, b in self.coming.values())
 
     # ------------------------------------------------------------ the step and the checkpoints
     @property

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from ..config import VOCAB_ALIGN, GPTConfig
 from ..errors import XtrainError
 from ..model import ALIGN
-from ..parallel.zero import shard_bounds
+from ..parallel.zero import shard_bounds, transient_bytes
 from ..train.memory import ITEMSIZE, RankMemory, saved_activations
 
 # bytes of one activation element: bf16 on a GPU, float32 otherwise (train/job.py's act_itemsize)
@@ -172,6 +172,17 @@ def activation_bytes(shape: Shape, mesh: Mesh, run: Run, rows: int) -> int:
     return max(first, last)
 
 
+def unit_elements(shape: Shape, mesh: Mesh) -> dict:
+    """ZeRO-2/3's units (parallel/zero.py's param_units) in elements, from the shape: a block's MLP half (its
+    projection, its first layer, ln_2) and attention half (its projection, q|k|v, ln_1), wte, wpe, ln_f."""
+    tensors = [pad(n) for n in layer_tensors(shape, mesh.tp)]
+    sizes = {"wte": pad(shape.padded_vocab(mesh.tp) * shape.d_model // mesh.tp),
+             "wpe": pad(shape.n_ctx * shape.d_model), "ln_f": 2 * pad(shape.d_model) if mesh.pp == 1 else 0}
+    for i in range(-(-shape.n_layer // mesh.pp)):
+        sizes["mlp", i], sizes["attn", i] = sum(tensors[:6]), sum(tensors[6:])
+    return sizes
+
+
 def device_memory(shape: Shape, mesh: Mesh, run: Run) -> RankMemory:
     """memory.RankMemory of the device that holds the most (data-parallel rank 0, which takes the most
     sequences when dp does not divide the batch): the float32 master, the bf16 copy forward reads under
@@ -182,16 +193,15 @@ def device_memory(shape: Shape, mesh: Mesh, run: Run) -> RankMemory:
     parameters = 4 * size + (act * size if run.precision == "bf16" else 0) + ITEMSIZE["u8"] * size
     lo, hi = shard_bounds(size, mesh.dp)[0] if run.zero else (0, size)
     gradients = 4 * size
-    # ZeRO-2 and -3 (parallel/zero.py): the shard, and the buffers backward fills: the embeddings' (alive through
-    # backward, the tied wte) and a block's; ZeRO-3 also gathers the parameters of the embeddings and two blocks
-    # at the widest (--zero3-prefetch 1: block 0's ln_1 with the embedding, block 1 prefetched)
-    block = sum(pad(n) for n in layer_tensors(shape, mesh.tp))
-    embeddings = pad(shape.n_ctx * shape.d_model) + pad(shape.padded_vocab(mesh.tp) * shape.d_model // mesh.tp)
-    if run.zero >= 2:  # (ln_f's gradient shares the last block's buffer)
-        gradients = 4 * (hi - lo) + 4 * (embeddings + block + (2 * pad(shape.d_model) if mesh.pp == 1 else 0))
-    if run.zero == 3:
-        gathered = (act if run.precision == "bf16" else 4) * (embeddings + 2 * block)
-        parameters = (4 + ITEMSIZE["u8"]) * (hi - lo) + gathered
+    if run.zero >= 2:  # ZeRO-2 and -3 (parallel/zero.py): the shards, and what the pass step that holds the most
+        # holds beside them (gathered units at ZeRO-3, gradient buffers), walked over the units' closed-form sizes
+        # at the trainer's default --zero3-prefetch 1
+        layers = -(-shape.n_layer // mesh.pp)
+        gathered, buffers = transient_bytes(unit_elements(shape, mesh), list(range(layers)), run.zero, 1,
+                                            act if run.precision == "bf16" else 4)
+        gradients = 4 * (hi - lo) + buffers
+        if run.zero == 3:
+            parameters = (4 + ITEMSIZE["u8"]) * (hi - lo) + gathered
     rows = len(range(0, run.batch, mesh.dp))
     return RankMemory(parameters=parameters, gradients=gradients, optimizer=2 * 4 * (hi - lo),
                       activations=activation_bytes(shape, mesh, run, -(-rows // run.grad_accum)))

@@ -378,6 +378,10 @@ WITHOUT_EFFECT = [
      "--powersgd-rank has no effect without --grad-compress powersgd"),
     ("--powersgd-start-step", lambda a, launch: a.grad_compress == "powersgd",
      "--powersgd-start-step has no effect without --grad-compress powersgd"),
+    # ZeRO-2 and -3 reduce-scatter each of their units (a block's half, ln_f, wpe, wte) as backward finishes it
+    ("--bucket-mb", lambda a, launch: a.zero < 2,
+     "--bucket-mb has no effect at --zero 2 and 3: each unit (a block's half, ln_f, wpe, wte) is reduce-scattered "
+     "as backward finishes it"),
     ("--bucket-mb", lambda a, launch: a.grad_sync == "bucketed",
      "--bucket-mb has no effect without --grad-sync bucketed"),
 ]

@@ -374,6 +374,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
 
     result.param_sha256 = param_sha256(model)
     if cfg.zero >= 2:
-        result.zero_peak_bytes = {"grad_buffers": optimizer.peak_grad_buffer_bytes,
-                                  "gathered_params": getattr(optimizer, "peak_gathered_bytes", 0)}
+        # the gathered parameters and gradient buffers alive when their sum was largest (parallel/zero.py)
+        gathered, grad_buffers = optimizer.peak_transient
+        result.zero_peak_bytes = {"grad_buffers": grad_buffers, "gathered_params": gathered}
     return result

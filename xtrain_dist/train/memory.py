@@ -11,7 +11,6 @@ out the transient ones (an op's temporaries, the gradients of activations, alloc
 refused by it cannot have fit, and a run it passes may still run short.
 """
 
-import itertools
 import math
 import resource
 import sys
@@ -23,7 +22,7 @@ from ..errors import XtrainError
 from ..model import param_layout, stage_blocks, vocab_rows
 from ..parallel.pipeline import schedule_peak_in_flight
 from ..parallel.powersgd import state_elements
-from ..parallel.zero import gathered_elements, grad_buffer_elements, shard_bounds
+from ..parallel.zero import shard_bounds, transient_bytes, unit_sizes
 
 GIB = float(1 << 30)
 ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
@@ -74,8 +73,8 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
 class RankMemory:
     """Bytes one rank holds, by what holds them."""
     parameters: int    # the float32 master, the activation-dtype copy forward reads, the weight-decay mask (ZeRO-3:
-    #                    the rank's shards of them, and the most gathered blocks it holds at once)
-    gradients: int     # the whole buffer, or (ZeRO-2, -3) the rank's shard and the blocks' buffers in backward
+    #                    the rank's shards of them, and the units gathered at the pass step that holds the most)
+    gradients: int     # the whole buffer, or (ZeRO-2, -3) the rank's shard and that step's units' buffers
     optimizer: int     # AdamW's m and v: the whole buffer, or this rank's ZeRO-1/2/3 shard
     activations: int   # what forward keeps for backward: the rank's largest micro-batch's, times the micro-batches
     #                    a pipeline stage holds at once (parallel/pipeline.py's peak_in_flight)
@@ -142,13 +141,14 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
         gradients = 4 * size
         # ZeRO-1 shards the rank's flat buffer over its data-parallel group
         lo, hi = bounds[dp_index] if cfg.zero else (0, size)
-        if cfg.zero >= 2:  # parallel/zero.py: the gradient's shard, and the blocks' buffers backward fills
+        if cfg.zero >= 2:  # parallel/zero.py: the shards, and the gathered units and gradient buffers of the pass
+            # step that holds the most at once (gathered parameters in the activation dtype)
             blocks = stage_blocks(config.n_layer, pp, stage)
-            ends = [s.offset + s.size for s in layout if s.name.endswith("ln_1.bias")]  # each block's last tensor
-            gradients = 4 * (hi - lo) + 4 * grad_buffer_elements(list(itertools.pairwise([0, *ends, size])))
-        if cfg.zero == 3:  # the shards, and the gathered blocks of the widest window (in the activation dtype)
-            parameters = (4 + ITEMSIZE["u8"]) * (hi - lo) + gathered_elements(
-                layout, blocks, cfg.zero3_prefetch) * (act_itemsize if cfg.dtype != "fp32" else 4)
+            gathered, buffers = transient_bytes(unit_sizes(layout, blocks), blocks, cfg.zero, cfg.zero3_prefetch,
+                                                act_itemsize if cfg.dtype != "fp32" else 4)
+            gradients = 4 * (hi - lo) + buffers
+            if cfg.zero == 3:
+                parameters = (4 + ITEMSIZE["u8"]) * (hi - lo) + gathered
         # one micro-batch at a time without a pipeline (gradient accumulation), whatever --pp-schedule says
         in_flight = schedule_peak_in_flight(cfg.pp_schedule, pp, cfg.grad_accum, stage) if pp > 1 else 1
         # the rank takes the sequences i % dp == its data-parallel index, then cuts them into --grad-accum
