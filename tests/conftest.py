@@ -67,6 +67,7 @@ def _gpu_usable() -> bool:
         return False
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is not loaded (-p no:xdist)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: two workers a core. Many tests wait more than they compute (processes starting, a peer's
     timeout, an MPI job's launch): with one worker a core the cores idled through those waits, about a fifth
