@@ -118,9 +118,11 @@ def test_a_pipelined_step_is_world_one_s_and_sends_b_t_c_per_micro_batch_each_wa
         assert sent == [B * T * DEEP.n_embd] * micro * ((stage < pp - 1) + (stage > 0))
         np.testing.assert_allclose(grads, one.grads[:one.full_size], rtol=1e-9, atol=1e-15)
         np.testing.assert_allclose(norm_squared, one.grad_norm_squared(), rtol=1e-12)
-    # the first and last stages' wte gradients: the sum of both, the same bits on both
-    first, last = results[0][3], results[-1][3]
-    assert np.array_equal(first, last)
+    # the first and last stages' wte gradients: the sum of both, the same bits on both (at tp 2 each
+    # tensor-parallel rank holds its rows of the vocabulary: rank t of the first stage and rank t of the last)
+    for t in range(tp):
+        first, last = results[t][3], results[(pp - 1) * tp + t][3]
+        assert np.array_equal(first, last)
 
 
 def test_a_stage_keeps_the_activations_memory_counts():
@@ -189,10 +191,15 @@ def test_training_at_pp_follows_world_one_and_keeps_replicas_and_wte_copies_bitw
     for r in range(world):
         assert digests[r] == digests[r // (dp * tp) * dp * tp + r % tp]
     assert len(set(digests)) == 2 * tp
-    # the first and last stages' copies of wte are one parameter: equal bits on every rank that holds one
+    # the first and last stages' copies of wte are one parameter: equal bits on every rank that holds the same
+    # rows of it (at tp 2, the vocabulary-parallel classifier's: each tensor-parallel rank its own rows)
     assert len(models) == world
-    wte = [m.params[s.offset: s.offset + s.size] for m in models for s in m.layout if s.name == WTE]
-    assert len(wte) == world and all(np.array_equal(w, wte[0]) for w in wte[1:])
+    wte = {}
+    for m in models:
+        [part] = [m.params[s.offset: s.offset + s.size] for s in m.layout if s.name == WTE]
+        wte.setdefault(m.vocab_row0, []).append(part)
+    assert len(wte) == tp and sum(map(len, wte.values())) == world
+    assert all(np.array_equal(w, rows[0]) for rows in wte.values() for w in rows[1:])
     # each step, each rank sends its rows' (B_micro x T x C) activations or gradients once per micro-batch:
     # its data-parallel group's BATCH / dp rows x SEQ x C floats in all
     C = model_config("tiny", corpus.vocab_size).n_embd
