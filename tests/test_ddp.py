@@ -394,3 +394,30 @@ def test_a_config_built_in_code_is_checked_as_the_command_line_is(options, messa
     with pytest.raises(XtrainError) as raised:
         ddp.check_config(cfg)
     assert str(raised.value).startswith(message)
+
+
+def test_settle_returns_once_every_bucket_handed_over_is_reduced_and_none_after():
+    """The overlapped sync's order beside --tp/--pp (BucketedGradSync.settle): when settle returns, the
+    communication thread has issued every bucket backward handed over (on the CPU issued is done), however slow
+    its communicator, and none of the buckets not yet handed over; settle before any hand-over issues nothing."""
+    n = 3 * 96
+    cfg = TrainConfig(steps=1, batch=1, seq=1, world_size=1, grad_sync="bucketed", bucket_mb=96 * 4 / ddp.MIB)
+    issued = []
+
+    class Slow:
+        rank, world_size = 0, 1
+
+        def all_reduce(self, buf):
+            threading.Event().wait(0.05)  # a slow wire: without settle's wait, the list below would be short
+            issued.append(buf.size)
+
+    model = SimpleNamespace(size=n, grads=np.zeros(n, np.float32), ops=numpy_ops)
+    grad_sync = ddp.make_grad_sync(cfg, Slow(), model)
+    grad_sync.settle()
+    assert issued == []
+    grad_sync.on_grads_ready(0, 2 * 96)
+    grad_sync.settle()
+    assert issued == [96, 96]
+    grad_sync.finish()
+    assert issued == [96, 96, 96]
+    grad_sync.close()

@@ -359,14 +359,16 @@ def test_a_bad_pp_on_the_command_line_is_one_line_and_exit_status_2():
         2, "", "train_ddp: error: --pp must be a divisor of the world size (4), got '3'\n")
 
 
-def test_pp_with_the_cuda_backend_refuses_the_overlapped_sync_in_one_line():
-    """Checked here without a GPU (tests/test_cuda_ops.py runs the allowed syncs on the CUDA backend)."""
-    cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda")
+def test_pp_with_the_cuda_backend_takes_the_overlapped_sync_and_refuses_powersgd_in_one_line():
+    """Checked here without a GPU (tests/test_cuda_ops.py runs the overlapped sync beside --pp on the CUDA
+    backend, with the flat sync's bits)."""
+    pipeline.check_config(TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda",
+                                      grad_sync="bucketed"), CONFIG)
+    cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda", grad_compress="powersgd")
     with pytest.raises(XtrainError) as info:
         pipeline.check_config(cfg, CONFIG)
-    assert str(info.value).startswith("--pp 2 and --backend cuda --grad-sync bucketed do not work together yet")
-    pipeline.check_config(TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda",
-                                      grad_sync="flat"), CONFIG)
+    assert str(info.value) == ("--pp 2 and --grad-compress powersgd do not work together yet: PowerSGD's factors "
+                               "and error feedback are not cut into pipeline stages")
 
 
 def test_a_stage_s_memory_counts_its_part_and_the_micro_batches_its_schedule_holds(corpus):

@@ -43,6 +43,9 @@ class TimedCommunicator:
         # (start, end, in a collective, exposed, group label, payload bytes)
         self._spans: list[tuple[object, object, bool, bool, str, int]] = []
         self._marks_of = marks_of or self  # whose marks this one's collectives add to
+        # called before each of this communicator's calls: at --tp/--pp on a GPU, the overlapped gradient sync's
+        # settle (parallel/ddp.py), which keeps one order of collectives on every rank
+        self.before = None
 
     def timing(self, comm, label: str) -> "TimedCommunicator":
         """Another communicator of the rank (a group of its mesh) whose collectives are timed into this one's
@@ -98,6 +101,8 @@ class TimedCommunicator:
             owner._spans.append((start, end, False, True, self.label, 0))
 
     def _timed(self, nbytes: int, collective, *args) -> None:
+        if self.before is not None:
+            self.before()
         start = self.clock.timestamp()
         try:
             collective(*args)

@@ -163,6 +163,18 @@ class BucketedGradSync:
         self._errors.clear()
         self._ready = self._issued = 0
 
+    def settle(self) -> None:
+        """Called before the rank's thread queues a collective of another group of its mesh (a tensor-parallel
+        all-reduce, a pipeline transfer; train/loop.py on a GPU): wait on the host until the communication
+        thread has queued every bucket handed over so far, and make the calling stream wait for the last. Each
+        rank's collectives, over all its groups, then run on its device one after another in the order its
+        program reaches them, the same on every rank of a group (docs/parallelism.md): no two communicators'
+        kernels wait on each other across ranks. The buckets still overlap the backward compute up to the next
+        such collective."""
+        if self._issued:
+            self._work.join()
+            self.ops.wait(self._reduced[0])
+
     def finish(self) -> None:
         self._issue_up_to(self.size)  # all of it, also if backward announced nothing
         backward_done = self.ops.timestamp()

@@ -35,7 +35,7 @@ from .tensor import not_yet, refuse_what_does_not_work_yet
 
 SCHEDULES = ("gpipe", "1f1b")  # --pp-schedule
 
-NOT_YET = not_yet("the pipeline's transfers", "pipeline stages")  # what a run with --pp above 1 refuses
+NOT_YET = not_yet("pipeline stages")  # what a run with --pp above 1 refuses
 
 
 def check_config(cfg, config: GPTConfig) -> None:

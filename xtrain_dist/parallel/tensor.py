@@ -16,13 +16,11 @@ from ..errors import XtrainError
 from ..model import check_tp
 
 
-def not_yet(beside: str, cut_into: str) -> tuple:
+def not_yet(cut_into: str) -> tuple:
     """What a model-parallel run (--tp, --pp) refuses, and why: (option, whether the configuration asks for it,
-    why not) for each. beside: the split's own communication; cut_into: what the split cuts the model into."""
+    why not) for each. cut_into: what the split cuts the model into. (The overlapped sync runs beside both on a
+    GPU too: its buckets settle before each of their collectives, parallel/ddp.py.)"""
     return (
-        ("--backend cuda --grad-sync bucketed", lambda cfg: cfg.backend == "cuda" and cfg.grad_sync == "bucketed",
-         f"the overlapped sync's collectives would run beside {beside} on another communicator, in an order NCCL "
-         "does not keep the same on every rank: use --grad-sync flat"),
         ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
          f"PowerSGD's factors and error feedback are not cut into {cut_into}"),
     )
@@ -38,7 +36,7 @@ def refuse_what_does_not_work_yet(split: str, refused: tuple, cfg) -> None:
 TP_CLASSIFIERS = ("vocab", "replicated")
 
 NOT_YET = (
-    *not_yet("the tensor-parallel all-reduces", "tensor-parallel shards"),
+    *not_yet("tensor-parallel shards"),
     ("--backend cuda --tp-classifier vocab", lambda cfg: cfg.backend == "cuda" and cfg.tp_classifier == "vocab",
      "the vocabulary-parallel embedding and cross-entropy have no CUDA kernels yet: add --tp-classifier "
      "replicated"),

@@ -139,10 +139,17 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     world_comm = step_comm.timing(comm, "world") if mesh else step_comm
     # this rank's pipeline group (stage = its rank there)
     pipe = step_comm.timing(mesh.pp, "pp") if mesh and cfg.pp > 1 else None
+    tensor = step_comm.timing(mesh.tp, "tp") if mesh else None
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
-                 recompute=cfg.recompute, tp=step_comm.timing(mesh.tp, "tp") if mesh else None, pp=pipe,
-                 dropout=cfg.dropout, vocab_parallel=cfg.tp_classifier == "vocab")
+                 recompute=cfg.recompute, tp=tensor, pp=pipe, dropout=cfg.dropout,
+                 vocab_parallel=cfg.tp_classifier == "vocab")
     optimizer, grad_sync = make_stage(model, cfg, step_comm)
+    if mesh and cfg.backend == "cuda" and hasattr(grad_sync, "settle"):
+        # the overlapped sync's buckets are queued before the next tensor-parallel or pipeline collective and run
+        # before it on the device: one order of collectives on every rank (docs/parallelism.md)
+        for group in (tensor, pipe):
+            if group is not None:
+                group.before = grad_sync.settle
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
                            overfit=cfg.overfit_batch)
     powersgd = getattr(grad_sync, "powersgd", None)  # --grad-compress powersgd: its state is saved and restored
