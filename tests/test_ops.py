@@ -413,6 +413,16 @@ def test_global_norm_squared_is_the_rounded_exact_sum(rng):
     assert ops.global_norm_squared(g)[0] == np.float32(exact)
 
 
+def test_global_norm_squared_is_numpys_float64_sum_bit_for_bit(rng):
+    """global_norm_squared sums a CHUNK at a time as numpy's np.sum(np.square(g), dtype=np.float64) does over
+    the whole array (its cast buffers' pairwise sums, added in order): the same bits on ragged lengths
+    of a few chunks and on squares spread over many binades, where another order would round differently."""
+    for n in (1, 8191, 8193, 2 * ops.CHUNK + 3 * 8192 + 5):
+        g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6, n)).astype(np.float32)
+        want = np.sum(np.square(g), dtype=np.float64).reshape(1).astype(np.float32)
+        assert ops.global_norm_squared(g).tobytes() == want.tobytes(), n
+
+
 def test_adamw_schedule_in_memory_gives_the_same_bits(rng):
     """The step's lr and bias corrections read from a schedule array (what a captured step reads) update
     bit for bit as passing step and lr does; passing both ways at once is an error."""

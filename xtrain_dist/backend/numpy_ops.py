@@ -641,8 +641,29 @@ class NumpyBackend:
     @staticmethod
     def global_norm_squared(buf):
         """sum(buf ** 2) as a (1,) float32 array. numpy's pairwise summation (not BLAS, whose threading can
-        change the order) keeps it bitwise reproducible, so ranks holding equal gradients agree exactly."""
-        return np.sum(np.square(buf), dtype=np.float64).reshape(1).astype(buf.dtype)
+        change the order) keeps it bitwise reproducible, so ranks holding equal gradients agree exactly.
+
+        For float32 that sum is np.sum(np.square(buf), dtype=np.float64), computed as numpy computes it (a
+        test holds the two bit for bit): numpy casts a float32 array to float64 a buffer of np.getbufsize()
+        elements at a time, sums each buffer pairwise and adds the buffers' sums in order. Done here a CHUNK
+        at a time through scratch, rather than with a gradient-sized array of squares (49 MB for the small
+        model, fresh pages every step) and numpy's buffered cast."""
+        flat = buf.reshape(-1)
+        block = np.getbufsize()
+        if flat.dtype != np.float32 or CHUNK % block:
+            return np.sum(np.square(buf), dtype=np.float64).reshape(1).astype(buf.dtype)
+        n = min(flat.size, CHUNK)
+        squares, wide = np.empty(n, np.float32), np.empty(n, np.float64)
+        total = np.float64(0)
+        for (x,) in _chunks(flat):
+            sq, w = squares[: x.size], wide[: x.size]
+            np.square(x, out=sq)
+            w[...] = sq
+            whole = x.size - x.size % block
+            sums = w[:whole].reshape(-1, block).sum(axis=1)  # each buffer's pairwise sum
+            for partial in (*sums, *([w[whole:].sum()] if whole < x.size else [])):
+                total = total + partial
+        return total.reshape(1).astype(np.float32)
 
     @staticmethod
     def clip_coefficient(norm_squared, max_norm: float):
