@@ -207,6 +207,18 @@ def test_fused_classifier_loss_and_gradient(rng):
     assert_grad_close(work, numeric)  # the logits buffer now holds dlogits
 
 
+def test_fused_classifier_writes_the_gradient_into_a_strided_view(rng):
+    """The classifier works on blocks of rows of a C-contiguous array; logits whose rows cannot be viewed so
+    (here (T, B) transposed to (B, T)) get the same losses and the same dlogits, written into the view."""
+    logits = (rng.standard_normal((2, 3, 40)) * 4).astype(np.float32)
+    targets = rng.integers(0, 30, (2, 3))
+    whole = logits.copy()
+    want = ops.fused_classifier(whole, targets, 0.5, 30)
+    view = np.ascontiguousarray(logits.transpose(1, 0, 2)).transpose(1, 0, 2)
+    assert np.array_equal(ops.fused_classifier(view, targets, 0.5, 30), want)
+    assert np.array_equal(view, whole)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_classifier_reads_only_the_first_v_columns_and_zeroes_the_padded_gradient(rng, dtype):
     """Logits of a padded vocabulary (V = 1000 of Vp = 1024, model.py): the losses and dlogits of the first V

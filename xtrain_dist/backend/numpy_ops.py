@@ -612,6 +612,11 @@ class NumpyBackend:
         activation and are not needed again. logits (B, T, Vp): the softmax is over the first V =
         vocab_size columns (default all); the padded ones past V are read by nothing and get dlogits
         exactly 0, so the padded rows of wte get exactly zero gradient."""
+        if not logits.flags.c_contiguous:  # the blocks below are views of a C-contiguous array's rows
+            work = np.ascontiguousarray(logits)
+            losses = self.fused_classifier(work, targets, dloss, vocab_size)
+            logits[...] = work
+            return losses
         Vp = logits.shape[-1]
         V = Vp if vocab_size is None else min(vocab_size, Vp)
         rows = logits.reshape(-1, Vp)  # a view: the gradient is written over the logits
