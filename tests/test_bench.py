@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from bin_scripts import load_script
+
+from xtrain_dist.config import TrainConfig
 
 pytest.importorskip("matplotlib")
 BIN = Path(__file__).resolve().parent.parent / "bin"
@@ -42,6 +46,22 @@ def test_every_script_writes_json_markdown_and_png(results):
             assert (out / f"{stem}{suffix}").stat().st_size > 0, f"{stem}{suffix}"
     assert not list(out.glob(".*tmp*"))  # nothing half-written left behind
     assert "Machine: " in (out / "ddp.md").read_text()
+
+
+def test_bench_cpu_per_op_races_the_same_function_on_both_sides():
+    """--per-op times each op of the step against PyTorch's: on the tiny model's shapes each pair computes the
+    same result (the input's gradient for a backward), so the race is between two ways of doing one thing."""
+    pytest.importorskip("torch")
+    bench = load_script("bench_cpu")
+    cfg = TrainConfig(steps=1, batch=2, seq=8, model="tiny", seed=1).resolved()
+    pairs = bench.op_pairs(cfg, 96)
+    assert {"gelu_backward", "layernorm_backward", "matmul_backward classifier"} <= {name for name, *_ in pairs}
+    for name, calls, ours, theirs in pairs:
+        got, want = ours(), theirs()
+        assert calls >= 1 and (got is None) == (want is None), name
+        if got is not None:
+            np.testing.assert_allclose(got.reshape(want.shape), want.detach().numpy(), rtol=2e-4, atol=1e-5,
+                                       err_msg=name)
 
 
 def test_bench_cpu_writes_its_rows_and_both_sides_learn_the_same(tmp_path):

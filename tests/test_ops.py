@@ -207,6 +207,18 @@ def test_fused_classifier_loss_and_gradient(rng):
     assert_grad_close(work, numeric)  # the logits buffer now holds dlogits
 
 
+def test_fused_classifier_writes_the_gradient_into_a_strided_view(rng):
+    """The classifier works on blocks of rows of a C-contiguous array; logits whose rows cannot be viewed so
+    (here (T, B) transposed to (B, T)) get the same losses and the same dlogits, written into the view."""
+    logits = (rng.standard_normal((2, 3, 40)) * 4).astype(np.float32)
+    targets = rng.integers(0, 30, (2, 3))
+    whole = logits.copy()
+    want = ops.fused_classifier(whole, targets, 0.5, 30)
+    view = np.ascontiguousarray(logits.transpose(1, 0, 2)).transpose(1, 0, 2)
+    assert np.array_equal(ops.fused_classifier(view, targets, 0.5, 30), want)
+    assert np.array_equal(view, whole)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_classifier_reads_only_the_first_v_columns_and_zeroes_the_padded_gradient(rng, dtype):
     """Logits of a padded vocabulary (V = 1000 of Vp = 1024, model.py): the losses and dlogits of the first V
@@ -411,6 +423,16 @@ def test_global_norm_squared_is_the_rounded_exact_sum(rng):
     g[np.arange(n) % 128 < 8] = 1.0
     exact = math.fsum(np.square(g).astype(np.float64))
     assert ops.global_norm_squared(g)[0] == np.float32(exact)
+
+
+def test_global_norm_squared_is_numpys_float64_sum_bit_for_bit(rng):
+    """global_norm_squared sums a CHUNK at a time as numpy's np.sum(np.square(g), dtype=np.float64) does over
+    the whole array (its cast buffers' pairwise sums, added in order): the same bits on ragged lengths
+    of a few chunks and on squares spread over many binades, where another order would round differently."""
+    for n in (1, 8191, 8193, 2 * ops.CHUNK + 3 * 8192 + 5):
+        g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6, n)).astype(np.float32)
+        want = np.sum(np.square(g), dtype=np.float64).reshape(1).astype(np.float32)
+        assert ops.global_norm_squared(g).tobytes() == want.tobytes(), n
 
 
 def test_adamw_schedule_in_memory_gives_the_same_bits(rng):

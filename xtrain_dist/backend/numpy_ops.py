@@ -158,9 +158,24 @@ def _split_qkv(qkv, n_head: int):
 
 
 def _mask_future(scores):
-    """(..., T, T) scores with -inf where key j > query i: what a causal softmax leaves out."""
+    """(..., T, T) scores with -inf where key j > query i: what a causal softmax leaves out. A new array."""
     T = scores.shape[-1]
     return np.where(np.triu(np.ones((T, T), dtype=bool), k=1), -np.inf, scores)
+
+
+def _softmax_rows(e):
+    """exp(e - rowmax) / rowsum, in place over a new, C-contiguous (..., T, T) array of masked scores, and
+    returned. A block of whole matrices at a time, so that its four passes find it in cache; each row's
+    arithmetic, and so its bits, is that of the formula over the whole array."""
+    T = e.shape[-1]
+    flat = e.reshape(-1, T, T)
+    step = max(1, CHUNK // (T * T))
+    for lo in range(0, flat.shape[0], step):
+        block = flat[lo:lo + step]
+        block -= block.max(axis=-1, keepdims=True)
+        np.exp(block, out=block)
+        block /= block.sum(axis=-1, keepdims=True)
+    return e
 
 
 def adamw_schedule(step: int, lr: float, beta1: float, beta2: float) -> np.ndarray:
@@ -288,10 +303,12 @@ class NumpyBackend:
         """Normalise each (b, t) row over C, then scale and shift.  -> (out, mean, rstd); mean, rstd are (B, T)
         and stay float32 in every precision."""
         mean = inp.mean(axis=-1, keepdims=True)
-        centered = inp - mean
-        var = (centered * centered).mean(axis=-1, keepdims=True)
+        out = inp - mean                     # centred; scaled and shifted in place below
+        var = (out * out).mean(axis=-1, keepdims=True)
         rstd = 1.0 / np.sqrt(var + inp.dtype.type(LN_EPS))
-        out = centered * rstd * weight + bias
+        out *= rstd
+        out *= weight
+        out += bias                          # ((x - mean) rstd) weight + bias
         return self.store(out), mean[..., 0], rstd[..., 0]
 
     def residual_layernorm_forward(self, a, b, weight, bias):
@@ -307,13 +324,21 @@ class NumpyBackend:
         With n = (x - mean) * rstd and g = dout * weight:
         dx = rstd * (g - mean_C(g) - n * mean_C(g * n))."""
         C = inp.shape[-1]
-        norm = (inp - mean[..., None]) * rstd[..., None]
+        rstd = rstd[..., None]
+        norm = inp - mean[..., None]
+        norm *= rstd
         dnorm = dout * weight
         dbias += dout.reshape(-1, C).sum(axis=0)
-        dweight += (dout * norm).reshape(-1, C).sum(axis=0)
+        product = dout * norm                # one temporary, used twice
+        dweight += product.reshape(-1, C).sum(axis=0)
         dnorm_mean = dnorm.mean(axis=-1, keepdims=True)
-        dnorm_norm_mean = (dnorm * norm).mean(axis=-1, keepdims=True)
-        dinp += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[..., None]
+        np.multiply(dnorm, norm, out=product)
+        dnorm_norm_mean = product.mean(axis=-1, keepdims=True)
+        dnorm -= dnorm_mean                  # (dnorm - dnorm_mean - norm dnorm_norm_mean) rstd, in place
+        norm *= dnorm_norm_mean
+        dnorm -= norm
+        dnorm *= rstd
+        dinp += dnorm
         self.store(dinp)
 
     # ------------------------------------------------------------------ matmul (cuBLAS; bias: kernels/matmul.cu)
@@ -383,17 +408,17 @@ class NumpyBackend:
         hs = C // n_head
         q, k, v = _split_qkv(qkv, n_head)
         scale = qkv.dtype.type(1.0 / np.sqrt(hs))
-        scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+        scores = q @ k.transpose(0, 1, 3, 2)
+        scores *= scale
         att = self.causal_softmax(scores)
         probs = att if dropout is None else self.dropout(att, dropout)
-        y = self.store(probs @ v)                                # (B, NH, T, hs)
-        return y.transpose(0, 2, 1, 3).reshape(B, T, C), att     # unpermute
+        out = np.empty((B, T, n_head, hs), qkv.dtype)             # y (B, NH, T, hs) written unpermuted
+        np.matmul(probs, v, out=out.transpose(0, 2, 1, 3))
+        return self.store(out.reshape(B, T, C)), att
 
     def causal_softmax(self, scores):
         """Row-wise softmax of (..., T, T) scores over keys j <= query i; entries j > i become 0."""
-        masked = _mask_future(scores)
-        e = np.exp(masked - masked.max(axis=-1, keepdims=True))
-        return self.store(e / e.sum(axis=-1, keepdims=True))
+        return self.store(_softmax_rows(_mask_future(scores)))
 
     def attention_backward(self, dout, qkv, att, n_head: int, dropout=None):
         """Gradient of attention_forward (with the same `dropout`) with respect to qkv. -> dqkv (B, T, 3C)"""
@@ -408,13 +433,14 @@ class NumpyBackend:
         if dropout is not None:  # y = dropout(att) v: dv from the dropped probabilities, datt through the mask
             probs = self.dropout(att, dropout)
             datt = self.dropout(datt, dropout, wide=True)
-        dv = self.store(probs.transpose(0, 1, 3, 2) @ dy)
         dscores = self._softmax_backward(datt, att, scale)
-        dq = self.store(dscores @ k)
-        dk = self.store(dscores.transpose(0, 1, 3, 2) @ q)
-        # stack back into the fused (B, T, 3, NH, hs) layout
-        dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)
-        return dqkv.reshape(B, T, C3)
+        # the products write straight into the fused (B, T, 3, NH, hs) layout, rounded together at the end
+        dqkv = np.empty((B, T, 3, n_head, hs), qkv.dtype)
+        dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)
+        np.matmul(dscores, k, out=dq)
+        np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dk)
+        np.matmul(probs.transpose(0, 1, 3, 2), dy, out=dv)
+        return self.store(dqkv.reshape(B, T, C3))
 
     # ----------------------------------------------------------- flash attention (kernels/flash_attention_mma.cu)
     # The same function as attention_forward/backward, computed the way a fused kernel does: forward
@@ -486,32 +512,62 @@ class NumpyBackend:
 
     def _softmax_backward(self, datt, att, scale):
         # attention_backward's 1/sqrt(hs) is applied before the one rounding, as the kernel does
-        return self.store(att * (datt - (datt * att).sum(axis=-1, keepdims=True)) * scale)
+        d = datt * att
+        np.subtract(datt, d.sum(axis=-1, keepdims=True), out=d)
+        np.multiply(att, d, out=d)
+        d *= scale                           # (att (datt - sum)) scale, one temporary
+        return self.store(d)
 
     # ------------------------------------------------------------------ gelu (kernels/gelu.cu)
 
     def gelu_forward(self, inp):
-        """GELU, tanh approximation (GPT-2's "gelu_new"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+        """GELU, tanh approximation (GPT-2's "gelu_new"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+        Each chunk's steps write into one scratch chunk (out=) rather than a new temporary apiece: the same
+        operations in the same order, so the same bits as the formula over whole arrays (a test checks it)."""
         s = inp.dtype.type(GELU_SCALE)
         c = inp.dtype.type(0.044715)
         half = inp.dtype.type(0.5)
         out = np.empty(inp.shape, inp.dtype)
+        scratch = np.empty(min(inp.size, CHUNK), inp.dtype)
         for x, y in _chunks(inp, out):
-            y[...] = half * x * (1 + np.tanh(s * (x + c * x * x * x)))
+            u = scratch[: x.size]
+            np.multiply(c, x, out=u)
+            u *= x
+            u *= x                   # c x^3, as ((c x) x) x
+            np.add(x, u, out=u)
+            np.multiply(s, u, out=u)
+            np.tanh(u, out=u)
+            u += 1
+            np.multiply(half, x, out=y)
+            y *= u                   # (0.5 x) (1 + tanh u)
         return self.store(out)
 
     def gelu_backward(self, dout, inp):
         """dinp = dout * gelu'(x), with u = s (x + c x^3):
         gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) s (1 + 3 c x^2).
-        Written with in-place updates: this is the largest elementwise op of the step (B*T*4C)."""
+        Three scratch chunks and out= throughout: this is the largest elementwise op of the step (B*T*4C)."""
         f = inp.dtype.type
         s, c = f(GELU_SCALE), f(0.044715)
+        half_s, three_c = f(0.5) * s, f(3) * c
         dinp = np.empty(inp.shape, inp.dtype)
+        n = min(inp.size, CHUNK)
+        scratch = np.empty((3, n), inp.dtype)
         for x, d, out in _chunks(inp, dout, dinp):
-            x2 = x * x
-            th = np.tanh(s * x * (1 + c * x2))
-            slope = f(0.5) * s * x * (1 + f(3) * c * x2)   # 0.5 x s (1 + 3 c x^2)
-            slope *= 1 - th * th
+            x2, th, slope = scratch[:, : x.size]
+            np.multiply(x, x, out=x2)
+            np.multiply(c, x2, out=th)
+            th += 1
+            np.multiply(s, x, out=slope)
+            th *= slope                   # (s x) (1 + c x^2)
+            np.tanh(th, out=th)
+            np.multiply(three_c, x2, out=x2)
+            x2 += 1                       # 1 + 3 c x^2
+            np.multiply(half_s, x, out=slope)
+            slope *= x2                   # 0.5 s x (1 + 3 c x^2)
+            np.multiply(th, th, out=x2)
+            np.subtract(1, x2, out=x2)
+            slope *= x2                   # ... (1 - tanh^2 u)
             th += 1
             th *= f(0.5)
             th += slope
@@ -559,21 +615,34 @@ class NumpyBackend:
         activation and are not needed again. logits (B, T, Vp): the softmax is over the first V =
         vocab_size columns (default all); the padded ones past V are read by nothing and get dlogits
         exactly 0, so the padded rows of wte get exactly zero gradient."""
-        padded = logits
-        logits = logits[..., :vocab_size]
-        padded[..., logits.shape[-1]:] = 0
-        m = logits.max(axis=-1, keepdims=True)
-        np.subtract(logits, m, out=logits)  # shifted logits: the largest is 0, so exp cannot overflow
-        picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        np.exp(logits, out=logits)
-        total = logits.sum(axis=-1, keepdims=True)
-        losses = np.log(total[..., 0]) - picked
+        if not logits.flags.c_contiguous:  # the blocks below are views of a C-contiguous array's rows
+            work = np.ascontiguousarray(logits)
+            losses = self.fused_classifier(work, targets, dloss, vocab_size)
+            logits[...] = work
+            return losses
+        Vp = logits.shape[-1]
+        V = Vp if vocab_size is None else min(vocab_size, Vp)
+        rows = logits.reshape(-1, Vp)  # a view: the gradient is written over the logits
+        targets = targets.reshape(-1)
         d = logits.dtype.type(dloss)
-        np.multiply(logits, d / total, out=logits)  # probabilities * dloss
-        rows = padded.reshape(-1, padded.shape[-1])  # targets < V: take_along_axis above raised otherwise
-        rows[np.arange(rows.shape[0]), targets.reshape(-1)] -= d
-        self.store(padded)
-        return losses
+        losses = np.empty(rows.shape[0], logits.dtype)
+        # a block of rows at a time, so that the passes below find it in cache: the logits are the largest
+        # activation (B*T*V); each row's arithmetic, and so its bits, is that over the whole array
+        step = max(1, CHUNK // Vp)
+        for lo in range(0, rows.shape[0], step):
+            block = rows[lo:lo + step]
+            block[:, V:] = 0
+            real = block[:, :V]
+            m = real.max(axis=-1, keepdims=True)
+            np.subtract(real, m, out=real)  # shifted logits: the largest is 0, so exp cannot overflow
+            picked = np.take_along_axis(real, targets[lo:lo + step, None], axis=-1)[:, 0]
+            np.exp(real, out=real)
+            total = real.sum(axis=-1, keepdims=True)
+            losses[lo:lo + step] = np.log(total[:, 0]) - picked
+            np.multiply(real, d / total, out=real)  # probabilities * dloss
+            block[np.arange(block.shape[0]), targets[lo:lo + step]] -= d  # targets < V: take_along_axis raised
+            self.store(block)
+        return losses.reshape(logits.shape[:-1])
 
     # ------------------------------------------------------------------ vocabulary-parallel classifier (--tp)
     # A tensor-parallel rank of --tp-classifier vocab holds rows row0 .. row0 + len(wte) - 1 of wte (model.py): these
@@ -658,8 +727,29 @@ class NumpyBackend:
     @staticmethod
     def global_norm_squared(buf):
         """sum(buf ** 2) as a (1,) float32 array. numpy's pairwise summation (not BLAS, whose threading can
-        change the order) keeps it bitwise reproducible, so ranks holding equal gradients agree exactly."""
-        return np.sum(np.square(buf), dtype=np.float64).reshape(1).astype(buf.dtype)
+        change the order) keeps it bitwise reproducible, so ranks holding equal gradients agree exactly.
+
+        For float32 that sum is np.sum(np.square(buf), dtype=np.float64), computed as numpy computes it (a
+        test holds the two bit for bit): numpy casts a float32 array to float64 a buffer of np.getbufsize()
+        elements at a time, sums each buffer pairwise and adds the buffers' sums in order. Done here a CHUNK
+        at a time through scratch, rather than with a gradient-sized array of squares (49 MB for the small
+        model, fresh pages every step) and numpy's buffered cast."""
+        flat = buf.reshape(-1)
+        block = np.getbufsize()
+        if flat.dtype != np.float32 or CHUNK % block:
+            return np.sum(np.square(buf), dtype=np.float64).reshape(1).astype(buf.dtype)
+        n = min(flat.size, CHUNK)
+        squares, wide = np.empty(n, np.float32), np.empty(n, np.float64)
+        total = np.float64(0)
+        for (x,) in _chunks(flat):
+            sq, w = squares[: x.size], wide[: x.size]
+            np.square(x, out=sq)
+            w[...] = sq
+            whole = x.size - x.size % block
+            sums = w[:whole].reshape(-1, block).sum(axis=1)  # each buffer's pairwise sum
+            for partial in (*sums, *([w[whole:].sum()] if whole < x.size else [])):
+                total = total + partial
+        return total.reshape(1).astype(np.float32)
 
     @staticmethod
     def clip_coefficient(norm_squared, max_norm: float):
@@ -695,19 +785,31 @@ class NumpyBackend:
             raise ValueError("adamw_update: step and lr are in the schedule; pass them as None")
         lr_, bc1, bc2 = (f(x) for x in schedule)
         scale = np.asarray(grad_scale, dtype=params.dtype).reshape(())
-        # a chunk at a time (see CHUNK): the dozen temporaries of the formula stay in cache, instead of a
-        # dozen passes over parameter-sized arrays (and, for GPT-2 124M, 4 GB of them allocated per step)
+        # a chunk at a time (see CHUNK), into three scratch chunks (out=): the formula's dozen temporaries stay in
+        # cache and are never allocated, instead of a dozen passes over parameter-sized arrays (and, for GPT-2
+        # 124M, 4 GB of them allocated per step). The same operations in the same order as the formula.
+        scratch = np.empty((3, min(params.size, CHUNK)), params.dtype)
+        b1, one_b1, b2, one_b2, eps_, wd = f(beta1), f(1 - beta1), f(beta2), f(1 - beta2), f(eps), f(weight_decay)
         for p, m_, v_, grad, decay in _chunks(params, m, v, grads, decay_mask):
-            g = grad * scale
-            m_ *= f(beta1)
-            m_ += f(1 - beta1) * g
-            v_ *= f(beta2)
-            v_ += f(1 - beta2) * (g * g)
-            m_hat = m_ / bc1
-            v_hat = v_ / bc2
-            update = m_hat / (np.sqrt(v_hat) + f(eps))
-            update += f(weight_decay) * decay * p
-            p -= lr_ * update
+            g, t, u = scratch[:, : p.size]
+            np.multiply(grad, scale, out=g)
+            m_ *= b1
+            np.multiply(one_b1, g, out=t)
+            m_ += t
+            v_ *= b2
+            np.multiply(g, g, out=t)
+            t *= one_b2
+            v_ += t
+            np.divide(m_, bc1, out=t)     # m_hat
+            np.divide(v_, bc2, out=u)     # v_hat
+            np.sqrt(u, out=u)
+            u += eps_
+            t /= u                        # the update
+            np.multiply(wd, decay, out=u)
+            u *= p
+            t += u                        # + weight_decay * decay * p
+            t *= lr_
+            p -= t
         if params_lowp is not None:
             self.lowp_copy(params_lowp, params)
 
