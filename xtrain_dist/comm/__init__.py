@@ -26,6 +26,7 @@ between two ranks of a communicator; a message of another size than the receiver
 that names both, and a peer that never sends is caught by the timeout.
 """
 
+import threading
 from typing import Protocol
 
 
@@ -120,3 +121,25 @@ def check_peer(comm, peer) -> None:
     if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < comm.world_size or peer == comm.rank:
         raise ValueError(f"rank {comm.rank}: peer {peer!r} is not another rank of this communicator "
                           f"(0 .. {comm.world_size - 1})")
+
+
+def send_while_receiving(send, recv, name: str) -> None:
+    """Run send() on a second thread while this one runs recv(), then raise what send raised: a send that
+    may wait until its receiver receives (TCP's sendall on a full socket buffer, MPI's rendezvous) would
+    otherwise deadlock two ranks that send each other a buffer at once."""
+    failed = []
+
+    def sending():
+        try:
+            send()
+        except BaseException as e:
+            failed.append(e)
+
+    sender = threading.Thread(target=sending, name=name, daemon=True)
+    sender.start()
+    try:
+        recv()
+    finally:
+        sender.join()
+    if failed:
+        raise failed[0]

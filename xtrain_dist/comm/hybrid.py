@@ -33,12 +33,11 @@ third kind are few and small (tp or pp across nodes). A group of one thread per 
 or not it sends): messages go over a group split from it.
 """
 
-import threading
 
 import numpy as np
 
 from ..errors import XtrainError
-from . import check_peer, check_split, rank_share_offsets, split_members
+from . import check_peer, check_split, rank_share_offsets, send_while_receiving, split_members
 
 WORLD_POINT_TO_POINT = ("point-to-point between rank threads of different processes runs on a group split from "
                         "the world (comm.split; the device mesh's groups), not on the world itself")
@@ -234,24 +233,9 @@ class HybridCommunicator:
         if to is self.local:  # a thread's send is a copy posted at once: it never waits for the receiver
             to.send(send, at_dest)
             return frm.recv(recv, at_source)
-        # an MPI or TCP send may wait until its receiver receives, which may wait on this rank's receive: the
-        # send runs on a second thread meanwhile
-        failed = []
-
-        def sending():
-            try:
-                to.send(send, at_dest)
-            except BaseException as e:
-                failed.append(e)
-
-        sender = threading.Thread(target=sending, name=f"hybrid-send-{self.rank}", daemon=True)
-        sender.start()
-        try:
-            frm.recv(recv, at_source)
-        finally:
-            sender.join()
-        if failed:
-            raise failed[0]
+        # an MPI or TCP send may wait until its receiver receives, which may wait on this rank's receive
+        send_while_receiving(lambda: to.send(send, at_dest), lambda: frm.recv(recv, at_source),
+                             f"hybrid-send-{self.rank}")
 
     def abort(self, reason: str) -> None:
         self.local.abort(reason)

@@ -29,12 +29,11 @@ import select
 import socket
 import struct
 import termios
-import threading
 import time
 
 import numpy as np
 
-from . import CommAborted, check_peer, check_split, rank_share_offsets, split_members
+from . import CommAborted, check_peer, check_split, rank_share_offsets, send_while_receiving, split_members
 from .rendezvous import close_all
 
 _HEADER = struct.Struct("!BIQ")  # operation, sequence number, payload bytes
@@ -295,22 +294,7 @@ class TcpCommunicator:
     def sendrecv(self, send, dest: int, recv, source: int) -> None:
         """The send runs on a second thread while this one receives: two ranks sending each other a
         buffer larger than the sockets' buffers would otherwise both wait in sendall."""
-        failed = []
-
-        def sending():
-            try:
-                self.send(send, dest)
-            except BaseException as e:
-                failed.append(e)
-
-        sender = threading.Thread(target=sending, name=f"tcp-send-{self.rank}", daemon=True)
-        sender.start()
-        try:
-            self.recv(recv, source)
-        finally:
-            sender.join()
-        if failed:
-            raise failed[0]
+        send_while_receiving(lambda: self.send(send, dest), lambda: self.recv(recv, source), f"tcp-send-{self.rank}")
 
     def _begin_p2p(self, what: str, peer: int) -> None:
         if self.abort_reason is not None:
