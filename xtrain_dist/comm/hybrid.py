@@ -138,8 +138,8 @@ class HybridCommunicator:
         everyone = np.empty(2 * self.world_size, np.int64)
         self.all_gather(np.array([color, self.rank if key is None else key], np.int64), everyone)
         groups = split_members(list(zip(everyone[0::2].tolist(), everyone[1::2].tolist(), strict=True)))
-        process_of = {c: _ordered({self.members[r][0] for r in ranks}, [self.members[r][0] for r in ranks])
-                      for c, ranks in groups.items()}
+        # each group's processes, in the order of its first rank in each
+        process_of = {c: list(dict.fromkeys(self.members[r][0] for r in ranks)) for c, ranks in groups.items()}
         ranks = groups[color]
         # this process's ranks of every group, ranked by their place in it (collective over the process's threads)
         part = self.local.split(color, ranks.index(self.rank))
@@ -240,15 +240,6 @@ class HybridCommunicator:
     def abort(self, reason: str) -> None:
         self.local.abort(reason)
         self.inter.abort(reason)
-
-
-def _ordered(distinct: set, sequence: list) -> list:
-    """The distinct values of sequence in the order they first appear in it."""
-    seen: list = []
-    for v in sequence:
-        if v in distinct and v not in seen:
-            seen.append(v)
-    return seen
 
 
 def _discard(comm) -> None:

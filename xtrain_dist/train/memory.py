@@ -124,18 +124,15 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
     workspace = ((cublas.WORKSPACE_BYTES if cfg.backend == "cuda" else 0)
                  + (cublaslt.WORKSPACE_BYTES if cfg.matmul == "cublaslt" or (cfg.matmul == "auto" and
                                                                               cfg.backend == "cuda") else 0))
-    layouts = {}  # by stage: every rank of a stage holds the same layout (thousands of ranks in a what-if run)
+    stages = {}  # by stage: what its ranks share, worked out once (thousands of ranks in a what-if run)
     memories = []
     for rank in range(cfg.world_size):
         # the mesh is arange(world).reshape(pp, dp, tp): rank r is on stage r // (dp tp), data-parallel index
         # r // tp % dp
         stage, dp_index = rank // (dp * tp), rank // tp % dp
-        if stage not in layouts:
-            layout, size = param_layout(config, tp, pp, stage, cfg.tp_classifier == "vocab")
-            layouts[stage] = layout, size, shard_bounds(size, dp) if cfg.zero else None
-        layout, size, bounds = layouts[stage]
-        # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
-        compression = 4 * state_elements(layout, cfg.powersgd_rank) if cfg.grad_compress == "powersgd" else 0
+        if stage not in stages:
+            stages[stage] = _stage_figures(config, cfg, tp, pp, dp, stage, act_itemsize)
+        size, bounds, compression, transient = stages[stage]
         lowp = act_itemsize if cfg.dtype != "fp32" else 0
         parameters = 4 * size + size * lowp + ITEMSIZE["u8"] * size
         gradients = 4 * size
@@ -143,9 +140,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
         lo, hi = bounds[dp_index] if cfg.zero else (0, size)
         if cfg.zero >= 2:  # parallel/zero.py: the shards, and the gathered units and gradient buffers of the pass
             # step that holds the most at once (gathered parameters in the activation dtype)
-            blocks = stage_blocks(config.n_layer, pp, stage)
-            gathered, buffers = transient_bytes(unit_sizes(layout, blocks), blocks, cfg.zero, cfg.zero3_prefetch,
-                                                act_itemsize if cfg.dtype != "fp32" else 4)
+            gathered, buffers = transient
             gradients = 4 * (hi - lo) + buffers
             if cfg.zero == 3:
                 parameters = (4 + ITEMSIZE["u8"]) * (hi - lo) + gathered
@@ -161,6 +156,21 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
                                    validation=cfg.eval_batches * rows * cfg.seq * 2 * ITEMSIZE["i32"],
                                    workspace=workspace))
     return memories
+
+
+def _stage_figures(config: GPTConfig, cfg, tp: int, pp: int, dp: int, stage: int, act_itemsize: int):
+    """What every rank of a pipeline stage shares: (its flat buffer's size, ZeRO's shard bounds over the
+    data-parallel group or None, PowerSGD's state bytes, ZeRO-2/3's (gathered, buffers) bytes or None)."""
+    layout, size = param_layout(config, tp, pp, stage, cfg.tp_classifier == "vocab")
+    bounds = shard_bounds(size, dp) if cfg.zero else None
+    # PowerSGD keeps an error buffer as large as each compressed matrix's gradient, and its Q
+    compression = 4 * state_elements(layout, cfg.powersgd_rank) if cfg.grad_compress == "powersgd" else 0
+    transient = None
+    if cfg.zero >= 2:
+        blocks = stage_blocks(config.n_layer, pp, stage)
+        transient = transient_bytes(unit_sizes(layout, blocks), blocks, cfg.zero, cfg.zero3_prefetch,
+                                    act_itemsize if cfg.dtype != "fp32" else 4)
+    return size, bounds, compression, transient
 
 
 def host_available_bytes() -> int | None:
