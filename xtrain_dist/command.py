@@ -153,7 +153,7 @@ def _utf8(text: str) -> str:
 utf8_text = _checked(_utf8, lambda text: True, "UTF-8 text")
 
 
-def _say(line: str) -> None:
+def say_line(line: str) -> None:
     """Write one line to stderr in one write: print() writes the text and its newline apart, and between
     the two another process of an MPI job could write its own line to the same pipe, joining the two."""
     sys.stderr.write(line + "\n")
@@ -170,22 +170,22 @@ def run_command(prog: str, main: Callable[[], int | None]) -> int:
     try:
         return main() or 0
     except XtrainError as e:
-        _say(f"{prog}: error: {e}")
+        say_line(f"{prog}: error: {e}")
         return 2
     except KeyboardInterrupt:
-        _say(f"{prog}: interrupted")
+        say_line(f"{prog}: interrupted")
         return 130
     except BrokenPipeError:  # `| head` stopped reading: end quietly, as a SIGPIPE'd program does
         # Python flushes stdout once more at exit: point it at /dev/null so that cannot fail as well
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except MemoryError as e:  # sizes asked for that the machine cannot hold (numpy names the allocation)
-        _say(f"{prog}: error: not enough memory: {first_line(e)}")
+        say_line(f"{prog}: error: not enough memory: {first_line(e)}")
         return 2
     except OSError as e:
         # a path with a name longer than the file system takes fails at the first stat() of it, wherever
         # that is: it is bad input like any other (the path is in the error), not a bug
         if e.errno != errno.ENAMETOOLONG:
             raise
-        _say(f"{prog}: error: '{e.filename}' cannot be used: a name in it is longer than the file system allows")
+        say_line(f"{prog}: error: '{e.filename}' cannot be used: a name in it is longer than the file system allows")
         return 2

@@ -30,6 +30,7 @@ from ..command import (
     positive_int,
     probability,
     run_command,
+    say_line,
     timeout_seconds,
     utf8_text,
 )
@@ -475,7 +476,7 @@ def _main(argv: list[str]) -> int:
         return 0
     except RankFailed as e:
         if isinstance(e.error, CommAborted):  # every rank here only saw the abort: the line says whose failure it was
-            print(f"{command_name(PROG)}: error: rank {e.rank} stopped: {e.error}", file=sys.stderr)
+            say_line(f"{command_name(PROG)}: error: rank {e.rank} stopped: {e.error}")
         else:
             detail = str(e.error) if isinstance(e.error, XtrainError) else f"{type(e.error).__name__}: {e.error}"
             print(f"{command_name(PROG)}: error: rank {e.rank} failed: {detail}", file=sys.stderr)
