@@ -52,6 +52,19 @@ def _no_use_after_free_left():
         assert not reports, "\n".join(reports)
 
 
+def pytest_configure(config):
+    """Where Python is told not to write bytecode (PYTHONDONTWRITEBYTECODE, as on the CI machine), every process
+    a test starts compiled the package from source again: a quarter of a second of each of about 1500
+    processes. The suite's first process compiles it once, beside the sources where Python itself would
+    have put it; processes read bytecode whatever that variable says. Workers skip it (their controller did)."""
+    if sys.dont_write_bytecode and not hasattr(config, "workerinput"):
+        import compileall
+
+        root = Path(__file__).resolve().parent.parent
+        for folder in ("xtrain_dist", "tests"):
+            compileall.compile_dir(root / folder, quiet=2, workers=1)
+
+
 def pytest_report_header(config):
     if CUDASIM:
         return (f"cudasim: GPU tests run on the CPU simulator (tests/cudasim), "
