@@ -455,14 +455,19 @@ def test_bench_mesh_measures_each_mesh_against_the_textbook_and_world_one(tmp_pa
     line."""
     script = Path(__file__).resolve().parents[1] / "bin" / "bench_mesh"
     done = subprocess.run([sys.executable, str(script), "--model", "tiny", "--batch", "4", "--seq", "16", "--steps",
-                           "3", "--meshes", "1,tp2,dp2xtp2", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=300)
+                           "3", "--meshes", "1,tp2,dp2xtp2,tp2sp", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mesh.json", "mesh.md", "mesh.png"]
     rows = json.loads((tmp_path / "mesh.json").read_text())["rows"]
-    assert [(r["mesh"], r["ranks"]) for r in rows] == [("world 1", 1), ("tp 2", 2), ("dp 2 x tp 2", 4)]
+    assert [(r["mesh"], r["ranks"]) for r in rows] == [("world 1", 1), ("tp 2", 2), ("dp 2 x tp 2", 4),
+                                                       ("tp 2 sp", 2)]
     assert all(r["bytes"] == r["expected_bytes"] for r in rows)
     assert rows[2]["bytes"]["tp"] * 2 == rows[1]["bytes"]["tp"] + 4  # half the rows each, the norm's float the same
+    # --sequence-parallel: the same losses, and every activation the blocks keep halved (the residual stream and
+    # the layernorms' too: 4 of tp 2's 16 values a token and channel were whole)
+    assert rows[3]["losses"] == rows[1]["losses"] or rows[3]["loss_rel_diff"] < 1e-5
+    assert rows[3]["block_activation_bytes"] * 2 == rows[0]["block_activation_bytes"]
     assert all(r["loss_rel_diff"] < 1e-5 for r in rows)
     # the classifier alone: at tp 2 the vocabulary-parallel rank holds half of wte's rows and of the logits' columns
     # (the shipped tokenizer's 4096 rows, split evenly), hands its group the maxima, the sums and the input
@@ -476,4 +481,4 @@ def test_bench_mesh_measures_each_mesh_against_the_textbook_and_world_one(tmp_pa
     bad = subprocess.run([sys.executable, str(script), "--meshes", "1,ep2"], capture_output=True, text=True,
                          timeout=60)
     assert (bad.returncode, bad.stderr) == (2, "bench_mesh: error: --meshes must be a comma-separated list of 1, dpN, "
-                                               "tpN, ppN or dpNxtpNxppN, got '1,ep2'\n")
+                                               "tpN, tpNsp, ppN or dpNxtpNxppN, got '1,ep2'\n")

@@ -75,6 +75,7 @@ class TrainConfig:
     pp: int = 1                 # pipeline stages per model (parallel/pipeline.py)
     pp_schedule: str = "1f1b"   # gpipe | 1f1b
     tp_classifier: str = "vocab"  # vocab | replicated: wte and the classifier cut over --tp by rows, or whole
+    sequence_parallel: bool = False  # with --tp: the residual stream and the layernorms cut over the group by tokens
     seed: int = 1337
     overfit_batch: bool = False     # every step trains on the first global batch (llm.c's -a): a sanity check
     # AdamW and the schedule (nanoGPT's defaults, lr for small models)

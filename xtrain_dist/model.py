@@ -44,6 +44,25 @@ tensors that are bitwise equal there (the residual stream after each all-reduce,
 the same ops in the same order. The layout's `split` says how each tensor is cut; the flat buffers hold the
 rank's shards (shard_flat), and checkpoints join them back into the full tensors (join_flats).
 
+Sequence parallelism (--sequence-parallel, with --tp; Korthikanti et al. 2022, Megatron-LM's). What tensor
+parallelism leaves whole on every rank of the group (the residual stream, the layernorms' inputs and outputs, the
+residual adds, dropout on the residual branches and the embeddings) is cut by tokens instead: rank r holds rows
+r*S .. (r+1)*S - 1 of the micro-batch's B*T tokens (flattened in (b, t) order, S = B*T/N), an (S, C) slice. Before
+a column-parallel product the slice is all-gathered into the whole (B, T, C) (Megatron's g), and a row-parallel
+product's partial sums are reduce-scattered into the rank's slice instead of all-reduced (g-bar); backward is the
+conjugate: the gradient reaching a row-parallel output is all-gathered, a column-parallel product's partial input
+gradient reduce-scattered. The same bytes cross the group as the all-reduces' (an all-reduce is a reduce-scatter
+and an all-gather), but every activation a rank keeps for backward is 1/N of it: the layernorms' outputs are kept
+as slices and all-gathered again in backward for the products' weight gradients. The layernorms' weight and bias
+gradients are then partial sums over the rank's tokens, all-reduced over the group as each layernorm's backward
+ends (before the block's gradients are announced to the data-parallel sync). The row-parallel biases' gradients
+come from the gathered (whole) output gradient, equal on every rank as without the cut. Dropout's masks are keyed by
+each element's global place (backend/dropout.py), so a slice's elements draw the bits they draw whole. The
+vocabulary-parallel embedding reduce-scatters its sum; the replicated one keeps the rank's slice (its gradient is
+all-gathered back). The head all-gathers ln_f's output; the vocabulary-parallel classifier's input gradient is
+reduce-scattered, the replicated one's (whole on every rank) sliced. A forward whose tokens do not divide by N
+(generation with a key-value cache, HellaSwag's rows) runs without the cut: the same function.
+
 Pipeline parallelism (--pp M). The n_layer blocks are cut into M contiguous stages (stage_blocks: as even as can
 be, the extra blocks on the first stages, since the last one also runs the classifier); a rank holds its stage's
 blocks, the first stage also wpe and wte (the embedding) and the last ln_f and wte again (the tied classifier).
@@ -63,7 +82,8 @@ save. Forward and backward read `params_lowp`, the same layout in the backend's 
 `params` (see precision.py). `grads` is float32 in both.
 """
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -445,7 +465,7 @@ class GPT2:
 
     def __init__(self, config: GPTConfig, backend, seed: int = 0, pad_to_multiple: int = 1, dtype=np.float32,
                  attention: str = "standard", recompute: int = 0, init: np.ndarray | None = None, tp=None,
-                 pp=None, dropout: float = 0.0, vocab_parallel: bool = True):
+                 pp=None, dropout: float = 0.0, vocab_parallel: bool = True, sequence_parallel: bool = False):
         """init: the initial parameters init_weights(config, seed) would draw, already drawn (a benchmark building
         many models of one seed draws them once: 3.4 s at GPT-2 124M); by default they are drawn here.
         tp: the communicator of this rank's tensor-parallel group (comm/mesh.py's mesh.tp), or None: the
@@ -457,7 +477,9 @@ class GPT2:
         branches), applied in a training forward (stage_forward given `rows`) with masks keyed by seed,
         step, layer and each element's global index (backend/dropout.py); 0: none.
         vocab_parallel: with tp, wte (and the tied classifier) cut over the group by the vocabulary; False: whole
-        on every rank (see the module's notes)."""
+        on every rank (see the module's notes).
+        sequence_parallel: with tp, the residual stream and the layernorms cut over the group by tokens (see the
+        module's notes)."""
         check_attention(attention)
         self.dropout_p = check_dropout(dropout)
         check_dropout_attention(self.dropout_p, attention)
@@ -472,6 +494,7 @@ class GPT2:
         self.blocks = stage_blocks(config.n_layer, self.pp_size, self.stage)  # the blocks this rank runs
         self.n_head = config.n_head // self.tp_size  # the heads this rank attends with
         self.vocab_parallel = vocab_parallel and self.tp is not None
+        self.sequence_parallel = sequence_parallel and self.tp is not None
         if self.vocab_parallel and not hasattr(backend, "vocab_max"):
             raise XtrainError(f"the vocabulary-parallel classifier has no ops on the {backend.name} backend yet: "
                               "use --tp-classifier replicated")
@@ -701,6 +724,64 @@ class GPT2:
         the rank's columns, completed over the group before the replicated layernorm reads it."""
         return self._row_parallel(partial)
 
+    # ---------------------------------------------------------------- sequence parallelism
+    def token_cut(self, ids_shape, cache: "KVCache | None" = None) -> bool:
+        """Whether a forward of ids of this (B, T) shape runs with sequence parallelism: the cut asked for, no
+        key-value cache, and the B*T tokens dividing by the group (a training micro-batch's always do: SEQ is
+        divisible by --tp)."""
+        return self.sequence_parallel and cache is None and ids_shape[0] * ids_shape[1] % self.tp_size == 0
+
+    def stream_shape(self, ids_shape, cache: "KVCache | None" = None) -> tuple[int, ...]:
+        """The residual stream's shape on this rank for ids of this (B, T) shape, what a pipeline stage sends and
+        receives: (B, T, C), or under sequence parallelism the rank's (B*T/N, C) slice of the tokens."""
+        if self.token_cut(ids_shape, cache):
+            return (ids_shape[0] * ids_shape[1] // self.tp_size, self.config.n_embd)
+        return (*ids_shape, self.config.n_embd)
+
+    def _my_tokens(self, whole):
+        """The rank's (S, C) slice of a (B, T, C) tensor that is whole and the same on every rank of the group."""
+        C = whole.shape[-1]
+        S = whole.size // C // self.tp_size
+        return self.ops.xp.ascontiguousarray(whole.reshape(-1, C)[self.tp_rank * S:(self.tp_rank + 1) * S])
+
+    def _gather_tokens(self, part, shape):
+        """Megatron's g under sequence parallelism: every rank's (S, C) slice in rank order, the whole tensor of
+        `shape` (B, T, C) on every rank, the same bits on each (an all-gather: copies, no sums)."""
+        whole = self.ops.xp.empty(shape, dtype=part.dtype)
+        self.tp.all_gather(part, whole)
+        return whole
+
+    def _scatter_sum(self, partial):
+        """Megatron's g-bar: a row-parallel product's (or a column-parallel product's input gradient's) partial
+        sums (B, T, C), summed over the group, each rank keeping its (S, C) slice (a reduce-scatter). Under bf16
+        summed in float32 and rounded once, as _row_parallel does."""
+        xp, C = self.ops.xp, partial.shape[-1]
+        S = partial.size // C // self.tp_size
+        if self.ops.dtype == "fp32":
+            out = xp.empty((S, C), dtype=partial.dtype)
+            self.tp.reduce_scatter(partial, out)
+            return out
+        wide = xp.empty(partial.shape, dtype=np.float32)
+        self.ops.widen_copy(wide, partial)
+        mine = xp.empty((S, C), dtype=np.float32)
+        self.tp.reduce_scatter(wide, mine)
+        out = xp.empty((S, C), dtype=partial.dtype)
+        self.ops.lowp_copy(out, mine)
+        return out
+
+    def _layernorm_backward(self, cut: bool, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
+        """ops.layernorm_backward; under sequence parallelism (cut) on the rank's tokens, whose weight and bias
+        gradients are partial sums over them: summed into a buffer of their own, all-reduced over the group (the
+        same bits on every rank), then added to the gradients (which may hold earlier micro-batches' sums)."""
+        if not cut:
+            self.ops.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
+            return
+        part = self.ops.xp.zeros((2, dweight.size), dtype=dweight.dtype)
+        self.ops.layernorm_backward(dinp, part[0], part[1], dout, inp, weight, mean, rstd)
+        self.tp.all_reduce(part)
+        dweight += part[0]
+        dbias += part[1]
+
     # ---------------------------------------------------------------- dropout
     def set_dropout_step(self, step: int) -> None:
         """The optimizer step (from 1) the next training forwards and backwards draw their masks for."""
@@ -720,6 +801,27 @@ class GPT2:
 
     def _dropped(self, x, site):
         return x if site is None else self.ops.dropout(x, site)
+
+    def _dropped_stream(self, x, site, cut: bool, T: int):
+        """Dropout of the residual stream (or its gradient) at `site`: x whole (B, T, C), or under sequence
+        parallelism (cut) the rank's (S, C) slice of the tokens, whose elements get the bits they get whole. The
+        slice is walked one run of a sequence's tokens at a time, each read as the DropoutSite's (1, groups, L)
+        with L = C gcd(t0, t1 - t0) elements a group, so that its first token t0 starts group t0 C / L."""
+        if site is None or not cut:
+            return self._dropped(x, site)
+        C = x.shape[-1]
+        S = x.shape[0]
+        first = self.tp_rank * S  # the slice's first token in the micro-batch's B*T
+        pieces, row = [], first
+        while row < first + S:
+            b, t0 = divmod(row, T)
+            t1 = min(T, t0 + first + S - row)
+            L = C * math.gcd(t0, t1 - t0)
+            piece = replace(site, seq0=site.seq0 + b * site.seq_stride, groups=(t1 - t0) * C // L, group0=t0 * C // L)
+            part = x[row - first: row - first + t1 - t0].reshape(1, -1, L)
+            pieces.append(self.ops.dropout(part, piece).reshape(t1 - t0, C))
+            row += t1 - t0
+        return pieces[0] if len(pieces) == 1 else self.ops.xp.concatenate(pieces)
 
     # ---------------------------------------------------------------- forward
     def _layernorm_after(self, layer: int):
@@ -755,21 +857,28 @@ class GPT2:
         seq0 + b * seq_stride of the step's global batch, which dropout's masks are keyed by (the tape keeps
         it for backward). None (evaluation, sampling): no dropout, model.eval()'s semantics.
 
-        The first stage embeds ids; a later one starts from `inp`, the residual stream (B, T, C) the stage
-        before it sent. Every stage runs its blocks; the last one then the head, and `out` is what forward()
-        returns; on the others `out` is the residual stream after their last block, for the next stage.
+        The first stage embeds ids; a later one starts from `inp`, the residual stream (stream_shape: (B, T, C),
+        or the rank's tokens under sequence parallelism) the stage before it sent. Every stage runs its blocks;
+        the last one then the head, and `out` is what forward() returns; on the others `out` is the residual
+        stream after their last block, for the next stage.
         The tape holds what stage_backward needs (None unless targets and dloss are given)."""
         ops, p, n_head = self.ops, self.p, self.n_head
         x = inp  # the residual stream the stage before sent, or on the first stage the embeddings of ids
         keep = targets is not None and dloss is not None
+        # sequence parallelism: the stream is the rank's tokens; the products read them all-gathered (gather), and
+        # the row-parallel ones' sums are reduce-scattered into the rank's tokens (complete) instead of all-reduced
+        cut, T, whole = self.token_cut(ids.shape, cache), ids.shape[1], (*ids.shape, self.config.n_embd)
+        gather = (lambda part: self._gather_tokens(part, whole)) if cut else (lambda x: x)
+        complete = self._scatter_sum if cut else self._row_parallel
         self.units.before_forward("embed")
         if self.is_first:
             wpe = p.wpe if cache is None else p.wpe[cache.length:]
             if self.vocab_parallel:  # the rank holding each token's row gives its embedding, the others zeros
-                x = self._row_parallel(ops.vocab_encoder_forward(ids, p.wte, wpe, self.vocab_row0))
+                x = complete(ops.vocab_encoder_forward(ids, p.wte, wpe, self.vocab_row0))
             else:
                 x = ops.encoder_forward(ids, p.wte, wpe)
-            x = self._dropped(x, self._dropout_site(rows, 0, EMBEDDINGS))
+                x = self._my_tokens(x) if cut else x
+            x = self._dropped_stream(x, self._dropout_site(rows, 0, EMBEDDINGS), cut, T)
         # every residual sum is followed by a layernorm (ln_2 in the block, then the next block's ln_1 or ln_f):
         # one op makes both, so the stream is written once and not read back (residual_layernorm_forward); at
         # the end of a stage before the last the next layernorm is the next stage's, so it runs the sum alone
@@ -778,7 +887,7 @@ class GPT2:
         for layer in self.blocks:
             self.units.before_forward(("attn", layer))
             w = p.h[layer]
-            qkv = ops.matmul_forward(ln1, w.attn_c_attn_weight, w.attn_c_attn_bias)
+            qkv = ops.matmul_forward(gather(ln1), w.attn_c_attn_weight, w.attn_c_attn_bias)
             if cache is not None:
                 atty, att = cache.attention(layer, qkv, n_head), None
             elif self.attention in FLASH_LIKE:
@@ -787,21 +896,21 @@ class GPT2:
                 atty, att = ops.attention_forward(qkv, n_head, dropout=self._attention_site(rows, layer))
             else:
                 atty, att = ops.attention_forward(qkv, n_head)
-            attproj = self._row_parallel(ops.matmul_forward(atty, w.attn_c_proj_weight,
-                                                            self._row_bias(w.attn_c_proj_bias)))
+            attproj = complete(ops.matmul_forward(atty, w.attn_c_proj_weight, self._row_bias(w.attn_c_proj_bias)))
             # the residual branch's dropout after the row-parallel sum: the whole (B, T, C) output, as one rank's
-            attproj = self._dropped(attproj, self._dropout_site(rows, layer, ATTENTION_OUT))
+            attproj = self._dropped_stream(attproj, self._dropout_site(rows, layer, ATTENTION_OUT), cut, T)
             self.units.before_forward(("mlp", layer))
             x_mid, ln2, ln2_mean, ln2_rstd = ops.residual_layernorm_forward(x, attproj, w.ln_2_weight, w.ln_2_bias)
             if self.recompute < 1:  # bias and GELU after the product in one op (an epilogue: cublaslt)
-                fch, fch_gelu = ops.matmul_gelu_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
+                fch, fch_gelu = ops.matmul_gelu_forward(gather(ln2), w.mlp_c_fc_weight, w.mlp_c_fc_bias)
             else:  # GELU as backward runs it again: the same op on the same stored input (RECOMPUTE_LEVELS)
-                fch = ops.matmul_forward(ln2, w.mlp_c_fc_weight, w.mlp_c_fc_bias)
+                fch = ops.matmul_forward(gather(ln2), w.mlp_c_fc_weight, w.mlp_c_fc_bias)
                 fch_gelu = ops.gelu_forward(fch)
-            fcproj = self._row_parallel(ops.matmul_forward(fch_gelu, w.mlp_c_proj_weight,
-                                                           self._row_bias(w.mlp_c_proj_bias)))
-            fcproj = self._dropped(fcproj, self._dropout_site(rows, layer, MLP_OUT))
+            fcproj = complete(ops.matmul_forward(fch_gelu, w.mlp_c_proj_weight, self._row_bias(w.mlp_c_proj_bias)))
+            fcproj = self._dropped_stream(fcproj, self._dropout_site(rows, layer, MLP_OUT), cut, T)
             keep_ln, keep_gelu = self.recompute < 2, self.recompute < 1
+            # under sequence parallelism x, ln1, x_mid, ln2 (and their statistics) are the rank's tokens only:
+            # backward all-gathers the layernorms' outputs again for the weight gradients (Megatron's)
             acts.append(_LayerActs(x, ln1 if keep_ln else None, ln1_mean, ln1_rstd, qkv, atty, att, x_mid,
                                    ln2 if keep_ln else None, ln2_mean, ln2_rstd, fch, fch_gelu if keep_gelu else None))
             if layer == self.blocks[-1] and not self.is_last:
@@ -815,7 +924,7 @@ class GPT2:
             return x, (Tape(ids, acts, x, None, None, None, None, rows) if keep else None)
         self.units.before_forward("head")
         lnf, lnf_mean, lnf_rstd = ln1, ln1_mean, ln1_rstd  # after the last block, ln1 is ln_f's
-        out, dlogits = self.head_forward(lnf, targets, dloss)
+        out, dlogits = self.head_forward(gather(lnf), targets, dloss)
         if dlogits is None:
             self.units.forward_done()
             return out, None
@@ -854,12 +963,15 @@ class GPT2:
         self.tp.all_gather(logits, everyone)
         return xp.moveaxis(everyone, 0, -2).reshape(*logits.shape[:-1], -1)
 
-    def head_backward(self, dlogits, lnf, weight_grad: bool = True):
+    def head_backward(self, dlogits, lnf, weight_grad: bool = True, cut: bool = False):
         """head_forward's backward: wte's gradient (the rank's rows) += dlogits^T lnf (unless weight_grad is
         False: ZeRO-2/3 add it at the embedding's backward, where wte's gradient unit is); returns the gradient
         of lnf, completed over the group where the classifier is vocabulary-parallel (a partial sum over the
-        rank's columns: Megatron's f)."""
+        rank's columns: Megatron's f). Under sequence parallelism (cut) the rank's tokens of it: reduce-scattered
+        (vocabulary-parallel), or sliced from the whole gradient every rank of a replicated classifier computes."""
         dlnf = self.ops.matmul_backward(self.g.wte.T if weight_grad else None, None, dlogits, lnf, self.p.wte.T)
+        if cut:
+            return self._scatter_sum(dlnf) if self.vocab_parallel else self._my_tokens(dlnf)
         return self._column_parallel_dinp(dlnf) if self.vocab_parallel else dlnf
 
     def pipelined_losses(self, ids, targets):
@@ -868,7 +980,7 @@ class GPT2:
         The losses on the last stage, None on the others (a collective of the pipeline group)."""
         inp = None
         if not self.is_first:
-            inp = self.ops.xp.empty((*ids.shape, self.config.n_embd), dtype=self.params_lowp.dtype)
+            inp = self.ops.xp.empty(self.stream_shape(ids.shape), dtype=self.params_lowp.dtype)
             self.pp.recv(inp, self.stage - 1)
         out, _ = self.stage_forward(ids, inp, targets)
         if self.is_last:
@@ -882,7 +994,7 @@ class GPT2:
         generator (a collective of the pipeline group)."""
         inp = None
         if not self.is_first:
-            inp = self.ops.xp.empty((*ids.shape, self.config.n_embd), dtype=self.params_lowp.dtype)
+            inp = self.ops.xp.empty(self.stream_shape(ids.shape, cache), dtype=self.params_lowp.dtype)
             self.pp.recv(inp, self.stage - 1)
         out, _ = self.stage_forward(ids, inp, cache=cache)
         if self.is_last:
@@ -907,14 +1019,21 @@ class GPT2:
         ids, acts, x_final, lnf, lnf_mean, lnf_rstd, dlogits, rows = tape
         ranges = iter(self.layer_grad_ranges())
         announce = on_grads_ready or (lambda start, end: None)
+        # sequence parallelism (stage_forward's notes): the stream's gradient dres is the rank's tokens; a
+        # row-parallel output's gradient is all-gathered (gather), and a column-parallel product's input gradient
+        # reduce-scattered into the rank's tokens (complete)
+        cut, T, whole = self.token_cut(ids.shape), ids.shape[1], (*ids.shape, self.config.n_embd)
+        gather = (lambda part: self._gather_tokens(part, whole)) if cut else (lambda x: x)
+        complete = self._scatter_sum if cut else self._column_parallel_dinp
 
         if self.is_last:
             self.units.before_backward("head")
             late = self.units.wte_grad_at_end and self.is_first  # the classifier's wte gradient comes at the end
-            dlnf = self.head_backward(dlogits, lnf, weight_grad=not late)
+            lnf = gather(lnf)  # whole again for wte's gradient (kept as the rank's tokens under the cut)
+            dlnf = self.head_backward(dlogits, lnf, weight_grad=not late, cut=cut)
             dres = self.ops.xp.zeros_like(x_final)  # gradient of the residual stream, carried down the blocks
-            ops.layernorm_backward(dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean,
-                                   lnf_rstd)
+            self._layernorm_backward(cut, dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean,
+                                     lnf_rstd)
         else:
             dres = dout
         for a, layer in zip(reversed(acts), reversed(self.blocks), strict=True):
@@ -924,20 +1043,20 @@ class GPT2:
             fch_gelu = ops.gelu_forward(a.fch) if a.fch_gelu is None else a.fch_gelu  # --recompute 1
             # c_proj's backward and GELU's in one op (the derivative in the product's epilogue: cublaslt)
             # dropout's backward: the gradient through the forward's mask, drawn again from the same counters
-            dfcproj = self._dropped(dres, self._dropout_site(rows, layer, MLP_OUT))
+            dfcproj = gather(self._dropped_stream(dres, self._dropout_site(rows, layer, MLP_OUT), cut, T))
             dfch = ops.matmul_backward_gelu(gw.mlp_c_proj_weight, gw.mlp_c_proj_bias, dfcproj, fch_gelu,
                                             w.mlp_c_proj_weight, a.fch)
             del dfcproj
             del fch_gelu  # a recomputed one goes now, not at the next block's
             ln2 = ops.layernorm_forward(a.x_mid, w.ln_2_weight, w.ln_2_bias)[0] if a.ln2 is None else a.ln2
-            dln2 = self._column_parallel_dinp(ops.matmul_backward(gw.mlp_c_fc_weight, gw.mlp_c_fc_bias, dfch, ln2,
-                                                                  w.mlp_c_fc_weight))
+            dln2 = complete(ops.matmul_backward(gw.mlp_c_fc_weight, gw.mlp_c_fc_bias, dfch, gather(ln2),
+                                                w.mlp_c_fc_weight))
             del ln2
-            ops.layernorm_backward(dres, gw.ln_2_weight, gw.ln_2_bias, dln2, a.x_mid, w.ln_2_weight,
-                                   a.ln2_mean, a.ln2_rstd)  # dres is now d x_mid
+            self._layernorm_backward(cut, dres, gw.ln_2_weight, gw.ln_2_bias, dln2, a.x_mid, w.ln_2_weight,
+                                     a.ln2_mean, a.ln2_rstd)  # dres is now d x_mid
             self.units.before_backward(("attn", layer))
             # attention: x_mid = x_in + c_proj(attention(c_attn(ln_1(x_in))))
-            dattproj = self._dropped(dres, self._dropout_site(rows, layer, ATTENTION_OUT))
+            dattproj = gather(self._dropped_stream(dres, self._dropout_site(rows, layer, ATTENTION_OUT), cut, T))
             datty = ops.matmul_backward(gw.attn_c_proj_weight, gw.attn_c_proj_bias, dattproj, a.atty,
                                         w.attn_c_proj_weight)
             del dattproj
@@ -948,17 +1067,17 @@ class GPT2:
             else:
                 dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head)
             ln1 = ops.layernorm_forward(a.x_in, w.ln_1_weight, w.ln_1_bias)[0] if a.ln1 is None else a.ln1
-            dln1 = self._column_parallel_dinp(ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv,
-                                                                  ln1, w.attn_c_attn_weight))
+            dln1 = complete(ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv, gather(ln1),
+                                                w.attn_c_attn_weight))
             del ln1
-            ops.layernorm_backward(dres, gw.ln_1_weight, gw.ln_1_bias, dln1, a.x_in, w.ln_1_weight,
-                                   a.ln1_mean, a.ln1_rstd)  # dres is now d x_in
+            self._layernorm_backward(cut, dres, gw.ln_1_weight, gw.ln_1_bias, dln1, a.x_in, w.ln_1_weight,
+                                     a.ln1_mean, a.ln1_rstd)  # dres is now d x_in
             announce(*next(ranges))
         if self.is_first:
             self.units.before_backward("embed")
             if self.is_last and late:  # the head's weight gradient, deferred (same operands, same order into g.wte)
                 ops.matmul_backward(g.wte.T, None, dlogits, lnf, None)
-            dembed = self._dropped(dres, self._dropout_site(rows, 0, EMBEDDINGS))
+            dembed = gather(self._dropped_stream(dres, self._dropout_site(rows, 0, EMBEDDINGS), cut, T))
             if self.vocab_parallel:
                 ops.vocab_encoder_backward(g.wte, g.wpe, dembed, ids, self.vocab_row0)
             else:

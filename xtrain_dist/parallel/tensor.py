@@ -8,6 +8,11 @@ module checks the option before any rank starts, and says what a tensor-parallel
 
 --tp-classifier: vocab (the default) cuts wte and the tied classifier over the group by the vocabulary, Megatron's
 vocabulary-parallel embedding and cross-entropy; replicated keeps them whole on every rank (model.py's notes).
+
+--sequence-parallel: Megatron's sequence parallelism (Korthikanti et al. 2022) on top: what tensor parallelism leaves
+whole on every rank (the residual stream, the layernorms, dropout on the residual) is cut over the group by tokens,
+each rank holding a contiguous 1/tp of a micro-batch's B x T tokens (model.py's notes). SEQ divisible by tp makes
+every micro-batch's tokens divide, whatever its rows.
 """
 
 from ..command import must_be, one_of
@@ -40,6 +45,9 @@ NOT_YET = (
     ("--backend cuda --tp-classifier vocab", lambda cfg: cfg.backend == "cuda" and cfg.tp_classifier == "vocab",
      "the vocabulary-parallel embedding and cross-entropy have no CUDA kernels yet: add --tp-classifier "
      "replicated"),
+    ("--sequence-parallel --backend cuda", lambda cfg: cfg.sequence_parallel and cfg.backend == "cuda",
+     "the token cut's collectives (reduce-scatter and all-gather of bf16 activations) and its layernorms on a "
+     "rank's tokens have not been run through the CUDA ops yet"),
 )
 
 
@@ -52,6 +60,9 @@ def check_config(cfg, config: GPTConfig) -> None:
     if cfg.world_size % cfg.tp:
         raise XtrainError(must_be("--tp", f"a divisor of the world size ({cfg.world_size})", cfg.tp))
     check_tp(config, cfg.tp)
+    if cfg.tp > 1 and cfg.sequence_parallel and cfg.seq % cfg.tp:
+        raise XtrainError(f"--sequence-parallel cuts each micro-batch's tokens over the {cfg.tp} tensor-parallel "
+                          f"ranks: SEQ must be divisible by --tp {cfg.tp}, got {cfg.seq}")
     if cfg.tp > 1:
         refuse_what_does_not_work_yet(f"--tp {cfg.tp}", NOT_YET, cfg)
 

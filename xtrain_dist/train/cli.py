@@ -98,6 +98,11 @@ def build_parser() -> OneLineParser:
                    help="with --tp: vocab (Megatron's vocabulary-parallel embedding and cross-entropy: each rank "
                         "holds 1/tp of wte's rows and computes only its logits) or replicated (the whole wte and "
                         "logits on every rank) (default vocab; see docs/parallelism.md)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: Megatron's sequence parallelism: the residual stream, the layernorms and dropout "
+                        "held as each rank's 1/tp of the tokens, all-reduces replaced by reduce-scatters and "
+                        "all-gathers, so a rank keeps 1/tp of every activation (SEQ divisible by --tp; see "
+                        "docs/parallelism.md)")
     p.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b",
                    help="the pipeline's order of micro-batches: gpipe (all forwards, then all backwards) or 1f1b "
                         "(one forward, one backward: fewer activations held) (default 1f1b)")
@@ -326,7 +331,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         steps=args.steps, batch=args.batch, seq=args.seq,
         tokenizer=str(args.tokenizer or DEFAULT_TOKENIZER), corpus=str(args.corpus or DEFAULT_CORPUS),
         model=args.model, backend=args.backend, world_size=world_size, tp=args.tp, pp=args.pp,
-        pp_schedule=args.pp_schedule, tp_classifier=args.tp_classifier, seed=args.seed,
+        pp_schedule=args.pp_schedule, tp_classifier=args.tp_classifier,
+        sequence_parallel=args.sequence_parallel, seed=args.seed,
         overfit_batch=args.overfit_batch,
         lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
         lr_schedule=args.lr_schedule, cooldown_steps=args.cooldown_steps,
@@ -375,6 +381,8 @@ WITHOUT_EFFECT = [
     ("--pp-schedule", lambda a, launch: a.pp > 1, "--pp-schedule has no effect without --pp (2 or more stages)"),
     ("--tp-classifier", lambda a, launch: a.tp > 1,
      "--tp-classifier has no effect without --tp (2 or more tensor-parallel ranks)"),
+    ("--sequence-parallel", lambda a, launch: a.tp > 1,
+     "--sequence-parallel has no effect without --tp (2 or more tensor-parallel ranks)"),
     ("--powersgd-rank", lambda a, launch: a.grad_compress == "powersgd",
      "--powersgd-rank has no effect without --grad-compress powersgd"),
     ("--powersgd-start-step", lambda a, launch: a.grad_compress == "powersgd",

@@ -145,6 +145,8 @@ def run_prepared(ready: Prepared, launch: Launch, local_world: int, log, stop: "
         **outcomes[0][1],
         # memory: what rank 0 holds at least, by part (train/memory.py), and what this process took at its peak
         "memory": {"rank0_bytes_at_least": asdict(memory.rank_memories(mcfg, cfg, act_itemsize(cfg))[0]),
+                   # one micro-batch's blocks on rank 0, as kept and as Korthikanti et al. 2022 count them
+                   "rank0_block_activations": memory.block_activations(mcfg, cfg, act_itemsize(cfg)),
                    "peak_rss_bytes": memory.peak_rss_bytes(), **gpu_memory(cfg, devices)},
         **({"profile": profile_of(lead, cfg.profile_step)} if cfg.profile_step else {}),
     }

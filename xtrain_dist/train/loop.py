@@ -142,7 +142,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     tensor = step_comm.timing(mesh.tp, "tp") if mesh else None
     model = GPT2(model_config(cfg.model, corpus.vocab_size), ops, seed=cfg.seed, attention=cfg.attention,
                  recompute=cfg.recompute, tp=tensor, pp=pipe, dropout=cfg.dropout,
-                 vocab_parallel=cfg.tp_classifier == "vocab")
+                 vocab_parallel=cfg.tp_classifier == "vocab", sequence_parallel=cfg.sequence_parallel)
     optimizer, grad_sync = make_stage(model, cfg, step_comm)
     if mesh and cfg.backend == "cuda" and hasattr(grad_sync, "settle"):
         # the overlapped sync's buckets are queued before the next tensor-parallel or pipeline collective and run
@@ -212,7 +212,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
 
     def received(i: int):
         """Where micro-batch i's activations, or their gradient, from another stage land: (B_micro, T, C)."""
-        return xp.empty((*batch[i][0].shape, model.config.n_embd), dtype=model.params_lowp.dtype)
+        return xp.empty(model.stream_shape(batch[i][0].shape), dtype=model.params_lowp.dtype)
 
     def device_step() -> None:
         """The step from inputs already on the device to updated parameters and `readout`: no host read,

@@ -30,43 +30,86 @@ ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
 
 def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
                       recompute: int = 0, tp: int = 1, pp: int = 1, stage: int = 0,
-                      vocab_parallel: bool = True) -> list[tuple[str, tuple, str]]:
+                      vocab_parallel: bool = True, sequence_parallel: bool = False) -> list[tuple[str, tuple, str]]:
     """What GPT2.forward keeps for backward, array by array: (name, shape, kind), kind "act" for the
     activation dtype, "f32" or "i32" for arrays of that type whatever the precision. Its order and names
     follow GPT2.stage_forward's Tape (forward's `_saved`) and `_LayerActs` (less what --recompute leaves to
     backward), which tests/test_memory.py holds it to. With tp > 1, one tensor-parallel rank's: its heads' q, k, v,
     attention and output, its share of the MLP's hidden width, and (vocab_parallel) its vocab_rows columns of the
-    logits; the residual stream is whole on every rank.
+    logits; the residual stream is whole on every rank, or with sequence_parallel (B*T dividing by tp) the rank's
+    B*T/tp tokens of it, and of the layernorms' outputs and statistics (GPT2.stream_shape).
     With pp > 1, one micro-batch's on pipeline stage `stage` (GPT2.stage_forward's Tape): its blocks', and the
     head's on the last stage only (a stage before it keeps x, the activations it sends)."""
     C, NH, V = config.n_embd, config.n_head, config.padded_vocab_size  # the logits are Vp wide (model.py)
     V = vocab_rows(config, tp) if tp > 1 and vocab_parallel else V  # or a shard's columns of them
     Ct, NHt = C // tp, NH // tp  # the rank's share of the attention's channels and heads
+    # the residual stream's tokens on the rank: all of them, or a 1/tp slice of the B*T under sequence parallelism
+    tokens = (B * T // tp,) if sequence_parallel and tp > 1 and B * T % tp == 0 else (B, T)
     arrays = [("ids", (B, T), "i32")]
     for layer in stage_blocks(config.n_layer, pp, stage):
         def named(field, shape, kind, layer=layer):
             return (f"h.{layer}.{field}", shape, kind)
         arrays += [
-            named("x_in", (B, T, C), "act"),
-            *([named("ln1", (B, T, C), "act")] if recompute < 2 else []),
-            named("ln1_mean", (B, T), "f32"), named("ln1_rstd", (B, T), "f32"),
+            named("x_in", (*tokens, C), "act"),
+            *([named("ln1", (*tokens, C), "act")] if recompute < 2 else []),
+            named("ln1_mean", tokens, "f32"), named("ln1_rstd", tokens, "f32"),
             named("qkv", (B, T, 3 * Ct), "act"),
             named("atty", (B, T, Ct), "act"),
             # standard attention keeps the softmax probabilities; flash (and cudnn) one log-sum-exp per row; auto,
             # not yet resolved (preflight resolves it before the check), counts as standard, the most it may keep
             named("att", (B, NHt, T, T), "act") if attention in ("standard", "auto")
             else named("att", (B, NHt, T), "f32"),
-            named("x_mid", (B, T, C), "act"),
-            *([named("ln2", (B, T, C), "act")] if recompute < 2 else []),
-            named("ln2_mean", (B, T), "f32"), named("ln2_rstd", (B, T), "f32"),
+            named("x_mid", (*tokens, C), "act"),
+            *([named("ln2", (*tokens, C), "act")] if recompute < 2 else []),
+            named("ln2_mean", tokens, "f32"), named("ln2_rstd", tokens, "f32"),
             named("fch", (B, T, 4 * Ct), "act"),
             *([named("fch_gelu", (B, T, 4 * Ct), "act")] if recompute < 1 else []),
         ]
-    arrays += [("x", (B, T, C), "act")]
+    arrays += [("x", (*tokens, C), "act")]
     if stage == pp - 1:
-        arrays += [("lnf", (B, T, C), "act"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
+        arrays += [("lnf", (*tokens, C), "act"), ("lnf_mean", tokens, "f32"), ("lnf_rstd", tokens, "f32"),
                    ("dlogits", (B, T, V), "act")]
     return arrays
+
+
+def block_activation_bytes(saved: list[tuple[str, tuple, str]], act_itemsize: int) -> int:
+    """The bytes of saved_activations' arrays that the transformer blocks keep (the h.* ones): what
+    textbook_activation_bytes counts."""
+    return sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
+               for name, shape, kind in saved if name.startswith("h."))
+
+
+def textbook_activation_bytes(config: GPTConfig, B: int, T: int, layers: int, tp: int = 1,
+                              sequence_parallel: bool = False, act_itemsize: int = 2) -> float:
+    """Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4) count of
+    the activations `layers` transformer blocks keep per rank, s b h (34 + 5 a s / h) bytes a layer with 16-bit
+    activations and 1-byte dropout masks; with tensor parallelism over t ranks s b h (10 + 24 / t + 5 a s / (h t)),
+    the 10 being what stays whole (the two layernorms' inputs (4), the inputs of the first products (4) and the
+    two residual dropout masks (2)); with sequence parallelism s b h (34 / t + 5 a s / (h t)). Per layer, in
+    elements: 16 s b h activations (layernorms 2, attention 5: q k v's input, q, k, v, the projection's input; MLP
+    9: the input, GELU's input and output of 4 h) and 2 a s^2 b (softmax's output and its dropout's); masks of 1
+    byte: 2 s b h and a s^2 b. Here with the activations at act_itemsize bytes (2: the paper's figure). What the
+    model keeps differs from it: no masks (backward draws them again), the probabilities once, and each
+    layernorm's two float32 statistics a token (saved_activations)."""
+    sbh, as2b = T * B * config.n_embd, config.n_head * T * T * B
+    whole = 4 * sbh * act_itemsize + 2 * sbh  # what tensor parallelism alone keeps whole
+    cut = 12 * sbh * act_itemsize + 2 * as2b * act_itemsize + as2b  # split by heads and by the MLP's width
+    per_layer = (whole + cut) / tp if sequence_parallel else whole + cut / tp
+    return layers * per_layer
+
+
+def block_activations(config: GPTConfig, cfg, act_itemsize: int) -> dict[str, int]:
+    """What rank 0's transformer blocks keep for backward of one micro-batch, as the model stores it
+    (saved_activations) and as Korthikanti et al. count it (textbook_activation_bytes, at the same activation
+    width): the report's figures, set side by side."""
+    tp, pp = cfg.tp, cfg.pp
+    rows = -(-len(range(0, cfg.batch, cfg.world_size // tp // pp)) // cfg.grad_accum)
+    sequence_parallel = cfg.sequence_parallel and tp > 1 and rows * cfg.seq % tp == 0
+    saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute, tp, pp, 0,
+                              cfg.tp_classifier == "vocab", sequence_parallel)
+    textbook = textbook_activation_bytes(config, rows, cfg.seq, len(stage_blocks(config.n_layer, pp, 0)), tp,
+                                         sequence_parallel, act_itemsize)
+    return {"bytes": block_activation_bytes(saved, act_itemsize), "textbook_bytes": round(textbook)}
 
 
 @dataclass
@@ -115,7 +158,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
     def saved_bytes(stage: int, rows: int) -> int:
         if (stage, rows) not in activations:
             saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute, tp, pp, stage,
-                                      cfg.tp_classifier == "vocab")
+                                      cfg.tp_classifier == "vocab", cfg.sequence_parallel)
             activations[stage, rows] = sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
                                            for _, shape, kind in saved)
         return activations[stage, rows]
