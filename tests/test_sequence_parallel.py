@@ -13,7 +13,6 @@ from xtrain_dist.config import GPTConfig, TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.model import GPT2, join_flats
-from xtrain_dist.parallel import tensor
 from xtrain_dist.planner.projection import Mesh, Run, Shape, device_memory
 from xtrain_dist.train import loop, memory, preflight
 from xtrain_dist.train.cadence import kept_folder
@@ -235,11 +234,3 @@ def test_the_token_cut_needs_seq_divisible_by_tp(corpus):
         preflight.check_config(cfg, corpus)
     assert str(info.value) == ("--sequence-parallel cuts each micro-batch's tokens over the 4 tensor-parallel ranks: "
                                "SEQ must be divisible by --tp 4, got 30")
-
-
-def test_the_cuda_backend_refuses_the_token_cut():
-    cfg = TrainConfig(steps=1, batch=4, seq=32, world_size=2, tp=2, backend="cuda", tp_classifier="replicated",
-                      sequence_parallel=True)
-    with pytest.raises(XtrainError) as info:
-        tensor.check_config(cfg, model_config("tiny", 4096))
-    assert str(info.value).startswith("--tp 2 and --sequence-parallel --backend cuda do not work together yet: ")

@@ -747,8 +747,12 @@ class GPT2:
     def _gather_tokens(self, part, shape):
         """Megatron's g under sequence parallelism: every rank's (S, C) slice in rank order, the whole tensor of
         `shape` (B, T, C) on every rank, the same bits on each (an all-gather: copies, no sums)."""
-        whole = self.ops.xp.empty(shape, dtype=part.dtype)
-        self.tp.all_gather(part, whole)
+        xp = self.ops.xp
+        whole = xp.empty(shape, dtype=part.dtype)
+        if part.dtype == np.uint16:  # bf16's bits on a GPU: an all-gather only copies them, as any 16-bit type NCCL has
+            self.tp.all_gather(part.view(xp.float16), whole.view(xp.float16))
+        else:
+            self.tp.all_gather(part, whole)
         return whole
 
     def _scatter_sum(self, partial):

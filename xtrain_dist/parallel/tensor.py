@@ -45,9 +45,6 @@ NOT_YET = (
     ("--backend cuda --tp-classifier vocab", lambda cfg: cfg.backend == "cuda" and cfg.tp_classifier == "vocab",
      "the vocabulary-parallel embedding and cross-entropy have no CUDA kernels yet: add --tp-classifier "
      "replicated"),
-    ("--sequence-parallel --backend cuda", lambda cfg: cfg.sequence_parallel and cfg.backend == "cuda",
-     "the token cut's collectives (reduce-scatter and all-gather of bf16 activations) and its layernorms on a "
-     "rank's tokens have not been run through the CUDA ops yet"),
 )
 
 
