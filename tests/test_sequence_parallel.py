@@ -13,7 +13,7 @@ from xtrain_dist.config import GPTConfig, TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.model import GPT2, join_flats
-from xtrain_dist.planner.projection import Mesh, Run, Shape, device_memory
+from xtrain_dist.planner.projection import Hardware, Mesh, Run, Shape, device_memory, step_time
 from xtrain_dist.train import loop, memory, preflight
 from xtrain_dist.train.cadence import kept_folder
 from xtrain_dist.train.cli import parse_config
@@ -219,6 +219,16 @@ def test_the_planner_projects_what_the_preflight_counts(preset, tp):
     planned = device_memory(Shape.of(config), Mesh(tp=tp), Run(batch=2, seq=64, precision="fp32",
                                                               sequence_parallel=True))
     assert planned == memory.rank_memories(config, cfg, 4)[0]
+
+
+def test_the_planner_times_the_reduce_scatters_and_all_gathers():
+    """Per layer and micro-batch: 4 reduce-scatters and 4 all-gathers, an all-reduce's bytes a pair, and 2 more
+    all-gathers in backward (ln_1's and ln_2's outputs again): 5 all-reduces' time in 10 calls' latency."""
+    shape = Shape(n_layer=4, n_head=2, d_model=32, d_ff=64, vocab_size=100, n_ctx=16)
+    hw = Hardware(peak_flops=1e12, mfu=1.0, bus_gbps=10.0, inter_node_gbps=1.0, tp_bus_gbps=10.0, latency_s=1e-5)
+    run = Run(batch=8, seq=16, precision="bf16", grad_accum=4, sequence_parallel=True)
+    message = 2 * 16 * 32 * 2  # a micro-batch of 2 sequences' activations, in bf16; a ring over 2: 2 (2 - 1) / 2 of it
+    assert step_time(shape, Mesh(tp=2), run, hw).tp_comm_s == pytest.approx(4 * 4 * (5 * message / 10e9 + 10e-5))
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -13,7 +13,8 @@ The step time is compute plus what communication the overlap does not hide:
     bubble    = compute x (pp - 1) / m                       (1F1B's fill and drain; m micro-batches)
     ring(S,n) = 2 (n - 1) / n x S / bus bandwidth            (a ring all-reduce of S bytes over n devices)
     tp comm   = 4 all-reduces per layer and micro-batch of b x T x C activations (2 forward, 2 backward),
-                on the critical path
+                on the critical path; with sequence parallelism 4 reduce-scatters and 6 all-gathers (the
+                layernorms' outputs gathered again in backward): 5 all-reduces' bytes in 10 calls
     pp comm   = 2 sends per micro-batch of b x T x C activations (forward, and their gradient back), at
                 the inter-node bandwidth once tp x pp spans more than a node
     dp comm   = ring(gradient bytes, dp), plus a per-call latency for each bucket; the buckets go out
@@ -249,7 +250,12 @@ def step_time(shape: Shape, mesh: Mesh, run: Run, hw: Hardware) -> StepTime:
     layers = -(-shape.n_layer // mesh.pp)
     activation_msg = micro_rows * run.seq * shape.d_model * act
     tp_comm = 0.0
-    if mesh.tp > 1:
+    if mesh.tp > 1 and run.sequence_parallel:
+        # each all-reduce becomes a reduce-scatter and an all-gather, half its bytes each; backward gathers the two
+        # layernorms' outputs again (model.py): 5 all-reduces' bytes a layer in 10 calls
+        tp_comm = layers * run.grad_accum * (
+            5 * ring_all_reduce_s(activation_msg, mesh.tp, hw.tp_bus_gbps) + 10 * hw.latency_s)
+    elif mesh.tp > 1:
         tp_comm = 4 * layers * run.grad_accum * (
             ring_all_reduce_s(activation_msg, mesh.tp, hw.tp_bus_gbps) + hw.latency_s)
     # a pipeline boundary sends each micro-batch's activations forward and their gradient back; the stages
