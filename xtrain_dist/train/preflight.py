@@ -279,9 +279,10 @@ def _prepare(cfg: TrainConfig, corpus: Corpus | None, launch: Launch, local_worl
         where = f" on GPUs {devices}" if cfg.backend == "cuda" else ""
         processes = f" in {launch.num_processes} processes ({launch.kind}, {engine})" if launch.multi_process else ""
         dp = cfg.world_size // cfg.tp // cfg.pp
-        mesh = f" (dp {dp} x tp {cfg.tp})" if cfg.tp > 1 else ""
+        cut = ", sequence parallel" if cfg.sequence_parallel else ""
+        mesh = f" (dp {dp} x tp {cfg.tp}{cut})" if cfg.tp > 1 else ""
         if cfg.pp > 1:
-            mesh = f" (pp {cfg.pp} x dp {dp} x tp {cfg.tp}, {cfg.pp_schedule})"
+            mesh = f" (pp {cfg.pp} x dp {dp} x tp {cfg.tp}{cut}, {cfg.pp_schedule})"
         products = (" with TF32 products" if cfg.tf32 else "") + \
             (", biases in cuBLASLt's epilogue" if cfg.matmul == "cublaslt" else "")
         log(f"{cfg.model}: {model_config(cfg.model, corpus.vocab_size)} | {cfg.backend} backend, {cfg.dtype}"
