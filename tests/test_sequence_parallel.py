@@ -194,6 +194,19 @@ def test_training_with_the_token_cut_follows_world_one(corpus, world_one, tmp_pa
         model_config("tiny", corpus.vocab_size), 4 // (world // 2), 32, "standard", tp=2, sequence_parallel=True), 4)
 
 
+@pytest.mark.parametrize("kw", [{"grad_accum": 2, "attention": "flash", "recompute": 2},
+                                {"zero": 1, "grad_sync": "flat", "all_reduce": "ring"}, {"grad_sync": "per-param"}])
+def test_the_step_s_options_run_with_the_token_cut(corpus, world_one, tmp_path, kw):
+    """--recompute 2 makes the layernorms' outputs again from the rank's tokens, then gathers them; ZeRO-1, the ring
+    and the per-parameter sync take the layernorms' gradients once the group has completed them."""
+    _, one = world_one
+    report = run(corpus, tmp_path, "sp", world_size=4, tp=2, sequence_parallel=True, **kw)
+    relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])
+    assert relative.max() < 1e-5, relative.max()
+    digests = report["param_sha256"]
+    assert digests[0] == digests[2] != digests[1] == digests[3]
+
+
 def test_a_checkpoint_resumes_across_the_token_cut(corpus, world_one, tmp_path):
     """Sequence parallelism changes no tensor's layout: a checkpoint of dp 2 x tp 2 with it resumes at tp 1, and
     world 1's at tp 2 with it and with --pp 2 beside it (the stages send the rank's tokens), all on world 1's losses."""
