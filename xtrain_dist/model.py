@@ -51,9 +51,9 @@ r*S .. (r+1)*S - 1 of the micro-batch's B*T tokens (flattened in (b, t) order, S
 a column-parallel product the slice is all-gathered into the whole (B, T, C) (Megatron's g), and a row-parallel
 product's partial sums are reduce-scattered into the rank's slice instead of all-reduced (g-bar); backward is the
 conjugate: the gradient reaching a row-parallel output is all-gathered, a column-parallel product's partial input
-gradient reduce-scattered. The same bytes cross the group as the all-reduces' (an all-reduce is a reduce-scatter
-and an all-gather), but every activation a rank keeps for backward is 1/N of it: the layernorms' outputs are kept
-as slices and all-gathered again in backward for the products' weight gradients. The layernorms' weight and bias
+gradient reduce-scattered. An all-reduce is a reduce-scatter and an all-gather, so these move its bytes; and every
+activation a rank keeps for backward is 1/N of it: the layernorms' outputs are kept as slices and all-gathered again
+in backward for the products' weight gradients (two more all-gathers a block). The layernorms' weight and bias
 gradients are then partial sums over the rank's tokens, all-reduced over the group as each layernorm's backward
 ends (before the block's gradients are announced to the data-parallel sync). The row-parallel biases' gradients
 come from the gathered (whole) output gradient, equal on every rank as without the cut. Dropout's masks are keyed by
@@ -902,6 +902,7 @@ class GPT2:
                 atty, att = ops.attention_forward(qkv, n_head)
             attproj = complete(ops.matmul_forward(atty, w.attn_c_proj_weight, self._row_bias(w.attn_c_proj_bias)))
             # the residual branch's dropout after the row-parallel sum: the whole (B, T, C) output, as one rank's
+            # (under the cut the rank's tokens of it, with the bits they have whole)
             attproj = self._dropped_stream(attproj, self._dropout_site(rows, layer, ATTENTION_OUT), cut, T)
             self.units.before_forward(("mlp", layer))
             x_mid, ln2, ln2_mean, ln2_rstd = ops.residual_layernorm_forward(x, attproj, w.ln_2_weight, w.ln_2_bias)
@@ -1033,8 +1034,8 @@ class GPT2:
         if self.is_last:
             self.units.before_backward("head")
             late = self.units.wte_grad_at_end and self.is_first  # the classifier's wte gradient comes at the end
-            lnf = gather(lnf)  # whole again for wte's gradient (kept as the rank's tokens under the cut)
-            dlnf = self.head_backward(dlogits, lnf, weight_grad=not late, cut=cut)
+            # ln_f's output whole again for wte's gradient (kept as the rank's tokens under the cut), only for this
+            dlnf = self.head_backward(dlogits, gather(lnf), weight_grad=not late, cut=cut)
             dres = self.ops.xp.zeros_like(x_final)  # gradient of the residual stream, carried down the blocks
             self._layernorm_backward(cut, dres, g.ln_f_weight, g.ln_f_bias, dlnf, x_final, p.ln_f_weight, lnf_mean,
                                      lnf_rstd)
@@ -1080,7 +1081,7 @@ class GPT2:
         if self.is_first:
             self.units.before_backward("embed")
             if self.is_last and late:  # the head's weight gradient, deferred (same operands, same order into g.wte)
-                ops.matmul_backward(g.wte.T, None, dlogits, lnf, None)
+                ops.matmul_backward(g.wte.T, None, dlogits, gather(lnf), None)
             dembed = gather(self._dropped_stream(dres, self._dropout_site(rows, 0, EMBEDDINGS), cut, T))
             if self.vocab_parallel:
                 ops.vocab_encoder_backward(g.wte, g.wpe, dembed, ids, self.vocab_row0)
