@@ -151,6 +151,24 @@ def test_the_textbook_count_is_korthikantis_formula():
     assert textbook(config, b, s, L, t, True) == pytest.approx(L * s * b * h * (34 / t + 5 * a * s / (h * t)))
 
 
+def test_bf16_words_are_gathered_as_a_16_bit_type_nccl_has():
+    """On a GPU bf16 activations are uint16 words, a type NCCL lacks: the all-gather moves them as float16, whose
+    copies keep every bit (NaN patterns too)."""
+    class NcclTypes(CountingGroup):
+        def all_gather(self, send, recv, counts=None):
+            assert send.dtype == recv.dtype == np.float16, send.dtype  # NCCL's types (comm/nccl.py) have no uint16
+            super().all_gather(send, recv, counts)
+
+    words = np.random.default_rng(2).integers(0, 1 << 16, (2, 8, 32)).astype(np.uint16)
+
+    def rank(comm):
+        model = GPT2(CONFIG, NumpyBackend(), seed=3, tp=NcclTypes(comm), sequence_parallel=True)
+        return model._gather_tokens(words.reshape(-1, 32)[comm.rank * 8:(comm.rank + 1) * 8], words.shape)
+
+    for whole in on_thread_ranks(2, rank):
+        assert whole.dtype == np.uint16 and np.array_equal(whole, words)
+
+
 # ---------------------------------------------------------------------------------------------- training
 @pytest.fixture(scope="module")
 def corpus():
