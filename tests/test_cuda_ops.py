@@ -1291,6 +1291,20 @@ def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
 
 
 @pytest.mark.training
+def test_sequence_parallel_on_two_virtual_ranks_gives_tensor_parallels_bits():
+    """--sequence-parallel at tp 2: each rank keeps half of the tokens between the blocks, and the all-reduces
+    become reduce-scatters and all-gathers, which sum the same two partial outputs in the same order: the
+    losses and parameters of tp 2 without it, to the bit (bf16's all-gathers move its words as float16)."""
+    kw = dict(backend="cuda", world_size=2, tp=2, steps=3, grad_sync="flat", tp_classifier="replicated",
+              dtype="bf16")
+    cut, whole = _train(sequence_parallel=True, **kw), _train(**kw)
+    assert cut["losses"] == whole["losses"] and cut["param_sha256"] == whole["param_sha256"]
+    # and the cut did happen: the blocks keep less (the layernorms' and the residual's tokens are halves)
+    kept = [run["memory"]["rank0_block_activations"]["bytes"] for run in (cut, whole)]
+    assert kept[0] < kept[1], kept
+
+
+@pytest.mark.training
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_pipeline_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
     """--pp 2 on two virtual ranks of one GPU: one block and the embedding on the first, one block and the
