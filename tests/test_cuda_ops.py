@@ -1326,12 +1326,15 @@ def test_pipeline_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
 
 
 @pytest.mark.training
-@pytest.mark.parametrize("split", [{"tp": 2, "tp_classifier": "replicated"}, {"pp": 2, "grad_accum": 2}])
+@pytest.mark.parametrize("split", [{"tp": 2, "tp_classifier": "replicated"}, {"pp": 2, "grad_accum": 2},
+                                   {"tp": 2, "tp_classifier": "replicated", "grad_compress": "powersgd",
+                                    "powersgd_start_step": 1, "powersgd_rank": 2}])
 def test_the_overlapped_sync_beside_model_parallelism_is_the_flat_syncs_bits(split):
     """dp 2 x tp 2 and dp 2 x pp 2 on four virtual ranks: the overlapped sync's buckets, reduced on the
     communication thread's stream and settled before each tensor-parallel all-reduce or pipeline transfer
     (parallel/ddp.py, one order of collectives on every rank), sum what the flat sync sums in the same order:
-    the same losses and parameters to the bit."""
+    the same losses and parameters to the bit. Also with PowerSGD on the data-parallel group (step 2 compressed,
+    its factors through CuPy on the communication thread's stream)."""
     kw = dict(backend="cuda", world_size=4, steps=2, eval_batches=0, **split)
     flat = _train(grad_sync="flat", **kw)
     bucketed = _train(grad_sync="bucketed", bucket_mb=0.05, **kw)
