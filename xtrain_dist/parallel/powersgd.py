@@ -25,8 +25,8 @@ The same code runs on numpy and on CuPy arrays (the backend's `xp`; the products
 On a mesh (--tp, --pp) PowerSGD runs on the rank's data-parallel group only: `comm` is that group's, and the
 matrices are the ones the rank holds, its tensor-parallel shard of each block matrix and its pipeline stage's
 matrices, each with its own Q and error buffer. The ranks of a data-parallel group hold the same shards, so
-each group reduces its own shard, as Megatron-LM's and DeepSpeed's compressed reductions do: the tensor-parallel
-and pipeline communication stays as it is. A shard's rank-R approximation is not that shard of the whole
+each group reduces its own shard, as the data-parallel reduction of Megatron-LM and DeepSpeed does: the
+tensor-parallel and pipeline communication stays as it is. A shard's rank-R approximation is not that shard of the whole
 matrix's rank-R approximation, so a run at --tp 2 does not follow a --tp 1 PowerSGD run step by step (nor a
 --pp 2 run a --pp 1 one: the stages draw their Q in their own layout order, and the two copies of wte are
 compressed apart before sum_tied_embedding_grads adds them). What a tensor-parallel group holds whole
