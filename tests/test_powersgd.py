@@ -416,20 +416,26 @@ def test_twenty_steps_on_a_mesh_train_close_to_the_uncompressed_mesh_run(corpus,
             assert a.params[s.offset:s.offset + s.size].tobytes() == b.params[t.offset:t.offset + t.size].tobytes()
 
 
-@pytest.mark.parametrize("mesh", [{"tp": 2}, {"pp": 2, "grad_accum": 2}])
-def test_resume_on_a_mesh_is_exact_and_another_mesh_is_one_line(corpus, tmp_path, mesh):
+TP2 = "--tp 2 --pp 1 --tp-classifier vocab"
+
+
+@pytest.mark.parametrize("mesh, saved, other, ran", [
+    ({"tp": 2}, TP2, {"pp": 2, "grad_accum": 2}, "--tp 1 --pp 2"),
+    ({"pp": 2, "grad_accum": 2}, "--tp 1 --pp 2", {"tp": 2}, TP2),
+    ({"world_size": 8, "tp": 2, "pp": 2, "grad_accum": 2}, "--tp 2 --pp 2 --tp-classifier vocab",
+     {"world_size": 8, "tp": 2}, TP2)], ids=["dp2xtp2", "dp2xpp2", "dp2xtp2xpp2"])
+def test_resume_on_a_mesh_is_exact_and_another_mesh_is_one_line(corpus, tmp_path, mesh, saved, other, ran):
     """Each rank saves the Q and error buffers of its own shards (powersgd.rankN for the job's rank N) and reads
-    its own back: 4 steps straight = 2, a checkpoint, 2 more, at dp 2 x tp 2 and dp 2 x pp 2. Another cut of the
-    model would give every rank other matrices: refused in one line."""
+    its own back: 4 steps straight = 2, a checkpoint, 2 more, at dp 2 x tp 2, dp 2 x pp 2 and dp 2 x tp 2 x pp 2.
+    Another cut of the model would give every rank other matrices: refused in one line."""
     full = mesh_run(corpus, steps=4, powersgd_start_step=1, **mesh)
     mesh_run(corpus, steps=2, powersgd_start_step=1, save_dir=tmp_path / "ck", **mesh)
     resumed = mesh_run(corpus, steps=4, powersgd_start_step=1, resume=tmp_path / "ck", **mesh)
     assert resumed["param_sha256"] == full["param_sha256"] and resumed["losses"] == full["losses"][2:]
-    assert sorted(p.name for p in (tmp_path / "ck").glob("powersgd*")) == [f"powersgd.rank{r}.safetensors"
-                                                                           for r in range(4)]
-    saved = "--tp 2 --pp 1 --tp-classifier vocab" if "tp" in mesh else "--tp 1 --pp 2"
-    other = {"pp": 2, "grad_accum": 2} if "tp" in mesh else {"tp": 2}
-    ran = "--tp 1 --pp 2" if "tp" in mesh else "--tp 2 --pp 1 --tp-classifier vocab"
+    world = mesh.get("world_size", 4)
+    assert len(set(full["param_sha256"])) == world // 2  # each part of the model on two data-parallel replicas
+    assert sorted(p.name for p in (tmp_path / "ck").glob("powersgd*")) == sorted(f"powersgd.rank{r}.safetensors"
+                                                                                 for r in range(world))
     with pytest.raises(XtrainError) as info:
         mesh_run(corpus, steps=4, powersgd_start_step=1, resume=tmp_path / "ck", **other)
     assert str(info.value) == (f"checkpoint '{tmp_path / 'ck'}' holds the PowerSGD error feedback of each rank's own "
