@@ -234,6 +234,30 @@ def test_a_stop_request_ends_the_run_after_a_step_and_the_same_command_resumes_i
     assert resolve_auto_resume(replace(same, init_from="gpt2")) == replace(same, resume=str(folder))
 
 
+@pytest.mark.parametrize("mesh", [{"world": 2, "tp": 2}, {"world": 2, "pp": 2, "grad_accum": 2},
+                                  {"world": 8, "tp": 2, "pp": 2, "grad_accum": 2, "batch": 4},
+                                  {"world": 4, "tp": 2, "grad_compress": "powersgd", "powersgd_start_step": 1}])
+def test_a_stop_request_and_resume_auto_at_every_mesh_continue_bitwise(corpus, tmp_path, mesh):
+    """The test above on a mesh of rank threads (tp 2, pp 2, dp 2 x tp 2 x pp 2, and dp 2 x tp 2 with PowerSGD,
+    each rank's error feedback saved and read back): the stop request goes round the whole world, so every rank
+    of every group stops after step 4 and saves it; the same command resumes it and ends on the uninterrupted
+    run's bits, every rank's."""
+    full = run(corpus, 6, eval_batches=0, **mesh)
+    folder = tmp_path / "ck"
+    stop = StopRequest(str(folder))
+
+    def log(line):
+        if line.startswith("step     1/6"):
+            stop.set()
+
+    same = config(6, save_dir=folder, log_every=100, resume="auto", eval_batches=0, **{"world": 1, **mesh})
+    stopped = train(same, corpus, log=log, stop=stop)
+    assert stopped["stopped"] == {"step": 4, "signal": None} and stopped["losses"] == full["losses"][:4]
+    resumed = train(same, corpus, log=lambda line: None)
+    assert resumed["start_step"] == 4 and resumed["losses"] == full["losses"][4:]
+    assert resumed["param_sha256"] == full["param_sha256"] and len(set(full["param_sha256"])) > 1
+
+
 def test_a_stop_request_in_the_last_step_changes_nothing(corpus):
     """Set while step 2 of 3 is logged, the ranks hear it in step 3: the run is done, not stopped."""
     stop = StopRequest(None)

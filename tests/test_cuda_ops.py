@@ -960,15 +960,24 @@ def test_ddp_two_virtual_ranks_match_single_rank_and_numpy():
 @pytest.mark.parametrize("options", [
     {"grad_sync": "bucketed", "bucket_mb": 0.05}, {"grad_sync": "flat", "dtype": "bf16", "grad_accum": 2},
     {"grad_sync": "per-param", "grad_compress": "bf16"}, {"zero": 1, "matmul": "cublaslt"},
-    {"dropout": 0.1, "grad_accum": 2}])  # dropout: each replay reads its step's number, so its own masks
-def test_a_step_replayed_from_a_cuda_graph_gives_the_same_bits(options):
+    {"dropout": 0.1, "grad_accum": 2},  # dropout: each replay reads its step's number, so its own masks
+    # tp 2 x pp 2 on a GPU per rank (NCCL): each rank captures its stage's part of the 1F1B schedule, with its
+    # tensor-parallel all-reduces, its transfers, the wte copies' sum and the overlapped sync settling before each
+    {"world_size": 4, "tp": 2, "pp": 2, "grad_accum": 2, "tp_classifier": "replicated", "steps": 3, "batch": 2,
+     "seq": 16}])
+def test_a_step_replayed_from_a_cuda_graph_gives_the_same_bits(options, monkeypatch):
     """--cuda-graph auto on one rank: the first step runs as usual, the second is captured and launched,
     the rest are launches, and losses and parameters are bitwise those of --cuda-graph off. The graph holds
     the step's collectives (the count is the capture's); replayed steps have no timings of their own."""
-    kw = dict(backend="cuda", world_size=1, steps=4, eval_batches=0, **options)
+    kw = {"backend": "cuda", "world_size": 1, "steps": 4, "eval_batches": 0, **options}
+    if kw["world_size"] > 1:  # NCCL: a GPU per rank (on the simulator, as many simulated GPUs)
+        if getattr(cupy, "cudasim", False):
+            monkeypatch.setenv("XTRAIN_CUDASIM_DEVICES", str(kw["world_size"]))
+        elif cupy.cuda.runtime.getDeviceCount() < kw["world_size"]:
+            pytest.skip(f"NCCL needs a GPU per rank: {kw['world_size']} GPUs")
     off, graph = _train(cuda_graph="off", **kw), _train(cuda_graph="auto", **kw)
     assert off["cuda_graph"] == {"mode": "off", "replayed_steps": 0, "without": None}
-    assert graph["cuda_graph"] == {"mode": "auto", "replayed_steps": 3, "without": None}
+    assert graph["cuda_graph"] == {"mode": "auto", "replayed_steps": kw["steps"] - 1, "without": None}
     assert graph["losses"] == off["losses"] and graph["param_sha256"] == off["param_sha256"]
     assert graph["comm_calls_per_step"] == off["comm_calls_per_step"]
 
@@ -1277,7 +1286,8 @@ def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
     """--tp 2 on two virtual ranks of one GPU: each holds half of every block's heads and MLP columns, the
     model all-reduces over the pair, and the run follows numpy's world 1 (fp32: the bound of the DDP options
     above, 1e-4; bf16: 1e-3, as the bf16 DDP test's), both ranks' replicated parameters bitwise equal (the
-    report's sha256 is of each rank's own shards, so the two differ). Graphs are off, in one line."""
+    report's sha256 is of each rank's own shards, so the two differ). Graphs are off, in one line: the virtual
+    ranks' communicator cannot be captured (a GPU per rank captures the step: the graph test below)."""
     lines = []
     cuda = _train(backend="cuda", world_size=2, tp=2, steps=3, grad_sync="flat", dtype=dtype, log=lines.append,
                   tp_classifier="replicated")
@@ -1286,7 +1296,7 @@ def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
     np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=rtol)
     np.testing.assert_allclose(cuda["grad_norms"], numpy_run["grad_norms"], rtol=rtol)
     assert cuda["comm_bytes_per_step"]["tp"] == 4 * 2 * 8 * 32 * 64 * 4 + 4  # tiny: 2 layers, C 64; 8 x 32 tokens
-    assert any("runs without CUDA graphs: the tensor-parallel step (--tp) is not captured yet" in line
+    assert any("runs without CUDA graphs: the in-process communicator of virtual ranks" in line
                for line in lines), lines
 
 
@@ -1310,7 +1320,7 @@ def test_pipeline_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
     """--pp 2 on two virtual ranks of one GPU: one block and the embedding on the first, one block and the
     head on the second, 2 micro-batches through 1F1B with the activations and their gradients sent between
     them, and the run follows numpy's world 1 within the bounds of the tensor-parallel test above. The two
-    stages' copies of wte end with the same bits. Graphs are off, in one line."""
+    stages' copies of wte end with the same bits. Graphs are off, in one line (as at --tp above)."""
     from xtrain_dist.train import loop
 
     models, lines = [], []
@@ -1335,17 +1345,20 @@ def test_pipeline_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
     # and the gradient norm's float32
     act_bytes = 4 if dtype == "fp32" else 2
     assert cuda["comm_bytes_per_step"]["pp"] == 8 * 32 * 64 * act_bytes + 4096 * 64 * 4 + 4
-    assert any("runs without CUDA graphs: the pipelined step (--pp) is not captured yet" in line
+    assert any("runs without CUDA graphs: the in-process communicator of virtual ranks" in line
                for line in lines), lines
 
 
 @pytest.mark.training
-@pytest.mark.parametrize("split", [{"tp": 2, "tp_classifier": "replicated"}, {"pp": 2, "grad_accum": 2}])
+@pytest.mark.parametrize("split", [{"tp": 2, "tp_classifier": "replicated"}, {"pp": 2, "grad_accum": 2},
+                                   {"tp": 2, "tp_classifier": "replicated", "grad_compress": "powersgd",
+                                    "powersgd_start_step": 1, "powersgd_rank": 2}])
 def test_the_overlapped_sync_beside_model_parallelism_is_the_flat_syncs_bits(split):
     """dp 2 x tp 2 and dp 2 x pp 2 on four virtual ranks: the overlapped sync's buckets, reduced on the
     communication thread's stream and settled before each tensor-parallel all-reduce or pipeline transfer
     (parallel/ddp.py, one order of collectives on every rank), sum what the flat sync sums in the same order:
-    the same losses and parameters to the bit."""
+    the same losses and parameters to the bit. Also with PowerSGD on the data-parallel group (step 2 compressed,
+    its factors through CuPy on the communication thread's stream)."""
     kw = dict(backend="cuda", world_size=4, steps=2, eval_batches=0, **split)
     flat = _train(grad_sync="flat", **kw)
     bucketed = _train(grad_sync="bucketed", bucket_mb=0.05, **kw)

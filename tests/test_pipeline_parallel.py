@@ -337,8 +337,6 @@ def test_pp_options_on_the_command_line_are_one_line(argv, line):
     ({"world_size": 8, "tp": 2, "pp": 8}, "--pp must be a divisor of the world size over --tp (8 / 2 = 4), got '8'"),
     ({"world_size": 4, "pp": 4}, "--pp must be at most the model's 2 layers, got '4'"),
     ({"world_size": 2, "pp": 2, "pp_schedule": "zb"}, "--pp-schedule must be one of gpipe, 1f1b, got 'zb'"),
-    ({"world_size": 2, "pp": 2, "grad_compress": "powersgd"}, "--pp 2 and --grad-compress powersgd do not work "
-     "together yet: PowerSGD's factors and error feedback are not cut into pipeline stages"),
     ({"world_size": 4, "pp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "
      "(the world size over --pp) times --grad-accum (2 x 2 = 4): every micro-batch needs a sequence in every "
      "data-parallel group"),
@@ -359,16 +357,13 @@ def test_a_bad_pp_on_the_command_line_is_one_line_and_exit_status_2():
         2, "", "train_ddp: error: --pp must be a divisor of the world size (4), got '3'\n")
 
 
-def test_pp_with_the_cuda_backend_takes_the_overlapped_sync_and_refuses_powersgd_in_one_line():
+def test_pp_with_the_cuda_backend_takes_the_overlapped_sync_and_powersgd():
     """Checked here without a GPU (tests/test_cuda_ops.py runs the overlapped sync beside --pp on the CUDA
-    backend, with the flat sync's bits)."""
-    pipeline.check_config(TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda",
-                                      grad_sync="bucketed"), CONFIG)
-    cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda", grad_compress="powersgd")
-    with pytest.raises(XtrainError) as info:
-        pipeline.check_config(cfg, CONFIG)
-    assert str(info.value) == ("--pp 2 and --grad-compress powersgd do not work together yet: PowerSGD's factors "
-                               "and error feedback are not cut into pipeline stages")
+    backend, with the flat sync's bits; PowerSGD at --pp runs on each stage's data-parallel group,
+    tests/test_powersgd.py)."""
+    for extra in ({"grad_sync": "bucketed"}, {"grad_compress": "powersgd"}):
+        pipeline.check_config(TrainConfig(steps=2, batch=8, seq=32, world_size=2, pp=2, backend="cuda", **extra),
+                              CONFIG)
 
 
 def test_a_stage_s_memory_counts_its_part_and_the_micro_batches_its_schedule_holds(corpus):

@@ -291,8 +291,6 @@ def test_tp_must_be_a_positive_integer(argv, line):
 @pytest.mark.parametrize("kw, line", [
     ({"world_size": 4, "tp": 3}, "--tp must be a divisor of the world size (4), got '3'"),
     ({"world_size": 8, "tp": 8}, "--tp must be a divisor of the model's 4 heads, got '8'"),
-    ({"world_size": 2, "tp": 2, "grad_compress": "powersgd"}, "--tp 2 and --grad-compress powersgd do not work "
-     "together yet: PowerSGD's factors and error feedback are not cut into tensor-parallel shards"),
     ({"world_size": 2, "tp": 2, "tp_classifier": "rows"}, "--tp-classifier must be one of vocab, replicated, got "
      "'rows'"),
     ({"world_size": 4, "tp": 2, "batch": 2, "grad_accum": 2}, "BATCH (2) must be at least the data-parallel size "

@@ -258,6 +258,12 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
             raise XtrainError(f"{where} holds the PowerSGD error feedback of {state['world_size']} rank(s), this run "
                               f"has {cfg.world_size}: each rank's error is its own, so resume with "
                               f"{state['world_size']} rank(s)")
+        # each rank's Q and error buffers are those of the shards and stage it holds (parallel/powersgd.py):
+        # another cut of the model gives every rank other matrices
+        saved_mesh, mesh = _mesh(saved, defaults), _mesh(cfg.to_dict(), defaults)
+        if saved_mesh != mesh:
+            raise XtrainError(f"{where} holds the PowerSGD error feedback of each rank's own shards at {saved_mesh}, "
+                              f"this run has {mesh}: resume with {saved_mesh}")
         if saved_rank != cfg.powersgd_rank:
             raise XtrainError(f"{where} was trained with --powersgd-rank {saved_rank}, this run has "
                               f"{cfg.powersgd_rank}: its PowerSGD state cannot continue")
@@ -268,6 +274,14 @@ def check_resume(cfg: TrainConfig, corpus) -> tuple[int, list[str], Checkpoint]:
     return step, notes, ckpt
 
 
+def _mesh(config: dict, defaults: dict) -> str:
+    """How a run's configuration (TrainConfig.to_dict's, or a checkpoint's) cuts the model over ranks: "--tp 2
+    --pp 1", with its --tp-classifier where tp is above 1 (the vocabulary-parallel wte is a shard too)."""
+    tp, pp = config.get("tp", defaults["tp"]), config.get("pp", defaults["pp"])
+    classifier = f" --tp-classifier {config.get('tp_classifier', defaults['tp_classifier'])}" if tp > 1 else ""
+    return f"--tp {tp} --pp {pp}{classifier}"
+
+
 def shared_restore(path, ranks: int, opened: Checkpoint | None = None) -> Shared:
     """The checkpoint at `path` for `ranks` rank threads to restore from: check_resume's verified read
     where the caller has it (`opened`), else one read on first use."""
@@ -275,16 +289,17 @@ def shared_restore(path, ranks: int, opened: Checkpoint | None = None) -> Shared
                   path=path)
 
 
-def restore(source, model, optimizer, sampler, powersgd=None) -> int:
+def restore(source, model, optimizer, sampler, powersgd=None, rank: int = 0) -> int:
     """Load the parameters, optimizer and sampler state of the checkpoint (a path, or a shared_restore of
     it; checked by check_resume) into this rank's objects, and this rank's PowerSGD state where the run
-    compresses with it; returns the step to continue from."""
+    compresses with it (the file of `rank`, the rank's place in the job: with --tp or --pp its PowerSGD runs
+    on its data-parallel group, whose rank numbers repeat over the mesh); returns the step to continue from."""
     shared = source if isinstance(source, Shared) else shared_restore(source, 1)
     with shared.use() as ckpt:
-        return _restore(ckpt, shared.path, model, optimizer, sampler, powersgd)
+        return _restore(ckpt, shared.path, model, optimizer, sampler, powersgd, rank)
 
 
-def _restore(ckpt: Checkpoint, path, model, optimizer, sampler, powersgd) -> int:
+def _restore(ckpt: Checkpoint, path, model, optimizer, sampler, powersgd, rank: int) -> int:
     state = ckpt.state
     # the full model, whatever --tp and --pp saved it: this rank loads its shards and stage of it
     flat = model.full_flat(ckpt.model_state(model.config))
@@ -305,7 +320,7 @@ def _restore(ckpt: Checkpoint, path, model, optimizer, sampler, powersgd) -> int
     if powersgd is not None:
         # a checkpoint of a run without PowerSGD leaves it as it starts: Q from the seed, no error yet
         powersgd.steps_done = state["step"]
-        name = powersgd_file(powersgd.comm.rank)
+        name = powersgd_file(rank)
         if name in ckpt.contents:
             powersgd.load_state_dict(ckpt.tensors(name)[0], f"checkpoint '{path}'")
     return state["step"]

@@ -221,6 +221,8 @@ class PowerSGDGradSync:
     def __init__(self, strategy, powersgd: PowerSGD):
         self.strategy, self.powersgd = strategy, powersgd
         self.on_grads_ready, self.reset, self.close = strategy.on_grads_ready, strategy.reset, strategy.close
+        if hasattr(strategy, "settle"):  # the overlapped sync beside --tp, --pp on a GPU (train/loop.py)
+            self.settle = strategy.settle
         self.elements_sent = 0  # by each rank in the latest step
 
     def finish(self) -> None:

@@ -31,16 +31,13 @@ from ..command import must_be, one_of
 from ..config import GPTConfig
 from ..errors import XtrainError
 from ..model import check_pp
-from .tensor import not_yet, refuse_what_does_not_work_yet
 
 SCHEDULES = ("gpipe", "1f1b")  # --pp-schedule
 
-NOT_YET = not_yet("pipeline stages")  # what a run with --pp above 1 refuses
-
 
 def check_config(cfg, config: GPTConfig) -> None:
-    """--pp divides the world with --tp, gives every stage a block, has a schedule, and asks for nothing
-    NOT_YET lists: one line if not (after parallel/tensor.py's checks of --tp)."""
+    """--pp divides the world with --tp, gives every stage a block and has a schedule: one line if not (after
+    parallel/tensor.py's checks of --tp)."""
     if isinstance(cfg.pp, bool) or not isinstance(cfg.pp, int) or cfg.pp < 1:
         raise XtrainError(must_be("--pp", "a positive integer", cfg.pp))
     if cfg.pp_schedule not in SCHEDULES:
@@ -51,8 +48,6 @@ def check_config(cfg, config: GPTConfig) -> None:
             f"the world size ({cfg.world_size})"
         raise XtrainError(must_be("--pp", f"a divisor of {over}", cfg.pp))
     check_pp(config, cfg.pp)
-    if cfg.pp > 1:
-        refuse_what_does_not_work_yet(f"--pp {cfg.pp}", NOT_YET, cfg)
 
 
 def schedule(kind: str, stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:

@@ -22,6 +22,18 @@ every piece is all-reduced as it is and no error is kept (PyTorch's start_powerS
 
 The same code runs on numpy and on CuPy arrays (the backend's `xp`; the products through cuBLAS there).
 
+On a mesh (--tp, --pp) PowerSGD runs on the rank's data-parallel group only: `comm` is that group's, and the
+matrices are the ones the rank holds, its tensor-parallel shard of each block matrix and its pipeline stage's
+matrices, each with its own Q and error buffer. The ranks of a data-parallel group hold the same shards, so
+each group reduces its own shard, as the data-parallel reduction of Megatron-LM and DeepSpeed does: the
+tensor-parallel and pipeline communication stays as it is. A shard's rank-R approximation is not that shard of the whole
+matrix's rank-R approximation, so a run at --tp 2 does not follow a --tp 1 PowerSGD run step by step (nor a
+--pp 2 run a --pp 1 one: the stages draw their Q in their own layout order, and the two copies of wte are
+compressed apart before sum_tied_embedding_grads adds them). What a tensor-parallel group holds whole
+(layernorms, row-parallel biases, wpe, wte under --tp-classifier replicated) has the same gradient bits on each
+of its ranks (model.py's notes); every rank of the group has the same shapes in the same layout order, so it
+draws the same Q for them, and then runs the same arithmetic on the same bits: they stay equal.
+
 What differs from PyTorch's hook: vectors and small matrices keep no error (PyTorch keeps each rank's
 difference from the mean for them, which sums to zero over the ranks); Gram-Schmidt at every rank
 (PyTorch switches to QR above rank 2, whose bits depend on the LAPACK build); a column that is all zero
@@ -91,7 +103,8 @@ class PowerSGD:
         self.compressed = {s.name for s in self.layout
                            if len(s.shape) == 2 and should_compress(*s.shape, min(rank, *s.shape),
                                                                     min_compression_rate)}
-        # Q starts as the same normal draws on every rank: one generator, every matrix in layout order
+        # Q starts as the same normal draws on every rank: one generator, every matrix in layout order (on a mesh
+        # the rank's layout, whose shapes and order every rank of its tensor-parallel group shares)
         rng = np.random.default_rng(seed)
         self.q, self.error = {}, {}
         for s in self.layout:

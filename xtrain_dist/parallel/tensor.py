@@ -21,18 +21,8 @@ from ..errors import XtrainError
 from ..model import check_tp
 
 
-def not_yet(cut_into: str) -> tuple:
-    """What a model-parallel run (--tp, --pp) refuses, and why: (option, whether the configuration asks for it,
-    why not) for each. cut_into: what the split cuts the model into. (The overlapped sync runs beside both on a
-    GPU too: its buckets settle before each of their collectives, parallel/ddp.py.)"""
-    return (
-        ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
-         f"PowerSGD's factors and error feedback are not cut into {cut_into}"),
-    )
-
-
 def refuse_what_does_not_work_yet(split: str, refused: tuple, cfg) -> None:
-    """One line for the first of `refused` (not_yet's entries) that cfg asks for beside `split` ("--tp 2")."""
+    """One line for the first of `refused` (a NOT_YET list's entries) that cfg asks for beside `split` ("--tp 2")."""
     for option, asks, why in refused:
         if asks(cfg):
             raise XtrainError(f"{split} and {option} do not work together yet: {why}")
@@ -40,8 +30,10 @@ def refuse_what_does_not_work_yet(split: str, refused: tuple, cfg) -> None:
 
 TP_CLASSIFIERS = ("vocab", "replicated")
 
+# what a run with --tp above 1 refuses, and why: (option, whether the configuration asks for it, why not). (The
+# overlapped sync runs beside --tp and --pp on a GPU too: its buckets settle before each of their collectives,
+# parallel/ddp.py; PowerSGD runs on the data-parallel group, each rank compressing its own shards, parallel/powersgd.py)
 NOT_YET = (
-    *not_yet("tensor-parallel shards"),
     ("--backend cuda --tp-classifier vocab", lambda cfg: cfg.backend == "cuda" and cfg.tp_classifier == "vocab",
      "the vocabulary-parallel embedding and cross-entropy have no CUDA kernels yet: add --tp-classifier "
      "replicated"),

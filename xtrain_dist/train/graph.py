@@ -15,6 +15,12 @@ joins the capture through the events it already waits for and records (a stream 
 recorded in a capture is captured too, and the compute stream waits for its last one), so its NCCL calls
 go into the same graph.
 
+With --tp and --pp the captured step holds the rank's tensor-parallel all-reduces, its pipeline transfers
+(NCCL's send and recv, which NCCL captures once the first, uncaptured step has made their connections) and the
+sum of the two wte copies, each stage its own graph of its own part of the schedule: every rank captures the
+same step, so the ranks of each group launch their captured collectives together, as NCCL asks. The
+overlapped sync's buckets settle before each of them inside the capture as outside it (parallel/ddp.py).
+
 Which communicators can be captured is decided before the first step (`unsupported`): NCCL can, and so
 can any communicator of a one-rank world (there is nothing to exchange). The in-process communicator of
 virtual ranks cannot: its exchange synchronizes the rank threads and their streams on the host. Nor can
@@ -35,10 +41,6 @@ def unsupported(cfg, comm) -> str | None:
     """Why this rank's step cannot be captured, or None where it can."""
     if cfg.grad_compress == "powersgd":
         return "PowerSGD decides on the host whether a step compresses (--powersgd-start-step)"
-    if cfg.tp > 1:
-        return "the tensor-parallel step (--tp) is not captured yet: its all-reduces have run only outside a graph"
-    if cfg.pp > 1:
-        return "the pipelined step (--pp) is not captured yet: its transfers have run only outside a graph"
     if comm.world_size == 1:
         return None
     if cfg.all_reduce == "ring":

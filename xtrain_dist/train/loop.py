@@ -153,7 +153,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
     sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=data_rank, world=data_world,
                            overfit=cfg.overfit_batch)
     powersgd = getattr(grad_sync, "powersgd", None)  # --grad-compress powersgd: its state is saved and restored
-    start = restore(resume or cfg.resume, model, optimizer, sampler, powersgd) if cfg.resume else 0
+    start = restore(resume or cfg.resume, model, optimizer, sampler, powersgd, rank) if cfg.resume else 0
     if cfg.init_from:
         hf.load_pretrained(init or cfg.init_from, model)
     evaluator = (Evaluator(corpus.val, cfg.batch, cfg.seq, cfg.eval_batches, data_rank, data_world, backend)
