@@ -26,7 +26,8 @@ from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.data.sampler import BatchSampler
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.eval.evaluate import Evaluator
-from xtrain_dist.model import GPT2, param_layout
+from xtrain_dist.layout import param_layout
+from xtrain_dist.model import GPT2
 from xtrain_dist.optim import AdamW
 from xtrain_dist.train import loop as train_module
 from xtrain_dist.train.job import StopRequest, train

@@ -14,7 +14,8 @@ from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.model import ALIGN, GPT2
+from xtrain_dist.layout import ALIGN
+from xtrain_dist.model import GPT2
 from xtrain_dist.parallel import ddp
 from xtrain_dist.train.cli import main
 from xtrain_dist.train.job import train

@@ -19,7 +19,7 @@ LAYERS = [
     {"train", "planner"},                                   # the training command; the planner
     {"bench"},                                              # the benchmarks' shared code and PyTorch peer
     {"eval", "parallel", "checkpoint", "data"},             # what the loop calls
-    {"model", "optim", "backend"},                          # the model, its optimizer, its ops
+    {"model", "layout", "optim", "backend"},                # the model, its layout, its optimizer, its ops
     {"comm", "config", "files", "errors", "precision", "command", "profile", "shipped", "config_file",
      "__init__"},
 ]

@@ -10,7 +10,8 @@ from padded_vocab import assert_padded_rows_stay_zero
 
 from xtrain_dist.backend import numpy_ops
 from xtrain_dist.config import GPTConfig, model_config
-from xtrain_dist.model import ALIGN, GPT2, count_params, init_weights, param_layout
+from xtrain_dist.layout import ALIGN, count_params, init_weights, param_layout
+from xtrain_dist.model import GPT2
 
 SMALL = GPTConfig(vocab_size=13, n_ctx=8, n_layer=2, n_head=2, n_embd=8)
 

@@ -16,7 +16,8 @@ from xtrain_dist.comm.launch_env import Launch
 from xtrain_dist.config import GPTConfig, TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.model import GPT2, WTE, join_flats, join_stages, param_layout, shard_flat, stage_blocks
+from xtrain_dist.layout import WTE, join_flats, join_stages, param_layout, shard_flat, stage_blocks
+from xtrain_dist.model import GPT2
 from xtrain_dist.parallel import pipeline
 from xtrain_dist.parallel.pipeline import run_schedule
 from xtrain_dist.train import loop, memory

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from xtrain_dist.config import PRESETS, TrainConfig, model_config
-from xtrain_dist.model import count_params, param_layout
+from xtrain_dist.layout import count_params, param_layout
 from xtrain_dist.planner import cli
 from xtrain_dist.planner.projection import (
     Hardware,
@@ -31,7 +31,7 @@ from xtrain_dist.train.memory import rank_memories
 
 ROOT = Path(__file__).resolve().parents[1]
 # one layer, d_model 32, d_ff 64, 2 heads, vocab 100 (padded to 128), 4 positions: every tensor a multiple of
-# model.ALIGN (32 elements), so the sums below need no padding
+# layout.ALIGN (32 elements), so the sums below need no padding
 SMALL = Shape(n_layer=1, n_head=2, d_model=32, d_ff=64, vocab_size=100, n_ctx=4)
 
 

@@ -16,7 +16,8 @@ from xtrain_dist.comm.mesh import DeviceMesh
 from xtrain_dist.config import GPTConfig, TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.model import GPT2, ParamSpec, param_layout
+from xtrain_dist.layout import ParamSpec, param_layout
+from xtrain_dist.model import GPT2
 from xtrain_dist.parallel import ddp, powersgd
 from xtrain_dist.train import loop
 from xtrain_dist.train.cli import main

@@ -12,7 +12,8 @@ from xtrain_dist.comm.launch_env import Launch
 from xtrain_dist.config import GPTConfig, TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.model import GPT2, join_flats
+from xtrain_dist.layout import join_flats
+from xtrain_dist.model import GPT2
 from xtrain_dist.planner.projection import Hardware, Mesh, Run, Shape, device_memory, step_time
 from xtrain_dist.train import loop, memory, preflight
 from xtrain_dist.train.cadence import kept_folder

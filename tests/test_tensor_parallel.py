@@ -20,7 +20,8 @@ from xtrain_dist.comm.local import LocalGroup
 from xtrain_dist.config import GPTConfig, TrainConfig, model_config
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.model import GPT2, join_flats, param_layout, shard_flat, vocab_rows
+from xtrain_dist.layout import join_flats, param_layout, shard_flat, vocab_rows
+from xtrain_dist.model import GPT2
 from xtrain_dist.train import loop, memory
 from xtrain_dist.train.cadence import kept_folder
 from xtrain_dist.train.cli import parse_config

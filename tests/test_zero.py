@@ -9,7 +9,7 @@ from ddp_oracle import hand_synced_run
 
 from xtrain_dist.config import TrainConfig
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-from xtrain_dist.model import ALIGN
+from xtrain_dist.layout import ALIGN
 from xtrain_dist.parallel.zero import shard_bounds
 from xtrain_dist.train.job import train
 
@@ -258,7 +258,7 @@ def test_the_memory_bound_counts_the_units_a_zero3_rank_gathers_and_fills(corpus
     the most (parallel/zero.py's transient_bytes); the ranks held that, and at most one unit's reduce-scatter
     more (a step starts once at most one is still running)."""
     from xtrain_dist.config import model_config
-    from xtrain_dist.model import param_layout
+    from xtrain_dist.layout import param_layout
     from xtrain_dist.parallel.zero import unit_sizes
     from xtrain_dist.train.memory import rank_memories
 

@@ -52,7 +52,7 @@ import tokenizers
 from ..config import GPTConfig
 from ..errors import XtrainError
 from ..files import OutputLock, loads_json, probe_in, read_regular
-from ..model import ALIGN, param_layout
+from ..layout import ALIGN, param_layout
 from .safetensors_io import parse_safetensors
 
 FORMAT = "xtrain-dist checkpoint"

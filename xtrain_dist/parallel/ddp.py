@@ -29,7 +29,7 @@ from ..comm import shard_offsets
 from ..comm.timed import TimedCommunicator
 from ..command import must_be, one_of
 from ..errors import XtrainError
-from ..model import ALIGN
+from ..layout import ALIGN
 from .powersgd import PowerSGD
 
 MIB = 1 << 20  # --bucket-mb counts mebibytes, like torch DDP's bucket_cap_mb

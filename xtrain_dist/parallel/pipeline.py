@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from ..command import must_be, one_of
 from ..config import GPTConfig
 from ..errors import XtrainError
-from ..model import check_pp
+from ..layout import check_pp
 
 SCHEDULES = ("gpipe", "1f1b")  # --pp-schedule
 

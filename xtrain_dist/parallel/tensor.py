@@ -18,7 +18,7 @@ every micro-batch's tokens divide, whatever its rows.
 from ..command import must_be, one_of
 from ..config import GPTConfig
 from ..errors import XtrainError
-from ..model import check_tp
+from ..layout import check_tp
 
 
 def refuse_what_does_not_work_yet(split: str, refused: tuple, cfg) -> None:

@@ -45,7 +45,7 @@ import numpy as np
 from ..comm import shard_offsets
 from ..config import TrainConfig
 from ..errors import XtrainError
-from ..model import ALIGN, bind_views
+from ..layout import ALIGN, bind_views
 from ..optim import AdamW, schedule_buffer
 from .ddp import make_grad_sync
 from .tensor import refuse_what_does_not_work_yet
@@ -194,7 +194,7 @@ def _serve_calls(work: queue.Queue, errors: list, ops) -> None:
 def param_units(layout, blocks) -> dict:
     """The units ZeRO-2 and -3 gather and reduce-scatter: key -> (lo, hi, specs) of the flat layout. A block is two
     units, its MLP half ("mlp", i: c_proj, c_fc, ln_2) and its attention half ("attn", i: c_proj, c_attn, ln_1),
-    each a contiguous run of the layout (model._block_params lists a block in backward's order); ln_f, wpe and
+    each a contiguous run of the layout (layout.block_params lists a block in backward's order); ln_f, wpe and
     wte (tied with the classifier) are one each. Halves, because a rank in backward holds a unit's parameters,
     its gradient, the next unit's prefetched parameters and the previous unit's gradient in its reduce-scatter:
     with whole blocks that is four blocks, with halves about two."""

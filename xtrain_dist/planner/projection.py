@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from ..config import VOCAB_ALIGN, GPTConfig
 from ..errors import XtrainError
-from ..model import ALIGN
+from ..layout import ALIGN
 from ..parallel.zero import shard_bounds, transient_bytes
 from ..train.memory import ITEMSIZE, RankMemory, saved_activations
 
@@ -62,7 +62,7 @@ class Shape:
 
     def padded_vocab(self, tp: int) -> int:
         """The classifier's rows over tp devices that cut the vocabulary: a multiple of 128 (config.VOCAB_ALIGN),
-        split evenly, each device's share rounded up where tp does not divide it (model.vocab_rows)."""
+        split evenly, each device's share rounded up where tp does not divide it (layout.vocab_rows)."""
         padded = -(-self.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
         return -(-padded // tp) * tp
 

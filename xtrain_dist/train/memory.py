@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..backend.cuda import cublas, cublaslt
 from ..config import GPTConfig
 from ..errors import XtrainError
-from ..model import param_layout, stage_blocks, vocab_rows
+from ..layout import param_layout, stage_blocks, vocab_rows
 from ..parallel.pipeline import schedule_peak_in_flight
 from ..parallel.powersgd import state_elements
 from ..parallel.zero import shard_bounds, transient_bytes, unit_sizes
