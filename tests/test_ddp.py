@@ -138,6 +138,9 @@ def test_collectives_per_step(corpus, flat_runs):
         assert key in bucketed
     assert bucketed["grad_sync"] == "bucketed" and bucketed["zero"] == 0 and bucketed["grad_accum"] == 1
     assert bucketed["comm_s"] > 0 and bucketed["exposed_comm_s"] > 0
+    # without a mesh every collective is the data-parallel group's: its share by group is the whole
+    assert bucketed["comm_s_by_group"] == {"dp": {"comm_s": pytest.approx(bucketed["comm_s"]),
+                                                  "exposed_s": pytest.approx(bucketed["exposed_comm_s"])}}
 
 
 def test_the_default_is_bucketed():

@@ -261,6 +261,12 @@ def test_every_sync_and_option_of_the_step_runs_inside_the_mesh(corpus, world_on
     assert relative.max() < 1e-5, relative.max()
     digests = report["param_sha256"]
     assert digests[0] == digests[2] != digests[1] == digests[3]
+    # the time in collectives by group adds up to the whole, and so does the part the rank waited for
+    groups = report["comm_s_by_group"]
+    assert set(groups) == {"dp", "tp", "world"}
+    assert sum(g["comm_s"] for g in groups.values()) == pytest.approx(report["comm_s"])
+    assert sum(g["exposed_s"] for g in groups.values()) == pytest.approx(report["exposed_comm_s"])
+    assert groups["tp"]["exposed_s"] == pytest.approx(groups["tp"]["comm_s"])  # the rank's own thread runs them
 
 
 @pytest.mark.parametrize("mesh", [{"world_size": 2, "tp": 2}, {"world_size": 4, "tp": 2, "zero": 1}])

@@ -93,6 +93,18 @@ class TimedCommunicator:
             calls += collective
         return comm_s, exposed_s, calls
 
+    def tally_groups(self, spans: list) -> dict[str, list[float]]:
+        """{group label: [comm_s, exposed_s]} of detached marks: `tally` by group, so that the data-parallel sync's
+        hidden share can be read beside a mesh's tensor-parallel and pipeline collectives (which the rank's thread
+        runs itself, all of them exposed)."""
+        groups: dict[str, list[float]] = {}
+        for start, end, collective, exposed, label, _nbytes in spans:
+            seconds = max(0.0, self.clock.elapsed(start, end))
+            group = groups.setdefault(label, [0.0, 0.0])
+            group[0] += seconds if collective else 0.0
+            group[1] += seconds if exposed else 0.0
+        return groups
+
     def waited(self, start, end) -> None:
         """The rank's work stood still from one clock mark to the other, for communication run by another
         thread."""

@@ -291,6 +291,16 @@ def report_fields(cfg, results) -> dict:
         values = [v for steps in per_rank for v in (steps[1:] or steps)]
         return sum(values) / len(values) if values else None
 
+    def by_group() -> dict | None:
+        per_rank = [getattr(r, "comm_by_group", [])[1:] or getattr(r, "comm_by_group", []) for r in results]
+        steps = [step for rank_steps in per_rank for step in rank_steps]
+        if not steps:
+            return None
+        labels = sorted({label for step in steps for label in step})
+        return {label: {"comm_s": sum(step.get(label, (0.0, 0.0))[0] for step in steps) / len(steps),
+                        "exposed_s": sum(step.get(label, (0.0, 0.0))[1] for step in steps) / len(steps)}
+                for label in labels}
+
     return {
         "grad_sync": cfg.grad_sync,
         "bucket_mb": cfg.bucket_mb,
@@ -301,6 +311,9 @@ def report_fields(cfg, results) -> dict:
         "grad_accum": cfg.grad_accum,
         "comm_s": mean("comm_ms"),
         "exposed_comm_s": mean("exposed_comm_ms"),
+        # the same two by group (dp, tp, pp, world: comm/timed.py), each {"comm_s", "exposed_s"}: with a mesh, the
+        # gradient sync's own hidden share is 1 - exposed_s / comm_s of "dp"
+        "comm_s_by_group": by_group(),
         "comm_calls_per_step": results[0].comm_calls,
         # rank 0's payload bytes in the last timed step, by group (dp: the gradient sync's; tp; world)
         "comm_bytes_per_step": results[0].comm_bytes,

@@ -47,6 +47,7 @@ class RankResult:
     optimizer_state_bytes: int = 0
     comm_calls: int = 0                                     # collectives in the last step (parallel/ddp.py)
     comm_bytes: dict = field(default_factory=dict)          # their payload bytes by group (comm/timed.py)
+    comm_by_group: list[dict] = field(default_factory=list)  # each timed step's {group: [comm_s, exposed_s]}
     param_bytes: int = 0
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
@@ -278,6 +279,7 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             # a step run from a graph has no timing marks of its own: its collectives' times are not known
             comm_s, exposed_s, result.comm_calls = step_comm.tally(queued.comm_marks)
             result.comm_bytes = step_comm.payload(queued.comm_marks)
+            result.comm_by_group.append(step_comm.tally_groups(queued.comm_marks))
             record.update(comm_ms=comm_s * 1e3, exposed_comm_ms=exposed_s * 1e3)
         if peak_flops:
             record["mfu"] = mfu(result.step_flops, ms, peak_flops)
