@@ -1390,21 +1390,26 @@ def test_every_ddp_option_on_two_virtual_ranks_follows_numpy(options):
 
 
 @pytest.mark.training
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
+@pytest.mark.parametrize("dtype, classifier", [("fp32", "replicated"), ("bf16", "replicated"), ("fp32", "vocab")])
+def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype, classifier):
     """--tp 2 on two virtual ranks of one GPU: each holds half of every block's heads and MLP columns, the
     model all-reduces over the pair, and the run follows numpy's world 1 (fp32: the bound of the DDP options
     above, 1e-4; bf16: 1e-3, as the bf16 DDP test's), both ranks' replicated parameters bitwise equal (the
-    report's sha256 is of each rank's own shards, so the two differ). Graphs are off, in one line: the virtual
-    ranks' communicator cannot be captured (a GPU per rank captures the step: the graph test below)."""
+    report's sha256 is of each rank's own shards, so the two differ). --tp-classifier vocab (the default) also
+    cuts wte and the classifier by rows: the embedding's all-reduce, the maxima's all-gather and the sums'
+    all-reduce forward, the classifier input gradient's all-reduce backward. Graphs are off, in one line: the
+    virtual ranks' communicator cannot be captured (a GPU per rank captures the step: the graph test below)."""
     lines = []
     cuda = _train(backend="cuda", world_size=2, tp=2, steps=3, grad_sync="flat", dtype=dtype, log=lines.append,
-                  tp_classifier="replicated")
+                  tp_classifier=classifier)
     numpy_run = _train(backend="numpy", world_size=1, steps=3, dtype=dtype)
     rtol = 1e-4 if dtype == "fp32" else 1e-3
     np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=rtol)
     np.testing.assert_allclose(cuda["grad_norms"], numpy_run["grad_norms"], rtol=rtol)
-    assert cuda["comm_bytes_per_step"]["tp"] == 4 * 2 * 8 * 32 * 64 * 4 + 4  # tiny: 2 layers, C 64; 8 x 32 tokens
+    tokens, C = 8 * 32, 64  # tiny: 2 layers, C 64; 8 x 32 tokens
+    blocks = 4 * 2 * tokens * C * 4 + 4  # two all-reduces forward and two backward a block, and the loss's
+    vocab = 2 * tokens * C * 4 + tokens * 4 + 2 * tokens * 4  # embedding and dlnf; the maxima, the two sums
+    assert cuda["comm_bytes_per_step"]["tp"] == blocks + (vocab if classifier == "vocab" else 0)
     assert any("runs without CUDA graphs: the in-process communicator of virtual ranks" in line
                for line in lines), lines
 
