@@ -62,3 +62,64 @@ extern "C" __global__ void crossentropy_forward(float* losses, const floatX* log
 
     if (threadIdx.x == 0) losses[row] = valid ? (logf(st.sum) + st.max) - to_float(x[target]) : quiet_nan();
 }
+
+// ---------------------------------------------------------------------------------------- vocabulary-parallel
+// --tp-classifier vocab: a rank holds the logit columns col0 .. col0 + Vs - 1 of the padded vocabulary (its
+// shard of wte, model.py), of which the first n are tokens' (n = max(0, min(Vs, V - col0)), the host's; 0 on
+// a shard of padded columns only). The softmax over the whole vocabulary comes from three steps with the
+// group's collectives between them (model.py): vocab_max (all-gathered, the largest taken), vocab_sums
+// (all-reduced), vocab_classifier. Like the kernels above, one block of CLASSIFIER_BLOCK threads per (b, t)
+// row, rows ld >= Vs elements apart; maxes, sums and losses are float32 in every precision.
+
+// maxes[r] = the largest of the row's n token logits, -inf if n is 0 (numpy_ops.vocab_max). A maximum has no
+// rounding: the same bits as numpy's whatever the order.
+extern "C" __global__ void vocab_max(float* maxes, const floatX* logits, int n, long long ld) {
+    __shared__ float scratch[WARP_SIZE];
+    const long long row = blockIdx.x;
+    float m = neg_inf();
+    block_row_read(logits + row * ld, n, [&](int, float v) { m = fmaxf(m, v); });
+    m = block_reduce(m, scratch, neg_inf(), [](float v) { return warp_max(v); });
+    if (threadIdx.x == 0) maxes[row] = m;
+}
+
+// sums[0][r] = sum over the row's n token logits of exp(x - maxes[r]); sums[1][r] = x[target - col0] -
+// maxes[r] where the shard holds the target's column (0 <= target - col0 < n), else 0
+// (numpy_ops.vocab_sums; `rows` rows, sums[1] starts `rows` floats after sums[0]). Each thread adds its
+// share of the row, then the block's fixed tree (block_sum): the same bits every run, numpy's sum to
+// rounding (numpy adds pairwise). The target's term is one subtraction, numpy's bits.
+extern "C" __global__ void vocab_sums(float* sums, const floatX* logits, const int* targets, const float* maxes,
+                                      int n, int col0, long long rows, long long ld) {
+    __shared__ float scratch[WARP_SIZE];
+    const long long row = blockIdx.x;
+    const floatX* x = logits + row * ld;
+    const float m = maxes[row];
+    float s = 0.0f;
+    block_row_read(x, n, [&](int, float v) { s += expf(v - m); });
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) {
+        const long long local = (long long)targets[row] - col0;
+        sums[row] = s;
+        sums[rows + row] = (0 <= local && local < n) ? to_float(x[local]) - m : 0.0f;
+    }
+}
+
+// losses[r] = log(sums[0][r]) - sums[1][r], from the group's summed vocab_sums (numpy_ops.vocab_classifier).
+// With `train`, the row (Vs wide) becomes the shard's dlogits: exp(x - maxes[r]) * (dloss / sums[0][r]) over
+// the n token columns, minus dloss at the target's column where the shard holds it, 0 over the padded
+// columns: numpy's operations in numpy's order (exp, times the scale, minus dloss). Each element is read and
+// written by one thread only, so no synchronisation is needed.
+extern "C" __global__ void vocab_classifier(float* losses, floatX* logits, const int* targets,
+                                            const float* maxes, const float* sums, float dloss, int n, int Vs,
+                                            int col0, long long rows, long long ld, int train) {
+    const long long row = blockIdx.x;
+    const float total = sums[row];
+    if (threadIdx.x == 0) losses[row] = logf(total) - sums[rows + row];
+    if (!train) return;
+    const float m = maxes[row];
+    const float scale = dloss / total;
+    const long long local = (long long)targets[row] - col0;
+    block_row_update(logits + row * ld, Vs, [&](int j, float v) {
+        const float p = expf(v - m) * scale;
+        return j >= n ? 0.0f : j == local ? p - dloss : p;
+    });
+}

@@ -4,26 +4,28 @@
 
 // ---------------------------------------------------------------------------------------- forward
 
-// out[b, t, :] = wte[ids[b, t], :] + wpe[t, :]   (numpy_ops.encoder_forward)
+// out[b, t, :] = wte[ids[b, t] - row0, :] + wpe[t, :]   (numpy_ops.encoder_forward, vocab_encoder_forward)
 // One thread per chunk of N channels of one (b, t) row; consecutive threads take consecutive chunks,
 // so a warp reads whole 512-byte stretches of a wte row and a wpe row. N = VEC_X when C is a multiple
-// of it and the pointers are 16-byte aligned (`vec`), else 1. A token id outside [0, V) gives a row
-// of NaN instead of an out-of-bounds read, so a bad batch is visible in the loss.
+// of it and the pointers are 16-byte aligned (`vec`), else 1. wte holds rows row0 .. row0 + V - 1 of the
+// embedding (row0 0: all of it); a token whose row is not among them gets a row of `outside`: NaN for
+// the whole embedding (a bad batch is visible in the loss, and nothing is read out of bounds), 0 for a
+// vocabulary-parallel shard (another rank of the group holds that row).
 template <int N>
 __device__ void encoder_forward_impl(floatX* out, const int* ids, const floatX* wte, const floatX* wpe,
-                                     long long BT, int T, int C, int V) {
+                                     long long BT, int T, int C, int V, int row0, float outside) {
     const long long i = chunk_start<N>();
     if (i >= BT * C) return;
     const long long bt = i / C;
     const int c = (int)(i % C);
     const int t = (int)(bt % T);
-    const int id = ids[bt];
+    const long long id = (long long)ids[bt] - row0;  // 64-bit: no wrap for any int id and row0
     Vec<floatX, N> o;
     if (id < 0 || id >= V) {
 #pragma unroll
-        for (int k = 0; k < N; ++k) o[k] = from_float<floatX>(quiet_nan());
+        for (int k = 0; k < N; ++k) o[k] = from_float<floatX>(outside);
     } else {
-        const Vec<floatX, N> tok = load_vec<N>(wte + (long long)id * C + c);
+        const Vec<floatX, N> tok = load_vec<N>(wte + id * C + c);
         const Vec<floatX, N> pos = load_vec<N>(wpe + (long long)t * C + c);
 #pragma unroll
         for (int k = 0; k < N; ++k) o[k] = from_float<floatX>(to_float(tok[k]) + to_float(pos[k]));
@@ -33,8 +35,18 @@ __device__ void encoder_forward_impl(floatX* out, const int* ids, const floatX* 
 
 extern "C" __global__ void encoder_forward(floatX* out, const int* ids, const floatX* wte, const floatX* wpe,
                                            long long BT, int T, int C, int V, int vec) {
-    if (vec) encoder_forward_impl<VEC_X>(out, ids, wte, wpe, BT, T, C, V);
-    else encoder_forward_impl<1>(out, ids, wte, wpe, BT, T, C, V);
+    if (vec) encoder_forward_impl<VEC_X>(out, ids, wte, wpe, BT, T, C, V, 0, quiet_nan());
+    else encoder_forward_impl<1>(out, ids, wte, wpe, BT, T, C, V, 0, quiet_nan());
+}
+
+// The same on a vocabulary-parallel shard of wte, its R rows starting at row0: the token's embedding where
+// the shard holds its row, 0 elsewhere (numpy_ops.vocab_encoder_forward). One rank of the group holds each
+// token, so the group's all-reduce adds zeros to encoder_forward's value, which keeps its bits.
+extern "C" __global__ void vocab_encoder_forward(floatX* out, const int* ids, const floatX* wte,
+                                                 const floatX* wpe, long long BT, int T, int C, int R, int row0,
+                                                 int vec) {
+    if (vec) encoder_forward_impl<VEC_X>(out, ids, wte, wpe, BT, T, C, R, row0, 0.0f);
+    else encoder_forward_impl<1>(out, ids, wte, wpe, BT, T, C, R, row0, 0.0f);
 }
 
 // ---------------------------------------------------------------------------------------- backward
@@ -76,6 +88,8 @@ extern "C" __global__ void encoder_backward_wpe(float* dwpe, const floatX* dout,
 // channels, blockIdx.y for the channels past one block) add the run's dout rows into dwte in order,
 // starting from dwte's old value. That is np.add.at's order (one row at a time into dwte), so the
 // result matches numpy bit for bit, and no two blocks write the same row.
+// A vocabulary-parallel shard (vocab_encoder_backward) launches this kernel on ids - row0 with V = R, its
+// rows: the tokens of other shards fall outside [0, R) and add nothing, the rest add in the same order.
 // Most blocks exit after two loads; the work is one read of dout and one read-modify-write of the
 // touched wte rows. A very frequent token makes its one block long, which is acceptable at the few
 // thousand positions of a micro-batch; splitting long runs into fixed segments would balance it.

@@ -222,6 +222,58 @@ def test_widen_copy_gives_back_every_bf16_value_exactly(be):
         assert np.isnan(got[nan]).all(), offset
 
 
+# ---------------------------------------------------------------------------- vocabulary-parallel (--tp)
+
+@pytest.mark.parametrize("v, vp, n", [(45, 64, 4), (1000, 1024, 2)])
+def test_vocabulary_parallel_ops_match_the_numpy_emulation(be, rng, v, vp, n):
+    """The five vocab_* ops on every shard of Vp / N rows (45 of 64 in 4: a shard running past V into the
+    padded rows, one of padded rows only; 1000 of 1024 in 2: the vector paths) against the emulation, on the
+    same bf16 inputs and the same group maxima and sums: the embedding and dlogits as bf16 outputs, the
+    gradients, sums and losses as float32 ones, the maxima exactly (a maximum of bf16 values)."""
+    B, T, C = 3, 4, 36
+    rows = vp // n
+    ids, targets = (rng.integers(0, v, (B, T)).astype(np.int32) for _ in range(2))
+    logits = np.concatenate([rng.standard_normal((B, T, v)) * 3.0, np.full((B, T, vp - v), 50.0)], -1)
+    host = {"ids": (ids, "ids"), "targets": (targets, "ids"), "logits": (logits, "act"),
+            "wte": (rng.standard_normal((vp, C)) * 0.02, "act"), "wpe": (rng.standard_normal((T + 3, C)) * 0.02, "act"),
+            "dout": (rng.standard_normal((B, T, C)), "act"), "dwte": (rng.standard_normal((vp, C)), "f32"),
+            "dwpe": (rng.standard_normal((T + 3, C)), "f32")}
+    ref, dev = upload(REF, host), upload(be, host)
+
+    def shard(a, k, axis):  # shard k's rows (axis 0) or columns (the last), a contiguous copy where `a` is
+        part = a[k * rows:(k + 1) * rows] if axis == 0 else a[..., k * rows:(k + 1) * rows]
+        return part.copy()
+
+    for k in range(n):
+        row0 = k * rows
+        want = REF.vocab_encoder_forward(ref["ids"], shard(ref["wte"], k, 0), ref["wpe"], row0)
+        got = be.vocab_encoder_forward(dev["ids"], shard(dev["wte"], k, 0), dev["wpe"], row0)
+        assert_bf16_close(be.to_host(got), want, "act", f"vocab_encoder_forward shard {k}")
+        want_wte, want_wpe = shard(ref["dwte"], k, 0), ref["dwpe"].copy()
+        REF.vocab_encoder_backward(want_wte, want_wpe, ref["dout"], ref["ids"], row0)
+        dwte, dwpe = shard(dev["dwte"], k, 0), dev["dwpe"].copy()
+        be.vocab_encoder_backward(dwte, dwpe, dev["dout"], dev["ids"], row0)
+        assert_bf16_close(be.to_host(dwte), want_wte, "f32", f"vocab_encoder_backward dwte shard {k}")
+        assert_bf16_close(be.to_host(dwpe), want_wpe, "f32", f"vocab_encoder_backward dwpe shard {k}")
+
+    shards = [(shard(ref["logits"], k, 2), shard(dev["logits"], k, 2), k * rows) for k in range(n)]
+    maxes = [REF.vocab_max(r, v, col0) for r, _, col0 in shards]
+    for (_, d, col0), want in zip(shards, maxes, strict=True):
+        assert np.array_equal(be.to_host(be.vocab_max(d, v, col0)), want), f"vocab_max from column {col0}"
+    group_max = np.max(maxes, axis=0)
+    sums = [REF.vocab_sums(r, ref["targets"], group_max, v, col0) for r, _, col0 in shards]
+    for (_, d, col0), want in zip(shards, sums, strict=True):
+        got = be.vocab_sums(d, dev["targets"], be.from_host(group_max), v, col0)
+        assert_bf16_close(be.to_host(got), want, "f32", f"vocab_sums from column {col0}")
+    group_sums = np.sum(sums, axis=0)
+    for r, d, col0 in shards:
+        want_losses = REF.vocab_classifier(r, ref["targets"], group_max, group_sums, 1.0 / (B * T), v, col0)
+        losses = be.vocab_classifier(d, dev["targets"], be.from_host(group_max), be.from_host(group_sums),
+                                     1.0 / (B * T), v, col0)
+        assert_bf16_close(be.to_host(losses), want_losses, "f32", f"vocab_classifier losses from column {col0}")
+        assert_bf16_close(be.to_host(d), r, "act", f"vocab_classifier dlogits from column {col0}")
+
+
 # ---------------------------------------------------------------------------- the whole model
 
 def _model_step(backend, config, ids, targets, seed):

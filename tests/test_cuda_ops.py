@@ -677,6 +677,115 @@ def test_out_of_range_targets_give_nan_losses(be, rng):
     check(be.to_host(dlogits), want_dlogits, 1e-5, "dlogits")
 
 
+# ---------------------------------------------------------------------------- vocabulary-parallel (--tp)
+
+# (V, Vp, N): Vp / N rows or logit columns a shard. 45 of 64 in 4: the third shard runs past V into the padded
+# rows (13 tokens, 3 padded), the fourth holds padded rows only; 1000 of 1024 in 2 takes the vector paths.
+VOCAB_SHARDS = [(45, 64, 4), (1000, 1024, 2)]
+
+
+@pytest.mark.parametrize("v,vp,n", VOCAB_SHARDS)
+def test_vocab_encoder_on_every_shard(be, rng, v, vp, n):
+    """Each shard's embedding is numpy_ops.vocab_encoder_forward's, exactly (the token's row plus its position
+    where the shard holds the row, 0 elsewhere: ids below and above the shard), and the shards sum to the whole
+    encoder_forward bit for bit. Backward: each shard's dwte is numpy's within encoder_backward's bound, the
+    shards side by side are the whole table's CUDA encoder_backward bit for bit (the same order of adds, so a
+    vocabulary-parallel group keeps tp 1's bits), every shard's dwpe is the same bits, and a rerun too."""
+    b, t, c = 2, 5, 36
+    rows = vp // n
+    ids = token_ids(rng, (b, t), v)
+    wte, wpe, dout = randn(rng, vp, c), randn(rng, t + 3, c), randn(rng, b, t, c)
+    dwte0, dwpe0 = randn(rng, vp, c), randn(rng, t + 3, c)
+    d_ids, d_wpe, d_dout = be.from_host(ids), be.from_host(wpe), be.from_host(dout)
+    total = np.zeros((b, t, c), np.float32)
+    shard_dwte, shard_dwpe = [], []
+    for k in range(n):
+        row0 = k * rows
+        shard = np.ascontiguousarray(wte[row0:row0 + rows])
+        got = be.to_host(be.vocab_encoder_forward(d_ids, be.from_host(shard), d_wpe, row0))
+        check(got, ref.vocab_encoder_forward(ids, shard, wpe, row0), 0, f"vocab_encoder_forward shard {k}")
+        total += got
+        runs = []
+        for _ in range(2):
+            dwte, dwpe = be.from_host(dwte0[row0:row0 + rows]), be.from_host(dwpe0)
+            be.vocab_encoder_backward(dwte, dwpe, d_dout, d_ids, row0)
+            runs.append((be.to_host(dwte), be.to_host(dwpe)))
+        want_wte, want_wpe = dwte0[row0:row0 + rows].copy(), dwpe0.copy()
+        ref.vocab_encoder_backward(want_wte, want_wpe, dout, ids, row0)
+        check(runs[0][0], want_wte, 1e-6, f"vocab_encoder_backward dwte shard {k}")
+        check(runs[0][1], want_wpe, 1e-6, f"vocab_encoder_backward dwpe shard {k}")
+        assert all(np.array_equal(x, y) for x, y in zip(runs[0], runs[1], strict=True)), "a rerun changed bits"
+        shard_dwte.append(runs[0][0])
+        shard_dwpe.append(runs[0][1])
+    assert np.array_equal(total, be.to_host(be.encoder_forward(d_ids, be.from_host(wte), d_wpe)))
+    dwte, dwpe = be.from_host(dwte0), be.from_host(dwpe0)
+    be.encoder_backward(dwte, dwpe, d_dout, d_ids)
+    assert np.array_equal(np.concatenate(shard_dwte), be.to_host(dwte))
+    assert all(np.array_equal(x, be.to_host(dwpe)) for x in shard_dwpe)
+
+
+@pytest.mark.parametrize("v,vp,n", VOCAB_SHARDS)
+def test_vocab_classifier_on_every_shard(be, rng, v, vp, n):
+    """vocab_max, vocab_sums and vocab_classifier on each shard against numpy_ops' (the maxima exactly, -inf on
+    the padded-only shard; the sums, losses and dlogits within the classifier tests' bounds; targets on and off
+    each shard), with the group's collectives done here on the host; the padded columns hold values that would
+    win the softmax and get dlogits +0.0. The shards' losses and dlogits side by side are the whole
+    fused_classifier's and crossentropy_forward's within the same bounds. The first shard's logits rows are
+    padded (ld > the shard's width), as matmul_forward pads them."""
+    b, t = 3, 2
+    rows = vp // n
+    logits = np.concatenate([randn(rng, b, t, v, scale=4.0), np.full((b, t, vp - v), 50.0, np.float32)], axis=-1)
+    targets = token_ids(rng, (b, t), v)
+    dloss = float(rng.uniform(0.1, 2.0)) / (b * t)
+    shards = [np.ascontiguousarray(logits[..., k * rows:(k + 1) * rows]) for k in range(n)]
+
+    def put(k):  # the shard's logits on the device, the first in rows 8 elements wider than it
+        if k:
+            return be.from_host(shards[k])
+        return be.from_host(np.concatenate([shards[0], np.zeros((b, t, 8), np.float32)], axis=-1))[..., :rows]
+
+    d_targets = be.from_host(targets)
+    maxes = []
+    for k in range(n):
+        got = be.to_host(be.vocab_max(put(k), v, k * rows))
+        assert np.array_equal(got, ref.vocab_max(shards[k], v, k * rows)), f"vocab_max shard {k}"
+        maxes.append(got)
+    group_max = np.max(maxes, axis=0)
+    assert np.isneginf(maxes[-1]).all() == (v <= (n - 1) * rows)
+    sums = np.zeros((2, b, t), np.float32)
+    for k in range(n):
+        got = be.to_host(be.vocab_sums(put(k), d_targets, be.from_host(group_max), v, k * rows))
+        want = ref.vocab_sums(shards[k], targets, group_max, v, k * rows)
+        mine = (targets >= k * rows) & (targets < (k + 1) * rows)
+        assert np.array_equal(got[1], want[1]) and not got[1][~mine].any(), f"target's logit, shard {k}"
+        if k * rows < v:
+            check(got[0], want[0], 1e-6, f"vocab_sums shard {k}")
+        else:  # padded columns only: nothing to add
+            assert not got[0].view(np.uint32).any(), f"vocab_sums shard {k}: not +0.0"
+        sums += got
+    d_max, d_sums = be.from_host(group_max), be.from_host(sums)
+    want_losses = ref.crossentropy_forward(logits, targets, v)
+    dlogits = []
+    for k in range(n):
+        eval_losses = be.to_host(be.vocab_classifier(put(k), d_targets, d_max, d_sums, None, v, k * rows))
+        check(eval_losses, ref.vocab_classifier(shards[k], targets, group_max, sums, None, v, k * rows), 1e-6,
+              f"evaluation losses shard {k}")
+        check(eval_losses, want_losses, 1e-6, f"evaluation losses shard {k} against crossentropy_forward")
+        d_logits = put(k)
+        losses = be.to_host(be.vocab_classifier(d_logits, d_targets, d_max, d_sums, dloss, v, k * rows))
+        want_dlogits = shards[k].copy()
+        check(losses, ref.vocab_classifier(want_dlogits, targets, group_max, sums, dloss, v, k * rows), 1e-6,
+              f"losses shard {k}")
+        got = be.to_host(d_logits)
+        check(got, want_dlogits, 1e-5, f"dlogits shard {k}")
+        tokens = max(0, min(rows, v - k * rows))
+        assert not got[..., tokens:].view(np.uint32).any(), f"shard {k}: the padded columns' dlogits are not +0.0"
+        dlogits.append(got)
+    whole = logits.copy()
+    ref.fused_classifier(whole, targets, dloss, v)
+    check(np.concatenate(dlogits, axis=-1), whole, 1e-5, "dlogits against fused_classifier")
+
+
 # ---------------------------------------------------------------------------- optimizer pieces
 
 @pytest.mark.parametrize("n", [1_000_003, 4096, 1])
@@ -1281,21 +1390,26 @@ def test_every_ddp_option_on_two_virtual_ranks_follows_numpy(options):
 
 
 @pytest.mark.training
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
+@pytest.mark.parametrize("dtype, classifier", [("fp32", "replicated"), ("bf16", "replicated"), ("fp32", "vocab")])
+def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype, classifier):
     """--tp 2 on two virtual ranks of one GPU: each holds half of every block's heads and MLP columns, the
     model all-reduces over the pair, and the run follows numpy's world 1 (fp32: the bound of the DDP options
     above, 1e-4; bf16: 1e-3, as the bf16 DDP test's), both ranks' replicated parameters bitwise equal (the
-    report's sha256 is of each rank's own shards, so the two differ). Graphs are off, in one line: the virtual
-    ranks' communicator cannot be captured (a GPU per rank captures the step: the graph test below)."""
+    report's sha256 is of each rank's own shards, so the two differ). --tp-classifier vocab (the default) also
+    cuts wte and the classifier by rows: the embedding's all-reduce, the maxima's all-gather and the sums'
+    all-reduce forward, the classifier input gradient's all-reduce backward. Graphs are off, in one line: the
+    virtual ranks' communicator cannot be captured (a GPU per rank captures the step: the graph test below)."""
     lines = []
     cuda = _train(backend="cuda", world_size=2, tp=2, steps=3, grad_sync="flat", dtype=dtype, log=lines.append,
-                  tp_classifier="replicated")
+                  tp_classifier=classifier)
     numpy_run = _train(backend="numpy", world_size=1, steps=3, dtype=dtype)
     rtol = 1e-4 if dtype == "fp32" else 1e-3
     np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=rtol)
     np.testing.assert_allclose(cuda["grad_norms"], numpy_run["grad_norms"], rtol=rtol)
-    assert cuda["comm_bytes_per_step"]["tp"] == 4 * 2 * 8 * 32 * 64 * 4 + 4  # tiny: 2 layers, C 64; 8 x 32 tokens
+    tokens, C = 8 * 32, 64  # tiny: 2 layers, C 64; 8 x 32 tokens
+    blocks = 4 * 2 * tokens * C * 4 + 4  # two all-reduces forward and two backward a block, and the loss's
+    vocab = 2 * tokens * C * 4 + tokens * 4 + 2 * tokens * 4  # embedding and dlnf; the maxima, the two sums
+    assert cuda["comm_bytes_per_step"]["tp"] == blocks + (vocab if classifier == "vocab" else 0)
     assert any("runs without CUDA graphs: the in-process communicator of virtual ranks" in line
                for line in lines), lines
 

@@ -311,16 +311,15 @@ def test_bad_tp_runs_are_one_line_before_any_rank_starts(corpus, kw, line):
     assert str(info.value) == line
 
 
-def test_the_vocabulary_parallel_classifier_on_cuda_is_one_line(corpus):
-    """(parallel/tensor.py's check, which the trainer runs once it has found a GPU: this machine may have none)"""
+def test_the_vocabulary_parallel_classifier_passes_the_cuda_backend_s_checks(corpus):
+    """--tp 2 --backend cuda takes the vocabulary-parallel classifier (the default) and the replicated one:
+    parallel/tensor.py's check, which the trainer runs once it has found a GPU (this machine may have none),
+    refuses neither (tests/test_cuda_ops.py trains both)."""
     from xtrain_dist.parallel import tensor
     config = model_config("tiny", corpus.vocab_size)
     cfg = TrainConfig(steps=2, batch=8, seq=32, world_size=2, tp=2, backend="cuda", grad_sync="flat")
-    with pytest.raises(XtrainError) as info:
-        tensor.check_config(cfg, config)
-    assert str(info.value) == ("--tp 2 and --backend cuda --tp-classifier vocab do not work together yet: the "
-                               "vocabulary-parallel embedding and cross-entropy have no CUDA kernels yet: add "
-                               "--tp-classifier replicated")
+    assert cfg.tp_classifier == "vocab"
+    tensor.check_config(cfg, config)
     tensor.check_config(replace(cfg, tp_classifier="replicated"), config)
 
 

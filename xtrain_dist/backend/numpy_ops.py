@@ -647,7 +647,7 @@ class NumpyBackend:
     # ------------------------------------------------------------------ vocabulary-parallel classifier (--tp)
     # A tensor-parallel rank of --tp-classifier vocab holds rows row0 .. row0 + len(wte) - 1 of wte (model.py): these
     # ops are the embedding's and the classifier's part on such a shard; the collectives between them are the
-    # model's. Only this backend has them: the cuda backend refuses --tp-classifier vocab (parallel/tensor.py).
+    # model's. The cuda backend's are kernels/encoder.cu's and kernels/classifier.cu's vocab_* kernels.
 
     def vocab_encoder_forward(self, ids, wte, wpe, row0: int):
         """encoder_forward on a shard of wte: out[b, t] = wte[ids[b, t] - row0] + wpe[t] where the shard holds the
@@ -840,6 +840,7 @@ OPS = ("to_host", "to_host_later", "from_host", "upload", "from_host_act", "sync
        "attention_forward", "causal_softmax", "attention_backward", "causal_softmax_backward",
        "flash_attention_forward", "flash_attention_backward",
        "gelu_forward", "gelu_backward", "residual_forward", "dropout", "crossentropy_forward", "fused_classifier",
+       "vocab_encoder_forward", "vocab_encoder_backward", "vocab_max", "vocab_sums", "vocab_classifier",
        "global_norm_squared", "clip_coefficient", "scale", "adamw_update", "lowp_copy", "widen_copy", "bf16_round")
 
 _fp32 = NumpyBackend("fp32")

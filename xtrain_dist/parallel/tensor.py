@@ -33,11 +33,7 @@ TP_CLASSIFIERS = ("vocab", "replicated")
 # what a run with --tp above 1 refuses, and why: (option, whether the configuration asks for it, why not). (The
 # overlapped sync runs beside --tp and --pp on a GPU too: its buckets settle before each of their collectives,
 # parallel/ddp.py; PowerSGD runs on the data-parallel group, each rank compressing its own shards, parallel/powersgd.py)
-NOT_YET = (
-    ("--backend cuda --tp-classifier vocab", lambda cfg: cfg.backend == "cuda" and cfg.tp_classifier == "vocab",
-     "the vocabulary-parallel embedding and cross-entropy have no CUDA kernels yet: add --tp-classifier "
-     "replicated"),
-)
+NOT_YET: tuple = ()  # none now: --tp-classifier vocab, the last, has the cuda backend's kernels (classifier.cu)
 
 
 def check_config(cfg, config: GPTConfig) -> None:

@@ -231,6 +231,27 @@ class CudaBackend(AttentionOps, CublasProducts, DropoutOps):
         self._launch(self._k.encoder_backward_wte, grid, (threads,),
                      dwte, dout, flat, order, np.int64(B * T), np.int32(C), np.int32(V), np.int32(vec))
 
+    # ------------------------------------------------------------------ vocabulary-parallel embedding (encoder.cu)
+    def vocab_encoder_forward(self, ids, wte, wpe, row0: int):
+        ids = _ids(ids)
+        B, T = ids.shape
+        R, C = wte.shape
+        if wpe.shape[0] < T:
+            raise ValueError(f"sequence length {T} exceeds the {wpe.shape[0]} learned positions")
+        self._act(wte, wpe)
+        out = cupy.empty((B, T, C), dtype=wte.dtype)
+        vec = _vec(self._vec_x, out, _contiguous(wte), _contiguous(wpe), row=C)
+        self._launch(self._k.vocab_encoder_forward, _chunk_grid(B * T * C, self._vec_x, vec), (BLOCK,),
+                     out, ids, wte, wpe, np.int64(B * T), np.int32(T), np.int32(C), np.int32(R), np.int32(row0),
+                     np.int32(vec))
+        return out
+
+    def vocab_encoder_backward(self, dwte, dwpe, dout, ids, row0: int) -> None:
+        # encoder_backward on the shard's own ids, ids - row0: the kernel skips an id outside [0, R), so the
+        # tokens of the other shards add nothing, and the shard's add in (b, t) order as encoder_backward's
+        # (shifting every id keeps the stable sort's order)
+        self.encoder_backward(dwte, dwpe, dout, _ids(ids) - np.int32(row0))
+
     # ------------------------------------------------------------------ layernorm (kernels/layernorm.cu)
     def layernorm_forward(self, inp, weight, bias):
         inp = _contiguous(inp)
@@ -453,6 +474,42 @@ class CudaBackend(AttentionOps, CublasProducts, DropoutOps):
         targets, V, Vp, rows, ld, losses = self._classifier_rows(logits, targets, vocab_size)
         self._launch(self._k.fused_classifier, (targets.size,), (CLASSIFIER_BLOCK,),
                      rows, losses, targets, np.int32(V), np.int32(Vp), np.int64(ld), np.float32(dloss))
+        return losses
+
+    # ------------------------------------------------------------------ vocabulary-parallel classifier (classifier.cu)
+    def _shard_rows(self, logits, vocab_size: int, col0: int):
+        """What the vocabulary-parallel kernels take: the shard's logits as rows with their stride, its width
+        Vs and its token columns n (numpy_ops._token_columns)."""
+        self._act(logits)
+        Vs = logits.shape[-1]
+        rows, ld = _rows(logits, Vs)
+        return rows, ld, Vs, numpy_ops.NumpyBackend._token_columns(logits, vocab_size, col0)
+
+    def vocab_max(self, logits, vocab_size: int, col0: int):
+        rows, ld, _, n = self._shard_rows(logits, vocab_size, col0)
+        maxes = cupy.empty(logits.shape[:-1], dtype=cupy.float32)
+        self._launch(self._k.vocab_max, (maxes.size,), (CLASSIFIER_BLOCK,), maxes, rows, np.int32(n), np.int64(ld))
+        return maxes
+
+    def vocab_sums(self, logits, targets, maxes, vocab_size: int, col0: int):
+        rows, ld, _, n = self._shard_rows(logits, vocab_size, col0)
+        targets = _ids(targets)
+        _f32(maxes)
+        sums = cupy.empty((2, *targets.shape), dtype=cupy.float32)
+        self._launch(self._k.vocab_sums, (targets.size,), (CLASSIFIER_BLOCK,), sums, rows, targets,
+                     _contiguous(maxes), np.int32(n), np.int32(col0), np.int64(targets.size), np.int64(ld))
+        return sums
+
+    def vocab_classifier(self, logits, targets, maxes, sums, dloss: float | None, vocab_size: int, col0: int):
+        rows, ld, Vs, n = self._shard_rows(logits, vocab_size, col0)
+        targets = _ids(targets)
+        _f32(maxes, sums)
+        losses = cupy.empty(targets.shape, dtype=cupy.float32)
+        train = dloss is not None
+        self._launch(self._k.vocab_classifier, (targets.size,), (CLASSIFIER_BLOCK,),
+                     losses, rows, targets, _contiguous(maxes), _contiguous(sums),
+                     np.float32(dloss if train else 0.0), np.int32(n), np.int32(Vs), np.int32(col0),
+                     np.int64(targets.size), np.int64(ld), np.int32(train))
         return losses
 
     # ------------------------------------------------------------------ optimizer (adamw.cu, global_norm.cu, scale.cu)
