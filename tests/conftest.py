@@ -110,6 +110,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="no usable CUDA device"))
 
 
+def _made_once(tmp_path_factory, name: str, make):
+    """make(folder) once for the whole run, shared by pytest-xdist's workers: the first to ask makes it under a
+    lock, in a folder beside the workers' own (their common parent), and the others read what it returned
+    (pickled). A fixture of module scope is made once per worker that runs one of its tests, and xdist_group
+    cannot keep such tests on one worker under pytest 9 (xdist's group marks are lost, every test is its own
+    group), so the module fixtures that cost tens of seconds (nvcc's builds, the benchmarks' runs) go through
+    here. Without workers, make(folder) in the run's own temporary folder."""
+    import fcntl
+    import pickle
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N/popen-gwK: pytest-N is the run's
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / f"{name}.pickle"
+        if done.exists():
+            return pickle.loads(done.read_bytes())
+        folder = shared / name
+        folder.mkdir()
+        value = make(folder)
+        done.write_bytes(pickle.dumps(value))
+        return value
+
+
+@pytest.fixture(scope="session")
+def made_once(tmp_path_factory):
+    """made_once(name, make): make(folder) once for the whole run, whichever worker asks first (_made_once)."""
+    return lambda name, make: _made_once(tmp_path_factory, name, make)
+
+
 @pytest.fixture
 def rng():
     """A generator seeded from the clock, so every run draws fresh inputs (never zeros); the seed is

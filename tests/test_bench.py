@@ -23,11 +23,13 @@ def script(name, *args, timeout=300, env=None):
                           timeout=timeout, env=env)
 
 
-# The tests that read these results run on one pytest-xdist worker (xdist_group "bench-results"): a fixture of
-# module scope is made once per worker, and these runs (PyTorch's DDP among them) are most of this module's time.
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
+def results(made_once):
+    """The benchmarks' runs (PyTorch's DDP among them: most of this module's time), made once for the whole run."""
+    return made_once("bench-results", _bench_results)
+
+
+def _bench_results(out):
     coll = script("bench_collectives", "--worlds", "2,3", "--sizes", "4K,64K,16M", "--iters", "3", "--warmup", "1",
                   "--max-mb", "16", "--out", out)  # 16 MiB is measured: --max-mb is the largest size, not above it
     assert coll.returncode == 0, coll.stderr
@@ -41,7 +43,6 @@ def results(tmp_path_factory):
     return out, fit.stdout
 
 
-@pytest.mark.xdist_group("bench-results")
 def test_every_script_writes_json_markdown_and_png(results):
     out, _ = results
     for stem in ("collectives", "ddp", "overhead_model"):
@@ -145,7 +146,6 @@ def test_bench_recompute_fails_when_a_level_changes_the_bits(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.xdist_group("bench-results")
 def test_collective_bandwidths_follow_nccl_tests(results):
     out, _ = results
     rows = json.loads((out / "collectives.json").read_text())["rows"]
@@ -163,7 +163,6 @@ def test_collective_bandwidths_follow_nccl_tests(results):
         assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * factor[r["op"]](r["world"]))
 
 
-@pytest.mark.xdist_group("bench-results")
 def test_ddp_rows_and_exactness(results):
     out, _ = results
     data = json.loads((out / "ddp.json").read_text())
@@ -187,7 +186,6 @@ def test_ddp_rows_and_exactness(results):
     assert data["blas_threads"] == str(max(1, (os.cpu_count() or 1) // 2))  # cores / 2 ranks
 
 
-@pytest.mark.xdist_group("bench-results")
 def test_the_fit_prints_b_star_from_its_own_o_and_w(results):
     out, stdout = results
     fit = json.loads((out / "overhead_model.json").read_text())
@@ -216,7 +214,6 @@ def test_collectives_over_mpi_processes(tmp_path):
         assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * factor)
 
 
-@pytest.mark.xdist_group("bench-results")
 def test_results_files_say_what_ran_where(results):
     """Every results file names the command, date, commit and machine (with the load average after the
     run too); the Markdown repeats them above the table."""

@@ -21,7 +21,6 @@ import io
 import re
 import shutil
 import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar
@@ -125,14 +124,16 @@ NVCC_JOBS = [(path, arch, dtype) for path in SOURCES for arch in ARCHS for dtype
 
 
 @pytest.fixture(scope="module")
-def nvcc_builds():
-    """Every file for every architecture and dtype, compiled once for the two tests (in one xdist group)."""
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(WORKERS) as pool:
-        return list(pool.map(lambda job: _nvcc(*job, tmp), NVCC_JOBS))
+def nvcc_builds(made_once):
+    """Every file for every architecture and dtype, compiled once for the two tests below, whichever worker runs
+    them (conftest's made_once)."""
+    def build(folder):
+        with ThreadPoolExecutor(WORKERS) as pool:
+            return list(pool.map(lambda job: _nvcc(*job, str(folder)), NVCC_JOBS))
+    return made_once("nvcc-builds", build)
 
 
 @needs_nvcc
-@pytest.mark.xdist_group("nvcc")
 def test_every_kernel_compiles_with_nvcc(nvcc_builds):
     # ptxas's resource report is the log of a clean sm_90 build: the warnings are the rest
     report = re.compile(r"ptxas info\s*:|\s+\d+ bytes stack frame|\s*$")
@@ -148,7 +149,6 @@ def test_every_kernel_compiles_with_nvcc(nvcc_builds):
 
 
 @needs_nvcc
-@pytest.mark.xdist_group("nvcc")
 def test_kernels_do_not_spill_on_sm90(nvcc_builds):
     """ptxas's resource report: no kernel may use a stack frame or spill registers to local memory
     (a register array indexed at run time, or too much live state, would show up here first)."""
