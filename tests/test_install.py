@@ -33,9 +33,14 @@ def run(args, cwd, env, timeout=120) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """(the new environment's bin folder, a working folder outside the checkout, the environment to run in)."""
-    root = tmp_path_factory.mktemp("install")
+def installed(made_once, tmp_path_factory):
+    """(the new environment's bin folder, a working folder outside the checkout, the environment to run in). The
+    wheel is built and installed once for the run (conftest's made_once); each process works in a folder of its own."""
+    bin_dir, env = made_once("install", _install)
+    return bin_dir, tmp_path_factory.mktemp("work"), env
+
+
+def _install(root):
     source = root / "source"
     source.mkdir()
     for name in BUILD_INPUTS:
@@ -56,9 +61,7 @@ def installed(tmp_path_factory):
     (site / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
         cwd=root, env=env)
-    work = root / "work"
-    work.mkdir()
-    return venv / "bin", work, env
+    return venv / "bin", env
 
 
 def test_the_wheel_holds_the_kernels_and_the_data(installed):
