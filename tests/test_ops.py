@@ -280,10 +280,16 @@ def test_adamw_matches_torch_formula(rng):
         np.testing.assert_allclose(p, p_ref, rtol=1e-6, atol=1e-9)
 
 
-def test_chunked_elementwise_ops_give_the_whole_array_bits(rng):
-    """gelu (both ways) and AdamW run CHUNK elements at a time (numpy_ops.CHUNK): on float32 arrays of a
-    few chunks and a ragged tail, and on a transposed (non-contiguous) input, they give bit for bit what
-    the same formulas give evaluated over whole arrays."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_chunked_elementwise_ops_give_the_whole_array_bits(rng, threads):
+    """gelu (both ways) and AdamW run CHUNK elements at a time (numpy_ops.CHUNK), over op_threads' threads: on
+    float32 arrays of a few chunks and a ragged tail, and on a transposed (non-contiguous) input, they give bit
+    for bit what the same formulas give evaluated over whole arrays, at every thread count."""
+    with ops.op_threads(threads):
+        _check_chunked_elementwise_ops(rng)
+
+
+def _check_chunked_elementwise_ops(rng):
     f = np.float32
     s, c = f(ops.GELU_SCALE), f(0.044715)
     rows = 2 * ops.CHUNK // 96 + 7
@@ -310,6 +316,31 @@ def test_chunked_elementwise_ops_give_the_whole_array_bits(rng):
         update = (m_ref / f(1 - b1**step)) / (np.sqrt(v_ref / f(1 - b2**step)) + f(eps)) + f(wd) * mask * p_ref
         p_ref = p_ref - lr * update
         assert np.array_equal(p, p_ref) and np.array_equal(m, m_ref) and np.array_equal(v, v_ref), step
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_layernorm_in_row_blocks_gives_the_whole_array_bits(rng, threads):
+    """layernorm forward and backward run a block of rows at a time, over op_threads' threads: bit for bit the
+    formulas over whole arrays (np.mean for the row means), in float32 and float64, on shapes of several
+    blocks with a ragged last one and of a single small block."""
+    for dtype, shape in ((np.float32, (3, 300, 384)), (np.float64, (2, 5, 7)), (np.float32, (5, 301, 128))):
+        x, w, b, dout = (rng.standard_normal(s).astype(dtype) for s in (shape, shape[-1:], shape[-1:], shape))
+        mean = x.mean(axis=-1, keepdims=True)
+        norm = x - mean
+        rstd = 1.0 / np.sqrt((norm * norm).mean(axis=-1, keepdims=True) + dtype(ops.LN_EPS))
+        norm *= rstd
+        out = norm * w + b
+        g = dout * w
+        dx = (g - g.mean(axis=-1, keepdims=True) - norm * (g * norm).mean(axis=-1, keepdims=True)) * rstd
+        C = shape[-1]
+        grads = [rng.standard_normal(s).astype(dtype) for s in (shape, (C,), (C,))]
+        want = [grads[0] + dx, grads[1] + (dout * norm).reshape(-1, C).sum(axis=0),
+                grads[2] + dout.reshape(-1, C).sum(axis=0)]
+        with ops.op_threads(threads):
+            got = ops.layernorm_forward(x, w, b)
+            ops.layernorm_backward(*grads, dout, x, w, mean[..., 0], rstd[..., 0])
+        for ours, theirs in zip((*got, *grads), (out, mean[..., 0], rstd[..., 0], *want), strict=True):
+            assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
 
 
 def test_bf16_round_is_torchs_round_to_nearest_even(rng):
