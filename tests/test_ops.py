@@ -343,6 +343,25 @@ def test_layernorm_in_row_blocks_gives_the_whole_array_bits(rng, threads):
             assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
 
 
+def test_the_other_blocked_ops_give_the_same_bits_at_every_thread_count(rng):
+    """causal softmax (attention), the fused classifier and the residual add split their blocks over op_threads'
+    threads: on shapes of several blocks, 2 and 3 threads give bit for bit what 1 gives, in fp32 and emulated bf16."""
+    qkv = rng.standard_normal((20, 64, 3 * 32)).astype(np.float32)  # 40 (T, T) matrices: 3 blocks
+    logits = (rng.standard_normal((3, 50, 1000)) * 3).astype(np.float32)
+    targets = rng.integers(0, 990, (3, 50))
+    a, b = (rng.standard_normal((3, 2 * ops.CHUNK // 64 + 5, 64)).astype(np.float32) for _ in range(2))
+    for dtype in ("fp32", "bf16"):
+        be = ops.NumpyBackend(dtype)
+        seen = []
+        for threads in (1, 2, 3):
+            with ops.op_threads(threads):
+                dlogits = logits.copy()
+                losses = be.fused_classifier(dlogits, targets, 0.01, vocab_size=990)
+                seen.append((*be.attention_forward(qkv, 2), losses, dlogits, be.residual_forward(a, b)))
+        for other in seen[1:]:
+            assert all(np.array_equal(x, y) for x, y in zip(seen[0], other, strict=True))
+
+
 def test_bf16_round_is_torchs_round_to_nearest_even(rng):
     """Against torch's float32 -> bfloat16 -> float32, on random bit patterns (every exponent,
     subnormals, inf, NaN) and on the cases that decide the rule: exact ties go to the even neighbour,

@@ -246,12 +246,14 @@ def _softmax_rows(e):
     arithmetic, and so its bits, is that of the formula over the whole array."""
     T = e.shape[-1]
     flat = e.reshape(-1, T, T)
-    step = max(1, CHUNK // (T * T))
-    for lo in range(0, flat.shape[0], step):
-        block = flat[lo:lo + step]
-        block -= block.max(axis=-1, keepdims=True)
-        np.exp(block, out=block)
-        block /= block.sum(axis=-1, keepdims=True)
+
+    def block(lo, hi):
+        b = flat[lo:hi]
+        b -= b.max(axis=-1, keepdims=True)
+        np.exp(b, out=b)
+        b /= b.sum(axis=-1, keepdims=True)
+
+    _in_blocks(block, flat.shape[0], max(1, CHUNK // (T * T)))
     return e
 
 
@@ -702,7 +704,11 @@ class NumpyBackend:
     def residual_forward(self, a, b):
         """out = a + b. Its backward needs no op: the gradient passes unchanged to both inputs, which the
         model gets by letting layernorm_backward accumulate into the residual stream's gradient."""
-        return self.store(a + b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return self.store(a + b)
+        out = np.empty(a.shape, a.dtype)
+        _elementwise(lambda x, y, o: self.store(np.add(x, y, out=o)), a, b, out)  # over op_threads' threads
+        return out
 
     # ------------------------------------------------------------------ dropout (kernels/dropout.cu)
 
@@ -751,20 +757,21 @@ class NumpyBackend:
         losses = np.empty(rows.shape[0], logits.dtype)
         # a block of rows at a time, so that the passes below find it in cache: the logits are the largest
         # activation (B*T*V); each row's arithmetic, and so its bits, is that over the whole array
-        step = max(1, CHUNK // Vp)
-        for lo in range(0, rows.shape[0], step):
-            block = rows[lo:lo + step]
+        def rows_block(lo, hi):
+            block = rows[lo:hi]
             block[:, V:] = 0
             real = block[:, :V]
             m = real.max(axis=-1, keepdims=True)
             np.subtract(real, m, out=real)  # shifted logits: the largest is 0, so exp cannot overflow
-            picked = np.take_along_axis(real, targets[lo:lo + step, None], axis=-1)[:, 0]
+            picked = np.take_along_axis(real, targets[lo:hi, None], axis=-1)[:, 0]
             np.exp(real, out=real)
             total = real.sum(axis=-1, keepdims=True)
-            losses[lo:lo + step] = np.log(total[:, 0]) - picked
+            losses[lo:hi] = np.log(total[:, 0]) - picked
             np.multiply(real, d / total, out=real)  # probabilities * dloss
-            block[np.arange(block.shape[0]), targets[lo:lo + step]] -= d  # targets < V: take_along_axis raised
+            block[np.arange(block.shape[0]), targets[lo:hi]] -= d  # targets < V: take_along_axis raised
             self.store(block)
+
+        _in_blocks(rows_block, rows.shape[0], max(1, CHUNK // Vp))
         return losses.reshape(logits.shape[:-1])
 
     # ------------------------------------------------------------------ vocabulary-parallel classifier (--tp)
