@@ -129,6 +129,13 @@ def _in_blocks(fn, n: int, step: int) -> None:
         f.result()  # an error in a worker is raised here, in the op's caller
 
 
+def _row_blocks(rows: int) -> int:
+    """Rows a block for an op whose rows are independent (layernorm): all of them on one thread, as one
+    whole-array pass per step is fastest there (measured: blocks of CHUNK elements were 5-15% slower at 1
+    thread), and an even share each over op_threads' threads."""
+    return max(1, -(-rows // _op_threads))
+
+
 def _elementwise(fn, *arrays) -> None:
     """fn(*pieces) for matching CHUNK-element pieces of same-shaped arrays (as _chunks), through _in_blocks."""
     flat = [a.reshape(-1) for a in arrays]
@@ -382,8 +389,8 @@ class NumpyBackend:
         """Normalise each (b, t) row over C, then scale and shift.  -> (out, mean, rstd); mean, rstd are (B, T)
         and stay float32 in every precision.
 
-        A block of rows at a time (about CHUNK elements, in cache for all seven passes), every step written with
-        out= into the block's output: mean = rowsum(x) / C, n = x - mean, var = rowsum(n * n) / C,
+        Over op_threads' threads, an even share of the rows each (_row_blocks), every step written with out=
+        into the block's output: mean = rowsum(x) / C, n = x - mean, var = rowsum(n * n) / C,
         rstd = 1 / sqrt(var + eps), out = ((n rstd) weight) + bias; each row's bits are those of the formula
         over whole arrays (np.mean is that row sum divided by C; a test compares the two)."""
         C = inp.shape[-1]
@@ -410,7 +417,7 @@ class NumpyBackend:
             o += bias
             self.store(o)
 
-        _in_blocks(block, rows.shape[0], max(1, CHUNK // C))
+        _in_blocks(block, rows.shape[0], _row_blocks(rows.shape[0]))
         shape = inp.shape[:-1]
         return out.reshape(inp.shape), mean.reshape(shape), rstd.reshape(shape)
 
@@ -446,7 +453,11 @@ class NumpyBackend:
             dnorm = np.multiply(d, weight)
             dnorm_mean = np.add.reduce(dnorm, axis=-1, keepdims=True)
             dnorm_mean /= n_c
-            gn = np.multiply(dnorm, norm)
+            if hi - lo == len(product):      # one block (one thread): dout * n is summed now and its memory reused
+                np.add(dweight, product.sum(axis=0), out=dweight)
+                gn = np.multiply(dnorm, norm, out=p)
+            else:
+                gn = np.multiply(dnorm, norm)
             dnorm_norm_mean = np.add.reduce(gn, axis=-1, keepdims=True)
             dnorm_norm_mean /= n_c
             dnorm -= dnorm_mean                  # (dnorm - dnorm_mean - norm dnorm_norm_mean) rstd, in place
@@ -457,11 +468,12 @@ class NumpyBackend:
             dx += dnorm
             self.store(dx)
 
-        _in_blocks(block, x_rows.shape[0], max(1, CHUNK // C))
+        _in_blocks(block, x_rows.shape[0], _row_blocks(x_rows.shape[0]))
         if target is not dinp:
             dinp[...] = target
         dbias += d_rows.sum(axis=0)
-        dweight += product.sum(axis=0)
+        if _row_blocks(len(product)) < len(product):
+            dweight += product.sum(axis=0)
 
     # ------------------------------------------------------------------ matmul (cuBLAS; bias: kernels/matmul.cu)
 
@@ -704,7 +716,7 @@ class NumpyBackend:
     def residual_forward(self, a, b):
         """out = a + b. Its backward needs no op: the gradient passes unchanged to both inputs, which the
         model gets by letting layernorm_backward accumulate into the residual stream's gradient."""
-        if a.shape != b.shape or a.dtype != b.dtype:
+        if _op_threads == 1 or a.shape != b.shape or a.dtype != b.dtype:  # one pass: a + b is fastest alone
             return self.store(a + b)
         out = np.empty(a.shape, a.dtype)
         _elementwise(lambda x, y, o: self.store(np.add(x, y, out=o)), a, b, out)  # over op_threads' threads
