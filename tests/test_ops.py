@@ -280,13 +280,20 @@ def test_adamw_matches_torch_formula(rng):
         np.testing.assert_allclose(p, p_ref, rtol=1e-6, atol=1e-9)
 
 
+@pytest.fixture
+def small_shares(monkeypatch):
+    """Ops split over op_threads' threads at these tests' small sizes too (numpy_ops.PARALLEL_MIN)."""
+    monkeypatch.setattr(ops, "PARALLEL_MIN", 4096)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_chunked_elementwise_ops_give_the_whole_array_bits(rng, threads):
+def test_chunked_elementwise_ops_give_the_whole_array_bits(rng, threads, small_shares):
     """gelu (both ways) and AdamW run CHUNK elements at a time (numpy_ops.CHUNK), over op_threads' threads: on
     float32 arrays of a few chunks and a ragged tail, and on a transposed (non-contiguous) input, they give bit
     for bit what the same formulas give evaluated over whole arrays, at every thread count."""
     with ops.op_threads(threads):
         _check_chunked_elementwise_ops(rng)
+        assert len(ops._pools) == (threads > 1)  # the blocks did run on a pool
 
 
 def _check_chunked_elementwise_ops(rng):
@@ -319,7 +326,7 @@ def _check_chunked_elementwise_ops(rng):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_layernorm_in_row_blocks_gives_the_whole_array_bits(rng, threads):
+def test_layernorm_in_row_blocks_gives_the_whole_array_bits(rng, threads, small_shares):
     """layernorm forward and backward run a block of rows at a time, over op_threads' threads: bit for bit the
     formulas over whole arrays (np.mean for the row means), in float32 and float64, on shapes of several
     blocks with a ragged last one and of a single small block."""
@@ -339,11 +346,12 @@ def test_layernorm_in_row_blocks_gives_the_whole_array_bits(rng, threads):
         with ops.op_threads(threads):
             got = ops.layernorm_forward(x, w, b)
             ops.layernorm_backward(*grads, dout, x, w, mean[..., 0], rstd[..., 0])
+            assert len(ops._pools) == (threads > 1 and x.size >= 2 * ops.PARALLEL_MIN)
         for ours, theirs in zip((*got, *grads), (out, mean[..., 0], rstd[..., 0], *want), strict=True):
             assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
 
 
-def test_the_other_blocked_ops_give_the_same_bits_at_every_thread_count(rng):
+def test_the_other_blocked_ops_give_the_same_bits_at_every_thread_count(rng, small_shares):
     """causal softmax (attention), the fused classifier and the residual add split their blocks over op_threads'
     threads: on shapes of several blocks, 2 and 3 threads give bit for bit what 1 gives, in fp32 and emulated bf16."""
     qkv = rng.standard_normal((20, 64, 3 * 32)).astype(np.float32)  # 40 (T, T) matrices: 3 blocks
@@ -358,6 +366,7 @@ def test_the_other_blocked_ops_give_the_same_bits_at_every_thread_count(rng):
                 dlogits = logits.copy()
                 losses = be.fused_classifier(dlogits, targets, 0.01, vocab_size=990)
                 seen.append((*be.attention_forward(qkv, 2), losses, dlogits, be.residual_forward(a, b)))
+                assert len(ops._pools) == (threads > 1)
         for other in seen[1:]:
             assert all(np.array_equal(x, y) for x, y in zip(seen[0], other, strict=True))
 

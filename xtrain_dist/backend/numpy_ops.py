@@ -104,11 +104,25 @@ def _pool(workers: int):
     return pool
 
 
-def _in_blocks(fn, n: int, step: int) -> None:
-    """fn(lo, hi) for the blocks [lo, hi) of range(n), step items each: in a loop on one thread, or spread over
-    op_threads' threads. fn must write only its own block's outputs."""
+# The fewest elements an op hands to each of its threads: below this the hand-off costs what the second core saves
+# (on the 2-core EPYC of docs/performance.md, the mini model's layernorm, B*T*C = 131k elements, and the residual
+# add ran 1.3-4x slower on 2 threads, while its GELU, 4x as large, ran 0.76x).
+PARALLEL_MIN = 1 << 17
+
+
+def _threads_for(elements: int) -> int:
+    """How many threads an op of this many elements runs on: 1 inside another op's block, else op_threads'
+    count, fewer where a share would be under PARALLEL_MIN elements."""
+    if getattr(_worker, "busy", False):
+        return 1
+    return max(1, min(_op_threads, elements // PARALLEL_MIN))
+
+
+def _in_blocks(fn, n: int, step: int, elements: int) -> None:
+    """fn(lo, hi) for the blocks [lo, hi) of range(n), step items each, of an op of `elements` elements in all: in
+    a loop on one thread, or spread over _threads_for's threads. fn must write only its own block's outputs."""
     starts = range(0, n, step)
-    threads = 1 if getattr(_worker, "busy", False) else min(_op_threads, len(starts))
+    threads = min(_threads_for(elements), len(starts))
     if threads < 2:
         for lo in starts:
             fn(lo, min(lo + step, n))
@@ -129,17 +143,17 @@ def _in_blocks(fn, n: int, step: int) -> None:
         f.result()  # an error in a worker is raised here, in the op's caller
 
 
-def _row_blocks(rows: int) -> int:
+def _row_blocks(rows: int, elements: int) -> int:
     """Rows a block for an op whose rows are independent (layernorm): all of them on one thread, as one
     whole-array pass per step is fastest there (measured: blocks of CHUNK elements were 5-15% slower at 1
-    thread), and an even share each over op_threads' threads."""
-    return max(1, -(-rows // _op_threads))
+    thread), and an even share each over _threads_for's threads."""
+    return max(1, -(-rows // _threads_for(elements)))
 
 
 def _elementwise(fn, *arrays) -> None:
     """fn(*pieces) for matching CHUNK-element pieces of same-shaped arrays (as _chunks), through _in_blocks."""
     flat = [a.reshape(-1) for a in arrays]
-    _in_blocks(lambda lo, hi: fn(*(a[lo:hi] for a in flat)), flat[0].size, CHUNK)
+    _in_blocks(lambda lo, hi: fn(*(a[lo:hi] for a in flat)), flat[0].size, CHUNK, flat[0].size)
 
 
 # ------------------------------------------------------------------ the heap the arrays live in
@@ -260,7 +274,7 @@ def _softmax_rows(e):
         np.exp(b, out=b)
         b /= b.sum(axis=-1, keepdims=True)
 
-    _in_blocks(block, flat.shape[0], max(1, CHUNK // (T * T)))
+    _in_blocks(block, flat.shape[0], max(1, CHUNK // (T * T)), flat.size)
     return e
 
 
@@ -417,7 +431,7 @@ class NumpyBackend:
             o += bias
             self.store(o)
 
-        _in_blocks(block, rows.shape[0], _row_blocks(rows.shape[0]))
+        _in_blocks(block, rows.shape[0], _row_blocks(rows.shape[0], rows.size), rows.size)
         shape = inp.shape[:-1]
         return out.reshape(inp.shape), mean.reshape(shape), rstd.reshape(shape)
 
@@ -468,11 +482,11 @@ class NumpyBackend:
             dx += dnorm
             self.store(dx)
 
-        _in_blocks(block, x_rows.shape[0], _row_blocks(x_rows.shape[0]))
+        _in_blocks(block, x_rows.shape[0], _row_blocks(x_rows.shape[0], x_rows.size), x_rows.size)
         if target is not dinp:
             dinp[...] = target
         dbias += d_rows.sum(axis=0)
-        if _row_blocks(len(product)) < len(product):
+        if _row_blocks(len(product), product.size) < len(product):
             dweight += product.sum(axis=0)
 
     # ------------------------------------------------------------------ matmul (cuBLAS; bias: kernels/matmul.cu)
@@ -716,7 +730,7 @@ class NumpyBackend:
     def residual_forward(self, a, b):
         """out = a + b. Its backward needs no op: the gradient passes unchanged to both inputs, which the
         model gets by letting layernorm_backward accumulate into the residual stream's gradient."""
-        if _op_threads == 1 or a.shape != b.shape or a.dtype != b.dtype:  # one pass: a + b is fastest alone
+        if _threads_for(a.size) == 1 or a.shape != b.shape or a.dtype != b.dtype:  # a + b is fastest alone
             return self.store(a + b)
         out = np.empty(a.shape, a.dtype)
         _elementwise(lambda x, y, o: self.store(np.add(x, y, out=o)), a, b, out)  # over op_threads' threads
@@ -783,7 +797,7 @@ class NumpyBackend:
             block[np.arange(block.shape[0]), targets[lo:hi]] -= d  # targets < V: take_along_axis raised
             self.store(block)
 
-        _in_blocks(rows_block, rows.shape[0], max(1, CHUNK // Vp))
+        _in_blocks(rows_block, rows.shape[0], max(1, CHUNK // Vp), rows.size)
         return losses.reshape(logits.shape[:-1])
 
     # ------------------------------------------------------------------ vocabulary-parallel classifier (--tp)
