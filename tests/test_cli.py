@@ -644,7 +644,8 @@ def test_only_process_0_needs_a_writable_report(shipped_corpus, tmp_path):
 
 def test_each_rank_runs_one_blas_thread_unless_told_whatever_the_cores(shipped_corpus, monkeypatch):
     """2 rank threads in each of 2 processes on a node of 8 cores: 1 BLAS thread per rank (not the 2 that
-    sharing the cores would give: numpy_ops.CPU_THREADS_PER_RANK says why), and --cpu-threads 3 gives 3."""
+    sharing the cores would give: numpy_ops.CPU_THREADS_PER_RANK says why), and --cpu-threads 3 gives 3, for
+    BLAS and for the numpy ops' own threads (numpy_ops.op_threads) alike."""
     from xtrain_dist.backend import numpy_ops
     from xtrain_dist.comm.launch_env import Launch
     from xtrain_dist.config import TrainConfig
@@ -657,15 +658,20 @@ def test_each_rank_runs_one_blas_thread_unless_told_whatever_the_cores(shipped_c
 
     def limits(n, user_api):
         asked.append((n, user_api))
-        raise Stop  # the number is all this test needs: no training
+        return contextlib.nullcontext()
+
+    def op_threads(n):
+        asked.append((n, "ops"))
+        raise Stop  # the numbers are all this test needs: no training
 
     monkeypatch.setattr(numpy_ops, "available_cores", lambda: 8)
     monkeypatch.setattr(job, "threadpool_limits", limits)
+    monkeypatch.setattr(numpy_ops, "op_threads", op_threads)
     for threads in (None, 3):
         cfg = TrainConfig(steps=1, batch=2, seq=16, world_size=2, eval_batches=0, cpu_threads=threads).resolved()
         with pytest.raises(Stop):
             job.train(cfg, shipped_corpus, log=lambda line: None, launch=Launch("single", local_processes=2))
-    assert asked == [(1, "blas"), (3, "blas")]
+    assert asked == [(1, "blas"), (1, "ops"), (3, "blas"), (3, "ops")]
 
 
 def test_a_process_that_cannot_start_tells_the_others_within_its_rdzv_timeout(tmp_path):

@@ -280,10 +280,23 @@ def test_adamw_matches_torch_formula(rng):
         np.testing.assert_allclose(p, p_ref, rtol=1e-6, atol=1e-9)
 
 
-def test_chunked_elementwise_ops_give_the_whole_array_bits(rng):
-    """gelu (both ways) and AdamW run CHUNK elements at a time (numpy_ops.CHUNK): on float32 arrays of a
-    few chunks and a ragged tail, and on a transposed (non-contiguous) input, they give bit for bit what
-    the same formulas give evaluated over whole arrays."""
+@pytest.fixture
+def small_shares(monkeypatch):
+    """Ops split over op_threads' threads at these tests' small sizes too (numpy_ops.PARALLEL_MIN)."""
+    monkeypatch.setattr(ops, "PARALLEL_MIN", 4096)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_chunked_elementwise_ops_give_the_whole_array_bits(rng, threads, small_shares):
+    """gelu (both ways) and AdamW run CHUNK elements at a time (numpy_ops.CHUNK), over op_threads' threads: on
+    float32 arrays of a few chunks and a ragged tail, and on a transposed (non-contiguous) input, they give bit
+    for bit what the same formulas give evaluated over whole arrays, at every thread count."""
+    with ops.op_threads(threads):
+        _check_chunked_elementwise_ops(rng)
+        assert len(ops._pools) == (threads > 1)  # the blocks did run on a pool
+
+
+def _check_chunked_elementwise_ops(rng):
     f = np.float32
     s, c = f(ops.GELU_SCALE), f(0.044715)
     rows = 2 * ops.CHUNK // 96 + 7
@@ -310,6 +323,52 @@ def test_chunked_elementwise_ops_give_the_whole_array_bits(rng):
         update = (m_ref / f(1 - b1**step)) / (np.sqrt(v_ref / f(1 - b2**step)) + f(eps)) + f(wd) * mask * p_ref
         p_ref = p_ref - lr * update
         assert np.array_equal(p, p_ref) and np.array_equal(m, m_ref) and np.array_equal(v, v_ref), step
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_layernorm_in_row_blocks_gives_the_whole_array_bits(rng, threads, small_shares):
+    """layernorm forward and backward run a block of rows at a time, over op_threads' threads: bit for bit the
+    formulas over whole arrays (np.mean for the row means), in float32 and float64, on shapes of several
+    blocks with a ragged last one and of a single small block."""
+    for dtype, shape in ((np.float32, (3, 300, 384)), (np.float64, (2, 5, 7)), (np.float32, (5, 301, 128))):
+        x, w, b, dout = (rng.standard_normal(s).astype(dtype) for s in (shape, shape[-1:], shape[-1:], shape))
+        mean = x.mean(axis=-1, keepdims=True)
+        norm = x - mean
+        rstd = 1.0 / np.sqrt((norm * norm).mean(axis=-1, keepdims=True) + dtype(ops.LN_EPS))
+        norm *= rstd
+        out = norm * w + b
+        g = dout * w
+        dx = (g - g.mean(axis=-1, keepdims=True) - norm * (g * norm).mean(axis=-1, keepdims=True)) * rstd
+        C = shape[-1]
+        grads = [rng.standard_normal(s).astype(dtype) for s in (shape, (C,), (C,))]
+        want = [grads[0] + dx, grads[1] + (dout * norm).reshape(-1, C).sum(axis=0),
+                grads[2] + dout.reshape(-1, C).sum(axis=0)]
+        with ops.op_threads(threads):
+            got = ops.layernorm_forward(x, w, b)
+            ops.layernorm_backward(*grads, dout, x, w, mean[..., 0], rstd[..., 0])
+            assert len(ops._pools) == (threads > 1 and x.size >= 2 * ops.PARALLEL_MIN)
+        for ours, theirs in zip((*got, *grads), (out, mean[..., 0], rstd[..., 0], *want), strict=True):
+            assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
+
+
+def test_the_other_blocked_ops_give_the_same_bits_at_every_thread_count(rng, small_shares):
+    """causal softmax (attention), the fused classifier and the residual add split their blocks over op_threads'
+    threads: on shapes of several blocks, 2 and 3 threads give bit for bit what 1 gives, in fp32 and emulated bf16."""
+    qkv = rng.standard_normal((20, 64, 3 * 32)).astype(np.float32)  # 40 (T, T) matrices: 3 blocks
+    logits = (rng.standard_normal((3, 50, 1000)) * 3).astype(np.float32)
+    targets = rng.integers(0, 990, (3, 50))
+    a, b = (rng.standard_normal((3, 2 * ops.CHUNK // 64 + 5, 64)).astype(np.float32) for _ in range(2))
+    for dtype in ("fp32", "bf16"):
+        be = ops.NumpyBackend(dtype)
+        seen = []
+        for threads in (1, 2, 3):
+            with ops.op_threads(threads):
+                dlogits = logits.copy()
+                losses = be.fused_classifier(dlogits, targets, 0.01, vocab_size=990)
+                seen.append((*be.attention_forward(qkv, 2), losses, dlogits, be.residual_forward(a, b)))
+                assert len(ops._pools) == (threads > 1)
+        for other in seen[1:]:
+            assert all(np.array_equal(x, y) for x, y in zip(seen[0], other, strict=True))
 
 
 def test_bf16_round_is_torchs_round_to_nearest_even(rng):

@@ -92,7 +92,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     # data parallelism
     comm_timeout_s: float = 300.0   # a rank waiting longer than this in a collective fails the run
-    cpu_threads: int | None = None  # BLAS threads per rank (numpy backend); default 1
+    cpu_threads: int | None = None  # BLAS and op threads per rank (numpy backend); default 1
     tf32: bool = False              # cuda backend: TF32 tensor-core matmuls (fp32 storage)
     matmul: str = "auto"            # cuda backend: cublas | cublaslt, the library of products with a bias;
                                     # auto: cublas on numpy, the fastest measured on cuda (backend/cuda/defaults.py)

@@ -58,6 +58,104 @@ def _chunks(*arrays):
         yield tuple(a[lo:lo + CHUNK] for a in flat)
 
 
+# ------------------------------------------------------------------ the threads of an op
+
+# --cpu-threads N gives each rank N threads for its BLAS products and, through op_threads, N - 1 more threads of
+# its own that run the row and element blocks of the other ops beside it (numpy's ufuncs and reductions release
+# the GIL on arrays this large). Each block's arithmetic depends only on its own elements or rows, never on how
+# the blocks are split between threads, so a step is the same bits at every thread count (a test checks it). At
+# the default of one thread no pool exists and the blocks run in a plain loop, as before.
+_op_threads = 1
+_pools = {}  # calling thread's ident -> its ThreadPoolExecutor of _op_threads - 1 workers
+_pools_lock = threading.Lock()
+_worker = threading.local()  # .busy: this thread is running blocks of an op
+
+
+class op_threads:
+    """with op_threads(n): the non-BLAS ops of each thread that calls them (a rank) use n threads: its own and n - 1
+    workers of a pool of its own, created on its first op and shut down when the block ends."""
+
+    def __init__(self, n: int | None):
+        self.n = max(1, int(n or 1))
+
+    def __enter__(self):
+        global _op_threads
+        self.before, _op_threads = _op_threads, self.n
+        return self
+
+    def __exit__(self, *exc):
+        global _op_threads
+        _op_threads = self.before
+        with _pools_lock:
+            pools = list(_pools.values())
+            _pools.clear()
+        for pool in pools:
+            pool.shutdown(wait=True)
+        return False
+
+
+def _pool(workers: int):
+    key = threading.get_ident()
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None or pool._max_workers != workers:
+            from concurrent.futures import ThreadPoolExecutor
+            pool = _pools[key] = ThreadPoolExecutor(workers, thread_name_prefix="numpy-op")
+    return pool
+
+
+# The fewest elements an op hands to each of its threads: below this the hand-off costs what the second core saves
+# (on the 2-core EPYC of docs/performance.md, the mini model's layernorm, B*T*C = 131k elements, and the residual
+# add ran 1.3-4x slower on 2 threads, while its GELU, 4x as large, ran 0.76x).
+PARALLEL_MIN = 1 << 17
+
+
+def _threads_for(elements: int) -> int:
+    """How many threads an op of this many elements runs on: 1 inside another op's block, else op_threads'
+    count, fewer where a share would be under PARALLEL_MIN elements."""
+    if getattr(_worker, "busy", False):
+        return 1
+    return max(1, min(_op_threads, elements // PARALLEL_MIN))
+
+
+def _in_blocks(fn, n: int, step: int, elements: int) -> None:
+    """fn(lo, hi) for the blocks [lo, hi) of range(n), step items each, of an op of `elements` elements in all: in
+    a loop on one thread, or spread over _threads_for's threads. fn must write only its own block's outputs."""
+    starts = range(0, n, step)
+    threads = min(_threads_for(elements), len(starts))
+    if threads < 2:
+        for lo in starts:
+            fn(lo, min(lo + step, n))
+        return
+
+    def run(part):
+        _worker.busy = True  # an op inside a block (store's bf16_round) runs its blocks on this thread alone
+        try:
+            for lo in part:
+                fn(lo, min(lo + step, n))
+        finally:
+            _worker.busy = False
+
+    parts = [starts[i::threads] for i in range(threads)]  # every threads-th block: as many each, give or take one
+    futures = [_pool(threads - 1).submit(run, part) for part in parts[1:]]
+    run(parts[0])
+    for f in futures:
+        f.result()  # an error in a worker is raised here, in the op's caller
+
+
+def _row_blocks(rows: int, elements: int) -> int:
+    """Rows a block for an op whose rows are independent (layernorm): all of them on one thread, as one
+    whole-array pass per step is fastest there (measured: blocks of CHUNK elements were 5-15% slower at 1
+    thread), and an even share each over _threads_for's threads."""
+    return max(1, -(-rows // _threads_for(elements)))
+
+
+def _elementwise(fn, *arrays) -> None:
+    """fn(*pieces) for matching CHUNK-element pieces of same-shaped arrays (as _chunks), through _in_blocks."""
+    flat = [a.reshape(-1) for a in arrays]
+    _in_blocks(lambda lo, hi: fn(*(a[lo:hi] for a in flat)), flat[0].size, CHUNK, flat[0].size)
+
+
 # ------------------------------------------------------------------ the heap the arrays live in
 
 # glibc's mallopt parameters (malloc.h)
@@ -169,12 +267,14 @@ def _softmax_rows(e):
     arithmetic, and so its bits, is that of the formula over the whole array."""
     T = e.shape[-1]
     flat = e.reshape(-1, T, T)
-    step = max(1, CHUNK // (T * T))
-    for lo in range(0, flat.shape[0], step):
-        block = flat[lo:lo + step]
-        block -= block.max(axis=-1, keepdims=True)
-        np.exp(block, out=block)
-        block /= block.sum(axis=-1, keepdims=True)
+
+    def block(lo, hi):
+        b = flat[lo:hi]
+        b -= b.max(axis=-1, keepdims=True)
+        np.exp(b, out=b)
+        b /= b.sum(axis=-1, keepdims=True)
+
+    _in_blocks(block, flat.shape[0], max(1, CHUNK // (T * T)), flat.size)
     return e
 
 
@@ -301,15 +401,39 @@ class NumpyBackend:
 
     def layernorm_forward(self, inp, weight, bias):
         """Normalise each (b, t) row over C, then scale and shift.  -> (out, mean, rstd); mean, rstd are (B, T)
-        and stay float32 in every precision."""
-        mean = inp.mean(axis=-1, keepdims=True)
-        out = inp - mean                     # centred; scaled and shifted in place below
-        var = (out * out).mean(axis=-1, keepdims=True)
-        rstd = 1.0 / np.sqrt(var + inp.dtype.type(LN_EPS))
-        out *= rstd
-        out *= weight
-        out += bias                          # ((x - mean) rstd) weight + bias
-        return self.store(out), mean[..., 0], rstd[..., 0]
+        and stay float32 in every precision.
+
+        Over op_threads' threads, an even share of the rows each (_row_blocks), every step written with out=
+        into the block's output: mean = rowsum(x) / C, n = x - mean, var = rowsum(n * n) / C,
+        rstd = 1 / sqrt(var + eps), out = ((n rstd) weight) + bias; each row's bits are those of the formula
+        over whole arrays (np.mean is that row sum divided by C; a test compares the two)."""
+        C = inp.shape[-1]
+        f = inp.dtype.type
+        rows = inp.reshape(-1, C)
+        out = np.empty(rows.shape, inp.dtype)
+        mean = np.empty(rows.shape[0], inp.dtype)
+        rstd = np.empty(rows.shape[0], inp.dtype)
+        n_c, eps = f(C), f(LN_EPS)
+
+        def block(lo, hi):
+            x, o, mu, r = rows[lo:hi], out[lo:hi], mean[lo:hi], rstd[lo:hi]
+            np.add.reduce(x, axis=-1, out=mu)
+            mu /= n_c
+            np.subtract(x, mu[:, None], out=o)                # centred; scaled and shifted in place below
+            sq = np.multiply(o, o)
+            np.add.reduce(sq, axis=-1, out=r)
+            r /= n_c                                          # the variance
+            r += eps
+            np.sqrt(r, out=r)
+            np.divide(f(1), r, out=r)
+            o *= r[:, None]
+            o *= weight
+            o += bias
+            self.store(o)
+
+        _in_blocks(block, rows.shape[0], _row_blocks(rows.shape[0], rows.size), rows.size)
+        shape = inp.shape[:-1]
+        return out.reshape(inp.shape), mean.reshape(shape), rstd.reshape(shape)
 
     def residual_layernorm_forward(self, a, b, weight, bias):
         """The residual connection and the layernorm that follows it, in one op (one kernel on the GPU):
@@ -322,24 +446,48 @@ class NumpyBackend:
         """Accumulate into dinp (the residual stream's gradient), dweight and dbias.
 
         With n = (x - mean) * rstd and g = dout * weight:
-        dx = rstd * (g - mean_C(g) - n * mean_C(g * n))."""
+        dx = rstd * (g - mean_C(g) - n * mean_C(g * n)).
+
+        dx a block of rows at a time (as layernorm_forward), n and g recomputed in the block's scratch; the
+        block writes dout * n into a whole-size array whose column sums, like dout's, are then taken over all
+        rows at once (numpy adds the rows in order, so blocks would change the sum's bits)."""
         C = inp.shape[-1]
-        rstd = rstd[..., None]
-        norm = inp - mean[..., None]
-        norm *= rstd
-        dnorm = dout * weight
-        dbias += dout.reshape(-1, C).sum(axis=0)
-        product = dout * norm                # one temporary, used twice
-        dweight += product.reshape(-1, C).sum(axis=0)
-        dnorm_mean = dnorm.mean(axis=-1, keepdims=True)
-        np.multiply(dnorm, norm, out=product)
-        dnorm_norm_mean = product.mean(axis=-1, keepdims=True)
-        dnorm -= dnorm_mean                  # (dnorm - dnorm_mean - norm dnorm_norm_mean) rstd, in place
-        norm *= dnorm_norm_mean
-        dnorm -= norm
-        dnorm *= rstd
-        dinp += dnorm
-        self.store(dinp)
+        f = inp.dtype.type
+        target = dinp if dinp.flags.c_contiguous else np.ascontiguousarray(dinp)  # blocks are views of its rows
+        x_rows, d_rows, dx_rows = inp.reshape(-1, C), dout.reshape(-1, C), target.reshape(-1, C)
+        mean_rows, rstd_rows = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+        product = np.empty(x_rows.shape, inp.dtype)          # dout * n, for dweight
+        n_c = f(C)
+
+        def block(lo, hi):
+            x, d, r, p = x_rows[lo:hi], d_rows[lo:hi], rstd_rows[lo:hi], product[lo:hi]
+            norm = np.subtract(x, mean_rows[lo:hi])
+            norm *= r
+            np.multiply(d, norm, out=p)
+            dnorm = np.multiply(d, weight)
+            dnorm_mean = np.add.reduce(dnorm, axis=-1, keepdims=True)
+            dnorm_mean /= n_c
+            if hi - lo == len(product):      # one block (one thread): dout * n is summed now and its memory reused
+                np.add(dweight, product.sum(axis=0), out=dweight)
+                gn = np.multiply(dnorm, norm, out=p)
+            else:
+                gn = np.multiply(dnorm, norm)
+            dnorm_norm_mean = np.add.reduce(gn, axis=-1, keepdims=True)
+            dnorm_norm_mean /= n_c
+            dnorm -= dnorm_mean                  # (dnorm - dnorm_mean - norm dnorm_norm_mean) rstd, in place
+            norm *= dnorm_norm_mean
+            dnorm -= norm
+            dnorm *= r
+            dx = dx_rows[lo:hi]
+            dx += dnorm
+            self.store(dx)
+
+        _in_blocks(block, x_rows.shape[0], _row_blocks(x_rows.shape[0], x_rows.size), x_rows.size)
+        if target is not dinp:
+            dinp[...] = target
+        dbias += d_rows.sum(axis=0)
+        if _row_blocks(len(product), product.size) < len(product):
+            dweight += product.sum(axis=0)
 
     # ------------------------------------------------------------------ matmul (cuBLAS; bias: kernels/matmul.cu)
 
@@ -529,10 +677,9 @@ class NumpyBackend:
         c = inp.dtype.type(0.044715)
         half = inp.dtype.type(0.5)
         out = np.empty(inp.shape, inp.dtype)
-        scratch = np.empty(min(inp.size, CHUNK), inp.dtype)
-        for x, y in _chunks(inp, out):
-            u = scratch[: x.size]
-            np.multiply(c, x, out=u)
+
+        def chunk(x, y):
+            u = np.multiply(c, x)
             u *= x
             u *= x                   # c x^3, as ((c x) x) x
             np.add(x, u, out=u)
@@ -541,7 +688,10 @@ class NumpyBackend:
             u += 1
             np.multiply(half, x, out=y)
             y *= u                   # (0.5 x) (1 + tanh u)
-        return self.store(out)
+            self.store(y)
+
+        _elementwise(chunk, inp, out)
+        return out
 
     def gelu_backward(self, dout, inp):
         """dinp = dout * gelu'(x), with u = s (x + c x^3):
@@ -551,14 +701,12 @@ class NumpyBackend:
         s, c = f(GELU_SCALE), f(0.044715)
         half_s, three_c = f(0.5) * s, f(3) * c
         dinp = np.empty(inp.shape, inp.dtype)
-        n = min(inp.size, CHUNK)
-        scratch = np.empty((3, n), inp.dtype)
-        for x, d, out in _chunks(inp, dout, dinp):
-            x2, th, slope = scratch[:, : x.size]
-            np.multiply(x, x, out=x2)
-            np.multiply(c, x2, out=th)
+
+        def chunk(x, d, out):
+            x2 = np.multiply(x, x)
+            th = np.multiply(c, x2)
             th += 1
-            np.multiply(s, x, out=slope)
+            slope = np.multiply(s, x)
             th *= slope                   # (s x) (1 + c x^2)
             np.tanh(th, out=th)
             np.multiply(three_c, x2, out=x2)
@@ -572,14 +720,21 @@ class NumpyBackend:
             th *= f(0.5)
             th += slope
             np.multiply(th, d, out=out)
-        return self.store(dinp)
+            self.store(out)
+
+        _elementwise(chunk, inp, dout, dinp)
+        return dinp
 
     # ------------------------------------------------------------------ residual (kernels/residual.cu)
 
     def residual_forward(self, a, b):
         """out = a + b. Its backward needs no op: the gradient passes unchanged to both inputs, which the
         model gets by letting layernorm_backward accumulate into the residual stream's gradient."""
-        return self.store(a + b)
+        if _threads_for(a.size) == 1 or a.shape != b.shape or a.dtype != b.dtype:  # a + b is fastest alone
+            return self.store(a + b)
+        out = np.empty(a.shape, a.dtype)
+        _elementwise(lambda x, y, o: self.store(np.add(x, y, out=o)), a, b, out)  # over op_threads' threads
+        return out
 
     # ------------------------------------------------------------------ dropout (kernels/dropout.cu)
 
@@ -628,20 +783,21 @@ class NumpyBackend:
         losses = np.empty(rows.shape[0], logits.dtype)
         # a block of rows at a time, so that the passes below find it in cache: the logits are the largest
         # activation (B*T*V); each row's arithmetic, and so its bits, is that over the whole array
-        step = max(1, CHUNK // Vp)
-        for lo in range(0, rows.shape[0], step):
-            block = rows[lo:lo + step]
+        def rows_block(lo, hi):
+            block = rows[lo:hi]
             block[:, V:] = 0
             real = block[:, :V]
             m = real.max(axis=-1, keepdims=True)
             np.subtract(real, m, out=real)  # shifted logits: the largest is 0, so exp cannot overflow
-            picked = np.take_along_axis(real, targets[lo:lo + step, None], axis=-1)[:, 0]
+            picked = np.take_along_axis(real, targets[lo:hi, None], axis=-1)[:, 0]
             np.exp(real, out=real)
             total = real.sum(axis=-1, keepdims=True)
-            losses[lo:lo + step] = np.log(total[:, 0]) - picked
+            losses[lo:hi] = np.log(total[:, 0]) - picked
             np.multiply(real, d / total, out=real)  # probabilities * dloss
-            block[np.arange(block.shape[0]), targets[lo:lo + step]] -= d  # targets < V: take_along_axis raised
+            block[np.arange(block.shape[0]), targets[lo:hi]] -= d  # targets < V: take_along_axis raised
             self.store(block)
+
+        _in_blocks(rows_block, rows.shape[0], max(1, CHUNK // Vp), rows.size)
         return losses.reshape(logits.shape[:-1])
 
     # ------------------------------------------------------------------ vocabulary-parallel classifier (--tp)
@@ -785,13 +941,13 @@ class NumpyBackend:
             raise ValueError("adamw_update: step and lr are in the schedule; pass them as None")
         lr_, bc1, bc2 = (f(x) for x in schedule)
         scale = np.asarray(grad_scale, dtype=params.dtype).reshape(())
-        # a chunk at a time (see CHUNK), into three scratch chunks (out=): the formula's dozen temporaries stay in
-        # cache and are never allocated, instead of a dozen passes over parameter-sized arrays (and, for GPT-2
-        # 124M, 4 GB of them allocated per step). The same operations in the same order as the formula.
-        scratch = np.empty((3, min(params.size, CHUNK)), params.dtype)
+        # a chunk at a time (see CHUNK; spread over op_threads' threads), into three scratch chunks (out=): the
+        # formula's dozen temporaries stay in cache, instead of a dozen passes over parameter-sized arrays (and, for
+        # GPT-2 124M, 4 GB of them allocated per step). The same operations in the same order as the formula.
         b1, one_b1, b2, one_b2, eps_, wd = f(beta1), f(1 - beta1), f(beta2), f(1 - beta2), f(eps), f(weight_decay)
-        for p, m_, v_, grad, decay in _chunks(params, m, v, grads, decay_mask):
-            g, t, u = scratch[:, : p.size]
+
+        def chunk(p, m_, v_, grad, decay):
+            g, t, u = np.empty((3, p.size), p.dtype)
             np.multiply(grad, scale, out=g)
             m_ *= b1
             np.multiply(one_b1, g, out=t)
@@ -810,6 +966,8 @@ class NumpyBackend:
             t += u                        # + weight_decay * decay * p
             t *= lr_
             p -= t
+
+        _elementwise(chunk, params, m, v, grads, decay_mask)
         if params_lowp is not None:
             self.lowp_copy(params_lowp, params)
 

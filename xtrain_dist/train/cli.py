@@ -136,8 +136,8 @@ def build_parser() -> OneLineParser:
                         "communicator allows (otherwise the run says why in one line and runs without); off "
                         "queues every op every step (default auto)")
     p.add_argument("--cpu-threads", type=positive_int, default=None,
-                   help="BLAS threads per rank (default 1: never slower beside other work, and the same bits "
-                        "whatever the cores)")
+                   help="threads per rank for BLAS and the numpy ops' row and element blocks (default 1: never "
+                        "slower beside other work, and the same bits whatever the cores)")
     p.add_argument("--report", type=non_empty_path, default=None, help="write a JSON report here")
     p.add_argument("--log-every", metavar="N", type=positive_int, default=1,
                    help="print the progress line every N steps (and at the last)")

@@ -98,8 +98,8 @@ def run_prepared(ready: Prepared, launch: Launch, local_world: int, log, stop: "
 
     t0 = time.perf_counter()
     try:
-        with threadpool_limits(cfg.cpu_threads or numpy_ops.CPU_THREADS_PER_RANK, user_api="blas"), \
-                stop.on_signals():
+        threads = cfg.cpu_threads or numpy_ops.CPU_THREADS_PER_RANK
+        with threadpool_limits(threads, user_api="blas"), numpy_ops.op_threads(threads), stop.on_signals():
             outcomes = run_thread_ranks(local_world, rank_fn, timeout_s=cfg.comm_timeout_s, group=world)
     except RankFailed as e:
         world.abort("another process failed")  # peers learn at once (TCP: closed sockets; NCCL: aborted comms)
