@@ -142,6 +142,24 @@ def made_once(tmp_path_factory):
 
 
 @pytest.fixture
+def built_models(monkeypatch) -> list:
+    """Every GPT2 the training loop builds in this test (one per rank thread, in the order they are made), kept
+    so that a test can compare what the ranks hold after a run."""
+    from xtrain_dist.model import GPT2
+    from xtrain_dist.train import loop
+
+    models = []
+
+    class Recorded(GPT2):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            models.append(self)
+
+    monkeypatch.setattr(loop, "GPT2", Recorded)
+    return models
+
+
+@pytest.fixture
 def rng():
     """A generator seeded from the clock, so every run draws fresh inputs (never zeros); the seed is
     printed, so a failure shows it, and XTRAIN_TEST_SEED=<seed> replays it. Modules that want a fixed

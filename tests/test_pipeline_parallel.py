@@ -161,20 +161,15 @@ def world_one(corpus, tmp_path_factory):
                                   {"world_size": 8, "pp": 2, "tp": 2},
                                   {"world_size": 4, "pp": 2, "zero": 1}])
 def test_training_at_pp_follows_world_one_and_keeps_replicas_and_wte_copies_bitwise_equal(corpus, world_one, tmp_path,
-                                                                                        monkeypatch, mesh):
-    models, sends = [], []
-
-    class Recorded(GPT2):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            models.append(self)
+                                                                                        monkeypatch, mesh,
+                                                                                        built_models):
+    models, sends = built_models, []
 
     def counted(comm, kind, micro, *args):
         pipe = CountingPipe(comm)
         run_schedule(pipe, kind, micro, *args)
         sends.append((comm.rank, sum(pipe.sent)))
 
-    monkeypatch.setattr(loop, "GPT2", Recorded)
     monkeypatch.setattr(loop, "run_schedule", counted)
     folder, one = world_one
     report = run(corpus, tmp_path, "pp", grad_accum=2, **mesh)

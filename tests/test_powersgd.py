@@ -19,7 +19,6 @@ from xtrain_dist.errors import XtrainError
 from xtrain_dist.layout import ParamSpec, param_layout
 from xtrain_dist.model import GPT2
 from xtrain_dist.parallel import ddp, powersgd
-from xtrain_dist.train import loop
 from xtrain_dist.train.cli import main
 from xtrain_dist.train.job import train
 from xtrain_dist.train.launch import run_thread_ranks
@@ -382,7 +381,7 @@ def mesh_run(corpus, steps=20, **kw):
 
 
 @pytest.mark.parametrize("mesh", [{"tp": 2}, {"tp": 2, "tp_classifier": "replicated"}, {"pp": 2, "grad_accum": 2}])
-def test_twenty_steps_on_a_mesh_train_close_to_the_uncompressed_mesh_run(corpus, monkeypatch, mesh):
+def test_twenty_steps_on_a_mesh_train_close_to_the_uncompressed_mesh_run(corpus, mesh, built_models):
     """dp 2 x tp 2 and dp 2 x pp 2 of the tiny model, rank 2 from step 3 on: the loss falls as the uncompressed
     run's does, within 0.5% of it at every step, and it is compressed (the losses differ from step 4). Measured
     (2026-11-28): at most 0.21% at dp 2 x tp 2, 0.10% with the replicated classifier, 0.06% at dp 2 x pp 2, and
@@ -390,14 +389,7 @@ def test_twenty_steps_on_a_mesh_train_close_to_the_uncompressed_mesh_run(corpus,
     a run that does not learn (the last five losses 0.3 below the first five; measured 0.43) falls outside it.
     The data-parallel replicas hold the same bits; what a tensor-parallel group holds whole, and the two stages'
     copies of wte, are the same bits on each."""
-    models = []
-
-    class Recorded(GPT2):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            models.append(self)
-
-    monkeypatch.setattr(loop, "GPT2", Recorded)
+    models = built_models
     compressed = mesh_run(corpus, **mesh)
     plain = mesh_run(corpus, grad_compress="none", **mesh)
     losses, reference = np.array(compressed["losses"]), np.array(plain["losses"])

@@ -15,7 +15,7 @@ from xtrain_dist.errors import XtrainError
 from xtrain_dist.layout import join_flats
 from xtrain_dist.model import GPT2
 from xtrain_dist.planner.projection import Hardware, Mesh, Run, Shape, device_memory, step_time
-from xtrain_dist.train import loop, memory, preflight
+from xtrain_dist.train import memory, preflight
 from xtrain_dist.train.cadence import kept_folder
 from xtrain_dist.train.cli import parse_config
 
@@ -183,15 +183,8 @@ def world_one(corpus, tmp_path_factory):
 
 
 @pytest.mark.parametrize("world, classifier", [(2, "vocab"), (4, "vocab"), (2, "replicated")])
-def test_training_with_the_token_cut_follows_world_one(corpus, world_one, tmp_path, monkeypatch, world, classifier):
-    models = []
-
-    class Recorded(GPT2):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            models.append(self)
-
-    monkeypatch.setattr(loop, "GPT2", Recorded)
+def test_training_with_the_token_cut_follows_world_one(corpus, world_one, tmp_path, world, classifier, built_models):
+    models = built_models
     folder, one = world_one
     report = run(corpus, tmp_path, "sp", world_size=world, tp=2, sequence_parallel=True, tp_classifier=classifier)
     relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])

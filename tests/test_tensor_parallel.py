@@ -22,7 +22,7 @@ from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.layout import join_flats, param_layout, shard_flat, vocab_rows
 from xtrain_dist.model import GPT2
-from xtrain_dist.train import loop, memory
+from xtrain_dist.train import memory
 from xtrain_dist.train.cadence import kept_folder
 from xtrain_dist.train.cli import parse_config
 from xtrain_dist.train.job import train
@@ -220,15 +220,8 @@ def world_one(corpus, tmp_path_factory):
 
 @pytest.mark.parametrize("world, tp", [(2, 2), (4, 2)])
 def test_training_at_tp_follows_world_one_and_keeps_shared_shards_bitwise_equal(corpus, world_one, tmp_path,
-                                                                                 monkeypatch, world, tp):
-    models = []
-
-    class Recorded(GPT2):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            models.append(self)
-
-    monkeypatch.setattr(loop, "GPT2", Recorded)
+                                                                                 world, tp, built_models):
+    models = built_models
     folder, one = world_one
     report = run(corpus, tmp_path, "tp", world_size=world, tp=tp)
     relative = np.abs(np.array(report["losses"]) - one["losses"]) / np.array(one["losses"])

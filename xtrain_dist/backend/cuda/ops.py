@@ -196,6 +196,10 @@ class CudaBackend(AttentionOps, CublasProducts, DropoutOps):
 
     # ------------------------------------------------------------------ encoder (kernels/encoder.cu)
     def encoder_forward(self, ids, wte, wpe):
+        return self._embed(self._k.encoder_forward, ids, wte, wpe)
+
+    def _embed(self, kernel, ids, wte, wpe, *row0):
+        """encoder_forward's launch, or with row0 vocab_encoder_forward's (wte the shard's rows from row0 on)."""
         ids = _ids(ids)
         B, T = ids.shape
         V, C = wte.shape
@@ -204,8 +208,9 @@ class CudaBackend(AttentionOps, CublasProducts, DropoutOps):
         self._act(wte, wpe)
         out = cupy.empty((B, T, C), dtype=wte.dtype)
         vec = _vec(self._vec_x, out, _contiguous(wte), _contiguous(wpe), row=C)
-        self._launch(self._k.encoder_forward, _chunk_grid(B * T * C, self._vec_x, vec), (BLOCK,),
-                     out, ids, wte, wpe, np.int64(B * T), np.int32(T), np.int32(C), np.int32(V), np.int32(vec))
+        self._launch(kernel, _chunk_grid(B * T * C, self._vec_x, vec), (BLOCK,),
+                     out, ids, wte, wpe, np.int64(B * T), np.int32(T), np.int32(C), np.int32(V),
+                     *(np.int32(r) for r in row0), np.int32(vec))
         return out
 
     def encoder_backward(self, dwte, dwpe, dout, ids) -> None:
@@ -233,18 +238,7 @@ class CudaBackend(AttentionOps, CublasProducts, DropoutOps):
 
     # ------------------------------------------------------------------ vocabulary-parallel embedding (encoder.cu)
     def vocab_encoder_forward(self, ids, wte, wpe, row0: int):
-        ids = _ids(ids)
-        B, T = ids.shape
-        R, C = wte.shape
-        if wpe.shape[0] < T:
-            raise ValueError(f"sequence length {T} exceeds the {wpe.shape[0]} learned positions")
-        self._act(wte, wpe)
-        out = cupy.empty((B, T, C), dtype=wte.dtype)
-        vec = _vec(self._vec_x, out, _contiguous(wte), _contiguous(wpe), row=C)
-        self._launch(self._k.vocab_encoder_forward, _chunk_grid(B * T * C, self._vec_x, vec), (BLOCK,),
-                     out, ids, wte, wpe, np.int64(B * T), np.int32(T), np.int32(C), np.int32(R), np.int32(row0),
-                     np.int32(vec))
-        return out
+        return self._embed(self._k.vocab_encoder_forward, ids, wte, wpe, row0)
 
     def vocab_encoder_backward(self, dwte, dwpe, dout, ids, row0: int) -> None:
         # encoder_backward on the shard's own ids, ids - row0: the kernel skips an id outside [0, R), so the
