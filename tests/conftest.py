@@ -93,8 +93,8 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `long` run first, and tests marked `gpu` skip, each with the reason, where no CUDA device
     is usable."""
     # pytest-xdist hands tests out in this order as workers free up: a test of minutes started last would
-    # leave the other workers idle while it ends the run
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    # leave the other workers idle while it ends the run; the simulator's (minutes each) go first of all
+    items.sort(key=lambda item: (item.get_closest_marker("long") is None, item.path.name != "test_cudasim.py"))
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_tests and CUDASIM:
         from xtrain_dist.backend.cuda import compile as cuda_compile

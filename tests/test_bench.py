@@ -43,6 +43,7 @@ def _bench_results(out):
     return out, fit.stdout
 
 
+@pytest.mark.long
 def test_every_script_writes_json_markdown_and_png(results):
     out, _ = results
     for stem in ("collectives", "ddp", "overhead_model"):
@@ -68,6 +69,7 @@ def test_bench_cpu_per_op_races_the_same_function_on_both_sides():
                                        err_msg=name)
 
 
+@pytest.mark.long
 def test_bench_cpu_writes_its_rows_and_both_sides_learn_the_same(tmp_path):
     """numpy against PyTorch: the same weights and batches give the same losses to float32 rounding,
     each side's figure is the median of its steps, and the three files are written; --beside-a-busy-core adds
@@ -92,6 +94,7 @@ def test_bench_cpu_writes_its_rows_and_both_sides_learn_the_same(tmp_path):
     assert "### World 1 beside a process that keeps one core busy" in (tmp_path / "cpu_step.md").read_text()
 
 
+@pytest.mark.long
 def test_bench_sample_races_equal_draws(tmp_path):
     """Ours with and without the cache and transformers' generate draw the same greedy tokens; a prompt
     that would pass the model's positions is skipped, not timed on a path that no longer caches."""
@@ -108,6 +111,7 @@ def test_bench_sample_races_equal_draws(tmp_path):
     assert "| tiny | 100 |" in (tmp_path / "sample.md").read_text()
 
 
+@pytest.mark.long
 def test_bench_recompute_times_every_level_and_checks_their_bits(tmp_path):
     run = script("bench_recompute", "3", "4", "32", "--model", "tiny", "--repeats", "2", "--out", tmp_path)
     assert run.returncode == 0, run.stderr

@@ -1116,6 +1116,7 @@ def test_bench_attention_sweep_times_every_variant_and_writes_the_table_on_the_s
 
 @pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"],
                                      ["--dtype", "bf16", "--matmul", "cublaslt"]])
+@pytest.mark.long
 def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
     """bin/kernel_errors (the GPU session's error tables) runs every op, flash attention too where its kernel
     applies (bf16, 64-channel heads); in fp32 every error is float32-sized."""
@@ -1284,6 +1285,7 @@ def test_the_bench_half_goes_on_from_the_run_it_is_told(tmp_path):
     assert "| tiny | 1 x 16 | fp32 | ours | 256 |" in summary, summary
 
 
+@pytest.mark.long
 def test_bench_collectives_over_nccl_on_two_simulated_gpus(tmp_path):
     """bin/bench_collectives --comm nccl (rank threads on two GPUs through nccl4py) runs every op and
     writes its table: the path the GPU session's bandwidth sweep takes, before it has a GPU."""

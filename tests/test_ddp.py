@@ -53,6 +53,7 @@ def flat_runs(corpus):
     (3, 6, {"zero": 1}),               # against torch.distributed.optim.ZeroRedundancyOptimizer
     (2, 4, {"grad_compress": "bf16"}),  # against ddp_comm_hooks.default_hooks.bf16_compress_hook
 ], ids=["even", "uneven", "zero1", "bf16"])
+@pytest.mark.long
 def test_ranks_train_as_pytorch_ddp_does(corpus, tmp_path, world, batch, options):
     """An independent implementation of the whole data-parallel step: PyTorch's own DDP (gloo, one process
     per rank, xtrain_dist.bench.torch_gpt2.ddp_run) from the same weights on the same global batches, each
@@ -89,6 +90,7 @@ def test_ranks_train_as_pytorch_ddp_does(corpus, tmp_path, world, batch, options
     assert max(np.max(np.abs(params[k] - theirs["params"][k])) for k in params) < 5e-4
 
 
+@pytest.mark.long
 def test_a_pytorch_ddp_peer_that_fails_is_one_line(tmp_path):
     pytest.importorskip("torch")
     from xtrain_dist.bench import torch_gpt2

@@ -242,6 +242,7 @@ def test_the_evaluate_command_gives_the_runs_own_validation_loss(corpus, tmp_pat
                     f"the validation split of corpus '{DEFAULT_CORPUS}'")
 
 
+@pytest.mark.long
 def test_the_evaluate_command_on_a_corpus_is_transformers_loss_on_its_windows(trained, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

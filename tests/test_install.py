@@ -64,6 +64,7 @@ def _install(root):
     return venv / "bin", env
 
 
+@pytest.mark.long
 def test_the_wheel_holds_the_kernels_and_the_data(installed):
     bin_dir, work, env = installed
     where = json.loads(run([bin_dir / "python", "-c", "import json, xtrain_dist, xtrain_dist.shipped as s; "
@@ -80,6 +81,7 @@ def test_the_wheel_holds_the_kernels_and_the_data(installed):
             assert (shipped / path).read_bytes() == (REPO / name / path).read_bytes(), path
 
 
+@pytest.mark.long
 def test_every_console_script_answers_help(installed):
     bin_dir, work, env = installed
     assert SCRIPTS == ["xtrain-eval", "xtrain-hellaswag", "xtrain-plan", "xtrain-plot", "xtrain-prepare-hellaswag",
@@ -93,6 +95,7 @@ def test_every_console_script_answers_help(installed):
     assert (bad.returncode, bad.stderr) == (2, "xtrain-train: error: STEPS must be a positive integer, got '0'\n")
 
 
+@pytest.mark.long
 def test_the_installed_trainer_trains_samples_and_compiles_as_the_checkout_does(installed, tmp_path):
     bin_dir, work, env = installed
     args = [3, 2, 16, "--eval-batches", 1]

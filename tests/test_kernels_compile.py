@@ -134,6 +134,7 @@ def nvcc_builds(made_once):
 
 
 @needs_nvcc
+@pytest.mark.long
 def test_every_kernel_compiles_with_nvcc(nvcc_builds):
     # ptxas's resource report is the log of a clean sm_90 build: the warnings are the rest
     report = re.compile(r"ptxas info\s*:|\s+\d+ bytes stack frame|\s*$")
@@ -255,6 +256,7 @@ def test_every_kernel_compiles_with_nvrtc_as_cupy_does(dtype):
 # ---------------------------------------------------------------------------------------- CuPy's own pipeline
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.long
 def test_every_kernel_compiles_through_cupys_own_nvrtc_pipeline(dtype, monkeypatch, real_cupy):
     """What RawModule.get_function does on a GPU, run by CuPy's own code up to the cubin: its include
     options (its headers, CCCL, and the CUDA headers beside the libnvrtc it loads: on a pip install,

@@ -254,6 +254,7 @@ def test_more_blas_threads_than_cores_is_said_once(tmp_path):
     assert shared.returncode == 0 and "note:" not in shared.stdout, shared.stdout
 
 
+@pytest.mark.long
 def test_the_report_sets_the_bound_beside_what_the_run_took(tmp_path):
     """A run whose activations dominate (mini, 32 x 256: about 0.5 GiB of them): the process's peak RSS is
     above the bound, as a lower bound must be, and not far above it (Python, numpy and the corpus take

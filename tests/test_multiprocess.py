@@ -225,6 +225,7 @@ def test_torchrun_style_processes_train_over_tcp(tmp_path, reference):
     assert data["param_sha256"] == reference[2]["param_sha256"]
 
 
+@pytest.mark.long
 def test_real_torchrun(tmp_path, reference):
     pytest.importorskip("torch.distributed.run", reason="torch is not installed")
     report = tmp_path / "torchrun.json"

@@ -263,6 +263,7 @@ def test_bad_options_get_one_line(capsys, args, message):
     assert len(err) == 1 and err[0].endswith(message)
 
 
+@pytest.mark.long
 def test_the_cuda_backend_trains_as_numpy_does_on_the_simulator(tmp_path):
     """--backend cuda on tests/cudasim (kernels on the CPU, the stream checker watching the communication
     thread's own stream): PowerSGD through CuPy's arrays gives numpy's losses and norms, with ranks equal and

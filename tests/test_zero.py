@@ -292,6 +292,7 @@ def test_zero3_units_are_block_halves_and_wte_is_gathered_only_for_the_embedding
     assert sorted(map(str, written)) == sorted(map(str, set(written))) and writes["embed"] == ["wpe", "wte"]
 
 
+@pytest.mark.long
 def test_bench_zero_sets_what_a_rank_holds_beside_the_bound(tmp_path):
     """bin/bench_zero at world 2, ZeRO-1 and -3, of the tiny model: rank 0's arrays are the pre-flight bound's
     (ZeRO-1 exactly; ZeRO-3 at least, the reduce-scatters still in flight being left out of the bound, and within
