@@ -111,9 +111,12 @@ def test_the_library_takes_every_attribute_at_the_size_given_and_refuses_another
 @needs_library
 @pytest.mark.skipif(os.environ.get("XTRAIN_CUDASIM") == "1",
                     reason="under XTRAIN_CUDASIM=1 the module's library is the simulator's stand-in")
-def test_the_record_names_the_library_and_its_version():
+def test_the_record_names_the_library_and_its_version(monkeypatch):
     """What gpu_session/cuda.sh writes into environment.txt: the file loaded and cublasLtGetVersion's
-    major * 10000 + minor * 100 + patch (size_t: a wrong return type would give garbage or 0)."""
+    major * 10000 + minor * 100 + patch (size_t: a wrong return type would give garbage or 0). The library is
+    loaded afresh: a test before this one in the same process may have installed the simulator's stand-in as the
+    module's loaded library (tests/cudasim/fake_cublaslt.py), which the monkeypatch puts back afterwards."""
+    monkeypatch.setattr(cublaslt, "_library", None)
     path, version = cublaslt.describe_library().split(", version ")
     assert path.endswith("libcublasLt.so.13") and 130000 <= int(version) < 140000, (path, version)
 

@@ -1316,10 +1316,16 @@ def _parameters(function) -> list[str]:
 
 
 def _install_stand_in(monkeypatch):
-    """The simulator's stand-in for CuPy and its cuBLAS binding, in sys.modules for this test only."""
+    """The simulator's stand-in for CuPy and its cuBLAS binding, in sys.modules for this test only; and the
+    libraries it sets as cublas.py's and cublaslt.py's loaded ones (or the import hooks that would), put back
+    after it too, so no later test in this process finds a stand-in where it loads the real library."""
     for name in ("cupy", "cupy.cuda", "cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs",
                  "cupy_backends.cuda.libs.cublas"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name))  # put back (or removed) after the test
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    for name in ("xtrain_dist.backend.cuda.cublas", "xtrain_dist.backend.cuda.cublaslt"):
+        if name in sys.modules:
+            monkeypatch.setattr(sys.modules[name], "_library", sys.modules[name]._library)
     return sim.install(), sys.modules["cupy_backends.cuda.libs.cublas"]
 
 
