@@ -289,10 +289,12 @@ def test_report_means_leave_out_the_warm_up_step():
 
     def rank_result(*comm_s):  # step records whose collectives took comm_s, all of it exposed
         return SimpleNamespace(records=[{"comm_ms": s * 1e3, "exposed_comm_ms": s * 1e3} for s in comm_s],
+                               comm_by_group=[{"dp": [s, s]} for s in comm_s],
                                comm_calls=2, comm_bytes={"dp": 64}, zero_shards=None)
 
     fields = ddp.report_fields(cfg, [rank_result(8.0, 1.0, 2.0), rank_result(8.0, 3.0, 2.0)])
     assert fields["comm_s"] == 2.0  # (1 + 2 + 3 + 2) / 4: the first step of each rank left out
+    assert fields["comm_s_by_group"] == {"dp": {"comm_s": 2.0, "exposed_s": 2.0}}  # by group alike
     one_step = ddp.report_fields(cfg, [rank_result(8.0), rank_result(4.0)])
     assert one_step["exposed_comm_s"] == 6.0  # one step only: then that step counts
     assert fields["comm_calls_per_step"] == 2 and fields["zero_shards"] is None

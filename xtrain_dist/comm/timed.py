@@ -84,19 +84,12 @@ class TimedCommunicator:
 
     def tally(self, spans: list) -> tuple[float, float, int]:
         """(comm_s, exposed_s, calls) of detached marks."""
-        comm_s = exposed_s = 0.0
-        calls = 0
-        for start, end, collective, exposed, _label, _nbytes in spans:
-            seconds = max(0.0, self.clock.elapsed(start, end))
-            comm_s += seconds if collective else 0.0
-            exposed_s += seconds if exposed else 0.0
-            calls += collective
-        return comm_s, exposed_s, calls
+        return (*self.totals(self.tally_groups(spans)), self.calls(spans))
 
     def tally_groups(self, spans: list) -> dict[str, list[float]]:
         """{group label: [comm_s, exposed_s]} of detached marks: `tally` by group, so that the data-parallel sync's
         hidden share can be read beside a mesh's tensor-parallel and pipeline collectives (which the rank's thread
-        runs itself, all of them exposed)."""
+        runs itself, all of them exposed). Each span is turned into seconds once (on a GPU, a read of two events)."""
         groups: dict[str, list[float]] = {}
         for start, end, collective, exposed, label, _nbytes in spans:
             seconds = max(0.0, self.clock.elapsed(start, end))
@@ -104,6 +97,11 @@ class TimedCommunicator:
             group[0] += seconds if collective else 0.0
             group[1] += seconds if exposed else 0.0
         return groups
+
+    @staticmethod
+    def totals(groups: dict[str, list[float]]) -> tuple[float, float]:
+        """(comm_s, exposed_s) over every group of tally_groups."""
+        return sum(g[0] for g in groups.values()), sum(g[1] for g in groups.values())
 
     def waited(self, start, end) -> None:
         """The rank's work stood still from one clock mark to the other, for communication run by another

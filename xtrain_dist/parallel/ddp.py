@@ -292,8 +292,7 @@ def report_fields(cfg, results) -> dict:
         return sum(values) / len(values) if values else None
 
     def by_group() -> dict | None:
-        per_rank = [getattr(r, "comm_by_group", [])[1:] or getattr(r, "comm_by_group", []) for r in results]
-        steps = [step for rank_steps in per_rank for step in rank_steps]
+        steps = [step for r in results for step in (r.comm_by_group[1:] or r.comm_by_group)]
         if not steps:
             return None
         labels = sorted({label for step in steps for label in step})

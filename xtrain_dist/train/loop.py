@@ -277,9 +277,11 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
                   "ms": ms, "tokens_per_s": cfg.batch * cfg.seq / ms * 1e3}
         if queued.comm_marks is not None:
             # a step run from a graph has no timing marks of its own: its collectives' times are not known
-            comm_s, exposed_s, result.comm_calls = step_comm.tally(queued.comm_marks)
+            by_group = step_comm.tally_groups(queued.comm_marks)
+            comm_s, exposed_s = step_comm.totals(by_group)
+            result.comm_calls = step_comm.calls(queued.comm_marks)
             result.comm_bytes = step_comm.payload(queued.comm_marks)
-            result.comm_by_group.append(step_comm.tally_groups(queued.comm_marks))
+            result.comm_by_group.append(by_group)
             record.update(comm_ms=comm_s * 1e3, exposed_comm_ms=exposed_s * 1e3)
         if peak_flops:
             record["mfu"] = mfu(result.step_flops, ms, peak_flops)
