@@ -119,6 +119,7 @@ def _made_once(tmp_path_factory, name: str, make):
     here. Without workers, make(folder) in the run's own temporary folder."""
     import fcntl
     import pickle
+    import tempfile
 
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return make(tmp_path_factory.mktemp(name))
@@ -128,8 +129,9 @@ def _made_once(tmp_path_factory, name: str, make):
         done = shared / f"{name}.pickle"
         if done.exists():
             return pickle.loads(done.read_bytes())
-        folder = shared / name
-        folder.mkdir()
+        # a folder of its own: where an earlier worker's make failed, what it left stays out of the way, and
+        # this one fails on the same problem (not on a folder that already exists)
+        folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=shared))
         value = make(folder)
         done.write_bytes(pickle.dumps(value))
         return value
