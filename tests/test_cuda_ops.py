@@ -1199,12 +1199,14 @@ def test_a_cuda_run_gives_each_steps_mfu_against_its_gpus_peak(tmp_path, monkeyp
 
 @pytest.mark.training
 @pytest.mark.parametrize("world, options", [
-    (1, {}), (1, {"dtype": "bf16"}), (2, {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05})])
+    (1, {}), (1, {"dtype": "bf16"}), (2, {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05}),
+    (2, {"zero": 3, "grad_sync": "bucketed"})])
 def test_a_cuda_run_resumes_bitwise(tmp_path, world, options):
     """A GPU run saved after 3 of 5 steps and resumed gives the losses of steps 4 and 5, the validation
     loss and the final parameters of the uninterrupted run, to the bit: the float32 masters, AdamW's
-    moments (one file per rank under ZeRO-1) and the sampler's state go through the host and the
-    checkpoint, and bf16's weight copy is rebuilt from the masters."""
+    moments (one file per rank under ZeRO-1 and -3) and the sampler's state go through the host and the
+    checkpoint, and bf16's weight copy is rebuilt from the masters. ZeRO-3 gathers its parameter shards to save
+    them and scores the held-out batches with each unit gathered as in training."""
     kw = dict(backend="cuda", world_size=world, lr_decay_steps=5, eval_batches=2, **options)
     full = _train(steps=5, **kw)
     first = _train(steps=3, save_dir=str(tmp_path / "ck"), **kw)
@@ -1366,7 +1368,8 @@ def test_the_preflight_bound_is_below_what_the_gpu_held(tmp_path):
     {"grad_sync": "flat"}, {"grad_sync": "per-param"}, {"grad_sync": "bucketed", "bucket_mb": 0.05},
     {"zero": 1}, {"zero": 1, "grad_sync": "bucketed", "bucket_mb": 0.05}, {"grad_compress": "bf16"},
     {"grad_accum": 2}, {"grad_compress": "powersgd", "powersgd_start_step": 1, "grad_sync": "flat"},
-    {"grad_compress": "powersgd", "powersgd_start_step": 1, "grad_sync": "bucketed", "bucket_mb": 0.05}])
+    {"grad_compress": "powersgd", "powersgd_start_step": 1, "grad_sync": "bucketed", "bucket_mb": 0.05},
+    {"zero": 2, "grad_sync": "bucketed", "grad_accum": 2}, {"zero": 3, "grad_sync": "bucketed", "grad_accum": 2}])
 def test_every_ddp_option_on_two_virtual_ranks_follows_numpy(options):
     """The communication thread on a side stream (bucketed), sharded AdamW, bf16 rounding on the GPU:
     each follows the same option on the numpy backend, with bitwise-equal ranks.
@@ -1387,6 +1390,56 @@ def test_every_ddp_option_on_two_virtual_ranks_follows_numpy(options):
     np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=1e-4)
     np.testing.assert_allclose(cuda["grad_norms"], numpy_run["grad_norms"], rtol=1e-4)
     assert len(set(cuda["param_sha256"])) == 1
+
+
+@pytest.mark.training
+@pytest.mark.parametrize("options", [{}, {"dtype": "bf16"}, {"grad_compress": "bf16", "zero3_prefetch": 0}])
+def test_zero_2_and_3_on_two_virtual_ranks_give_zero_1s_bits(options):
+    """ZeRO-2 reduce-scatters each unit's gradient on the rank's communication thread, on a stream of its own,
+    as backward finishes the unit; ZeRO-3 also all-gathers each unit's parameters there before forward and
+    backward read them (the next ones prefetched while the rank computes; under bf16 rounded into a bf16 copy
+    at once). With one micro-batch a shard's gradient is each element's sum over the two ranks however the
+    gradient is cut (parallel/zero.py), so losses, gradient norms and parameters are ZeRO-1's bits, and the
+    two ranks' are equal. --cuda-graph auto says in one line that these stages run without graphs."""
+    lines = []
+    runs = {zero: _train(backend="cuda", world_size=2, steps=3, zero=zero, grad_sync="bucketed", eval_batches=0,
+                         log=lines.append, **options) for zero in (1, 2, 3)}
+    for zero in (2, 3):
+        assert runs[zero]["losses"] == runs[1]["losses"] and runs[zero]["grad_norms"] == runs[1]["grad_norms"]
+        assert runs[zero]["param_sha256"] == runs[1]["param_sha256"] and len(set(runs[1]["param_sha256"])) == 1
+        assert (f"--cuda-graph auto: rank 0 runs without CUDA graphs: ZeRO-{zero} is not captured: its communication "
+                f"thread's gathers and reduce-scatters, and the unit buffers that come and go with them, run outside "
+                f"graphs so far") in lines
+    # every rank's report: ZeRO-2 (whole parameters) gathers none; in float32, ZeRO-3's peak is at the head,
+    # with wte gathered (under bf16 the gathered wte is half that, and the embedding's wte gradient the peak)
+    assert [peak["gathered_params"] for peak in runs[2]["zero_peak_bytes"]] == [0, 0]
+    if options.get("dtype") != "bf16":
+        assert [peak["gathered_params"] > 0 for peak in runs[3]["zero_peak_bytes"]] == [True, True]
+
+
+@pytest.mark.training
+def test_zero_3_on_two_virtual_ranks_scores_hellaswag_and_samples_as_zero_1_does(tmp_path):
+    """Evaluation passes gather each unit as training does, on every rank at once: 5 HellaSwag examples over 2
+    ranks (3 and 2, so one rank runs an empty pass to take part in the other's gathers) and a sample drawn on
+    every rank beside rank 0's give ZeRO-1's scores and text."""
+    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+    from xtrain_dist.eval.hellaswag import Example, eval_file_chunks
+    from xtrain_dist.files import write_atomic
+
+    vocab = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS).vocab_size
+    rng = np.random.default_rng(0)
+
+    def ids(n):
+        return rng.integers(0, vocab, size=n).astype(np.int32)
+
+    path = tmp_path / "hs.bin"
+    write_atomic(path, eval_file_chunks([Example(i, i % 4, ids(6 + i), tuple(ids(2 + k) for k in range(4)))
+                                         for i in range(5)]), "test")
+    kw = dict(backend="cuda", world_size=2, steps=2, eval_batches=1, grad_sync="bucketed", hellaswag=str(path),
+              sample_every=2, sample_tokens=4)
+    sharded, whole = _train(zero=3, **kw), _train(zero=1, **kw)
+    assert sharded["hellaswag"] == whole["hellaswag"] != [] and sharded["samples"] == whole["samples"] != []
+    assert sharded["val_losses"] == whole["val_losses"] != [] and sharded["param_sha256"] == whole["param_sha256"]
 
 
 @pytest.mark.training

@@ -830,6 +830,28 @@ def test_training_without_one_of_its_fences_is_a_stream_race(fence, comm, expect
     assert re.search(expected, last), last
 
 
+@pytest.mark.parametrize("fence,comm,zero,expected", [
+    ("none", "nccl", 3, "trained"),
+    ("bucket", "local", 3, r"on stream .* \(made by thread rank\d-zero\) reads .* that .* on stream .* \(made by "
+                           r"thread rank\d\) wrote"),
+    ("finish", "nccl", 2, r"use after free: an array allocated on stream .* \(made by thread rank\d\) was freed while "
+                          r"nccl reduce on stream .* \(made by thread rank\d-zero\) may still (read|write) it"),
+    ("finish", "nccl", 3, r"kernel \w+ on stream .* \(made by thread rank\d\) reads .* that nccl \w+ on stream .* "
+                          r"\(made by thread rank\d-zero\) wrote"),
+])
+def test_zero_2_and_3_without_one_of_their_fences_is_a_stream_race(fence, comm, zero, expected):
+    """ZeRO-2 and -3's communication thread (parallel/zero.py) on the GPU, each ordering taken out in turn: the
+    thread's stream waiting for the compute fence a call carries (bucket: a gather reads the shard AdamW
+    wrote, a reduce-scatter the gradient backward wrote), and the compute stream waiting for the thread's fence
+    before it reads a gathered unit or drops a reduced gradient buffer (finish: with NCCL, whose calls return
+    before the GPU is done)."""
+    result = subprocess.run([*RUN, str(ROOT / "tests" / "cudasim" / "drop_fence.py"), fence, comm, str(zero)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.search(expected, last), last
+
+
 # ---------------------------------------------------------------------------- scripts, on the simulator
 
 RUN = [sys.executable, str(ROOT / "tests" / "cudasim" / "run.py")]

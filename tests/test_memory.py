@@ -195,15 +195,16 @@ def test_ranks_sharing_memory_count_all_their_state_and_one_ranks_activations():
         "or use --zero 1, --attention flash or --recompute 2")
 
 
-def test_a_zero1_run_short_of_memory_is_offered_zero3():
-    cfg = TrainConfig(steps=1, batch=4, seq=8, zero=1, attention="flash", recompute=2)
+@pytest.mark.parametrize("backend", ["numpy", "cuda"])
+def test_a_zero1_run_short_of_memory_is_offered_zero3(backend):
+    cfg = TrainConfig(steps=1, batch=4, seq=8, zero=1, attention="flash", recompute=2, backend=backend)
     with pytest.raises(XtrainError) as e:
         memory.check_fits([needs(3 << 30, 1 << 29)], 1 << 30, "this machine", cfg)
     assert str(e.value).endswith("lower BATCH, SEQ or --world-size, or raise --grad-accum, or use --zero 3")
 
 
-@pytest.mark.parametrize("zero, cfg", [(3, {}), (1, {"backend": "cuda"}), (2, {"tp": 2, "world_size": 2})],
-                         ids=["zero3", "zero1-cuda", "zero2-tp"])
+@pytest.mark.parametrize("zero, cfg", [(3, {}), (1, {"grad_sync": "flat"}), (2, {"tp": 2, "world_size": 2})],
+                         ids=["zero3", "zero1-flat", "zero2-tp"])
 def test_the_remedies_leave_out_what_the_run_already_does(zero, cfg):
     """...and ZeRO-3 where it does not run yet (parallel/zero.py)."""
     cfg = TrainConfig(steps=1, batch=4, seq=8, zero=zero, attention="flash", recompute=2, **cfg)

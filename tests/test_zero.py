@@ -204,12 +204,13 @@ def test_zero3_resumes_bitwise_at_its_mesh_and_exactly_at_another_stage_and_worl
                            "yet"),
     ({"zero": 2, "grad_compress": "powersgd"}, "--zero 2 and --grad-compress powersgd do not work together yet: "
                                                "PowerSGD's factors need the whole gradient of a matrix on every rank"),
-    ({"zero": 3, "backend": "cuda"}, "--zero 3 and --backend cuda do not work together yet: the gathers and "
-                                     "reduce-scatters run on the numpy backend only so far"),
+    ({"zero": 3, "grad_sync": "per-param"}, "--zero 3 and --grad-sync per-param do not work together yet: there is "
+                                            "no whole gradient buffer to reduce after backward: each block is "
+                                            "reduce-scattered as backward finishes it (--grad-sync bucketed)"),
     ({"zero": 2, "grad_sync": "flat"}, "--zero 2 and --grad-sync flat do not work together yet: there is no whole "
                                        "gradient buffer to reduce after backward: each block is reduce-scattered as "
                                        "backward finishes it (--grad-sync bucketed)"),
-], ids=["prefetch", "tp", "pp", "powersgd", "cuda", "flat"])
+], ids=["prefetch", "tp", "pp", "powersgd", "per-param", "flat"])
 def test_what_zero2_and_zero3_do_not_do_yet_is_one_line(options, line):
     from xtrain_dist.errors import XtrainError
     from xtrain_dist.parallel import zero

@@ -139,55 +139,82 @@ def _overlaps(lo: int, hi: int, shards) -> list[int]:
     return [max(0, min(hi, s_hi) - max(lo, s_lo)) for s_lo, s_hi in shards]
 
 
+class _Call:
+    """A call handed to the communication thread: `done` is set once the thread has queued it (on the CPU: run
+    it), `after` is then the fence of its work on the thread's stream, and `keep` holds the arrays it uses
+    until the rank's thread has waited for it (a GPU frees a dropped array's memory to the next allocation of
+    the stream that made it, which must not come before the collective is done with it)."""
+
+    __slots__ = ("after", "call", "computed", "done", "keep")
+
+    def __init__(self, call, computed, keep):
+        self.call, self.computed, self.keep = call, computed, keep
+        self.done = threading.Event()
+        self.after = None
+
+
 class _CommThread:
     """The rank's communication thread at ZeRO-2 and -3: runs the calls handed to it one after another, in the
     order they came (so every rank issues the same collectives in the same order), while the rank's thread
-    computes. submit returns an event set once the call is done; drain waits for all of them. A failure (a
-    peer died: CommAborted) is raised by the next wait or drain; the calls after it are dropped. The thread
-    ends when this object is closed or dropped.
+    computes. submit returns a _Call; wait(call) returns once it is done; drain waits for all of them. A
+    failure (a peer died: CommAborted) is raised by the next wait or drain; the calls after it are dropped.
+    The thread ends when this object is closed or dropped.
 
-    On a GPU each call would be queued on a communication stream after an event of the compute stream, and
-    the compute stream would wait for the call's own event before reading what it gathered (ddp.py's fences);
-    the numpy backend's fences are None and its waits nothing."""
+    On a GPU the rank's thread has only queued its work when it hands a call over, and the thread only queues
+    the collective. So a call carries a fence of the compute stream, which the thread's stream waits for
+    before the collective reads or writes anything (the gradients backward wrote, a buffer the pool handed
+    out); after it the thread records a fence of its own stream, and wait and drain make the compute stream
+    wait for that (the host waits only until the call is queued), before the rank reads what was gathered or
+    drops what was reduced (parallel/ddp.py's bucket fences, the same way). The numpy backend's fences are
+    None and its waits nothing: there a call is done when it returns."""
 
     def __init__(self, ops, name: str):
+        self.ops = ops
         self.work: queue.Queue = queue.Queue()
         self.errors: list[BaseException] = []
-        threading.Thread(target=_serve_calls, args=(self.work, self.errors, ops), name=name, daemon=True).start()
+        self.latest: list = [None]  # the fence after the latest call the thread queued
+        threading.Thread(target=_serve_calls, args=(self.work, self.errors, self.latest, ops), name=name,
+                         daemon=True).start()
         self.close = weakref.finalize(self, self.work.put, None)
 
-    def submit(self, call) -> threading.Event:
-        done = threading.Event()
-        self.work.put((call, done))
-        return done
+    def submit(self, call, keep=()) -> _Call:
+        handed = _Call(call, self.ops.fence(), keep)
+        self.work.put(handed)
+        return handed
 
-    def wait(self, done: threading.Event) -> None:
-        done.wait()
+    def wait(self, handed: _Call) -> None:
+        handed.done.wait()
         if self.errors:
             raise self.errors[0]
+        self.ops.wait(handed.after)
+        handed.keep = ()
 
     def drain(self) -> None:
         self.work.join()
         if self.errors:
             raise self.errors[0]
+        self.ops.wait(self.latest[0])
 
 
-def _serve_calls(work: queue.Queue, errors: list, ops) -> None:
+def _serve_calls(work: queue.Queue, errors: list, latest: list, ops) -> None:
     ops.bind_side_thread()
     while True:
-        item = work.get()
+        handed = work.get()
         try:
-            if item is None:
+            if handed is None:
                 return
-            call, done = item
             try:
                 if not errors:  # after a failure, drain without communicating
-                    call()
+                    ops.wait(handed.computed)
+                    handed.call()
+                    handed.after = latest[0] = ops.fence()
             except BaseException as e:  # raised on the rank's thread by wait or drain
                 errors.append(e)
             finally:
-                done.set()
+                handed.call = None  # the arrays the call names live on in handed.keep only
+                handed.done.set()
         finally:
+            handed = None
             work.task_done()
 
 
@@ -297,7 +324,7 @@ class ShardedGradAdamW(ShardedAdamW):
         self.order, self.needs, self._writes = pass_steps(model.blocks)
         self._filling: dict = {}   # unit key -> its gradient buffer, while backward writes it
         self._reduced: set = set()  # units whose sum is in self.grad this step: the next micro-batch adds to it
-        self._in_flight: list = []  # the events of the reduce-scatters handed over and maybe not done
+        self._in_flight: list = []  # the reduce-scatters handed over (_Call) that the rank has not waited for
         # the most bytes of gathered parameters and gradient buffers alive at once, as (gathered, gradients)
         self.peak_transient = (0, 0)
         self._grad_buffer_bytes = 0
@@ -360,7 +387,7 @@ class ShardedGradAdamW(ShardedAdamW):
     def _submit(self, key) -> None:
         buf = self._filling.pop(key)
         bind_views(self.model.g, None, self.param_units[key][2])
-        self._in_flight.append(self.thread.submit(lambda: self._reduce_into_shard(key, buf)))
+        self._in_flight.append(self.thread.submit(lambda: self._reduce_into_shard(key, buf), keep=(buf,)))
 
     def _reduce_into_shard(self, key, buf) -> None:
         """On the communication thread: unit `key`'s gradient summed over the ranks, this rank's part of it added
@@ -451,7 +478,7 @@ class FullyShardedAdamW(ShardedGradAdamW):
         bind_views(model.p, None, model.layout)
         self._position = {at: n for n, at in enumerate(self.order)}
         self.held: dict = {}    # key -> the buffer the model's views point into
-        self.coming: dict = {}  # key -> (event, float32 buffer) of a gather handed to the thread
+        self.coming: dict = {}  # key -> (_Call, float32 buffer) of a gather handed to the thread
 
     # ------------------------------------------------------------ the model's hooks
     def before_forward(self, step) -> None:
@@ -468,8 +495,8 @@ class FullyShardedAdamW(ShardedGradAdamW):
 
     def forward_done(self) -> None:
         """A forward without backward (evaluation, generation) ends: wait for what is coming, drop it all."""
-        for done, _ in self.coming.values():
-            self.thread.wait(done)
+        for handed, _ in self.coming.values():
+            self.thread.wait(handed)
         self.coming.clear()
         self._release_all()
 
@@ -494,7 +521,7 @@ class FullyShardedAdamW(ShardedGradAdamW):
                 self.coming[key] = self._gather(key)
 
     def _gather(self, key):
-        """Hand the all-gather of unit `key`'s parameters to the communication thread: (event, buffer)."""
+        """Hand the all-gather of unit `key`'s parameters to the communication thread: (_Call, buffer)."""
         lo, hi, _ = self.param_units[key]
         counts = _overlaps(lo, hi, self.shards)
         start = min(max(lo, self.lo), self.hi) - self.lo
@@ -505,9 +532,9 @@ class FullyShardedAdamW(ShardedGradAdamW):
     def _bind(self, key) -> None:
         if key in self.held:
             return
-        done, buf = self.coming.pop(key) if key in self.coming else self._gather(key)
+        handed, buf = self.coming.pop(key) if key in self.coming else self._gather(key)
         waiting = self.ops.timestamp()
-        self.thread.wait(done)
+        self.thread.wait(handed)
         self.comm.waited(waiting, self.ops.timestamp())  # the rank stood still for the gather
         if self.lowp_dtype is not None:
             low = self.ops.xp.empty(buf.size, dtype=self.lowp_dtype)
@@ -555,8 +582,6 @@ NOT_YET = (
     ("--pp", lambda cfg: getattr(cfg, "pp", 1) > 1, "the pipeline stages' tied wte is not sharded yet"),
     ("--grad-compress powersgd", lambda cfg: cfg.grad_compress == "powersgd",
      "PowerSGD's factors need the whole gradient of a matrix on every rank"),
-    ("--backend cuda", lambda cfg: cfg.backend == "cuda",
-     "the gathers and reduce-scatters run on the numpy backend only so far"),
     ("--grad-sync per-param", lambda cfg: cfg.grad_sync == "per-param",
      "there is no whole gradient buffer to reduce after backward: each block is reduce-scattered as backward "
      "finishes it (--grad-sync bucketed)"),

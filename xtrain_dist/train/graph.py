@@ -41,6 +41,9 @@ def unsupported(cfg, comm) -> str | None:
     """Why this rank's step cannot be captured, or None where it can."""
     if cfg.grad_compress == "powersgd":
         return "PowerSGD decides on the host whether a step compresses (--powersgd-start-step)"
+    if cfg.zero >= 2:
+        return (f"ZeRO-{cfg.zero} is not captured: its communication thread's gathers and reduce-scatters, and "
+                "the unit buffers that come and go with them, run outside graphs so far")
     if comm.world_size == 1:
         return None
     if cfg.all_reduce == "ring":

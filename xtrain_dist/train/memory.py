@@ -22,6 +22,7 @@ from ..errors import XtrainError
 from ..layout import param_layout, stage_blocks, vocab_rows
 from ..parallel.pipeline import schedule_peak_in_flight
 from ..parallel.powersgd import state_elements
+from ..parallel.zero import NOT_YET as ZERO23_NOT_YET
 from ..parallel.zero import shard_bounds, transient_bytes, unit_sizes
 
 GIB = float(1 << 30)
@@ -255,9 +256,7 @@ def check_fits(needs: list[RankMemory], available: int | None, where: str, cfg) 
     if available is None:
         return None
     least = least_bytes(needs)
-    # ZeRO-3 where it runs (parallel/zero.py's NOT_YET): on the numpy backend, without --tp, --pp or PowerSGD
-    zero3 = (cfg.backend != "cuda" and cfg.tp == 1 and getattr(cfg, "pp", 1) == 1 and cfg.grad_compress != "powersgd"
-             and cfg.grad_sync == "bucketed")
+    zero3 = not any(asks(cfg) for _, asks, _ in ZERO23_NOT_YET)  # where ZeRO-3 runs: nothing it refuses asked for
     options = ["--zero 1"] if not cfg.zero else ["--zero 3"] if cfg.zero < 3 and zero3 else []
     options += ["--attention flash"] if cfg.attention in ("standard", "auto") else []
     options += ["--recompute 2"] if cfg.recompute < 2 else []

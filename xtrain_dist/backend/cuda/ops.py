@@ -392,11 +392,21 @@ class CudaBackend(AttentionOps, CublasProducts, DropoutOps):
                          _contiguous(dbias), partial, np.int32(splits), np.int32(OC))
 
     def matmul_backward(self, dweight, dbias, dout, inp, weight):
-        _f32(dweight)
+        """numpy_ops.matmul_backward: dweight None gives dinp alone, weight None the weight gradients alone
+        (ZeRO-2 and -3's tied classifier, whose weight gradient comes at the end of backward)."""
+        if weight is None:
+            self._act(inp)
+            IC, OC = inp.shape[-1], dout.shape[-1]
+            inp2 = _contiguous(inp).reshape(-1, IC)
+        else:
+            IC, OC, inp2 = self._linear_inputs(inp, weight)
         self._act(dout)
-        IC, OC, inp2 = self._linear_inputs(inp, weight)
         dout2, _ = _rows(dout, OC)  # the classifier's rows are padded (matmul_forward)
-        self._weight_gradients(dweight, dbias, dout2, inp2)
+        if dweight is not None:
+            _f32(dweight)
+            self._weight_gradients(dweight, dbias, dout2, inp2)
+        if weight is None:
+            return None
         dinp = cupy.empty((dout2.shape[0], IC), dtype=self.act_dtype)
         self._gemm(dout2, weight.T, dinp)
         return dinp.reshape(inp.shape)
