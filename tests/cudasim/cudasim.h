@@ -138,6 +138,12 @@ struct Fiber {
 
 constexpr int MAX_THREADS = 1024;
 constexpr size_t STACK_BYTES = 256 * 1024;  // flash attention keeps whole WMMA tiles per thread (mma.h)
+// Each fiber's stack starts STACK_COLOUR bytes further into its allocation than the one before (thread t at
+// t * STACK_COLOUR, modulo STACK_COLOURS of them). The allocations are all aligned alike, so without it the
+// tops of a block's stacks, which the scheduler visits in turn, fall into the same few sets of the CPU's
+// caches and evict one another at every switch.
+constexpr size_t STACK_COLOUR = 64, STACK_COLOURS = 1024;
+constexpr size_t STACK_ALLOCATION = STACK_BYTES + STACK_COLOUR * STACK_COLOURS;
 
 struct Launch {
     std::vector<Fiber> fibers;
@@ -390,7 +396,7 @@ inline int run(const unsigned* grid, const unsigned* block, unsigned long long o
     l.error.clear();
     const FaultGuard fault_guard;
     l.fibers.resize(n_threads);
-    while ((int)l.stacks.size() < n_threads) l.stacks.push_back(new char[STACK_BYTES]);
+    while ((int)l.stacks.size() < n_threads) l.stacks.push_back(new char[STACK_ALLOCATION]);
     blockDim = {block[0], block[1], block[2]};
     gridDim = {grid[0], grid[1], grid[2]};
     const long long n_blocks = (long long)grid[0] * grid[1] * grid[2];
@@ -409,7 +415,7 @@ inline int run(const unsigned* grid, const unsigned* block, unsigned long long o
             f.async_copies.clear();
             f.async_groups = 0;
             f.index = {(unsigned)(t % block[0]), (unsigned)(t / block[0] % block[1]), (unsigned)(t / block[0] / block[1])};
-            start_fiber(f.context, l.stacks[t], STACK_BYTES);
+            start_fiber(f.context, l.stacks[t], STACK_BYTES + STACK_COLOUR * (t % STACK_COLOURS));
         }
         for (;;) {
             bool progressed = false;
