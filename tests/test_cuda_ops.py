@@ -1038,16 +1038,21 @@ def test_hellaswag_scores_follow_numpy(be, rng):
 
 # ---------------------------------------------------------------------------- training on the GPU
 
+# The training tests' global batch and sequence length: each compares runs (to the bit, or to numpy's within a
+# bound that holds at any size), and on the CPU simulator every token of every step costs (the classifier's
+# softmax over 4096 logits a token the most), so the batch is small.
+BATCH, SEQ = 4, 32
+
+
 def _train(log=lambda line: None, stop=None, **kw):
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
     from xtrain_dist.train.job import train
 
     corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
-    # SEQ 32 and few steps: every training test here compares runs (to the bit, or to numpy's within a bound
-    # that holds at any length), and on the CPU simulator each step of each run is most of a test's time
-    # the paths these tests were written for, not the GPU's defaults (tests/test_cudnn_attention.py has those)
-    cfg = TrainConfig(**{"steps": 4, "batch": 8, "seq": 32, "model": "tiny", "seed": 3, "attention": "standard",
+    # few steps of BATCH x SEQ (above), standard attention and cuBLAS: the paths these tests were written for, not
+    # the GPU's defaults (tests/test_cudnn_attention.py has those)
+    cfg = TrainConfig(**{"steps": 4, "batch": BATCH, "seq": SEQ, "model": "tiny", "seed": 3, "attention": "standard",
                          "matmul": "cublas", **kw}).resolved()
     return train(cfg, corpus, log=log, stop=stop)
 
@@ -1459,7 +1464,7 @@ def test_tensor_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype, cla
     rtol = 1e-4 if dtype == "fp32" else 1e-3
     np.testing.assert_allclose(cuda["losses"], numpy_run["losses"], rtol=rtol)
     np.testing.assert_allclose(cuda["grad_norms"], numpy_run["grad_norms"], rtol=rtol)
-    tokens, C = 8 * 32, 64  # tiny: 2 layers, C 64; 8 x 32 tokens
+    tokens, C = BATCH * SEQ, 64  # tiny: 2 layers, C 64
     blocks = 4 * 2 * tokens * C * 4 + 4  # two all-reduces forward and two backward a block, and the loss's
     vocab = 2 * tokens * C * 4 + tokens * 4 + 2 * tokens * 4  # embedding and dlnf; the maxima, the two sums
     assert cuda["comm_bytes_per_step"]["tp"] == blocks + (vocab if classifier == "vocab" else 0)
@@ -1508,10 +1513,10 @@ def test_pipeline_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
     wte = [m.ops.to_host(m.params[s.offset: s.offset + s.size]) for m in models for s in m.layout
            if s.name == "transformer.wte.weight"]
     assert len(wte) == 2 and np.array_equal(wte[0], wte[1])
-    # rank 0 sends 2 micro-batches of 4 x 32 x 64 activations (2 bytes each in bf16), wte's gradient (float32)
-    # and the gradient norm's float32
+    # rank 0 sends 2 micro-batches of BATCH / 2 x SEQ x 64 activations (2 bytes each in bf16), wte's gradient
+    # (float32) and the gradient norm's float32
     act_bytes = 4 if dtype == "fp32" else 2
-    assert cuda["comm_bytes_per_step"]["pp"] == 8 * 32 * 64 * act_bytes + 4096 * 64 * 4 + 4
+    assert cuda["comm_bytes_per_step"]["pp"] == BATCH * SEQ * 64 * act_bytes + 4096 * 64 * 4 + 4
     assert any("runs without CUDA graphs: the in-process communicator of virtual ranks" in line
                for line in lines), lines
 

@@ -165,8 +165,8 @@ def test_world1_training_over_nccl_has_the_bits_of_the_in_process_communicator()
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.train.job import train
 
-    def job(comm):  # SEQ 32 and 4 steps, as the training tests of test_cuda_ops.py: the simulator's time
-        cfg = TrainConfig(steps=4, batch=8, seq=32, seed=3, backend="cuda", comm=comm).resolved()
+    def job(comm):  # 4 x 32 tokens and 4 steps, as the training tests of test_cuda_ops.py: the simulator's time
+        cfg = TrainConfig(steps=4, batch=4, seq=32, seed=3, backend="cuda", comm=comm).resolved()
         return train(cfg, shipped_corpus(), log=lambda line: None)
 
     nccl, local = job("nccl"), job("local")
@@ -177,14 +177,14 @@ def test_world1_training_over_nccl_has_the_bits_of_the_in_process_communicator()
 @pytest.mark.skipif(GPUS < 2 or not has_cuda_backend(), reason="needs two GPUs and the CUDA backend")
 def test_two_gpu_training_over_nccl_follows_numpy():
     """Two rank threads, a GPU each, reducing through NCCL (bucketed on a side stream; ZeRO-1's unequal
-    shards as grouped reduces and broadcasts): the ranks keep the same bits and follow the numpy backend's
-    run of the same options."""
+    shards as grouped reduces and broadcasts; ZeRO-3's gathers and reduce-scatters on its communication thread's
+    stream): the ranks keep the same bits and follow the numpy backend's run of the same options."""
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.train.job import train
 
-    for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}):
+    for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}, {"zero": 3, "grad_sync": "bucketed"}):
         def job(backend, options=options):
-            cfg = TrainConfig(steps=4, batch=8, seq=32, seed=3, backend=backend, world_size=2, **options).resolved()
+            cfg = TrainConfig(steps=4, batch=4, seq=32, seed=3, backend=backend, world_size=2, **options).resolved()
             return train(cfg, shipped_corpus(), log=lambda line: None)
 
         nccl, reference = job("cuda"), job("numpy")
@@ -204,7 +204,7 @@ def test_two_gpu_steps_replayed_from_cuda_graphs_keep_the_bits():
     for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1},
                     {"dtype": "bf16", "grad_accum": 2, "grad_sync": "flat"}):
         def job(mode, options=options):
-            cfg = TrainConfig(steps=4, batch=8, seq=32, seed=3, backend="cuda", world_size=2, eval_batches=0,
+            cfg = TrainConfig(steps=4, batch=4, seq=32, seed=3, backend="cuda", world_size=2, eval_batches=0,
                               cuda_graph=mode, **options).resolved()
             return train(cfg, shipped_corpus(), log=lambda line: None)
 
@@ -229,7 +229,7 @@ def test_a_step_over_nccl_copies_the_batch_in_and_one_array_out():
 
     for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}):
         fake_cupy.host_traffic_by_thread.clear()
-        cfg = TrainConfig(steps=3, batch=8, seq=32, seed=3, backend="cuda", world_size=2, grad_accum=2,
+        cfg = TrainConfig(steps=3, batch=4, seq=32, seed=3, backend="cuda", world_size=2, grad_accum=2,
                           eval_batches=0, **options).resolved()
         assert train(cfg, shipped_corpus(), log=lambda line: None)["launch"]["comm"] == "nccl"
         for rank in ("rank0", "rank1"):
