@@ -151,11 +151,17 @@ def train_step(model, opt, ids, targets, step: int, cfg: TrainConfig, loss_scale
 
 
 def ddp_run(cfg: TrainConfig, world: int, threads: int = 1, sdpa: bool = True) -> dict:
-    """Train `cfg` (resolved; the shipped data where it names none) in PyTorch DDP: `world` processes on this
+    """ddp_runs of one configuration."""
+    return ddp_runs([cfg], world, threads, sdpa)[0]
+
+
+def ddp_runs(cfgs: list[TrainConfig], world: int, threads: int = 1, sdpa: bool = True) -> list[dict]:
+    """Train each of `cfgs` (resolved; the shipped data where it names none) in PyTorch DDP: `world` processes on this
     machine, gloo over loopback, `threads` torch threads each, the same initial weights and the same
     global batches, rank r taking the sequences i % world == r as ours do. cfg.zero == 1 steps with
     PyTorch's ZeroRedundancyOptimizer around its AdamW, and cfg.grad_compress == "bf16" registers its
-    bf16_compress_hook.
+    bf16_compress_hook. The configurations run one after another in the same processes (each process imports
+    torch once: seconds of CPU time apiece).
 
     DDP averages the ranks' gradients of their local mean losses. A rank of n sequences scales its loss
     by n * world / BATCH first (1 where world divides BATCH), so the average is the gradient of the
@@ -163,27 +169,48 @@ def ddp_run(cfg: TrainConfig, world: int, threads: int = 1, sdpa: bool = True) -
     scaled by 1/(BATCH*SEQ). So the two runs compute the same thing by different code and should agree
     to float32 rounding. Returns {"step_ms": per step (rank 0), "losses": global-batch mean losses,
     "grad_norms": before clipping, summed in float64 as ours are, "params": rank 0's final parameters by
-    name, "ranks_equal": every rank's parameters bitwise equal to rank 0's}."""
+    name, "ranks_equal": every rank's parameters bitwise equal to rank 0's}, one for each configuration."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="xtrain-torch-ddp-") as tmp:
         # the rendezvous is a file, not a port: no race for a free port with other tests or runs
         try:
-            mp.spawn(_ddp_rank, args=(world, Path(tmp), cfg, threads, sdpa), nprocs=world, join=True)
+            mp.spawn(_ddp_rank, args=(world, Path(tmp), cfgs, threads, sdpa), nprocs=world, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:  # the message ends with its traceback
             last = str(err).strip().splitlines()[-1]
             raise XtrainError(f"the PyTorch DDP peer failed in rank {err.error_index}: {last}") from None
-        with np.load(Path(tmp) / "rank0.npz") as saved:
-            result = {"step_ms": saved["step_ms"].tolist(), "losses": saved["losses"].tolist(),
-                      "grad_norms": saved["grad_norms"].tolist(),
-                      "params": {k[len("param/"):]: saved[k] for k in saved.files if k.startswith("param/")}}
-        digests = [(Path(tmp) / f"rank{r}.sha256").read_text() for r in range(world)]
-        result["ranks_equal"] = len(set(digests)) == 1
-    return result
+        results = []
+        for run in range(len(cfgs)):
+            with np.load(Path(tmp) / f"run{run}-rank0.npz") as saved:
+                result = {"step_ms": saved["step_ms"].tolist(), "losses": saved["losses"].tolist(),
+                          "grad_norms": saved["grad_norms"].tolist(),
+                          "params": {k[len("param/"):]: saved[k] for k in saved.files if k.startswith("param/")}}
+            digests = [(Path(tmp) / f"run{run}-rank{r}.sha256").read_text() for r in range(world)]
+            result["ranks_equal"] = len(set(digests)) == 1
+            results.append(result)
+    return results
 
 
-def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, sdpa: bool) -> None:
-    """One process of ddp_run (started by torch.multiprocessing.spawn, which passes `rank` first)."""
+def _ddp_rank(rank: int, world: int, tmp: Path, cfgs: list, threads: int, sdpa: bool) -> None:
+    """One process of ddp_runs (started by torch.multiprocessing.spawn, which passes `rank` first)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank, world_size=world)
+    try:
+        for run, cfg in enumerate(cfgs):
+            _ddp_train(rank, world, tmp, f"run{run}", cfg, sdpa)
+        # no rank tears gloo down while another may still be talking to it: a peer's closed socket makes
+        # gloo abort the process (a SIGABRT seen once in a full test run)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_train(rank: int, world: int, tmp: Path, name: str, cfg: TrainConfig, sdpa: bool) -> None:
+    """One configuration's run in one process of ddp_runs: rank 0 saves its figures and parameters
+    (tmp/<name>-rank0.npz), every rank its parameters' sha256 (tmp/<name>-rank<r>.sha256)."""
     import hashlib
 
     import torch
@@ -195,55 +222,47 @@ def _ddp_rank(rank: int, world: int, tmp: Path, cfg: TrainConfig, threads: int, 
     from ..data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
     from ..data.sampler import BatchSampler
 
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank, world_size=world)
-    try:
-        corpus = Corpus.load(cfg.tokenizer or DEFAULT_TOKENIZER, cfg.corpus or DEFAULT_CORPUS,
-                             val_path=cfg.val_corpus or None)  # which decides what the train split is
-        mcfg = model_config(cfg.model, corpus.vocab_size)
-        module = build(mcfg, our_model.GPT2(mcfg, numpy_ops, seed=cfg.seed).state_dict(), sdpa=sdpa)
-        model = DistributedDataParallel(module)  # PyTorch's defaults: 25 MiB buckets, overlapped with backward
-        if cfg.grad_compress == "bf16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    corpus = Corpus.load(cfg.tokenizer or DEFAULT_TOKENIZER, cfg.corpus or DEFAULT_CORPUS,
+                         val_path=cfg.val_corpus or None)  # which decides what the train split is
+    mcfg = model_config(cfg.model, corpus.vocab_size)
+    module = build(mcfg, our_model.GPT2(mcfg, numpy_ops, seed=cfg.seed).state_dict(), sdpa=sdpa)
+    model = DistributedDataParallel(module)  # PyTorch's defaults: 25 MiB buckets, overlapped with backward
+    if cfg.grad_compress == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            def bf16_compress(state, bucket):
-                # PyTorch's hook itself, under another name: DDP refuses the name bf16_compress_hook without
-                # NCCL, though gloo sums bfloat16 on the CPU as well
-                return default_hooks.bf16_compress_hook(state, bucket)
+        def bf16_compress(state, bucket):
+            # PyTorch's hook itself, under another name: DDP refuses the name bf16_compress_hook without
+            # NCCL, though gloo sums bfloat16 on the CPU as well
+            return default_hooks.bf16_compress_hook(state, bucket)
 
-            model.register_comm_hook(None, bf16_compress)
-        if cfg.zero:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
+        model.register_comm_hook(None, bf16_compress)
+    if cfg.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            opt = ZeroRedundancyOptimizer(param_groups(module, cfg), optimizer_class=torch.optim.AdamW,
-                                          lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-        else:
-            opt = adamw(module, cfg)
-        sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=world)
-        loss_scale = sampler.n_local * world / cfg.batch
-        step_ms, losses, norms = [], [], []
-        for step in range(cfg.steps):
-            ids, targets = (torch.from_numpy(a.astype(np.int64)) for a in sampler.next())
-            t0 = time.perf_counter()
-            loss, norm = train_step(model, opt, ids, targets, step, cfg, loss_scale, float64_norm=True)
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-            loss = loss.detach()
-            dist.all_reduce(loss)  # the shards' scaled mean losses summed: world x the global-batch mean
-            losses.append(loss.item() / world)
-            norms.append(norm.item())  # of the averaged gradients: the same on every rank
-        params = {name: p.detach().numpy() for name, p in module.state_dict().items()}
-        digest = hashlib.sha256()
-        for name in sorted(params):
-            digest.update(params[name].tobytes())
-        (tmp / f"rank{rank}.sha256").write_text(digest.hexdigest())
-        if rank == 0:
-            np.savez(tmp / "rank0.npz", step_ms=np.array(step_ms), losses=np.array(losses), grad_norms=np.array(norms),
-                     **{f"param/{name}": value for name, value in params.items()})
-        # no rank tears gloo down while another may still be talking to it: a peer's closed socket makes
-        # gloo abort the process (a SIGABRT seen once in a full test run)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        opt = ZeroRedundancyOptimizer(param_groups(module, cfg), optimizer_class=torch.optim.AdamW,
+                                      lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    else:
+        opt = adamw(module, cfg)
+    sampler = BatchSampler(corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, rank=rank, world=world)
+    loss_scale = sampler.n_local * world / cfg.batch
+    step_ms, losses, norms = [], [], []
+    for step in range(cfg.steps):
+        ids, targets = (torch.from_numpy(a.astype(np.int64)) for a in sampler.next())
+        t0 = time.perf_counter()
+        loss, norm = train_step(model, opt, ids, targets, step, cfg, loss_scale, float64_norm=True)
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        loss = loss.detach()
+        dist.all_reduce(loss)  # the shards' scaled mean losses summed: world x the global-batch mean
+        losses.append(loss.item() / world)
+        norms.append(norm.item())  # of the averaged gradients: the same on every rank
+    params = {key: p.detach().numpy() for key, p in module.state_dict().items()}
+    digest = hashlib.sha256()
+    for key in sorted(params):
+        digest.update(params[key].tobytes())
+    (tmp / f"{name}-rank{rank}.sha256").write_text(digest.hexdigest())
+    if rank == 0:
+        np.savez(tmp / f"{name}-rank0.npz", step_ms=np.array(step_ms), losses=np.array(losses),
+                 grad_norms=np.array(norms), **{f"param/{key}": value for key, value in params.items()})
 
 
 def has_fully_shard() -> str | None:
