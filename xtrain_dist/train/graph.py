@@ -24,8 +24,9 @@ overlapped sync's buckets settle before each of them inside the capture as outsi
 Which communicators can be captured is decided before the first step (`unsupported`): NCCL can, and so
 can any communicator of a one-rank world (there is nothing to exchange). The in-process communicator of
 virtual ranks cannot: its exchange synchronizes the rank threads and their streams on the host. Nor can
-MPI or TCP, which move the data through host memory. There, and wherever a capture fails, the run says so
-in one line and runs without graphs.
+MPI or TCP, which move the data through host memory. Nor are ZeRO-2 and -3 captured: the unit buffers their
+communication thread fills and empties come and go within the step (parallel/zero.py). There, and wherever a
+capture fails, the run says so in one line and runs without graphs.
 
 Steps that profile run outside the graph (they time each op); evaluation, samples and checkpoints come
 after a step and run as usual, outside it.
