@@ -458,6 +458,8 @@ class NumpyBackend:
         mean_rows, rstd_rows = mean.reshape(-1, 1), rstd.reshape(-1, 1)
         product = np.empty(x_rows.shape, inp.dtype)          # dout * n, for dweight
         n_c = f(C)
+        per_block = _row_blocks(x_rows.shape[0], x_rows.size)
+        one_block = per_block >= x_rows.shape[0]  # one thread: dout * n is summed in the block and its memory reused
 
         def block(lo, hi):
             x, d, r, p = x_rows[lo:hi], d_rows[lo:hi], rstd_rows[lo:hi], product[lo:hi]
@@ -467,7 +469,7 @@ class NumpyBackend:
             dnorm = np.multiply(d, weight)
             dnorm_mean = np.add.reduce(dnorm, axis=-1, keepdims=True)
             dnorm_mean /= n_c
-            if hi - lo == len(product):      # one block (one thread): dout * n is summed now and its memory reused
+            if one_block:
                 np.add(dweight, product.sum(axis=0), out=dweight)
                 gn = np.multiply(dnorm, norm, out=p)
             else:
@@ -482,11 +484,11 @@ class NumpyBackend:
             dx += dnorm
             self.store(dx)
 
-        _in_blocks(block, x_rows.shape[0], _row_blocks(x_rows.shape[0], x_rows.size), x_rows.size)
+        _in_blocks(block, x_rows.shape[0], per_block, x_rows.size)
         if target is not dinp:
             dinp[...] = target
         dbias += d_rows.sum(axis=0)
-        if _row_blocks(len(product), product.size) < len(product):
+        if not one_block:
             dweight += product.sum(axis=0)
 
     # ------------------------------------------------------------------ matmul (cuBLAS; bias: kernels/matmul.cu)
