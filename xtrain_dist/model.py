@@ -508,6 +508,15 @@ class GPT2:
         S = whole.size // C // self.tp_size
         return self.ops.xp.ascontiguousarray(whole.reshape(-1, C)[self.tp_rank * S:(self.tp_rank + 1) * S])
 
+    def _token_gather(self, ids_shape, cache: "KVCache | None" = None):
+        """(cut, gather) of a pass over ids of this (B, T) shape: whether it runs with sequence parallelism
+        (token_cut), and what gives a product its whole (B, T, C) input from the rank's tokens (_gather_tokens;
+        without the cut the input is already whole)."""
+        if not self.token_cut(ids_shape, cache):
+            return False, lambda x: x
+        whole = (*ids_shape, self.config.n_embd)
+        return True, lambda part: self._gather_tokens(part, whole)
+
     def _gather_tokens(self, part, shape):
         """Megatron's g under sequence parallelism: every rank's (S, C) slice in rank order, the whole tensor of
         `shape` (B, T, C) on every rank, the same bits on each (an all-gather: copies, no sums)."""
@@ -635,8 +644,7 @@ class GPT2:
         keep = targets is not None and dloss is not None
         # sequence parallelism: the stream is the rank's tokens; the products read them all-gathered (gather), and
         # the row-parallel ones' sums are reduce-scattered into the rank's tokens (complete) instead of all-reduced
-        cut, T, whole = self.token_cut(ids.shape, cache), ids.shape[1], (*ids.shape, self.config.n_embd)
-        gather = (lambda part: self._gather_tokens(part, whole)) if cut else (lambda x: x)
+        (cut, gather), T = self._token_gather(ids.shape, cache), ids.shape[1]
         complete = self._scatter_sum if cut else self._row_parallel
         self.units.before_forward("embed")
         if self.is_first:
@@ -791,8 +799,7 @@ class GPT2:
         # sequence parallelism (stage_forward's notes): the stream's gradient dres is the rank's tokens; a
         # row-parallel output's gradient is all-gathered (gather), and a column-parallel product's input gradient
         # reduce-scattered into the rank's tokens (complete)
-        cut, T, whole = self.token_cut(ids.shape), ids.shape[1], (*ids.shape, self.config.n_embd)
-        gather = (lambda part: self._gather_tokens(part, whole)) if cut else (lambda x: x)
+        (cut, gather), T = self._token_gather(ids.shape), ids.shape[1]
         complete = self._scatter_sum if cut else self._column_parallel_dinp
 
         if self.is_last:
