@@ -26,14 +26,13 @@ The step time is compute plus what communication the overlap does not hide:
 FLOPs per token are nanoGPT's count (profile.nanogpt_flops_per_token), generalised to any MLP width.
 """
 
-import math
 from dataclasses import dataclass, field, replace
 
 from ..config import VOCAB_ALIGN, GPTConfig
 from ..errors import XtrainError
 from ..layout import ALIGN
 from ..parallel.zero import shard_bounds, transient_bytes
-from ..train.memory import ITEMSIZE, RankMemory, saved_activations
+from ..train.memory import ITEMSIZE, RankMemory, array_bytes, saved_activations
 
 # bytes of one activation element: bf16 on a GPU, float32 otherwise (train/job.py's act_itemsize)
 ACT_ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2}
@@ -139,10 +138,6 @@ def flops_per_token(shape: Shape, seq: int) -> float:
     return 6.0 * (model_params(shape) - shape.n_ctx * shape.d_model) + 12.0 * shape.n_layer * shape.d_model * seq
 
 
-def _bytes(shape_: tuple, kind: str, act_itemsize: int) -> int:
-    return math.prod(shape_) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
-
-
 def activation_bytes(shape: Shape, mesh: Mesh, run: Run, rows: int) -> int:
     """What forward keeps for backward on the device that holds the most, for micro-batches of `rows`
     sequences: memory.saved_activations' arrays (the MLP's at width d_ff), those cut by heads or by width
@@ -158,16 +153,16 @@ def activation_bytes(shape: Shape, mesh: Mesh, run: Run, rows: int) -> int:
         if name.startswith("h."):
             if field_ in ("fch", "fch_gelu"):
                 dims = (*dims[:-1], shape.d_ff)
-            block += _bytes(dims, kind, act) // (mesh.tp if field_ in TP_SPLIT or run.sequence_parallel else 1)
+            block += array_bytes(dims, kind, act) // (mesh.tp if field_ in TP_SPLIT or run.sequence_parallel else 1)
         else:
             if field_ == "dlogits":  # the device's columns of the logits, vocab_rows of the padded vocabulary
                 dims = (*dims[:-1], shape.padded_vocab(mesh.tp) // mesh.tp)
             cut = run.sequence_parallel and field_ not in ("ids", "dlogits")
-            rest += _bytes(dims, kind, act) // (mesh.tp if cut else 1)
+            rest += array_bytes(dims, kind, act) // (mesh.tp if cut else 1)
     layers = -(-shape.n_layer // mesh.pp)
     if mesh.pp == 1:
         return layers * block + rest
-    ids = _bytes((rows, run.seq), "i32", act)
+    ids = array_bytes((rows, run.seq), "i32", act)
     first = min(mesh.pp, run.grad_accum) * layers * block + ids
     last = max(0, shape.n_layer - (mesh.pp - 1) * layers) * block + rest - ids
     return max(first, last)

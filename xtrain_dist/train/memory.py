@@ -73,11 +73,15 @@ def saved_activations(config: GPTConfig, B: int, T: int, attention: str,
     return arrays
 
 
+def array_bytes(shape: tuple, kind: str, act_itemsize: int) -> int:
+    """The bytes of one of saved_activations' arrays, its activations at act_itemsize bytes each."""
+    return math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
+
+
 def block_activation_bytes(saved: list[tuple[str, tuple, str]], act_itemsize: int) -> int:
     """The bytes of saved_activations' arrays that the transformer blocks keep (the h.* ones): what
     textbook_activation_bytes counts."""
-    return sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
-               for name, shape, kind in saved if name.startswith("h."))
+    return sum(array_bytes(shape, kind, act_itemsize) for name, shape, kind in saved if name.startswith("h."))
 
 
 def textbook_activation_bytes(config: GPTConfig, B: int, T: int, layers: int, tp: int = 1,
@@ -160,8 +164,7 @@ def rank_memories(config: GPTConfig, cfg, act_itemsize: int) -> list[RankMemory]
         if (stage, rows) not in activations:
             saved = saved_activations(config, rows, cfg.seq, cfg.attention, cfg.recompute, tp, pp, stage,
                                       cfg.tp_classifier == "vocab", cfg.sequence_parallel)
-            activations[stage, rows] = sum(math.prod(shape) * (act_itemsize if kind == "act" else ITEMSIZE[kind])
-                                           for _, shape, kind in saved)
+            activations[stage, rows] = sum(array_bytes(shape, kind, act_itemsize) for _, shape, kind in saved)
         return activations[stage, rows]
 
     # (a side thread's cuBLAS handle, the bucketed sync's, has a smaller one of its own, left out of this bound)
