@@ -1425,21 +1425,11 @@ def test_zero_2_and_3_on_two_virtual_ranks_give_zero_1s_bits(options):
 @pytest.mark.training
 def test_zero_3_on_two_virtual_ranks_scores_hellaswag_and_samples_as_zero_1_does(tmp_path):
     """Evaluation passes gather each unit as training does, on every rank at once: 5 HellaSwag examples over 2
-    ranks (3 and 2, so one rank runs an empty pass to take part in the other's gathers) and a sample drawn on
-    every rank beside rank 0's give ZeRO-1's scores and text."""
-    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
-    from xtrain_dist.eval.hellaswag import Example, eval_file_chunks
-    from xtrain_dist.files import write_atomic
+    ranks (3 and 2, so one rank has fewer to score and still takes part in the other's gathers) and a sample
+    drawn on every rank beside rank 0's give ZeRO-1's scores and text."""
+    from test_hellaswag import random_examples, write
 
-    vocab = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS).vocab_size
-    rng = np.random.default_rng(0)
-
-    def ids(n):
-        return rng.integers(0, vocab, size=n).astype(np.int32)
-
-    path = tmp_path / "hs.bin"
-    write_atomic(path, eval_file_chunks([Example(i, i % 4, ids(6 + i), tuple(ids(2 + k) for k in range(4)))
-                                         for i in range(5)]), "test")
+    path = write(tmp_path / "hs.bin", random_examples(5, seed=0))
     kw = dict(backend="cuda", world_size=2, steps=2, eval_batches=1, grad_sync="bucketed", hellaswag=str(path),
               sample_every=2, sample_tokens=4)
     sharded, whole = _train(zero=3, **kw), _train(zero=1, **kw)
