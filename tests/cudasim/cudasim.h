@@ -28,6 +28,12 @@
 // running, which is what shared memory is when blocks run one at a time. They are placed in a section
 // of their own, which the scheduler fills with 0xFF bytes (NaN as float) before each block, so a block
 // that reads shared memory it did not write sees garbage, as on a GPU, not the previous block's values.
+//
+// Two libraries. The runtime (the scheduler, the fibers, the fault handler: the part under CUDASIM_RUNTIME at
+// the end) is compiled once into a library of its own, which the library of every kernel file links against;
+// a kernel file's library holds its kernels, the device functions below that they inline, and a launch stub
+// per kernel. With a copy of the runtime in every kernel file's library, g++ spent most of each compile on it
+// (1.4 of gelu.cu's 2.3 s), and the simulated suite compiles a library for each of some 60 files and variants.
 #pragma once
 
 // kernels/ptx.cuh's inline PTX (mma.sync, ldmatrix, cp.async) has CPU versions under this macro
@@ -43,8 +49,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <functional>
-#include <random>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -66,8 +70,9 @@ struct dim3 {
     unsigned int x, y, z;
 };
 
-inline uint3 threadIdx, blockIdx;
-inline dim3 blockDim, gridDim;
+// The built-in variables: one set for the process, in the runtime (below), as one launch runs at a time.
+extern uint3 threadIdx, blockIdx;
+extern dim3 blockDim, gridDim;
 constexpr int warpSize = 32;
 
 // the linker's bounds of the section holding every __shared__ variable (weak: a file may have none)
@@ -151,7 +156,9 @@ struct Launch {
     int current = 0;
     bool in_fiber = false;  // a kernel thread is running (a fault there is the kernel's)
     Context scheduler;
-    std::function<void()> body;
+    void (*body)(void (*kernel)(), void** args);  // calls kernel with its arguments: launch()'s typed call
+    void (*kernel)();
+    void** args;
     std::string error;
     // per warp and lane, two exchange slots of up to 8 bytes for shuffles
     unsigned char exchange[MAX_THREADS / 32][2][32][8];
@@ -159,12 +166,14 @@ struct Launch {
     unsigned char wide_exchange[MAX_THREADS / 32][2][32][64];
 };
 
-inline Launch& launch_state() {
-    static Launch state;
-    return state;
-}
-
-inline void fiber_main();
+// The runtime's part, compiled once (CUDASIM_RUNTIME, at the end of this file): the state of the launch
+// that is running, the errors a thread ends it with, and the scheduler.
+extern Launch running_launch;
+inline Launch& launch_state() { return running_launch; }
+std::string thread_name(const uint3& t);
+[[noreturn]] void fail(const std::string& why);  // end the launch from inside a thread (never resumed)
+int run(const unsigned* grid, const unsigned* block, unsigned long long order, char* shared_begin, char* shared_end,
+        char* error, int error_size);
 
 // Go from `from` to `to`, saving where `from` was.
 inline void switch_to(Context& from, Context& to) {
@@ -175,39 +184,6 @@ inline void switch_to(Context& from, Context& to) {
 #endif
 }
 
-#if defined(__x86_64__)
-[[noreturn]] inline void fiber_entry() {
-    fiber_main();
-    Launch& l = launch_state();
-    void* unused;
-    cudasim_switch(&unused, l.scheduler.sp);
-    __builtin_unreachable();
-}
-#endif
-
-// A fresh fiber that starts in fiber_main() on `stack` and goes back to the scheduler when it ends.
-inline void start_fiber(Context& c, char* stack, size_t size) {
-#if defined(__x86_64__)
-    auto* top = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15));
-    *--top = 0;                                                  // fiber_entry's return address: never used
-    *--top = reinterpret_cast<uint64_t>(&fiber_entry);           // where the first switch's ret goes
-    for (int i = 0; i < 6; ++i) *--top = 0;                      // rbp rbx r12-r15
-    c.sp = top;
-#else
-    Launch& l = launch_state();
-    getcontext(&c.uc);
-    c.uc.uc_stack.ss_sp = stack;
-    c.uc.uc_stack.ss_size = size;
-    c.uc.uc_link = &l.scheduler.uc;
-    makecontext(&c.uc, fiber_main, 0);
-#endif
-}
-
-inline std::string thread_name(const uint3& t) {
-    return "thread (" + std::to_string(t.x) + "," + std::to_string(t.y) + "," + std::to_string(t.z) + ") of block (" +
-           std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," + std::to_string(blockIdx.z) + ")";
-}
-
 // Park the running fiber in `state` and go back to the scheduler; returns when it is resumed.
 inline void wait(State state, unsigned mask = 0) {
     Launch& l = launch_state();
@@ -216,48 +192,6 @@ inline void wait(State state, unsigned mask = 0) {
     f.warp_mask = mask;
     switch_to(f.context, l.scheduler);  // back here when the scheduler resumes us (it sets threadIdx)
 }
-
-// End the launch from inside a thread (the fiber is never resumed).
-[[noreturn]] inline void fail(const std::string& why) {
-    Launch& l = launch_state();
-    if (l.error.empty()) l.error = why;
-    Fiber& f = l.fibers[l.current];
-    f.state = State::done;
-    switch_to(f.context, l.scheduler);  // never resumed
-    __builtin_unreachable();
-}
-
-// A kernel thread touching unmapped memory (a wild index) ends the launch with an error naming the
-// thread and the address, instead of killing the process; a fault anywhere else keeps its default action.
-inline void on_fault(int sig, siginfo_t* info, void*) {
-    Launch& l = launch_state();
-    if (!l.in_fiber) {
-        signal(sig, SIG_DFL);  // not a kernel's: returning re-runs the access, which now ends the process
-        return;
-    }
-    char address[48];
-    if (info->si_addr == nullptr) std::snprintf(address, sizeof address, "an address the CPU refuses outright");
-    else std::snprintf(address, sizeof address, "%p", info->si_addr);
-    l.in_fiber = false;
-    fail(thread_name(threadIdx) + ": invalid memory access at " + address);
-}
-
-// Installs on_fault for one launch and puts back what was there (Python's faulthandler, say) after it.
-struct FaultGuard {
-    struct sigaction old_segv, old_bus;
-    FaultGuard() {
-        struct sigaction fault = {};
-        fault.sa_sigaction = on_fault;
-        fault.sa_flags = SA_SIGINFO | SA_NODEFER;  // not blocked after we leave the handler by a switch
-        sigemptyset(&fault.sa_mask);
-        sigaction(SIGSEGV, &fault, &old_segv);
-        sigaction(SIGBUS, &fault, &old_bus);
-    }
-    ~FaultGuard() {
-        sigaction(SIGSEGV, &old_segv, nullptr);
-        sigaction(SIGBUS, &old_bus, nullptr);
-    }
-};
 
 inline int linear_thread() { return launch_state().current; }
 
@@ -305,149 +239,6 @@ std::array<T, 32> gather(const T& value) {
     return all;
 }
 
-// Resume order of runnable threads and of blocks: 0 forward, 1 reverse, else a shuffle seeded by it.
-inline std::vector<int> visit_order(int n, unsigned long long order) {
-    std::vector<int> out(n);
-    for (int i = 0; i < n; ++i) out[i] = i;
-    if (order == 1) std::reverse(out.begin(), out.end());
-    if (order > 1) std::shuffle(out.begin(), out.end(), std::mt19937_64(order));
-    return out;
-}
-
-inline void fiber_main() {
-    Launch& l = launch_state();
-    l.body();
-    Fiber& f = l.fibers[l.current];
-    if (!f.async_copies.empty() && l.error.empty())
-        l.error = thread_name(f.index) + " exited with " + std::to_string(f.async_copies.size()) +
-                  " cp.async copies it never waited for (cp.async.wait_group)";
-    f.state = State::done;  // then back to the scheduler (fiber_entry, or uc_link)
-}
-
-// Release warp w's lanes waiting at a warp barrier if every lane they name has arrived. False if not.
-inline bool release_warp(int w, int n_threads) {
-    Launch& l = launch_state();
-    int first = -1;
-    for (int lane = 0; lane < 32 && w * 32 + lane < n_threads; ++lane)
-        if (l.fibers[w * 32 + lane].state == State::at_warp_barrier) { first = w * 32 + lane; break; }
-    if (first < 0) return false;
-    const unsigned mask = l.fibers[first].warp_mask;
-    for (int lane = 0; lane < 32; ++lane) {
-        if (!(mask >> lane & 1u)) continue;
-        const int t = w * 32 + lane;
-        if (t >= n_threads) {
-            l.error = thread_name(l.fibers[first].index) + ": warp synchronisation names lane " + std::to_string(lane) +
-                      ", which does not exist in a block of " + std::to_string(n_threads) + " threads";
-            return false;
-        }
-        const Fiber& f = l.fibers[t];
-        if (f.state == State::done) {
-            l.error = thread_name(l.fibers[first].index) + ": warp synchronisation waits for " + thread_name(f.index) +
-                      ", which has exited";
-            return false;
-        }
-        if (f.state != State::at_warp_barrier || f.warp_mask != mask) return false;
-    }
-    for (int lane = 0; lane < 32; ++lane)
-        if (mask >> lane & 1u) l.fibers[w * 32 + lane].state = State::runnable;
-    return true;
-}
-
-// Run warp w as far as it goes: its runnable lanes in `lanes` order, then its warp barriers as they
-// fill, until every lane waits at __syncthreads, has exited, or waits for a lane that cannot come.
-// One warp running ahead of the others is what exposes a missing __syncthreads: it overwrites shared
-// memory the others have not read yet, or reads what they have not written.
-inline bool run_warp(int w, const std::vector<int>& lanes, int n_threads) {
-    Launch& l = launch_state();
-    bool progressed = false;
-    for (;;) {
-        bool ran = false;
-        for (int lane : lanes) {
-            const int t = w * 32 + lane;
-            if (t >= n_threads || l.fibers[t].state != State::runnable) continue;
-            l.current = t;
-            threadIdx = l.fibers[t].index;
-            l.in_fiber = true;
-            switch_to(l.scheduler, l.fibers[t].context);
-            l.in_fiber = false;
-            ran = true;
-            if (!l.error.empty()) return true;
-        }
-        if (!ran && !release_warp(w, n_threads)) return progressed;
-        progressed = true;
-    }
-}
-
-inline std::string where_everyone_is(int n_threads) {
-    Launch& l = launch_state();
-    int counts[4] = {0, 0, 0, 0};
-    for (int t = 0; t < n_threads; ++t) counts[(int)l.fibers[t].state]++;
-    return std::to_string(counts[1]) + " at __syncthreads, " + std::to_string(counts[2]) +
-           " at a warp synchronisation, " + std::to_string(counts[3]) + " exited";
-}
-
-inline int run(const unsigned* grid, const unsigned* block, unsigned long long order, char* error, int error_size) {
-    Launch& l = launch_state();
-    const int n_threads = (int)(block[0] * block[1] * block[2]);
-    if (n_threads < 1 || n_threads > MAX_THREADS) {
-        std::snprintf(error, error_size, "block of %d threads (CUDA allows 1 to %d)", n_threads, MAX_THREADS);
-        return 1;
-    }
-    l.error.clear();
-    const FaultGuard fault_guard;
-    l.fibers.resize(n_threads);
-    while ((int)l.stacks.size() < n_threads) l.stacks.push_back(new char[STACK_ALLOCATION]);
-    blockDim = {block[0], block[1], block[2]};
-    gridDim = {grid[0], grid[1], grid[2]};
-    const long long n_blocks = (long long)grid[0] * grid[1] * grid[2];
-    const int n_warps = (n_threads + 31) / 32;
-    const std::vector<int> warps = visit_order(n_warps, order), lanes = visit_order(32, order);
-    for (long long bb = 0; bb < n_blocks; ++bb) {
-        const long long b = order == 0 ? bb : (order == 1 ? n_blocks - 1 - bb : (bb * 2654435761ll + order) % n_blocks);
-        blockIdx = {(unsigned)(b % grid[0]), (unsigned)(b / grid[0] % grid[1]), (unsigned)(b / grid[0] / grid[1])};
-        if (__start_cudasim_shared != nullptr)
-            std::memset(__start_cudasim_shared, 0xFF, __stop_cudasim_shared - __start_cudasim_shared);
-        for (int t = 0; t < n_threads; ++t) {
-            Fiber& f = l.fibers[t];
-            f.state = State::runnable;
-            f.shuffles = 0;
-            f.gathers = 0;
-            f.async_copies.clear();
-            f.async_groups = 0;
-            f.index = {(unsigned)(t % block[0]), (unsigned)(t / block[0] % block[1]), (unsigned)(t / block[0] / block[1])};
-            start_fiber(f.context, l.stacks[t], STACK_BYTES + STACK_COLOUR * (t % STACK_COLOURS));
-        }
-        for (;;) {
-            bool progressed = false;
-            for (int w : warps) {
-                progressed |= run_warp(w, lanes, n_threads);
-                if (!l.error.empty()) break;
-            }
-            if (!l.error.empty()) break;
-            if (progressed) continue;
-            int at_block = 0, at_warp = 0, done = 0;
-            for (int t = 0; t < n_threads; ++t) {
-                at_block += l.fibers[t].state == State::at_block_barrier;
-                at_warp += l.fibers[t].state == State::at_warp_barrier;
-                done += l.fibers[t].state == State::done;
-            }
-            if (done == n_threads) break;
-            if (at_warp == 0 && at_block > 0) {
-                for (int t = 0; t < n_threads; ++t)
-                    if (l.fibers[t].state == State::at_block_barrier) l.fibers[t].state = State::runnable;
-                continue;
-            }
-            l.error = "deadlock in block (" + std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," +
-                      std::to_string(blockIdx.z) + "): " + where_everyone_is(n_threads);
-            break;
-        }
-        if (!l.error.empty()) {
-            std::snprintf(error, error_size, "%s", l.error.c_str());
-            return 1;
-        }
-    }
-    return 0;
-}
 
 // ------------------------------------------------------------------ kernels as C functions
 
@@ -478,10 +269,19 @@ void invoke(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
 }
 
 template <typename... A>
+void call(void (*kernel)(), void** args) {
+    invoke(reinterpret_cast<void (*)(A...)>(kernel), args, std::index_sequence_for<A...>{});
+}
+
+// Runs in the kernel's library, so the shared-memory section it hands the scheduler is the kernel file's.
+template <typename... A>
 int launch(void (*kernel)(A...), const unsigned* grid, const unsigned* block, void** args, unsigned long long order,
            char* error, int error_size) {
-    launch_state().body = [=] { invoke(kernel, args, std::index_sequence_for<A...>{}); };
-    return run(grid, block, order, error, error_size);
+    Launch& l = launch_state();
+    l.body = &call<A...>;
+    l.kernel = reinterpret_cast<void (*)()>(kernel);
+    l.args = args;
+    return run(grid, block, order, __start_cudasim_shared, __stop_cudasim_shared, error, error_size);
 }
 
 }  // namespace cudasim
@@ -529,3 +329,243 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
 inline float min(float a, float b) { return fminf(a, b); }
 inline float max(float a, float b) { return fmaxf(a, b); }
+
+
+// ================================================================== the runtime
+// Compiled once per text of this file into a library of its own (fake_cupy.py defines CUDASIM_RUNTIME for it),
+// which every kernel file's library links against.
+#if defined(CUDASIM_RUNTIME)
+
+#include <random>
+
+uint3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+namespace cudasim {
+
+void fiber_main();
+
+Launch running_launch;
+
+#if defined(__x86_64__)
+[[noreturn]] void fiber_entry() {
+    fiber_main();
+    Launch& l = launch_state();
+    void* unused;
+    cudasim_switch(&unused, l.scheduler.sp);
+    __builtin_unreachable();
+}
+#endif
+
+// A fresh fiber that starts in fiber_main() on `stack` and goes back to the scheduler when it ends.
+void start_fiber(Context& c, char* stack, size_t size) {
+#if defined(__x86_64__)
+    auto* top = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15));
+    *--top = 0;                                                  // fiber_entry's return address: never used
+    *--top = reinterpret_cast<uint64_t>(&fiber_entry);           // where the first switch's ret goes
+    for (int i = 0; i < 6; ++i) *--top = 0;                      // rbp rbx r12-r15
+    c.sp = top;
+#else
+    Launch& l = launch_state();
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = &l.scheduler.uc;
+    makecontext(&c.uc, fiber_main, 0);
+#endif
+}
+
+std::string thread_name(const uint3& t) {
+    return "thread (" + std::to_string(t.x) + "," + std::to_string(t.y) + "," + std::to_string(t.z) + ") of block (" +
+           std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," + std::to_string(blockIdx.z) + ")";
+}
+
+// End the launch from inside a thread (the fiber is never resumed).
+[[noreturn]] void fail(const std::string& why) {
+    Launch& l = launch_state();
+    if (l.error.empty()) l.error = why;
+    Fiber& f = l.fibers[l.current];
+    f.state = State::done;
+    switch_to(f.context, l.scheduler);  // never resumed
+    __builtin_unreachable();
+}
+
+// A kernel thread touching unmapped memory (a wild index) ends the launch with an error naming the
+// thread and the address, instead of killing the process; a fault anywhere else keeps its default action.
+void on_fault(int sig, siginfo_t* info, void*) {
+    Launch& l = launch_state();
+    if (!l.in_fiber) {
+        signal(sig, SIG_DFL);  // not a kernel's: returning re-runs the access, which now ends the process
+        return;
+    }
+    char address[48];
+    if (info->si_addr == nullptr) std::snprintf(address, sizeof address, "an address the CPU refuses outright");
+    else std::snprintf(address, sizeof address, "%p", info->si_addr);
+    l.in_fiber = false;
+    fail(thread_name(threadIdx) + ": invalid memory access at " + address);
+}
+
+// Installs on_fault for one launch and puts back what was there (Python's faulthandler, say) after it.
+struct FaultGuard {
+    struct sigaction old_segv, old_bus;
+    FaultGuard() {
+        struct sigaction fault = {};
+        fault.sa_sigaction = on_fault;
+        fault.sa_flags = SA_SIGINFO | SA_NODEFER;  // not blocked after we leave the handler by a switch
+        sigemptyset(&fault.sa_mask);
+        sigaction(SIGSEGV, &fault, &old_segv);
+        sigaction(SIGBUS, &fault, &old_bus);
+    }
+    ~FaultGuard() {
+        sigaction(SIGSEGV, &old_segv, nullptr);
+        sigaction(SIGBUS, &old_bus, nullptr);
+    }
+};
+
+// Resume order of runnable threads and of blocks: 0 forward, 1 reverse, else a shuffle seeded by it.
+std::vector<int> visit_order(int n, unsigned long long order) {
+    std::vector<int> out(n);
+    for (int i = 0; i < n; ++i) out[i] = i;
+    if (order == 1) std::reverse(out.begin(), out.end());
+    if (order > 1) std::shuffle(out.begin(), out.end(), std::mt19937_64(order));
+    return out;
+}
+
+void fiber_main() {
+    Launch& l = launch_state();
+    l.body(l.kernel, l.args);
+    Fiber& f = l.fibers[l.current];
+    if (!f.async_copies.empty() && l.error.empty())
+        l.error = thread_name(f.index) + " exited with " + std::to_string(f.async_copies.size()) +
+                  " cp.async copies it never waited for (cp.async.wait_group)";
+    f.state = State::done;  // then back to the scheduler (fiber_entry, or uc_link)
+}
+
+// Release warp w's lanes waiting at a warp barrier if every lane they name has arrived. False if not.
+bool release_warp(int w, int n_threads) {
+    Launch& l = launch_state();
+    int first = -1;
+    for (int lane = 0; lane < 32 && w * 32 + lane < n_threads; ++lane)
+        if (l.fibers[w * 32 + lane].state == State::at_warp_barrier) { first = w * 32 + lane; break; }
+    if (first < 0) return false;
+    const unsigned mask = l.fibers[first].warp_mask;
+    for (int lane = 0; lane < 32; ++lane) {
+        if (!(mask >> lane & 1u)) continue;
+        const int t = w * 32 + lane;
+        if (t >= n_threads) {
+            l.error = thread_name(l.fibers[first].index) + ": warp synchronisation names lane " + std::to_string(lane) +
+                      ", which does not exist in a block of " + std::to_string(n_threads) + " threads";
+            return false;
+        }
+        const Fiber& f = l.fibers[t];
+        if (f.state == State::done) {
+            l.error = thread_name(l.fibers[first].index) + ": warp synchronisation waits for " + thread_name(f.index) +
+                      ", which has exited";
+            return false;
+        }
+        if (f.state != State::at_warp_barrier || f.warp_mask != mask) return false;
+    }
+    for (int lane = 0; lane < 32; ++lane)
+        if (mask >> lane & 1u) l.fibers[w * 32 + lane].state = State::runnable;
+    return true;
+}
+
+// Run warp w as far as it goes: its runnable lanes in `lanes` order, then its warp barriers as they
+// fill, until every lane waits at __syncthreads, has exited, or waits for a lane that cannot come.
+// One warp running ahead of the others is what exposes a missing __syncthreads: it overwrites shared
+// memory the others have not read yet, or reads what they have not written.
+bool run_warp(int w, const std::vector<int>& lanes, int n_threads) {
+    Launch& l = launch_state();
+    bool progressed = false;
+    for (;;) {
+        bool ran = false;
+        for (int lane : lanes) {
+            const int t = w * 32 + lane;
+            if (t >= n_threads || l.fibers[t].state != State::runnable) continue;
+            l.current = t;
+            threadIdx = l.fibers[t].index;
+            l.in_fiber = true;
+            switch_to(l.scheduler, l.fibers[t].context);
+            l.in_fiber = false;
+            ran = true;
+            if (!l.error.empty()) return true;
+        }
+        if (!ran && !release_warp(w, n_threads)) return progressed;
+        progressed = true;
+    }
+}
+
+std::string where_everyone_is(int n_threads) {
+    Launch& l = launch_state();
+    int counts[4] = {0, 0, 0, 0};
+    for (int t = 0; t < n_threads; ++t) counts[(int)l.fibers[t].state]++;
+    return std::to_string(counts[1]) + " at __syncthreads, " + std::to_string(counts[2]) +
+           " at a warp synchronisation, " + std::to_string(counts[3]) + " exited";
+}
+
+int run(const unsigned* grid, const unsigned* block, unsigned long long order, char* shared_begin, char* shared_end,
+        char* error, int error_size) {
+    Launch& l = launch_state();
+    const int n_threads = (int)(block[0] * block[1] * block[2]);
+    if (n_threads < 1 || n_threads > MAX_THREADS) {
+        std::snprintf(error, error_size, "block of %d threads (CUDA allows 1 to %d)", n_threads, MAX_THREADS);
+        return 1;
+    }
+    l.error.clear();
+    const FaultGuard fault_guard;
+    l.fibers.resize(n_threads);
+    while ((int)l.stacks.size() < n_threads) l.stacks.push_back(new char[STACK_ALLOCATION]);
+    blockDim = {block[0], block[1], block[2]};
+    gridDim = {grid[0], grid[1], grid[2]};
+    const long long n_blocks = (long long)grid[0] * grid[1] * grid[2];
+    const int n_warps = (n_threads + 31) / 32;
+    const std::vector<int> warps = visit_order(n_warps, order), lanes = visit_order(32, order);
+    for (long long bb = 0; bb < n_blocks; ++bb) {
+        const long long b = order == 0 ? bb : (order == 1 ? n_blocks - 1 - bb : (bb * 2654435761ll + order) % n_blocks);
+        blockIdx = {(unsigned)(b % grid[0]), (unsigned)(b / grid[0] % grid[1]), (unsigned)(b / grid[0] / grid[1])};
+        if (shared_begin != nullptr) std::memset(shared_begin, 0xFF, shared_end - shared_begin);
+        for (int t = 0; t < n_threads; ++t) {
+            Fiber& f = l.fibers[t];
+            f.state = State::runnable;
+            f.shuffles = 0;
+            f.gathers = 0;
+            f.async_copies.clear();
+            f.async_groups = 0;
+            f.index = {(unsigned)(t % block[0]), (unsigned)(t / block[0] % block[1]), (unsigned)(t / block[0] / block[1])};
+            start_fiber(f.context, l.stacks[t], STACK_BYTES + STACK_COLOUR * (t % STACK_COLOURS));
+        }
+        for (;;) {
+            bool progressed = false;
+            for (int w : warps) {
+                progressed |= run_warp(w, lanes, n_threads);
+                if (!l.error.empty()) break;
+            }
+            if (!l.error.empty()) break;
+            if (progressed) continue;
+            int at_block = 0, at_warp = 0, done = 0;
+            for (int t = 0; t < n_threads; ++t) {
+                at_block += l.fibers[t].state == State::at_block_barrier;
+                at_warp += l.fibers[t].state == State::at_warp_barrier;
+                done += l.fibers[t].state == State::done;
+            }
+            if (done == n_threads) break;
+            if (at_warp == 0 && at_block > 0) {
+                for (int t = 0; t < n_threads; ++t)
+                    if (l.fibers[t].state == State::at_block_barrier) l.fibers[t].state = State::runnable;
+                continue;
+            }
+            l.error = "deadlock in block (" + std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," +
+                      std::to_string(blockIdx.z) + "): " + where_everyone_is(n_threads);
+            break;
+        }
+        if (!l.error.empty()) {
+            std::snprintf(error, error_size, "%s", l.error.c_str());
+            return 1;
+        }
+    }
+    return 0;
+}
+
+}  // namespace cudasim
+
+#endif  // CUDASIM_RUNTIME

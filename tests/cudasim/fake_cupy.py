@@ -796,6 +796,27 @@ def _precompiled_header(header: str, flags: tuple[str, ...]) -> Path:
     return folder / "cudasim.h"
 
 
+def _runtime_library(header: str, flags: tuple[str, ...]) -> Path:
+    """cudasim.h's runtime (its CUDASIM_RUNTIME part), compiled once per text and flags into the cache as a
+    library that every kernel library links against by its path: loading a kernel library loads it, once
+    for the process, so all kernels share one scheduler, one launch state and one set of threadIdx and the
+    other built-in variables."""
+    key = hashlib.sha256("\0".join(["runtime", *flags, header]).encode()).hexdigest()[:24]
+    target = _cache_dir() / f"runtime-{key}.so"
+    if not target.exists():
+        with _file_lock(_cache_dir() / f"runtime-{key}.lock"):
+            if not target.exists():
+                work = Path(tempfile.mkdtemp(prefix="runtime-build-", dir=_cache_dir()))
+                (work / "runtime.cpp").write_text('#define CUDASIM_RUNTIME 1\n#include "cudasim.h"\n')
+                result = subprocess.run(["g++", *flags, f"-I{HERE}", str(work / "runtime.cpp"), "-o",
+                                         str(work / "out.so")], capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise RuntimeError(f"cudasim: g++ failed on the runtime:\n{result.stderr}")
+                os.replace(work / "out.so", target)
+                shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
 def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, list[str]]:
     """Compile `code` (what NVRTC would get) with g++ into a cached shared library."""
     names = _KERNEL.findall(code)
@@ -811,7 +832,8 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
     if not target.exists():
         with _file_lock(_cache_dir() / f"{key}.lock"):  # another process compiling it: wait for its library
             if not target.exists():
-                _compile(code, names, defines, flags, target, _precompiled_header(header, flags))
+                _compile(code, names, defines, flags, target, _precompiled_header(header, flags),
+                         _runtime_library(header, flags))
     with _compile_lock:
         if key not in _libraries:
             _libraries[key] = ctypes.CDLL(str(target))
@@ -819,7 +841,7 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
 
 
 def _compile(code: str, names: list[str], defines: list[str], flags: tuple[str, ...], target: Path,
-             prefix: Path) -> None:
+             prefix: Path, runtime: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="build-", dir=_cache_dir()))
     (work / "kernels.cuh").write_text(code)
     glue = ['#include "kernels.cuh"'] + [
@@ -830,7 +852,7 @@ def _compile(code: str, names: list[str], defines: list[str], flags: tuple[str, 
     (work / "glue.cpp").write_text("\n".join(glue) + "\n")
     partial = work / "out.so"
     result = subprocess.run(["g++", *flags, *defines, f"-I{HERE / 'include'}", f"-I{work}",
-                             "-include", str(prefix), str(work / "glue.cpp"), "-o", str(partial)],
+                             "-include", str(prefix), str(work / "glue.cpp"), str(runtime), "-o", str(partial)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"cudasim: g++ failed:\n{result.stderr}")
