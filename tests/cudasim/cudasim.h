@@ -154,6 +154,9 @@ struct Launch {
     std::vector<Fiber> fibers;
     std::vector<char*> stacks;
     int current = 0;
+    int n_threads = 0;
+    const int* lanes = nullptr;  // the warp's lanes in the order they run (XTRAIN_CUDASIM_ORDER), 32 of them
+    int lane_slot = 0;           // the running lane's place in `lanes`
     bool in_fiber = false;  // a kernel thread is running (a fault there is the kernel's)
     Context scheduler;
     void (*body)(void (*kernel)(), void** args);  // calls kernel with its arguments: launch()'s typed call
@@ -174,6 +177,7 @@ std::string thread_name(const uint3& t);
 [[noreturn]] void fail(const std::string& why);  // end the launch from inside a thread (never resumed)
 int run(const unsigned* grid, const unsigned* block, unsigned long long order, char* shared_begin, char* shared_end,
         char* error, int error_size);
+void give_way(Context& from);  // the running fiber, parked: on to the warp's next runnable lane, or the scheduler
 
 // Go from `from` to `to`, saving where `from` was.
 inline void switch_to(Context& from, Context& to) {
@@ -190,7 +194,7 @@ inline void wait(State state, unsigned mask = 0) {
     Fiber& f = l.fibers[l.current];
     f.state = state;
     f.warp_mask = mask;
-    switch_to(f.context, l.scheduler);  // back here when the scheduler resumes us (it sets threadIdx)
+    give_way(f.context);  // back here when this fiber is resumed (threadIdx set to its own again)
 }
 
 inline int linear_thread() { return launch_state().current; }
@@ -350,9 +354,8 @@ Launch running_launch;
 #if defined(__x86_64__)
 [[noreturn]] void fiber_entry() {
     fiber_main();
-    Launch& l = launch_state();
-    void* unused;
-    cudasim_switch(&unused, l.scheduler.sp);
+    Context unused;  // this fiber is never resumed
+    give_way(unused);
     __builtin_unreachable();
 }
 #endif
@@ -474,21 +477,45 @@ bool release_warp(int w, int n_threads) {
 // fill, until every lane waits at __syncthreads, has exited, or waits for a lane that cannot come.
 // One warp running ahead of the others is what exposes a missing __syncthreads: it overwrites shared
 // memory the others have not read yet, or reads what they have not written.
+// A pass over the warp's lanes hands over from lane to lane without the scheduler: a lane that parks (or
+// exits) switches straight to the next runnable lane of its warp in `lanes` order (give_way), and only the
+// last goes back. The order is the scheduler's own; each hand-over is one switch instead of two.
+void give_way(Context& from) {
+    Launch& l = launch_state();
+    if (l.error.empty()) {
+        const int warp_first = l.current - l.current % 32;
+        for (int slot = l.lane_slot + 1; slot < 32; ++slot) {
+            const int t = warp_first + l.lanes[slot];
+            if (t >= l.n_threads || l.fibers[t].state != State::runnable) continue;
+            l.lane_slot = slot;
+            l.current = t;
+            threadIdx = l.fibers[t].index;
+            switch_to(from, l.fibers[t].context);
+            return;
+        }
+    }
+    switch_to(from, l.scheduler);
+}
+
 bool run_warp(int w, const std::vector<int>& lanes, int n_threads) {
     Launch& l = launch_state();
+    l.lanes = lanes.data();
+    l.n_threads = n_threads;
     bool progressed = false;
     for (;;) {
         bool ran = false;
-        for (int lane : lanes) {
-            const int t = w * 32 + lane;
+        for (int slot = 0; slot < 32; ++slot) {
+            const int t = w * 32 + lanes[slot];
             if (t >= n_threads || l.fibers[t].state != State::runnable) continue;
+            l.lane_slot = slot;
             l.current = t;
             threadIdx = l.fibers[t].index;
             l.in_fiber = true;
-            switch_to(l.scheduler, l.fibers[t].context);
+            switch_to(l.scheduler, l.fibers[t].context);  // back when the pass's last lane gives way
             l.in_fiber = false;
             ran = true;
             if (!l.error.empty()) return true;
+            slot = l.lane_slot;  // the lanes up to there ran in this pass
         }
         if (!ran && !release_warp(w, n_threads)) return progressed;
         progressed = true;
