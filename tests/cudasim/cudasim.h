@@ -227,10 +227,12 @@ T shuffle(unsigned mask, T value, int source) {
 }
 
 // A warp-wide instruction's exchange: every lane of the warp parks `value`, they meet, and each gets the
-// 32 lanes' values, lane by lane. Buffers alternate as in shuffle(): a lane that has read may go on to
-// its next gather, and none can reach the one after (this buffer again) before every lane has read.
+// 32 lanes' slots, lane i's value at the start of slot i, read in place. Buffers alternate as in shuffle():
+// a lane that has read may go on to its next gather, and none can reach the one after (this buffer again)
+// before every lane has read; so the slots hold until the calling lane's own next gather.
+using Slots = const unsigned char (*)[64];
 template <typename T>
-std::array<T, 32> gather(const T& value) {
+Slots gather_slots(const T& value) {
     static_assert(sizeof(T) <= 64, "cudasim: a warp gather moves at most 64 bytes a lane");
     Launch& l = launch_state();
     const int me = linear_thread(), warp = me / 32, lane = me % 32;
@@ -238,8 +240,15 @@ std::array<T, 32> gather(const T& value) {
     const unsigned buffer = f.gathers++ & 1u;
     std::memcpy(l.wide_exchange[warp][buffer][lane], &value, sizeof(T));
     warp_barrier(0xffffffffu);
+    return l.wide_exchange[warp][buffer];
+}
+
+// The same exchange, each lane's value copied out: lane i's at [i].
+template <typename T>
+std::array<T, 32> gather(const T& value) {
+    const Slots slots = gather_slots(value);
     std::array<T, 32> all;
-    for (int i = 0; i < 32; ++i) std::memcpy(&all[i], l.wide_exchange[warp][buffer][i], sizeof(T));
+    for (int i = 0; i < 32; ++i) std::memcpy(&all[i], slots[i], sizeof(T));
     return all;
 }
 

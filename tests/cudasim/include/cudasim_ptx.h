@@ -54,21 +54,35 @@ inline unsigned short element(const void* row, int column) {
 }  // namespace cudasim_ptx
 
 inline void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
-    struct Fragments { unsigned a[4], b[2]; float c[4]; };
+    struct Fragments { unsigned a[4], b[2]; };
     Fragments mine;
     std::memcpy(mine.a, a, sizeof mine.a);
     std::memcpy(mine.b, b, sizeof mine.b);
-    std::memcpy(mine.c, c, sizeof mine.c);
-    const std::array<Fragments, 32> all = cudasim::gather(mine);
+    const cudasim::Slots slots = cudasim::gather_slots(mine);
     const int lane = cudasim::linear_thread() % 32, g = lane / 4, t = lane % 4;
     // A[r][k] is in lane (r % 8) * 4 + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2;
     // B[k][n] in lane n * 4 + (k % 8) / 2, register k >= 8, half k % 2.
-    auto A = [&](int r, int k) { return cudasim_ptx::bf16_at(all[(r % 8) * 4 + (k % 8) / 2].a[(r >= 8) + 2 * (k >= 8)], k % 2); };
-    auto B = [&](int k, int n) { return cudasim_ptx::bf16_at(all[n * 4 + (k % 8) / 2].b[k >= 8], k % 2); };
-    for (int e = 0; e < 4; ++e) {
-        const int r = g + 8 * (e / 2), n = 2 * t + e % 2;
-        float acc = mine.c[e];
-        for (int k = 0; k < 16; ++k) acc += A(r, k) * B(k, n);
+    // This lane's d holds rows g and g + 8 of columns 2t and 2t + 1: the two rows of A and two columns of B,
+    // each from the 4 lanes q of its group of 4, k = 2q + half below 8 and 8 + 2q + half above.
+    float rows[2][16], columns[2][16];
+    for (int q = 0; q < 4; ++q) {
+        Fragments row, column[2];
+        std::memcpy(&row, slots[g * 4 + q], sizeof row);
+        std::memcpy(&column[0], slots[2 * t * 4 + q], sizeof column[0]);
+        std::memcpy(&column[1], slots[(2 * t + 1) * 4 + q], sizeof column[1]);
+        for (int half = 0; half < 2; ++half) {
+            const int k = 2 * q + half;
+            for (int i = 0; i < 2; ++i) {
+                rows[i][k] = cudasim_ptx::bf16_at(row.a[i], half);
+                rows[i][8 + k] = cudasim_ptx::bf16_at(row.a[i + 2], half);
+                columns[i][k] = cudasim_ptx::bf16_at(column[i].b[0], half);
+                columns[i][8 + k] = cudasim_ptx::bf16_at(column[i].b[1], half);
+            }
+        }
+    }
+    for (int e = 0; e < 4; ++e) {  // e: row g + 8 (e / 2), column 2t + e % 2
+        float acc = c[e];
+        for (int k = 0; k < 16; ++k) acc += rows[e / 2][k] * columns[e % 2][k];
         d[e] = acc;
     }
 }
