@@ -134,8 +134,8 @@ struct Fiber {
     Context context;
     State state;
     unsigned warp_mask;   // the lanes a warp synchronisation waits for
-    unsigned shuffles;    // shuffles done: selects the exchange buffer (see shuffle())
-    unsigned gathers;     // warp gathers done: selects the wide exchange buffer (see gather())
+    unsigned shuffles;    // shuffles done: selects the exchange buffer (see exchange())
+    unsigned gathers;     // warp gathers done: selects the wide exchange buffer (see exchange())
     std::vector<AsyncCopy> async_copies;  // cp.async copies not yet waited for
     unsigned async_groups;                // cp.async.commit_group calls so far
     uint3 index;
@@ -206,41 +206,42 @@ inline void warp_barrier(unsigned mask) {
     wait(State::at_warp_barrier, mask);
 }
 
+// The meeting of shuffles and warp gathers: this lane parks `bytes` of `value` in its slot of one of the
+// warp's two buffers, the lanes of `mask` meet, and the buffer's 32 slots are returned, to be read in place.
+// The buffers alternate (`count`: this lane's exchanges of this kind so far), so a lane that has read may go
+// on to its next exchange, writing the other buffer, while slower lanes still read this one; it cannot get two
+// ahead, because the next meeting waits for every lane. So the slots hold until this lane's next exchange.
+template <size_t N>
+const unsigned char (*exchange(unsigned char (&buffers)[MAX_THREADS / 32][2][32][N], unsigned& count,
+                               const void* value, size_t bytes, unsigned mask))[N] {
+    const int me = linear_thread();
+    unsigned char (&slots)[32][N] = buffers[me / 32][count++ & 1u];
+    std::memcpy(slots[me % 32], value, bytes);
+    warp_barrier(mask);
+    return slots;
+}
+
 // A shuffle: every lane of the mask parks its value, they meet, each reads its source lane's value.
-// Two buffers alternate, so a lane that has read may go on to its next shuffle (and write the other
-// buffer) while slower lanes still read this one; it cannot get two shuffles ahead, because the next
-// shuffle's meeting waits for every lane.
 template <typename T>
 T shuffle(unsigned mask, T value, int source) {
     static_assert(sizeof(T) <= 8, "cudasim: shuffles move at most 8 bytes");
     Launch& l = launch_state();
-    const int me = linear_thread(), warp = me / 32, lane = me % 32;
-    Fiber& f = l.fibers[me];
-    const unsigned buffer = f.shuffles++ & 1u;
-    std::memcpy(l.exchange[warp][buffer][lane], &value, sizeof(T));
-    warp_barrier(mask);
+    const auto slots = exchange(l.exchange, l.fibers[linear_thread()].shuffles, &value, sizeof(T), mask);
     if (!(mask >> source & 1u))
         fail(thread_name(threadIdx) + ": shuffle reads lane " + std::to_string(source) + ", which is not in the mask");
     T out;
-    std::memcpy(&out, l.exchange[warp][buffer][source], sizeof(T));
+    std::memcpy(&out, slots[source], sizeof(T));
     return out;
 }
 
 // A warp-wide instruction's exchange: every lane of the warp parks `value`, they meet, and each gets the
-// 32 lanes' slots, lane i's value at the start of slot i, read in place. Buffers alternate as in shuffle():
-// a lane that has read may go on to its next gather, and none can reach the one after (this buffer again)
-// before every lane has read; so the slots hold until the calling lane's own next gather.
+// 32 lanes' slots, lane i's value at the start of slot i, read in place until its next gather.
 using Slots = const unsigned char (*)[64];
 template <typename T>
 Slots gather_slots(const T& value) {
     static_assert(sizeof(T) <= 64, "cudasim: a warp gather moves at most 64 bytes a lane");
     Launch& l = launch_state();
-    const int me = linear_thread(), warp = me / 32, lane = me % 32;
-    Fiber& f = l.fibers[me];
-    const unsigned buffer = f.gathers++ & 1u;
-    std::memcpy(l.wide_exchange[warp][buffer][lane], &value, sizeof(T));
-    warp_barrier(0xffffffffu);
-    return l.wide_exchange[warp][buffer];
+    return exchange(l.wide_exchange, l.fibers[linear_thread()].gathers, &value, sizeof(T), 0xffffffffu);
 }
 
 // The same exchange, each lane's value copied out: lane i's at [i].
