@@ -24,8 +24,6 @@ import pytest
 from xtrain_dist.config import TrainConfig
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
-from xtrain_dist.eval.hellaswag import Example, eval_file_chunks
-from xtrain_dist.files import write_atomic
 from xtrain_dist.train.job import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,15 +86,9 @@ def reaped(procs: list):
 @pytest.fixture(scope="module")
 def hellaswag_file(tmp_path_factory):
     """13 examples of random ids, for --hellaswag: 4 ranks score 4, 3, 3 and 3 of them."""
-    rng = np.random.default_rng(0)
+    from test_hellaswag import random_examples, write
 
-    def ids(n):
-        return rng.integers(0, 4096, size=n).astype(np.int32)
-
-    examples = [Example(i, i % 4, ids(6 + i % 5), tuple(ids(2 + k) for k in range(4))) for i in range(13)]
-    path = tmp_path_factory.mktemp("hellaswag") / "hs.bin"
-    write_atomic(path, eval_file_chunks(examples), "test")
-    return path
+    return write(tmp_path_factory.mktemp("hellaswag") / "hs.bin", random_examples(13, seed=0))
 
 
 @pytest.fixture(scope="module")

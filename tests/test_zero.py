@@ -236,17 +236,9 @@ def test_the_command_line_refuses_zero3_beside_tp_in_one_line():
 def test_zero3_scores_hellaswag_and_draws_samples_as_zero1_does(corpus, tmp_path):
     """13 examples over 3 ranks: 5, 4 and 4, so the ranks run different numbers of passes, and the ranks that
     run fewer must still take part in each gather; every rank draws rank 0's sample beside it."""
-    from xtrain_dist.eval.hellaswag import Example, eval_file_chunks
-    from xtrain_dist.files import write_atomic
+    from test_hellaswag import random_examples, write
 
-    rng = np.random.default_rng(0)
-
-    def ids(n):
-        return rng.integers(0, corpus.vocab_size, size=n).astype(np.int32)
-
-    examples = [Example(i, i % 4, ids(6 + i % 5), tuple(ids(2 + k) for k in range(4))) for i in range(13)]
-    path = tmp_path / "hs.bin"
-    write_atomic(path, eval_file_chunks(examples), "test")
+    path = write(tmp_path / "hs.bin", random_examples(13, seed=0))
     kw = {"steps": 2, "hellaswag": str(path), "sample_every": 2, "sample_tokens": 4}
     sharded, whole = run(corpus, 3, zero=3, **kw), run(corpus, 3, zero=1, **kw)
     assert sharded["hellaswag"] == whole["hellaswag"] and sharded["samples"] == whole["samples"] != []
