@@ -773,6 +773,26 @@ def _file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _made_once(target: Path, make) -> None:
+    """make() creates `target` in the cache unless it is there, under a lock beside it (_file_lock): where
+    another process is making the same one, this waits for it."""
+    if not target.exists():
+        with _file_lock(target.with_name(target.name + ".lock")):
+            if not target.exists():
+                make()
+
+
+def _gxx_library(arguments: list[str], work: Path, target: Path, what: str = "") -> None:
+    """g++ `arguments` into a library in `work`, moved to `target` (atomic: a concurrent build of the same text
+    writes the same bytes); then `work` goes (#line directives point a debugger at kernels/ itself)."""
+    partial = work / "out.so"
+    result = subprocess.run(["g++", *arguments, "-o", str(partial)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"cudasim: g++ failed{what}:\n{result.stderr}")
+    os.replace(partial, target)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def _precompiled_header(header: str, flags: tuple[str, ...]) -> Path:
     """cudasim.h, precompiled once per text (its own and the headers it includes, `header`) and flags into
     the cache (<key>/cudasim.h beside its .gch), for `-include`: g++ spends most of a small kernel file's
@@ -781,19 +801,20 @@ def _precompiled_header(header: str, flags: tuple[str, ...]) -> Path:
     not, so a stale or foreign one costs time, not bits."""
     key = hashlib.sha256("\0".join([*flags, header]).encode()).hexdigest()[:24]
     folder = _cache_dir() / f"pch-{key}"
-    if not (folder / "cudasim.h.gch").exists():
-        with _file_lock(_cache_dir() / f"pch-{key}.lock"):
-            if not (folder / "cudasim.h.gch").exists():
-                work = Path(tempfile.mkdtemp(prefix="pch-build-", dir=_cache_dir()))
-                shutil.copy(HERE / "cudasim.h", work / "cudasim.h")
-                result = subprocess.run(["g++", *(f for f in flags if f != "-shared"), "-x", "c++-header",
-                                         f"-I{HERE / 'include'}", str(work / "cudasim.h"), "-o",
-                                         str(work / "cudasim.h.gch")], capture_output=True, text=True)
-                if result.returncode != 0:  # no precompiled header: the plain one
-                    shutil.rmtree(work, ignore_errors=True)
-                    return HERE / "cudasim.h"
-                os.replace(work, folder)  # atomic: the header appears with its .gch beside it
-    return folder / "cudasim.h"
+
+    def make():
+        work = Path(tempfile.mkdtemp(prefix="pch-build-", dir=_cache_dir()))
+        shutil.copy(HERE / "cudasim.h", work / "cudasim.h")
+        result = subprocess.run(["g++", *(f for f in flags if f != "-shared"), "-x", "c++-header",
+                                 f"-I{HERE / 'include'}", str(work / "cudasim.h"), "-o",
+                                 str(work / "cudasim.h.gch")], capture_output=True, text=True)
+        if result.returncode != 0:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            os.replace(work, folder)  # atomic: the header appears with its .gch beside it
+
+    _made_once(folder, make)
+    return folder / "cudasim.h" if folder.exists() else HERE / "cudasim.h"  # no precompiled header: the plain one
 
 
 def _runtime_library(header: str, flags: tuple[str, ...]) -> Path:
@@ -803,17 +824,13 @@ def _runtime_library(header: str, flags: tuple[str, ...]) -> Path:
     other built-in variables."""
     key = hashlib.sha256("\0".join(["runtime", *flags, header]).encode()).hexdigest()[:24]
     target = _cache_dir() / f"runtime-{key}.so"
-    if not target.exists():
-        with _file_lock(_cache_dir() / f"runtime-{key}.lock"):
-            if not target.exists():
-                work = Path(tempfile.mkdtemp(prefix="runtime-build-", dir=_cache_dir()))
-                (work / "runtime.cpp").write_text('#define CUDASIM_RUNTIME 1\n#include "cudasim.h"\n')
-                result = subprocess.run(["g++", *flags, f"-I{HERE}", str(work / "runtime.cpp"), "-o",
-                                         str(work / "out.so")], capture_output=True, text=True)
-                if result.returncode != 0:
-                    raise RuntimeError(f"cudasim: g++ failed on the runtime:\n{result.stderr}")
-                os.replace(work / "out.so", target)
-                shutil.rmtree(work, ignore_errors=True)
+
+    def make():
+        work = Path(tempfile.mkdtemp(prefix="runtime-build-", dir=_cache_dir()))
+        (work / "runtime.cpp").write_text('#define CUDASIM_RUNTIME 1\n#include "cudasim.h"\n')
+        _gxx_library([*flags, f"-I{HERE}", str(work / "runtime.cpp")], work, target, " on the runtime")
+
+    _made_once(target, make)
     return target
 
 
@@ -829,11 +846,8 @@ def _shared_library(code: str, options: tuple[str, ...]) -> tuple[ctypes.CDLL, l
         if key in _libraries:
             return _libraries[key], names
     target = _cache_dir() / f"{key}.so"
-    if not target.exists():
-        with _file_lock(_cache_dir() / f"{key}.lock"):  # another process compiling it: wait for its library
-            if not target.exists():
-                _compile(code, names, defines, flags, target, _precompiled_header(header, flags),
-                         _runtime_library(header, flags))
+    _made_once(target, lambda: _compile(code, names, defines, flags, target, _precompiled_header(header, flags),
+                                        _runtime_library(header, flags)))
     with _compile_lock:
         if key not in _libraries:
             _libraries[key] = ctypes.CDLL(str(target))
@@ -850,14 +864,8 @@ def _compile(code: str, names: list[str], defines: list[str], flags: tuple[str, 
         f'extern "C" const char* cudasim_signature_{n}() {{ static const std::string s = '
         f'cudasim::signature({n}); return s.c_str(); }}' for n in names]
     (work / "glue.cpp").write_text("\n".join(glue) + "\n")
-    partial = work / "out.so"
-    result = subprocess.run(["g++", *flags, *defines, f"-I{HERE / 'include'}", f"-I{work}",
-                             "-include", str(prefix), str(work / "glue.cpp"), str(runtime), "-o", str(partial)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"cudasim: g++ failed:\n{result.stderr}")
-    os.replace(partial, target)  # atomic: a concurrent compile of the same text writes the same bytes
-    shutil.rmtree(work, ignore_errors=True)  # #line directives point a debugger at kernels/ itself
+    _gxx_library([*flags, *defines, f"-I{HERE / 'include'}", f"-I{work}", "-include", str(prefix),
+                  str(work / "glue.cpp"), str(runtime)], work, target)
 
 
 _CTYPES = {"i4": ctypes.c_int32, "i8": ctypes.c_int64, "u4": ctypes.c_uint32, "u8": ctypes.c_uint64,
