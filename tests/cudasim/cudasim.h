@@ -188,7 +188,8 @@ inline void switch_to(Context& from, Context& to) {
 #endif
 }
 
-// Park the running fiber in `state` and go back to the scheduler; returns when it is resumed.
+// Park the running fiber in `state` and give way (to the warp's next runnable lane, or the scheduler);
+// returns when it is resumed.
 inline void wait(State state, unsigned mask = 0) {
     Launch& l = launch_state();
     Fiber& f = l.fibers[l.current];
@@ -451,7 +452,7 @@ void fiber_main() {
     if (!f.async_copies.empty() && l.error.empty())
         l.error = thread_name(f.index) + " exited with " + std::to_string(f.async_copies.size()) +
                   " cp.async copies it never waited for (cp.async.wait_group)";
-    f.state = State::done;  // then back to the scheduler (fiber_entry, or uc_link)
+    f.state = State::done;  // then on to the warp's next lane (fiber_entry), or back to the scheduler (uc_link)
 }
 
 // Release warp w's lanes waiting at a warp barrier if every lane they name has arrived. False if not.
@@ -483,13 +484,9 @@ bool release_warp(int w, int n_threads) {
     return true;
 }
 
-// Run warp w as far as it goes: its runnable lanes in `lanes` order, then its warp barriers as they
-// fill, until every lane waits at __syncthreads, has exited, or waits for a lane that cannot come.
-// One warp running ahead of the others is what exposes a missing __syncthreads: it overwrites shared
-// memory the others have not read yet, or reads what they have not written.
-// A pass over the warp's lanes hands over from lane to lane without the scheduler: a lane that parks (or
-// exits) switches straight to the next runnable lane of its warp in `lanes` order (give_way), and only the
-// last goes back. The order is the scheduler's own; each hand-over is one switch instead of two.
+// A pass over a warp's lanes hands over from lane to lane without the scheduler: a lane that parks (or
+// exits) switches straight to the next runnable lane of its warp in `lanes` order, and only the last goes
+// back. The order is the scheduler's own (run_warp's); each hand-over is one switch instead of two.
 void give_way(Context& from) {
     Launch& l = launch_state();
     if (l.error.empty()) {
@@ -507,10 +504,12 @@ void give_way(Context& from) {
     switch_to(from, l.scheduler);
 }
 
+// Run warp w as far as it goes: its runnable lanes in `lanes` order, then its warp barriers as they
+// fill, until every lane waits at __syncthreads, has exited, or waits for a lane that cannot come.
+// One warp running ahead of the others is what exposes a missing __syncthreads: it overwrites shared
+// memory the others have not read yet, or reads what they have not written.
 bool run_warp(int w, const std::vector<int>& lanes, int n_threads) {
     Launch& l = launch_state();
-    l.lanes = lanes.data();
-    l.n_threads = n_threads;
     bool progressed = false;
     for (;;) {
         bool ran = false;
@@ -557,6 +556,8 @@ int run(const unsigned* grid, const unsigned* block, unsigned long long order, c
     const long long n_blocks = (long long)grid[0] * grid[1] * grid[2];
     const int n_warps = (n_threads + 31) / 32;
     const std::vector<int> warps = visit_order(n_warps, order), lanes = visit_order(32, order);
+    l.lanes = lanes.data();  // for give_way, this launch's
+    l.n_threads = n_threads;
     for (long long bb = 0; bb < n_blocks; ++bb) {
         const long long b = order == 0 ? bb : (order == 1 ? n_blocks - 1 - bb : (bb * 2654435761ll + order) % n_blocks);
         blockIdx = {(unsigned)(b % grid[0]), (unsigned)(b / grid[0] % grid[1]), (unsigned)(b / grid[0] / grid[1])};
