@@ -22,6 +22,7 @@ cupy = pytest.importorskip("cupy")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
+import small_vocab  # noqa: E402
 from bf16_cases import SHAPES, assert_bf16_close, cases, upload  # noqa: E402
 from dropout_cases import DROPOUT_SHAPES, check_dropout_bitwise  # noqa: E402
 
@@ -29,7 +30,6 @@ from xtrain_dist.backend.cuda import attention as cuda_attention  # noqa: E402
 from xtrain_dist.backend.cuda.ops import CudaBackend  # noqa: E402
 from xtrain_dist.backend.numpy_ops import NumpyBackend, bf16_bits  # noqa: E402
 from xtrain_dist.config import TrainConfig, model_config  # noqa: E402
-from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus  # noqa: E402
 from xtrain_dist.model import GPT2  # noqa: E402
 from xtrain_dist.precision import bf16_ulp  # noqa: E402
 
@@ -321,7 +321,7 @@ def test_tiny_model_bf16_loss_and_gradients_match_numpy_bf16(be, rng, request, m
 
 @pytest.fixture(scope="module")
 def corpus():
-    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    return small_vocab.corpus()  # 512 ids: the simulator's time (tests/small_vocab.py)
 
 
 def _train(corpus, **kw):

@@ -20,6 +20,7 @@ cupy = pytest.importorskip("cupy")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_device_memory")]  # conftest: skip without a GPU
 
+import small_vocab  # noqa: E402
 from dropout_cases import DROPOUT_SHAPES, check_dropout_bitwise, dropout_site  # noqa: E402
 
 from xtrain_dist.backend import numpy_ops as ref  # noqa: E402
@@ -1040,16 +1041,16 @@ def test_hellaswag_scores_follow_numpy(be, rng):
 
 # The training tests' global batch and sequence length: each compares runs (to the bit, or to numpy's within a
 # bound that holds at any size), and on the CPU simulator every token of every step costs (the classifier's
-# softmax over 4096 logits a token the most), so the batch is small.
+# softmax over the vocabulary's logits a token the most), so the batch is small, and the vocabulary 512 ids
+# (tests/small_vocab.py).
 BATCH, SEQ = 4, 32
 
 
 def _train(log=lambda line: None, stop=None, **kw):
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
     from xtrain_dist.train.job import train
 
-    corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    corpus = small_vocab.corpus()
     # few steps of BATCH x SEQ (above), standard attention and cuBLAS: the paths these tests were written for, not
     # the GPU's defaults (tests/test_cudnn_attention.py has those)
     cfg = TrainConfig(**{"steps": 4, "batch": BATCH, "seq": SEQ, "model": "tiny", "seed": 3, "attention": "standard",
@@ -1180,14 +1181,13 @@ def test_a_cuda_run_gives_each_steps_mfu_against_its_gpus_peak(tmp_path, monkeyp
     mean nothing here but their arithmetic; bin/bench_gpu measures the real MFU."""
     from xtrain_dist.backend.cuda.device import device_name
     from xtrain_dist.config import TrainConfig, model_config
-    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
     from xtrain_dist.profile import nanogpt_flops_per_token
     from xtrain_dist.train import job
     from xtrain_dist.train.metrics import read
 
     asked = []
     monkeypatch.setattr(job, "peak_for", lambda name: asked.append(name) or {"fp32": 1, "tf32": 2, "bf16": 1e-4})
-    corpus, lines = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS), []
+    corpus, lines = small_vocab.corpus(), []
     cfg = TrainConfig(steps=3, batch=8, seq=64, seed=3, backend="cuda", world_size=2, dtype="bf16", eval_batches=0,
                       metrics=str(tmp_path / "m.jsonl")).resolved()
     report = job.train(cfg, corpus, log=lines.append)
@@ -1265,12 +1265,11 @@ def test_a_cuda_checkpoint_evaluates_and_samples_as_on_numpy(be, tmp_path):
     where numpy's top two logits are a near tie)."""
     from xtrain_dist.backend import numpy_ops
     from xtrain_dist.comm.local import LocalGroup
-    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
     from xtrain_dist.eval.evaluate import Evaluator
     from xtrain_dist.eval.sample import generate, load
 
     _train(backend="cuda", steps=4, lr=1e-2, save_dir=str(tmp_path / "ck"), eval_batches=0)  # away from its init
-    corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    corpus = small_vocab.corpus()
     (cpu, tokenizer, _), (gpu, _, _) = load(tmp_path / "ck", numpy_ops), load(tmp_path / "ck", be)
     losses = [Evaluator(corpus.val, 8, 64, 3, 0, 1, m.ops).loss(m, LocalGroup(1).communicator(0)) for m in (cpu, gpu)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
@@ -1429,7 +1428,7 @@ def test_zero_3_on_two_virtual_ranks_scores_hellaswag_and_samples_as_zero_1_does
     drawn on every rank beside rank 0's give ZeRO-1's scores and text."""
     from test_hellaswag import random_examples, write
 
-    path = write(tmp_path / "hs.bin", random_examples(5, seed=0))
+    path = write(tmp_path / "hs.bin", random_examples(5, seed=0, vocab=small_vocab.corpus().vocab_size))
     kw = dict(backend="cuda", world_size=2, steps=2, eval_batches=1, grad_sync="bucketed", hellaswag=str(path),
               sample_every=2, sample_tokens=4)
     sharded, whole = _train(zero=3, **kw), _train(zero=1, **kw)
@@ -1506,7 +1505,8 @@ def test_pipeline_parallel_on_two_virtual_ranks_follows_numpy_world_one(dtype):
     # rank 0 sends 2 micro-batches of BATCH / 2 x SEQ x 64 activations (2 bytes each in bf16), wte's gradient
     # (float32) and the gradient norm's float32
     act_bytes = 4 if dtype == "fp32" else 2
-    assert cuda["comm_bytes_per_step"]["pp"] == BATCH * SEQ * 64 * act_bytes + 4096 * 64 * 4 + 4
+    vocab = small_vocab.corpus().vocab_size
+    assert cuda["comm_bytes_per_step"]["pp"] == BATCH * SEQ * 64 * act_bytes + vocab * 64 * 4 + 4
     assert any("runs without CUDA graphs: the in-process communicator of virtual ranks" in line
                for line in lines), lines
 

@@ -299,11 +299,12 @@ def test_cudnn_on_the_backend_without_the_package_is_one_line(monkeypatch):
 def test_two_virtual_ranks_train_with_cudnn_attention_like_numpy_and_bitwise_alike():
     """A training step (small: 64-channel heads) at two virtual ranks with --attention cudnn: ranks end on
     the same bits, and the losses follow numpy's flash attention in bf16 (the same bits on the simulator)."""
+    from small_vocab import corpus as small_vocab_corpus
+
     from xtrain_dist.config import TrainConfig
-    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
     from xtrain_dist.train.job import train
 
-    corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    corpus = small_vocab_corpus()  # 512 ids: the simulator's time (tests/small_vocab.py)
     lines = []
 
     def run(**kw):

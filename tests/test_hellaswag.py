@@ -33,13 +33,14 @@ def corpus():
     return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
 
 
-def random_examples(n: int, seed: int, completions: int = 4, max_ctx: int = 20, max_completion: int = 9):
-    """Examples of random ids, contexts of 1..max_ctx ids and completions of 1..max_completion: the
+def random_examples(n: int, seed: int, completions: int = 4, max_ctx: int = 20, max_completion: int = 9,
+                    vocab: int = VOCAB):
+    """Examples of random ids below `vocab`, contexts of 1..max_ctx ids and completions of 1..max_completion: the
     shortest cases (one context id, one completion id) come up too."""
     rng = np.random.default_rng(seed)
 
     def ids(most):
-        return rng.integers(0, VOCAB, size=int(rng.integers(1, most + 1)), dtype=np.int32)
+        return rng.integers(0, vocab, size=int(rng.integers(1, most + 1)), dtype=np.int32)
 
     return [Example(i, int(rng.integers(0, completions)), ids(max_ctx),
                     tuple(ids(max_completion) for _ in range(completions))) for i in range(n)]

@@ -54,10 +54,12 @@ def has_cuda_backend():
         return False
 
 
-def shipped_corpus():
-    from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
+def training_corpus():
+    """What the training tests here train on: each compares runs with each other, at 512 ids for the
+    simulator's time (tests/small_vocab.py)."""
+    from small_vocab import corpus
 
-    return Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
+    return corpus()
 
 
 def free_port():
@@ -167,7 +169,7 @@ def test_world1_training_over_nccl_has_the_bits_of_the_in_process_communicator()
 
     def job(comm):  # 4 x 32 tokens and 4 steps, as the training tests of test_cuda_ops.py: the simulator's time
         cfg = TrainConfig(steps=4, batch=4, seq=32, seed=3, backend="cuda", comm=comm).resolved()
-        return train(cfg, shipped_corpus(), log=lambda line: None)
+        return train(cfg, training_corpus(), log=lambda line: None)
 
     nccl, local = job("nccl"), job("local")
     assert nccl["param_sha256"] == local["param_sha256"]
@@ -185,7 +187,7 @@ def test_two_gpu_training_over_nccl_follows_numpy():
     for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}, {"zero": 3, "grad_sync": "bucketed"}):
         def job(backend, options=options):
             cfg = TrainConfig(steps=4, batch=4, seq=32, seed=3, backend=backend, world_size=2, **options).resolved()
-            return train(cfg, shipped_corpus(), log=lambda line: None)
+            return train(cfg, training_corpus(), log=lambda line: None)
 
         nccl, reference = job("cuda"), job("numpy")
         assert nccl["launch"]["comm"] == "nccl"  # a GPU per rank: NCCL, not the in-process communicator
@@ -206,7 +208,7 @@ def test_two_gpu_steps_replayed_from_cuda_graphs_keep_the_bits():
         def job(mode, options=options):
             cfg = TrainConfig(steps=4, batch=4, seq=32, seed=3, backend="cuda", world_size=2, eval_batches=0,
                               cuda_graph=mode, **options).resolved()
-            return train(cfg, shipped_corpus(), log=lambda line: None)
+            return train(cfg, training_corpus(), log=lambda line: None)
 
         graph, off = job("auto"), job("off")
         assert graph["launch"]["comm"] == "nccl"
@@ -231,7 +233,7 @@ def test_a_step_over_nccl_copies_the_batch_in_and_one_array_out():
         fake_cupy.host_traffic_by_thread.clear()
         cfg = TrainConfig(steps=3, batch=4, seq=32, seed=3, backend="cuda", world_size=2, grad_accum=2,
                           eval_batches=0, **options).resolved()
-        assert train(cfg, shipped_corpus(), log=lambda line: None)["launch"]["comm"] == "nccl"
+        assert train(cfg, training_corpus(), log=lambda line: None)["launch"]["comm"] == "nccl"
         for rank in ("rank0", "rank1"):
             log = " ".join(fake_cupy.host_traffic_by_thread[rank])
             assert re.fullmatch(fake_cupy.training_traffic(steps=3, uploads=6), log), (options, rank, log)

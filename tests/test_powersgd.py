@@ -272,8 +272,14 @@ def test_the_cuda_backend_trains_as_numpy_does_on_the_simulator(tmp_path):
     import subprocess
     import sys
 
+    from small_vocab import TOKENIZER_512
+
+    from xtrain_dist.data.corpus import DEFAULT_CORPUS
+
     root = Path(__file__).resolve().parents[1]
-    command = ["-m", "xtrain_dist.train_ddp", "3", "4", "16", "--model", "tiny", "--world-size", "2",
+    # 512 ids, for the simulator's time (tests/small_vocab.py)
+    command = ["-m", "xtrain_dist.train_ddp", "3", "4", "16", str(TOKENIZER_512), str(DEFAULT_CORPUS),
+               "--model", "tiny", "--world-size", "2",
                "--grad-compress", "powersgd", "--powersgd-start-step", "1", "--powersgd-rank", "2",
                "--eval-batches", "0"]  # no evaluation: 20 held-out batches were two thirds of each simulated run
     reports = {}
