@@ -68,6 +68,34 @@ def pytest_configure(config):
         root = Path(__file__).resolve().parent.parent
         for folder in ("xtrain_dist", "tests"):
             compileall.compile_dir(root / folder, quiet=2, workers=1)
+    if not hasattr(config, "workerinput"):
+        _rewrite_test_modules_once(config)
+
+
+def _rewrite_test_modules_once(config) -> None:
+    """pytest rewrites the asserts of every test module it imports, and keeps the result beside it (a pyc of its
+    own) unless Python is told not to write bytecode. pytest-xdist's workers each collect the whole suite at
+    once, so on a fresh clone each rewrote all of it, as did every pytest a test starts (the simulator's, the
+    GPU session's): 5 CPU-seconds a collection, 13 in all. The suite's first process writes those pycs once;
+    every process reads them (pytest checks each against its source's hash), whatever that variable says.
+    Through pytest's own functions, which are not public: where they are not what this expects, nothing is
+    written and each process rewrites as before."""
+    try:
+        from _pytest.assertion import rewrite
+
+        state = config.stash[rewrite.assertstate_key]
+        if getattr(state, "mode", None) != "rewrite":
+            return
+        for source in sorted(Path(__file__).resolve().parent.glob("*.py")):
+            if not (source.name.startswith("test_") or source.name == "conftest.py"):
+                continue  # what pytest rewrites: test modules and conftest.py
+            pyc = rewrite.get_cache_dir(source) / (source.stem + rewrite.PYC_TAIL)
+            if rewrite._read_pyc(source, pyc) is None:
+                pyc.parent.mkdir(exist_ok=True)
+                source_hash, code = rewrite._rewrite_test(source, config)
+                rewrite._write_pyc(state, code, source_hash, pyc)
+    except (ImportError, AttributeError, KeyError, TypeError, OSError):
+        return
 
 
 def pytest_report_header(config):

@@ -2,6 +2,7 @@
 here through TFRecord framing checked by a CRC-32C of our own (TensorBoard's reader checks the same), and
 without tensorboardX the option is one line saying what to install."""
 
+import importlib.util
 import json
 import os
 import struct
@@ -15,8 +16,10 @@ from xtrain_dist.config import TrainConfig
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.train.job import train
 
-event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2",
-                                reason="tensorboardX is not installed (pip install -e '.[tensorboard]')")
+# looked for, not imported: tensorboardX imports PyTorch where it is installed (4 CPU-seconds), which every
+# pytest-xdist worker would pay for at collection; the one test that reads events imports it
+if importlib.util.find_spec("tensorboardX") is None:
+    pytest.skip("tensorboardX is not installed (pip install -e '.[tensorboard]')", allow_module_level=True)
 
 
 def _crc32c_table() -> list[int]:
@@ -66,6 +69,8 @@ def test_crc32c_is_castagnoli_s():
 
 
 def test_the_event_file_holds_every_number_of_every_metrics_record(tmp_path):
+    from tensorboardX.proto import event_pb2
+
     corpus = Corpus.load(DEFAULT_TOKENIZER, DEFAULT_CORPUS)
     cfg = TrainConfig(steps=4, batch=4, seq=16, world_size=2, eval_every=2, eval_batches=1,
                       metrics=str(tmp_path / "m.jsonl"), tensorboard=str(tmp_path / "tb")).resolved()
