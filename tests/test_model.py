@@ -58,15 +58,24 @@ def test_layout_is_aligned_disjoint_and_in_backward_order():
 
 def test_grad_ranges_cover_the_buffer_in_order():
     model = GPT2(model_config("tiny", 500), numpy_ops, seed=0)
-    ranges = model.layer_grad_ranges()
-    assert len(ranges) == model.config.n_layer + 1
-    assert ranges[0][0] == 0 and ranges[-1][1] == model.size
-    assert all(a[1] == b[0] and a[0] < a[1] for a, b in pairwise(ranges))
-    # each range is exactly what backward has finished by then: ln_f with the last block, then one block
-    # at a time (a range that stopped short would hold a finished block's gradients back from the overlap)
-    covered = [{s.name.split(".")[2] if ".h." in s.name else s.name.split(".")[1] for s in model.layout
-                if lo <= s.offset < hi} for lo, hi in ranges]
-    assert covered == [{"ln_f", "1"}, {"0"}, {"wpe", "wte"}]
+    for ranges, count in ((model.grad_ready_ranges(), 2 * model.config.n_layer + 1),
+                          (model.layer_grad_ranges(), model.config.n_layer + 1)):
+        assert len(ranges) == count
+        assert ranges[0][0] == 0 and ranges[-1][1] == model.size
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in pairwise(ranges))
+
+    def covered(ranges):
+        return [{".".join(s.name.split(".")[2:4]) if ".h." in s.name else s.name.split(".")[1] for s in model.layout
+                 if lo <= s.offset < hi} for lo, hi in ranges]
+
+    # each announcement is exactly what backward has finished by then: ln_f with the last block's MLP half, that
+    # block's attention half, then the block before's halves (a range that stopped short would hold finished
+    # gradients back from the overlap; one that ran on would hand a bucket over before backward wrote it)
+    assert covered(model.grad_ready_ranges()) == [{"ln_f", "1.mlp", "1.ln_2"}, {"1.attn", "1.ln_1"},
+                                                  {"0.mlp", "0.ln_2"}, {"0.attn", "0.ln_1"}, {"wpe", "wte"}]
+    # PowerSGD's buckets: a block at a time
+    assert covered(model.layer_grad_ranges()) == [{"ln_f", "1.mlp", "1.ln_2", "1.attn", "1.ln_1"},
+                                                  {"0.mlp", "0.ln_2", "0.attn", "0.ln_1"}, {"wpe", "wte"}]
 
 
 def test_init_is_deterministic_and_gpt2_like():
@@ -156,7 +165,7 @@ def test_backward_announces_every_range_once_in_order():
     model.zero_grad()
     model.forward(ids, ids, 1.0)
     model.backward(on_grads_ready=ready)
-    assert seen == model.layer_grad_ranges()
+    assert seen == model.grad_ready_ranges()
     for (a, b), early in zip(seen, snapshots, strict=True):
         assert np.array_equal(early, model.grads[a:b]), (a, b)
 

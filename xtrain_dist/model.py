@@ -329,18 +329,31 @@ class GPT2:
         return self.params.nbytes + (self.lowp_copy.nbytes if self.lowp_copy is not None else 0)
 
     # ---------------------------------------------------------------- the layout, for gradient sync
-    def layer_grad_ranges(self) -> list[tuple[int, int]]:
+    def grad_ready_ranges(self) -> list[tuple[int, int]]:
         """[start, end) of the flat buffer that becomes final at each announcement of backward, in order:
-        ln_f with the last block, then one block at a time, then both embeddings. A pipeline stage's: its
-        blocks (ln_f with the last stage's last), then what its layout holds after them (the embeddings on the
-        first stage, wte on the last, nothing but padding on those between)."""
+        ln_f with the last block's MLP half (c_proj, c_fc, ln_2), that block's attention half (c_proj, c_attn,
+        ln_1), then each earlier block's two halves, then both embeddings. layout.block_params lists a block
+        in the order backward finishes it, so each is the next piece of a growing prefix. Halves rather than
+        whole blocks: the overlapped sync (parallel/ddp.py) starts on a block's MLP, two thirds of its
+        parameters, while backward still runs its attention; the first block's is otherwise left to reduce
+        after backward, beside the embeddings. A pipeline stage's: its blocks (ln_f with the last stage's
+        last), then what its layout holds after them (the embeddings on the first stage, wte on the last,
+        nothing but padding on those between)."""
         ends = {}
         for s in self.layout:
             parts = s.name.split(".")
-            key = int(parts[2]) if parts[1] == "h" else parts[1]
-            ends[key] = s.offset + s.size
-        bounds = [0] + [ends[layer] for layer in reversed(self.blocks)] + [self.size]
+            if parts[1] == "h":
+                half = "mlp" if parts[3] in ("mlp", "ln_2") else "attn"
+                ends[int(parts[2]), half] = s.offset + s.size
+        bounds = [0] + [ends[layer, half] for layer in reversed(self.blocks) for half in ("mlp", "attn")] + [self.size]
         return list(pairwise(bounds))
+
+    def layer_grad_ranges(self) -> list[tuple[int, int]]:
+        """grad_ready_ranges with each block's two halves as one: ln_f with the last block, one block at a
+        time, then both embeddings (PowerSGD's buckets of whole blocks, parallel/ddp.py)."""
+        ready = self.grad_ready_ranges()
+        return [(ready[0][0], ready[1][1])] + [(ready[i][0], ready[i + 1][1]) for i in range(2, len(ready) - 1, 2)] \
+            + [ready[-1]]
 
     def grad_norm_squared(self, lo: int = 0, hi: int | None = None):
         """The squared norm of the model's gradient in grads[lo:hi] (all of it by default), a (1,) array. With
@@ -791,10 +804,10 @@ class GPT2:
         The last stage starts from its classifier's gradient; a stage before it from `dout`, the gradient
         of its output residual stream that the next stage sent (and writes into it).
         on_grads_ready(start, end) is called each time grads[start:end] is final (see
-        layer_grad_ranges), so gradient sync can reduce it while earlier blocks still compute."""
+        grad_ready_ranges), so gradient sync can reduce it while earlier blocks still compute."""
         ops, p, g, n_head = self.ops, self.p, self.g, self.n_head
         ids, acts, x_final, lnf, lnf_mean, lnf_rstd, dlogits, rows = tape
-        ranges = iter(self.layer_grad_ranges())
+        ranges = iter(self.grad_ready_ranges())
         announce = on_grads_ready or (lambda start, end: None)
         # sequence parallelism (stage_forward's notes): the stream's gradient dres is the rank's tokens; a
         # row-parallel output's gradient is all-gathered (gather), and a column-parallel product's input gradient
@@ -830,6 +843,7 @@ class GPT2:
             del ln2
             self._layernorm_backward(cut, dres, gw.ln_2_weight, gw.ln_2_bias, dln2, a.x_mid, w.ln_2_weight,
                                      a.ln2_mean, a.ln2_rstd)  # dres is now d x_mid
+            announce(*next(ranges))  # the MLP half (with ln_f at the last block)
             self.units.before_backward(("attn", layer))
             # attention: x_mid = x_in + c_proj(attention(c_attn(ln_1(x_in))))
             dattproj = gather(self._dropped_stream(dres, self._dropout_site(rows, layer, ATTENTION_OUT), cut, T))
