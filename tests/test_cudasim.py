@@ -582,10 +582,21 @@ def test_the_gpu_test_modules_pass_on_the_simulator(order, options, module, devi
         env, f"simulator, {request.node.callspec.id}", request, tmp_path)
     replay = f"XTRAIN_CUDASIM_ORDER={order} XTRAIN_CUDASIM_DEVICES={devices}"
     tail = "\n".join(stdout.splitlines()[-30:])
-    assert returncode == 0, f"{module} on the simulator ({replay}) failed:\n{tail}\n{stderr[-2000:]}"
+    assert returncode == 0, f"{module} on the simulator ({replay}) failed:\n{_failures(stdout)}{tail}\n{stderr[-2000:]}"
     assert " passed" in tail.splitlines()[-1], tail
     passed = [line for line in stdout.splitlines() if line.startswith(f"PASSED {module}::")]
     assert passed, f"{module} passed no test on the simulator ({replay}):\n{tail}"
+
+
+def _failures(stdout: str) -> str:
+    """The failed tests of a verbose pytest's output, by name, and the start of its FAILURES section: the tail of
+    the output is -rps's list of what passed and skipped, which leaves them out."""
+    lines = stdout.splitlines()
+    names = [line.split(" ")[0] for line in lines if PROGRESS.search(line) and PROGRESS.search(line).group(2)
+             in ("FAILED", "ERROR")]
+    start = next((i for i, line in enumerate(lines) if " FAILURES " in line or " ERRORS " in line), None)
+    section = "\n".join(lines[start:start + 60]) if start is not None else ""
+    return "".join(f"{name} FAILED\n" for name in names) + (section[:4000] + "\n" if section else "")
 
 
 def test_fake_nccl_moves_data_and_refuses_mismatched_collectives():
