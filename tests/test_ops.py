@@ -59,6 +59,29 @@ def test_encoder_backward_matches_finite_differences(rng):
     assert np.all(dwpe[T:] == 0)
 
 
+def test_encoder_backward_adds_a_repeated_token_in_order_as_np_add_at_does(rng):
+    """encoder_backward adds element by element (numpy's fast path) what np.add.at adds row by row: float32
+    addition is not associative, so a token seen many times, into a gradient that already holds the
+    classifier's part, tells the orders apart; the same bits in each, and in the vocabulary-parallel shard."""
+    B, T, C, V = 4, 32, 24, 9
+    ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    ids[:, ::3] = 5  # 44 of token 5
+    dout = (rng.standard_normal((B, T, C)) * 10.0 ** rng.integers(-4, 4, (B, T, 1))).astype(np.float32)
+    start = rng.standard_normal((V, C)).astype(np.float32)
+    want = start.copy()
+    np.add.at(want, ids.reshape(-1), dout.reshape(-1, C))
+    got, dwpe = start.copy(), np.zeros((T, C), np.float32)
+    ops.encoder_backward(got, dwpe, dout, ids)
+    assert got.tobytes() == want.tobytes()
+    shard = start[4:].copy()
+    ops.vocab_encoder_backward(shard, dwpe, dout, ids, row0=4)
+    assert shard.tobytes() == want[4:].tobytes()
+    pairwise = start.copy()  # ... which a different order would not give
+    for v in range(V):
+        pairwise[v] += dout.reshape(-1, C)[ids.reshape(-1) == v].sum(axis=0)
+    assert pairwise.tobytes() != want.tobytes()
+
+
 def test_layernorm_forward_is_normalised(rng):
     x = rng.standard_normal((3, 4, 16)) * 3 + 1
     out, mean, rstd = ops.layernorm_forward(x, np.ones(16), np.zeros(16))
@@ -352,9 +375,11 @@ def test_layernorm_in_row_blocks_gives_the_whole_array_bits(rng, threads, small_
 
 
 def test_the_other_blocked_ops_give_the_same_bits_at_every_thread_count(rng, small_shares):
-    """causal softmax (attention), the fused classifier and the residual add split their blocks over op_threads'
-    threads: on shapes of several blocks, 2 and 3 threads give bit for bit what 1 gives, in fp32 and emulated bf16."""
+    """attention (forward and backward, blocks of sequences), the fused classifier and the residual add split
+    their blocks over op_threads' threads: on shapes of several blocks, 2 and 3 threads give bit for bit what 1
+    gives, in fp32 and emulated bf16."""
     qkv = rng.standard_normal((20, 64, 3 * 32)).astype(np.float32)  # 40 (T, T) matrices: 3 blocks
+    dout = rng.standard_normal((20, 64, 32)).astype(np.float32)
     logits = (rng.standard_normal((3, 50, 1000)) * 3).astype(np.float32)
     targets = rng.integers(0, 990, (3, 50))
     a, b = (rng.standard_normal((3, 2 * ops.CHUNK // 64 + 5, 64)).astype(np.float32) for _ in range(2))
@@ -365,7 +390,9 @@ def test_the_other_blocked_ops_give_the_same_bits_at_every_thread_count(rng, sma
             with ops.op_threads(threads):
                 dlogits = logits.copy()
                 losses = be.fused_classifier(dlogits, targets, 0.01, vocab_size=990)
-                seen.append((*be.attention_forward(qkv, 2), losses, dlogits, be.residual_forward(a, b)))
+                y, att = be.attention_forward(qkv, 2)
+                seen.append((y, att, be.attention_backward(dout, qkv, att, 2), losses, dlogits,
+                             be.residual_forward(a, b)))
                 assert len(ops._pools) == (threads > 1)
         for other in seen[1:]:
             assert all(np.array_equal(x, y) for x, y in zip(seen[0], other, strict=True))

@@ -29,6 +29,7 @@ The module itself is the float32 backend: `numpy_ops.layernorm_forward(...)` is 
 """
 
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -150,6 +151,29 @@ def _row_blocks(rows: int, elements: int) -> int:
     return max(1, -(-rows // _threads_for(elements)))
 
 
+def _add_rows(table, rows, values) -> None:
+    """table[rows[i]] += values[i] for each i in order, a row listed twice getting both (np.add.at's meaning).
+    Done as np.add.at over the elements' flat indices, numpy's fast path for 1-D indices (4x faster than
+    indexing rows, measured at 1024 rows of 128): each element still takes its rows' values in i order, so the
+    same bits."""
+    if not table.flags.c_contiguous:
+        np.add.at(table, rows, values)
+        return
+    C = table.shape[-1]
+    elements = (np.asarray(rows, np.intp).reshape(-1, 1) * C + np.arange(C)).reshape(-1)
+    np.add.at(table.reshape(-1), elements, np.asarray(values).reshape(-1))
+
+
+def _attention_blocks(B: int, n_head: int, T: int, dropout) -> tuple[int, int]:
+    """(sequences a block, elements) for _in_blocks over attention's batch: about CHUNK scores a block, so that
+    the softmax's passes find them in cache. The heads' T x T products are too small for BLAS to split them
+    between its threads, so the blocks are what gives attention the rank's other threads. With dropout, one
+    block: its mask is drawn over the whole (B, NH, T, T)."""
+    if dropout is not None:
+        return B, 0
+    return max(1, CHUNK // (n_head * T * T)), B * n_head * T * T
+
+
 def _elementwise(fn, *arrays) -> None:
     """fn(*pieces) for matching CHUNK-element pieces of same-shaped arrays (as _chunks), through _in_blocks."""
     flat = [a.reshape(-1) for a in arrays]
@@ -255,10 +279,23 @@ def _split_qkv(qkv, n_head: int):
     return qkv.reshape(B, T, 3, n_head, C3 // 3 // n_head).transpose(2, 0, 3, 1, 4)
 
 
-def _mask_future(scores):
-    """(..., T, T) scores with -inf where key j > query i: what a causal softmax leaves out. A new array."""
-    T = scores.shape[-1]
-    return np.where(np.triu(np.ones((T, T), dtype=bool), k=1), -np.inf, scores)
+@functools.lru_cache(maxsize=8)
+def _future(T: int) -> np.ndarray:
+    """(T, T), True where key j > query i: what a causal softmax leaves out. Read-only: one per T is shared."""
+    mask = np.triu(np.ones((T, T), dtype=bool), k=1)
+    mask.flags.writeable = False
+    return mask
+
+
+def _mask_future(scores, out=None):
+    """(..., T, T) scores with -inf where key j > query i: a new array, or `out` (which may be scores)."""
+    future = _future(scores.shape[-1])
+    if out is None:
+        return np.where(future, -np.inf, scores)
+    if out is not scores:
+        out[...] = scores
+    np.copyto(out, -np.inf, where=future)
+    return out
 
 
 def _softmax_rows(e):
@@ -394,7 +431,7 @@ class NumpyBackend:
         A token that occurs several times gets its rows added in (b, t) order, which is the order the
         deterministic CUDA kernel uses too."""
         C = dout.shape[-1]
-        np.add.at(dwte, ids.reshape(-1), dout.reshape(-1, C))
+        _add_rows(dwte, ids.reshape(-1), dout.reshape(-1, C))
         dwpe[: ids.shape[1]] += dout.sum(axis=0)
 
     # ------------------------------------------------------------------ layernorm (kernels/layernorm.cu)
@@ -558,17 +595,31 @@ class NumpyBackend:
         hs = C // n_head
         q, k, v = _split_qkv(qkv, n_head)
         scale = qkv.dtype.type(1.0 / np.sqrt(hs))
-        scores = q @ k.transpose(0, 1, 3, 2)
-        scores *= scale
-        att = self.causal_softmax(scores)
-        probs = att if dropout is None else self.dropout(att, dropout)
+        att = np.empty((B, n_head, T, T), qkv.dtype)
         out = np.empty((B, T, n_head, hs), qkv.dtype)             # y (B, NH, T, hs) written unpermuted
-        np.matmul(probs, v, out=out.transpose(0, 2, 1, 3))
+        y = out.transpose(0, 2, 1, 3)
+
+        def sequences(lo, hi):
+            scores = att[lo:hi]
+            np.matmul(q[lo:hi], k[lo:hi].transpose(0, 1, 3, 2), out=scores)
+            scores *= scale
+            self._softmax_masked(_mask_future(scores, out=scores))
+            if dropout is None:
+                np.matmul(scores, v[lo:hi], out=y[lo:hi])
+
+        _in_blocks(sequences, B, *_attention_blocks(B, n_head, T, dropout))
+        if dropout is not None:  # its mask is drawn over the whole (B, NH, T, T): one block above, the product here
+            np.matmul(self.dropout(att, dropout), v, out=y)
         return self.store(out.reshape(B, T, C)), att
 
     def causal_softmax(self, scores):
         """Row-wise softmax of (..., T, T) scores over keys j <= query i; entries j > i become 0."""
-        return self.store(_softmax_rows(_mask_future(scores)))
+        return self._softmax_masked(_mask_future(scores))
+
+    def _softmax_masked(self, e):
+        """The softmax of C-contiguous masked scores (-inf above the diagonal), in place over them: the step
+        causal_softmax and attention_forward's blocks share."""
+        return self.store(_softmax_rows(e))
 
     def attention_backward(self, dout, qkv, att, n_head: int, dropout=None):
         """Gradient of attention_forward (with the same `dropout`) with respect to qkv. -> dqkv (B, T, 3C)"""
@@ -578,18 +629,22 @@ class NumpyBackend:
         q, k, v = _split_qkv(qkv, n_head)
         scale = qkv.dtype.type(1.0 / np.sqrt(hs))
         dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # permute like the forward's y
-        datt = dy @ v.transpose(0, 1, 3, 2)                        # float32, like the scores
-        probs = att
-        if dropout is not None:  # y = dropout(att) v: dv from the dropped probabilities, datt through the mask
-            probs = self.dropout(att, dropout)
-            datt = self.dropout(datt, dropout, wide=True)
-        dscores = self._softmax_backward(datt, att, scale)
         # the products write straight into the fused (B, T, 3, NH, hs) layout, rounded together at the end
         dqkv = np.empty((B, T, 3, n_head, hs), qkv.dtype)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)
-        np.matmul(dscores, k, out=dq)
-        np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dk)
-        np.matmul(probs.transpose(0, 1, 3, 2), dy, out=dv)
+
+        def sequences(lo, hi):
+            datt = dy[lo:hi] @ v[lo:hi].transpose(0, 1, 3, 2)      # float32, like the scores
+            probs = att[lo:hi]
+            if dropout is not None:  # y = dropout(att) v: dv from the dropped probabilities, datt through the mask
+                probs = self.dropout(att, dropout)                 # (one block: the mask spans the whole batch)
+                datt = self.dropout(datt, dropout, wide=True)
+            dscores = self._softmax_backward(datt, att[lo:hi], scale)
+            np.matmul(dscores, k[lo:hi], out=dq[lo:hi])
+            np.matmul(dscores.transpose(0, 1, 3, 2), q[lo:hi], out=dk[lo:hi])
+            np.matmul(probs.transpose(0, 1, 3, 2), dy[lo:hi], out=dv[lo:hi])
+
+        _in_blocks(sequences, B, *_attention_blocks(B, n_head, T, dropout))
         return self.store(dqkv.reshape(B, T, C3))
 
     # ----------------------------------------------------------- flash attention (kernels/flash_attention_mma.cu)
@@ -824,7 +879,7 @@ class NumpyBackend:
         C = dout.shape[-1]
         local = ids.reshape(-1) - row0
         mine = (local >= 0) & (local < dwte.shape[0])
-        np.add.at(dwte, local[mine], dout.reshape(-1, C)[mine])
+        _add_rows(dwte, local[mine], dout.reshape(-1, C)[mine])
         dwpe[: ids.shape[1]] += dout.sum(axis=0)
 
     @staticmethod
