@@ -84,6 +84,20 @@ def block_params(config: GPTConfig, tp: int = 1):
     ]
 
 
+BLOCK_HALVES = ("mlp", "attn")  # in the order backward finishes them
+
+
+def block_half(name: str) -> tuple[int, str] | None:
+    """(block, half) of a parameter named transformer.h.<block>.<...>, None for any other: "mlp" for mlp.c_proj,
+    mlp.c_fc and ln_2, "attn" for attn.c_proj, attn.c_attn and ln_1. Each half is a contiguous run of
+    block_params' order, finished by backward as a whole: the pieces the overlapped sync announces
+    (GPT2.grad_ready_ranges) and the units ZeRO-2 and -3 gather and reduce-scatter (parallel/zero.param_units)."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[:2] != ["transformer", "h"]:
+        return None
+    return int(parts[2]), "mlp" if parts[3] in ("mlp", "ln_2") else "attn"
+
+
 def check_tp(config: GPTConfig, tp: int) -> None:
     """A tensor-parallel group of tp ranks splits the heads (and with them C and 4C) evenly."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or config.n_head % tp:

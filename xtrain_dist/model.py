@@ -81,7 +81,9 @@ from .command import must_be, one_of
 from .config import GPTConfig
 from .errors import XtrainError
 from .layout import (
+    BLOCK_HALVES,
     WTE,
+    block_half,
     count_params,
     init_weights,
     join_flats,
@@ -339,13 +341,8 @@ class GPT2:
         after backward, beside the embeddings. A pipeline stage's: its blocks (ln_f with the last stage's
         last), then what its layout holds after them (the embeddings on the first stage, wte on the last,
         nothing but padding on those between)."""
-        ends = {}
-        for s in self.layout:
-            parts = s.name.split(".")
-            if parts[1] == "h":
-                half = "mlp" if parts[3] in ("mlp", "ln_2") else "attn"
-                ends[int(parts[2]), half] = s.offset + s.size
-        bounds = [0] + [ends[layer, half] for layer in reversed(self.blocks) for half in ("mlp", "attn")] + [self.size]
+        ends = {half: s.offset + s.size for s in self.layout if (half := block_half(s.name))}  # each half's last
+        bounds = [0] + [ends[layer, half] for layer in reversed(self.blocks) for half in BLOCK_HALVES] + [self.size]
         return list(pairwise(bounds))
 
     def layer_grad_ranges(self) -> list[tuple[int, int]]:

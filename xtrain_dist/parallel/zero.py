@@ -45,7 +45,7 @@ import numpy as np
 from ..comm import shard_offsets
 from ..config import TrainConfig
 from ..errors import XtrainError
-from ..layout import ALIGN, bind_views
+from ..layout import ALIGN, BLOCK_HALVES, bind_views, block_half
 from ..optim import AdamW, schedule_buffer
 from .ddp import make_grad_sync
 from .tensor import refuse_what_does_not_work_yet
@@ -232,10 +232,8 @@ def param_units(layout, blocks) -> dict:
 
     add("ln_f", [s for s in layout if s.name.startswith("transformer.ln_f.")])
     for i in blocks:
-        mine = [s for s in layout if s.name.startswith(f"transformer.h.{i}.")]
-        cut = next(n for n, s in enumerate(mine) if s.name.endswith("ln_2.bias")) + 1
-        add(("mlp", i), mine[:cut])
-        add(("attn", i), mine[cut:])
+        for half in BLOCK_HALVES:
+            add((half, i), [s for s in layout if block_half(s.name) == (i, half)])
     add("wpe", [s for s in layout if s.name == "transformer.wpe.weight"])
     add("wte", [s for s in layout if s.name == "transformer.wte.weight"])
     return units
