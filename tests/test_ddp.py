@@ -2,6 +2,7 @@
 backward; bf16 compression does what it says; gradient accumulation equals the big batch."""
 
 import threading
+import time
 from itertools import pairwise
 from types import SimpleNamespace
 
@@ -286,6 +287,34 @@ def test_finish_reduces_what_backward_did_not_announce(announced):
     for sums in run_thread_ranks(world, body):
         for step, reduced in enumerate(sums):
             assert reduced.tobytes() == (grads(step, 0) + grads(step, 1)).tobytes()
+
+
+@pytest.mark.parametrize("sync", ["flat", "bucketed"])
+def test_the_wait_for_a_slower_rank_is_told_apart_from_communication(sync):
+    """Rank 1 ends its backward 0.3 s after rank 0: rank 0's sync waits that long for it, which is in its exposed
+    time (its thread stood still) and, all of it, in its peer wait (no communication was left to do until then).
+    Rank 1 waits for no one: its peer wait is 0. The 3 steps' marks are 3 keys, each read in its own step."""
+    n, world, late_s = 100_000, 2, 0.3
+    cfg = TrainConfig(steps=1, batch=world, seq=1, world_size=world, grad_sync=sync, bucket_mb=0.1)
+
+    def body(rank, comm):
+        model = SimpleNamespace(size=n, grads=np.ones(n, np.float32), ops=numpy_ops)
+        grad_sync = ddp.make_grad_sync(cfg, comm, model)
+        timed = grad_sync.reduce_piece.comm
+        waits = []
+        for _ in range(3):
+            if rank == 1:
+                time.sleep(late_s)
+            grad_sync.finish()
+            groups = timed.tally_groups(timed.detach())
+            waits.append((*timed.totals(groups), timed.peer_wait(groups), timed.knows_peers))
+        grad_sync.close()
+        return waits
+
+    first, second = run_thread_ranks(world, body)
+    for (_, exposed, peers, knows), (_, _, peers_1, _) in zip(first, second, strict=True):
+        assert knows and late_s * 0.8 < peers <= exposed < peers + 0.2
+        assert peers_1 == 0.0
 
 
 def test_report_means_leave_out_the_warm_up_step():

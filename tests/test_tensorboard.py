@@ -83,7 +83,7 @@ def test_the_event_file_holds_every_number_of_every_metrics_record(tmp_path):
     want = {}
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     groups = {"loss": "train", "lr": "train", "grad_norm": "train", "tokens_per_s": "speed", "ms": "speed",
-              "comm_ms": "comm", "exposed_comm_ms": "comm", "val_loss": "eval"}
+              "comm_ms": "comm", "exposed_comm_ms": "comm", "peer_wait_ms": "comm", "val_loss": "eval"}
     for record in records:
         assert set(record) - {"step"} <= set(groups), record  # every field this run reports has its tag
         for key, value in record.items():

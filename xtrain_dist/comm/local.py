@@ -102,6 +102,7 @@ class LocalGroup:
         # point-to-point: one mailbox per (sender, receiver), messages in the order they were sent
         self._mail = {}
         self._mail_ready = threading.Condition()
+        self._marks = [{} for _ in range(world_size)]  # each rank's latest share_mark times, by key
 
     def job(self, rank: int) -> int:
         """`rank` of this group as the world it was split from numbers it."""
@@ -129,6 +130,23 @@ class LocalCommunicator:
         self.rank = rank
         self.world_size = group.world_size
         self._scratch = None  # the block accumulator, kept between calls
+
+    # ---------------------------------------------------------------- a shared clock
+    # The ranks are threads of one process, so time.perf_counter is one clock for all of them: a rank can tell
+    # when each peer reached a point of the step (comm/timed.py: how long it waited for the slowest rank).
+
+    def share_mark(self, key: int, t: float) -> None:
+        """Tell the group's ranks that this rank reached point `key` (a count every rank keeps alike) at t."""
+        marks = self.group._marks[self.rank]
+        marks[key] = t
+        marks.pop(key - 4, None)  # a peer reads a key while it is this rank's latest few
+
+    def slowest_mark(self, key: int) -> float | None:
+        """The latest t of any rank of the group for `key`, or None if a rank has not shared it (yet, or any
+        more). A rank that shared its mark before a collective that this rank has since finished with it is
+        never missed."""
+        times = [marks.get(key) for marks in self.group._marks]
+        return None if None in times else max(times)
 
     # ---------------------------------------------------------------- synchronisation
     def _wait(self, what: str) -> None:

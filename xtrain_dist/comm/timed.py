@@ -7,6 +7,12 @@ wrapper), plus the spans it reports with `waited()` while its work stood still f
 another thread (ddp.BucketedGradSync's communication thread) runs. Communication hidden behind
 backward is in the first and not in the second.
 
+Part of what a rank waits for at the end of backward is not communication at all: a peer that is still
+computing. Where the ranks share a host clock (thread ranks: comm/local.py's share_mark), the sync marks
+when each rank's backward ended (`backward_done`) and `waited_for_peers` records the part of the rank's wait
+before the slowest rank of its group got there: `peer_wait_s`, a part of exposed_s. exposed_s less it is
+the communication no compute hid, on any rank; on a GPU, or across processes, it is not known (None).
+
 The clock is the backend's: `timestamp()` marks where the calling thread's work has got to, and
 `elapsed(start, end)` turns two marks into seconds. On the CPU a mark is the time now. On a GPU a
 collective returns as soon as it is queued, so host time would measure only the queueing: the CUDA
@@ -17,6 +23,8 @@ step's one device-to-host read) turns them into seconds, so timing adds no synch
 
 import threading
 import time
+
+PEERS = "peers"  # a span's kind (the 4th field; True: exposed, False: hidden): waiting for a slower rank
 
 
 class HostClock:
@@ -40,12 +48,16 @@ class TimedCommunicator:
         self.clock = clock
         self._owner = threading.get_ident()
         self._lock = threading.Lock()
-        # (start, end, in a collective, exposed, group label, payload bytes)
+        # (start, end, in a collective, kind: exposed True, hidden False or PEERS, group label, payload bytes)
         self._spans: list[tuple[object, object, bool, bool, str, int]] = []
         self._marks_of = marks_of or self  # whose marks this one's collectives add to
         # called before each of this communicator's calls: at --tp/--pp on a GPU, the overlapped gradient sync's
         # settle (parallel/ddp.py), which keeps one order of collectives on every rank
         self.before = None
+        # whether the ranks share a host clock: the communicator tells the peers' marks, and the clock's marks are
+        # host times (not a GPU's events); known from the first backward_done
+        self.knows_peers = False
+        self._backwards = 0  # backward_done calls: the key of each step's mark, alike on every rank
 
     def timing(self, comm, label: str) -> "TimedCommunicator":
         """Another communicator of the rank (a group of its mesh) whose collectives are timed into this one's
@@ -77,7 +89,7 @@ class TimedCommunicator:
         depends on the algorithm (a ring all-reduce sends 2 (n - 1) / n of its buffer); this is the size the
         textbook counts are written in."""
         total: dict[str, int] = {}
-        for _start, _end, collective, _exposed, label, nbytes in spans:
+        for _start, _end, collective, _kind, label, nbytes in spans:
             if collective:
                 total[label] = total.get(label, 0) + nbytes
         return total
@@ -87,15 +99,17 @@ class TimedCommunicator:
         return (*self.totals(self.tally_groups(spans)), self.calls(spans))
 
     def tally_groups(self, spans: list) -> dict[str, list[float]]:
-        """{group label: [comm_s, exposed_s]} of detached marks: `tally` by group, so that the data-parallel sync's
-        hidden share can be read beside a mesh's tensor-parallel and pipeline collectives (which the rank's thread
-        runs itself, all of them exposed). Each span is turned into seconds once (on a GPU, a read of two events)."""
+        """{group label: [comm_s, exposed_s, peer_wait_s]} of detached marks: `tally` by group, so that the
+        data-parallel sync's hidden share can be read beside a mesh's tensor-parallel and pipeline collectives
+        (which the rank's thread runs itself, all of them exposed). Each span is turned into seconds once (on a
+        GPU, a read of two events)."""
         groups: dict[str, list[float]] = {}
-        for start, end, collective, exposed, label, _nbytes in spans:
+        for start, end, collective, kind, label, _nbytes in spans:
             seconds = max(0.0, self.clock.elapsed(start, end))
-            group = groups.setdefault(label, [0.0, 0.0])
+            group = groups.setdefault(label, [0.0, 0.0, 0.0])
             group[0] += seconds if collective else 0.0
-            group[1] += seconds if exposed else 0.0
+            group[1] += seconds if kind is True else 0.0  # exposed
+            group[2] += seconds if kind == PEERS else 0.0
         return groups
 
     @staticmethod
@@ -103,12 +117,37 @@ class TimedCommunicator:
         """(comm_s, exposed_s) over every group of tally_groups."""
         return sum(g[0] for g in groups.values()), sum(g[1] for g in groups.values())
 
+    @staticmethod
+    def peer_wait(groups: dict[str, list[float]]) -> float:
+        """peer_wait_s over every group of tally_groups."""
+        return sum(g[2] for g in groups.values())
+
     def waited(self, start, end) -> None:
         """The rank's work stood still from one clock mark to the other, for communication run by another
         thread."""
         owner = self._marks_of
         with owner._lock:
             owner._spans.append((start, end, False, True, self.label, 0))
+
+    def backward_done(self):
+        """A clock mark, at the end of a step's backward (a gradient sync's finish() takes it before it hands over
+        its last piece); with knows_peers, shared with the group's ranks for waited_for_peers."""
+        t = self.clock.timestamp()
+        self._backwards += 1
+        self.knows_peers = isinstance(t, float) and hasattr(self.comm, "share_mark")
+        if self.knows_peers:
+            self.comm.share_mark(self._backwards, t)
+        return t
+
+    def waited_for_peers(self, start, end) -> None:
+        """The rank's sync ran from `start` (its backward_done) to `end`: record the part of it before the slowest
+        rank of the group ended its backward, time the rank waited for a peer's compute rather than for
+        communication (a part of what waited() or the rank's own collectives recorded as exposed)."""
+        latest = self.comm.slowest_mark(self._backwards) if self.knows_peers else None
+        if latest is not None and latest > start:
+            owner = self._marks_of
+            with owner._lock:
+                owner._spans.append((start, min(latest, end), False, PEERS, self.label, 0))
 
     def _timed(self, nbytes: int, collective, *args) -> None:
         if self.before is not None:

@@ -95,8 +95,11 @@ class _AfterBackward:
         pass
 
     def finish(self) -> None:
+        comm = self.reduce_piece.comm
+        backward_done = comm.backward_done()
         for lo, hi in self.pieces:
             self.reduce_piece(lo, hi)
+        comm.waited_for_peers(backward_done, comm.clock.timestamp())
 
     def reset(self) -> None:
         pass
@@ -176,11 +179,13 @@ class BucketedGradSync:
             self.ops.wait(self._reduced[0])
 
     def finish(self) -> None:
+        backward_done = self.comm.backward_done()  # shared before the last pieces go: waited_for_peers reads it
         self._issue_up_to(self.size)  # all of it, also if backward announced nothing
-        backward_done = self.ops.timestamp()
         self._work.join()
         self.ops.wait(self._reduced[0])  # later compute (clipping, AdamW) reads the reduced buckets
-        self.comm.waited(backward_done, self.ops.timestamp())  # on a GPU: how long the compute stream stalled
+        end = self.ops.timestamp()
+        self.comm.waited(backward_done, end)  # on a GPU: how long the compute stream stalled
+        self.comm.waited_for_peers(backward_done, end)
         self._ready = self._issued = 0
         if self._errors:
             raise self._errors[0]
@@ -283,8 +288,10 @@ def report_fields(cfg, results) -> dict:
 
     comm_s and exposed_comm_s are means over this process's ranks and steps (the first step, which pays for
     warm-up, left out when there are others) of the seconds a step spent in collectives, and of the part of
-    them the rank's thread waited for (each step record's comm_ms and exposed_comm_ms). Steps replayed from a
-    CUDA graph (train/graph.py) have no such times: they are left out, and the mean is None if no step has."""
+    them the rank's thread waited for (each step record's comm_ms and exposed_comm_ms); peer_wait_s the same
+    of the part of that wait spent on a slower rank's compute (peer_wait_ms, thread ranks on the CPU). Steps
+    replayed from a CUDA graph (train/graph.py) have no such times: they are left out, and the mean is None if
+    no step has."""
 
     def mean(key: str) -> float | None:
         per_rank = [[record[key] / 1e3 for record in r.records if key in record] for r in results]
@@ -310,6 +317,9 @@ def report_fields(cfg, results) -> dict:
         "grad_accum": cfg.grad_accum,
         "comm_s": mean("comm_ms"),
         "exposed_comm_s": mean("exposed_comm_ms"),
+        # the part of exposed_comm_s before the slowest rank of the group ended its backward: waiting for a peer's
+        # compute, not for communication (comm/timed.py); None where the ranks share no clock (processes, GPUs)
+        "peer_wait_s": mean("peer_wait_ms"),
         # the same two by group (dp, tp, pp, world: comm/timed.py), each {"comm_s", "exposed_s"}: with a mesh, the
         # gradient sync's own hidden share is 1 - exposed_s / comm_s of "dp"
         "comm_s_by_group": by_group(),

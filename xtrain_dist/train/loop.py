@@ -283,6 +283,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
             result.comm_bytes = step_comm.payload(queued.comm_marks)
             result.comm_by_group.append(by_group)
             record.update(comm_ms=comm_s * 1e3, exposed_comm_ms=exposed_s * 1e3)
+            if step_comm.knows_peers:
+                record["peer_wait_ms"] = step_comm.peer_wait(by_group) * 1e3
         if peak_flops:
             record["mfu"] = mfu(result.step_flops, ms, peak_flops)
         if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):

@@ -16,7 +16,8 @@ from .. import files
 from ..errors import XtrainError, install_hint
 
 GROUPS = {"loss": "train", "lr": "train", "grad_norm": "train", "tokens_per_s": "speed", "ms": "speed",
-          "mfu": "speed", "comm_ms": "comm", "exposed_comm_ms": "comm", "val_loss": "eval", "hellaswag": "eval"}
+          "mfu": "speed", "comm_ms": "comm", "exposed_comm_ms": "comm", "peer_wait_ms": "comm",
+          "val_loss": "eval", "hellaswag": "eval"}
 # seconds between flushes to disk: a run that is killed loses at most this much
 FLUSH_S = 10
 
