@@ -23,6 +23,7 @@ from xtrain_dist.train.job import train
 from xtrain_dist.train.launch import RankFailed, run_thread_ranks
 
 SMALL_BUCKET_MB = 0.05  # cuts the tiny model (1.4 MiB of gradients) into 29 buckets
+TINY_PIECES = 8  # ... of which the bucketed sync joins the 22 that backward's end makes final (ddp.join_the_tail)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,23 @@ def test_buckets_tile_the_buffer_in_aligned_slices():
     assert ddp.bucket_bounds(size, 1e-9)[0] == (0, ALIGN)  # never empty
 
 
+def test_the_buckets_that_backward_ends_together_go_as_one_piece():
+    """The buckets past the start of backward's last announcement (the embeddings) become final together when
+    backward ends: the bucketed sync reduces them as one piece; the buckets before are cut by size as ever."""
+    assert ddp.join_the_tail([(0, 10), (10, 20), (20, 25)], 15) == [(0, 10), (10, 25)]
+    assert ddp.join_the_tail([(0, 10), (10, 20), (20, 25)], 20) == [(0, 10), (10, 20), (20, 25)]
+    assert ddp.join_the_tail([(0, 10), (10, 20)], 0) == [(0, 20)]
+    model = GPT2(model_config("tiny", 512), numpy_ops, seed=1)
+    cfg = TrainConfig(steps=1, batch=1, seq=16, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB)
+    grad_sync = ddp.make_grad_sync(cfg, LocalGroup(1).communicator(0), model)
+    last = model.grad_ready_ranges()[-1][0]
+    by_size = ddp.bucket_bounds(model.size, SMALL_BUCKET_MB)
+    head = [b for b in by_size if b[1] <= last]
+    assert grad_sync.pieces == [*head, (head[-1][1], model.size)]
+    assert len(by_size) - len(head) >= 3  # wte's 32768 floats and wpe's 8192: three buckets and more, joined
+    grad_sync.close()
+
+
 # ---------------------------------------------------------------- the three strategies
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -135,12 +153,13 @@ def test_strategies_give_the_same_bits(corpus, flat_runs, world):
 
 
 def test_collectives_per_step(corpus, flat_runs):
-    """The loss all-reduce, plus: one call (flat), one per parameter (per-param), one per bucket."""
+    """The loss all-reduce, plus: one call (flat), one per parameter (per-param), one per bucket, those that
+    backward's end makes final (the 22 of the 29 that wte and wpe reach into) as one."""
     n_params = len(GPT2(model_config("tiny", corpus.vocab_size), numpy_ops).layout)
     assert flat_runs[2]["comm_calls_per_step"] == 1 + 1
     assert run(corpus, 2, steps=2, grad_sync="per-param")["comm_calls_per_step"] == n_params + 1
     bucketed = run(corpus, 2, steps=2, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB)
-    assert bucketed["comm_calls_per_step"] == 29 + 1
+    assert bucketed["comm_calls_per_step"] == TINY_PIECES + 1 == (29 - 22 + 1) + 1
     for key in ("grad_sync", "zero", "grad_accum", "comm_s", "exposed_comm_s"):
         assert key in bucketed
     assert bucketed["grad_sync"] == "bucketed" and bucketed["zero"] == 0 and bucketed["grad_accum"] == 1
@@ -389,7 +408,7 @@ def test_accumulation_equals_the_whole_batch(corpus, flat_runs, world):
     # AdamW (and clipping) hide a gradient scaled by a constant, K or 1/world, from the losses: the norms do not
     assert max_rel_diff(accumulated["grad_norms"], flat_runs[world]["grad_norms"]) < 1e-5
     assert len(set(accumulated["param_sha256"])) == 1
-    assert accumulated["comm_calls_per_step"] == 29 + 1  # nothing more than without accumulation
+    assert accumulated["comm_calls_per_step"] == TINY_PIECES + 1  # nothing more than without accumulation
 
 
 def test_accumulation_with_uneven_micro_batches(corpus):

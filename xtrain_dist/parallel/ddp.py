@@ -8,7 +8,8 @@ strategies differ only in when they reduce and in what pieces:
 - flat:      one collective over the whole buffer, after backward (the fewest calls, no overlap).
 - bucketed:  the buffer cut into buckets of `bucket_mb`; a bucket is reduced, by a communication
              thread of the rank, as soon as backward has finished it, while the rank's own thread
-             goes on with the earlier blocks. What is left when backward ends is the exposed cost.
+             goes on with the earlier blocks. What is left when backward ends is the exposed cost;
+             the buckets that only backward's end makes final (the embeddings') go as one.
 
 What reducing a piece means is the same for every strategy (`PieceReducer`): an all-reduce, or with
 ZeRO-1 a reduce-scatter that leaves each rank the part of the piece inside its own shard; with bf16
@@ -42,6 +43,17 @@ def bucket_bounds(size: int, bucket_mb: float, itemsize: int = 4) -> list[tuple[
     cuts the same buckets."""
     elems = max(ALIGN, round(bucket_mb * MIB / itemsize / ALIGN) * ALIGN)
     return [(lo, min(lo + elems, size)) for lo in range(0, size, elems)]
+
+
+def join_the_tail(pieces: list[tuple[int, int]], last_start: int) -> list[tuple[int, int]]:
+    """pieces with all those that end past last_start joined into one. last_start is where backward's last
+    announcement begins (the embeddings: wte is final only when backward ends): those pieces are handed over
+    together when backward is done, with no compute left to overlap, so one collective reduces them with one
+    call's overhead (on the CPU two barriers, on a GPU one launch) instead of one a piece. A function of its
+    arguments only, so every rank cuts the same pieces."""
+    kept = [p for p in pieces if p[1] <= last_start]
+    lo, hi = (kept[-1][1] if kept else 0), pieces[-1][1]
+    return [*kept, (lo, hi)] if lo < hi else kept
 
 
 def block_bucket_bounds(model, bucket_mb: float) -> list[tuple[int, int]]:
@@ -141,7 +153,11 @@ class BucketedGradSync:
         self.reduce_piece = reduce_piece
         self.comm = reduce_piece.comm
         self.size = model.size
-        self.pieces = pieces or bucket_bounds(model.size, bucket_mb, model.grads.dtype.itemsize)
+        if pieces is None:
+            pieces = bucket_bounds(model.size, bucket_mb, model.grads.dtype.itemsize)
+            if hasattr(model, "grad_ready_ranges"):  # a model that announces as backward goes
+                pieces = join_the_tail(pieces, model.grad_ready_ranges()[-1][0])
+        self.pieces = pieces
         self._ready = 0    # grads[:_ready] is final in this step
         self._issued = 0   # buckets handed to the communication thread in this step
         self._work: queue.Queue = queue.Queue()
