@@ -305,8 +305,10 @@ def test_adamw_matches_torch_formula(rng):
 
 @pytest.fixture
 def small_shares(monkeypatch):
-    """Ops split over op_threads' threads at these tests' small sizes too (numpy_ops.PARALLEL_MIN)."""
+    """Ops split over op_threads' threads at these tests' small sizes too (numpy_ops.PARALLEL_MIN), and the fused
+    classifier into several blocks (numpy_ops.CLASSIFIER_BLOCK: 20 of the 1000-wide rows)."""
     monkeypatch.setattr(ops, "PARALLEL_MIN", 4096)
+    monkeypatch.setattr(ops, "CLASSIFIER_BLOCK", 20_000)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -46,6 +46,7 @@ LN_EPS = 1e-5
 # element is unchanged, so the bits are the same (a test checks it). The CUDA kernels do the same: one
 # thread per chunk, every operation on registers.
 CHUNK = 1 << 16
+CLASSIFIER_BLOCK = 1 << 19  # elements of logits fused_classifier takes at a time: 2 MiB, in L3, of whole rows
 GELU_SCALE = float(np.sqrt(2.0 / np.pi))
 FLASH_TILE = 64  # kernels/flash_attention_mma.cu and flash_attention.cu: the keys a step of the online softmax takes
 
@@ -839,7 +840,10 @@ class NumpyBackend:
         d = logits.dtype.type(dloss)
         losses = np.empty(rows.shape[0], logits.dtype)
         # a block of rows at a time, so that the passes below find it in cache: the logits are the largest
-        # activation (B*T*V); each row's arithmetic, and so its bits, is that over the whole array
+        # activation (B*T*V); each row's arithmetic, and so its bits, is that over the whole array. Blocks of
+        # CLASSIFIER_BLOCK elements, not CHUNK: each block is a dozen numpy calls, and at CHUNK (16 rows of
+        # 4096, 1 of GPT-2's 50304) the calls' own cost, and on 2 threads their turns at the GIL, were a third
+        # of the op (docs/performance.md)
         def rows_block(lo, hi):
             block = rows[lo:hi]
             block[:, V:] = 0
@@ -854,7 +858,7 @@ class NumpyBackend:
             block[np.arange(block.shape[0]), targets[lo:hi]] -= d  # targets < V: take_along_axis raised
             self.store(block)
 
-        _in_blocks(rows_block, rows.shape[0], max(1, CHUNK // Vp), rows.size)
+        _in_blocks(rows_block, rows.shape[0], max(1, CLASSIFIER_BLOCK // Vp), rows.size)
         return losses.reshape(logits.shape[:-1])
 
     # ------------------------------------------------------------------ vocabulary-parallel classifier (--tp)
