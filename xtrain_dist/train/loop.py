@@ -47,7 +47,7 @@ class RankResult:
     optimizer_state_bytes: int = 0
     comm_calls: int = 0                                     # collectives in the last step (parallel/ddp.py)
     comm_bytes: dict = field(default_factory=dict)          # their payload bytes by group (comm/timed.py)
-    comm_by_group: list[dict] = field(default_factory=list)  # each timed step's {group: [comm_s, exposed_s]}
+    comm_by_group: list[dict] = field(default_factory=list)  # each step's {group: [comm_s, exposed_s, peer_wait_s]}
     param_bytes: int = 0
     grad_bytes: int = 0
     zero_shards: list | None = None  # ZeRO-1: every rank's [lo, hi) of the flat buffer (a function of the layout)
