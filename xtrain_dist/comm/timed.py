@@ -49,7 +49,7 @@ class TimedCommunicator:
         self._owner = threading.get_ident()
         self._lock = threading.Lock()
         # (start, end, in a collective, kind: exposed True, hidden False or PEERS, group label, payload bytes)
-        self._spans: list[tuple[object, object, bool, bool, str, int]] = []
+        self._spans: list[tuple[object, object, bool, bool | str, str, int]] = []
         self._marks_of = marks_of or self  # whose marks this one's collectives add to
         # called before each of this communicator's calls: at --tp/--pp on a GPU, the overlapped gradient sync's
         # settle (parallel/ddp.py), which keeps one order of collectives on every rank
