@@ -2,9 +2,9 @@
 written by rank 0 through tensorboardX, the [tensorboard] extra.
 
 Every number of a step's record becomes a scalar at that step, tagged by what it is: train/loss, train/lr,
-train/grad_norm, speed/tokens_per_s, speed/ms, speed/mfu, comm/comm_ms, comm/exposed_comm_ms, eval/val_loss,
-eval/hellaswag (a field a strategy adds goes under train/). A run that is resumed writes a new event file
-beside the old ones, and TensorBoard shows both as one run.
+train/grad_norm, speed/tokens_per_s, speed/ms, speed/mfu, comm/comm_ms, comm/exposed_comm_ms, comm/peer_wait_ms,
+eval/val_loss, eval/hellaswag (a field a strategy adds goes under train/). A run that is resumed writes a new
+event file beside the old ones, and TensorBoard shows both as one run.
 """
 
 import contextlib
