@@ -160,6 +160,7 @@ class BucketedGradSync:
         self.pieces = pieces
         self._ready = 0    # grads[:_ready] is final in this step
         self._issued = 0   # buckets handed to the communication thread in this step
+        self._backward_done = None  # the clock mark of this step's last announcement, where taken there
         self._work: queue.Queue = queue.Queue()
         self._errors: list[BaseException] = []
         self._reduced: list = [None]  # the communication thread's fence after its latest bucket
@@ -173,6 +174,10 @@ class BucketedGradSync:
         if start != self._ready:
             raise RuntimeError(f"gradients announced out of layout order: [{start}, {end}) after [0, {self._ready})")
         self._ready = end
+        if end == self.size and self.comm.knows_peers:
+            # thread ranks on the CPU: the mark a peer reads once the last pieces are reduced is shared before they
+            # go, so that it is there when the peer looks (finish() takes it where backward announces no end)
+            self._backward_done = self.comm.backward_done()
         self._issue_up_to(end)
 
     def reset(self) -> None:
@@ -181,6 +186,7 @@ class BucketedGradSync:
         self._work.join()
         self._errors.clear()
         self._ready = self._issued = 0
+        self._backward_done = None
 
     def settle(self) -> None:
         """Called before the rank's thread queues a collective of another group of its mesh (a tensor-parallel
@@ -195,7 +201,9 @@ class BucketedGradSync:
             self.ops.wait(self._reduced[0])
 
     def finish(self) -> None:
-        backward_done = self.comm.backward_done()  # shared before the last pieces go: waited_for_peers reads it
+        backward_done, self._backward_done = self._backward_done, None
+        if backward_done is None:
+            backward_done = self.comm.backward_done()  # shared before the last pieces go: waited_for_peers reads it
         self._issue_up_to(self.size)  # all of it, also if backward announced nothing
         self._work.join()
         self.ops.wait(self._reduced[0])  # later compute (clipping, AdamW) reads the reduced buckets
