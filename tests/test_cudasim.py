@@ -592,8 +592,8 @@ def _failures(stdout: str) -> str:
     """The failed tests of a verbose pytest's output, by name, and the start of its FAILURES section: the tail of
     the output is -rps's list of what passed and skipped, which leaves them out."""
     lines = stdout.splitlines()
-    names = [line.split(" ")[0] for line in lines if PROGRESS.search(line) and PROGRESS.search(line).group(2)
-             in ("FAILED", "ERROR")]
+    names = [line.split(" ")[0] for line in lines
+             if (progress := PROGRESS.search(line)) and progress.group(2) in ("FAILED", "ERROR")]
     start = next((i for i, line in enumerate(lines) if " FAILURES " in line or " ERRORS " in line), None)
     section = "\n".join(lines[start:start + 60]) if start is not None else ""
     return "".join(f"{name} FAILED\n" for name in names) + (section[:4000] + "\n" if section else "")

@@ -288,15 +288,13 @@ def _future(T: int) -> np.ndarray:
     return mask
 
 
-def _mask_future(scores, out=None):
-    """(..., T, T) scores with -inf where key j > query i: a new array, or `out` (which may be scores)."""
+def _mask_future(scores, in_place: bool = False):
+    """(..., T, T) scores with -inf where key j > query i: a new array, or scores itself, written over."""
     future = _future(scores.shape[-1])
-    if out is None:
+    if not in_place:
         return np.where(future, -np.inf, scores)
-    if out is not scores:
-        out[...] = scores
-    np.copyto(out, -np.inf, where=future)
-    return out
+    np.copyto(scores, -np.inf, where=future)
+    return scores
 
 
 def _softmax_rows(e):
@@ -604,7 +602,7 @@ class NumpyBackend:
             scores = att[lo:hi]
             np.matmul(q[lo:hi], k[lo:hi].transpose(0, 1, 3, 2), out=scores)
             scores *= scale
-            self._softmax_masked(_mask_future(scores, out=scores))
+            self._softmax_masked(_mask_future(scores, in_place=True))
             if dropout is None:
                 np.matmul(scores, v[lo:hi], out=y[lo:hi])
 

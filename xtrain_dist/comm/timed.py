@@ -130,8 +130,9 @@ class TimedCommunicator:
             owner._spans.append((start, end, False, True, self.label, 0))
 
     def backward_done(self):
-        """A clock mark, at the end of a step's backward (a gradient sync's finish() takes it before it hands over
-        its last piece); with knows_peers, shared with the group's ranks for waited_for_peers."""
+        """A clock mark, at the end of a step's backward, taken by a gradient sync before it hands over its last
+        piece (at backward's last announcement or in finish()); with knows_peers, shared with the group's ranks
+        for waited_for_peers."""
         t = self.clock.timestamp()
         self._backwards += 1
         self.knows_peers = isinstance(t, float) and hasattr(self.comm, "share_mark")
