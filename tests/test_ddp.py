@@ -23,7 +23,9 @@ from xtrain_dist.train.job import train
 from xtrain_dist.train.launch import RankFailed, run_thread_ranks
 
 SMALL_BUCKET_MB = 0.05  # cuts the tiny model (1.4 MiB of gradients) into 29 buckets
-TINY_PIECES = 8  # ... of which the bucketed sync joins the 22 that backward's end makes final (ddp.join_the_tail)
+# ... of which the bucketed sync joins the 22 that backward's end makes final (ddp.join_the_tail) but wte (as rows no
+# token reads, early, and those some token reads, after backward: ddp.EmbeddingRows, after the row set's all-reduce)
+TINY_PIECES = 8 + 3
 
 
 @pytest.fixture(scope="module")
@@ -154,12 +156,13 @@ def test_strategies_give_the_same_bits(corpus, flat_runs, world):
 
 def test_collectives_per_step(corpus, flat_runs):
     """The loss all-reduce, plus: one call (flat), one per parameter (per-param), one per bucket, those that
-    backward's end makes final (the 22 of the 29 that wte and wpe reach into) as one."""
+    backward's end makes final (the 22 of the 29 that wte and wpe reach into) as one but wte, which goes as the
+    row set, the rows no token reads and the rest."""
     n_params = len(GPT2(model_config("tiny", corpus.vocab_size), numpy_ops).layout)
     assert flat_runs[2]["comm_calls_per_step"] == 1 + 1
     assert run(corpus, 2, steps=2, grad_sync="per-param")["comm_calls_per_step"] == n_params + 1
     bucketed = run(corpus, 2, steps=2, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB)
-    assert bucketed["comm_calls_per_step"] == TINY_PIECES + 1 == (29 - 22 + 1) + 1
+    assert bucketed["comm_calls_per_step"] == TINY_PIECES + 1 == (29 - 22 + 1) + 3 + 1
     for key in ("grad_sync", "zero", "grad_accum", "comm_s", "exposed_comm_s"):
         assert key in bucketed
     assert bucketed["grad_sync"] == "bucketed" and bucketed["zero"] == 0 and bucketed["grad_accum"] == 1
@@ -191,9 +194,15 @@ class RecordingComm:
         self.comm.all_reduce(buf)
 
 
-def record_one_step(grad_sync_name, world=2, hold_s=10.0):
+def rank_ids(rank: int):
+    """record_one_step's tokens on a rank: 16 of a vocabulary of 64."""
+    return np.random.default_rng(rank).integers(0, 64, (1, 16)).astype(np.int32)
+
+
+def record_one_step(grad_sync_name, world=2, hold_s=10.0, note_tokens=False):
     """Each rank: forward, then backward whose first announcement holds backward until an all-reduce
-    has started (or hold_s has passed). Returns every rank's event log."""
+    has started (or hold_s has passed). Returns every rank's event log. note_tokens: the sync is told the
+    step's tokens, as the training loop tells it."""
     config = model_config("tiny", 64)
     cfg = TrainConfig(steps=1, batch=world, seq=16, world_size=world, grad_sync=grad_sync_name,
                       bucket_mb=SMALL_BUCKET_MB)
@@ -202,8 +211,10 @@ def record_one_step(grad_sync_name, world=2, hold_s=10.0):
         events, lock, started = [], threading.Lock(), threading.Event()
         model = GPT2(config, numpy_ops, seed=1)
         grad_sync = ddp.make_grad_sync(cfg, RecordingComm(comm, events, lock, started), model)
-        ids = np.random.default_rng(rank).integers(0, 64, (1, 16)).astype(np.int32)
+        ids = rank_ids(rank)
         model.forward(ids, np.roll(ids, -1, axis=1), 1.0 / 16)
+        if note_tokens:
+            grad_sync.note_tokens(ids)
 
         def on_grads_ready(start, end):
             with lock:
@@ -237,6 +248,34 @@ def test_bucketed_reduces_while_backward_still_runs():
             elif kind == "reduce":
                 bucket_end += n
                 assert bucket_end <= covered
+
+
+def test_the_rows_of_wte_no_token_reads_go_before_block_0_and_the_rest_after_backward():
+    """With the step's tokens, the first reduces at backward's first announcement are the row set (a count for
+    each of wte's 128 rows, the vocabulary of 64 padded) and the rows that neither rank's tokens read, gathered
+    (C elements each); the last, after backward, the rows some token reads. Every element once."""
+    config = model_config("tiny", 64)
+    rows, C = config.padded_vocab_size, config.n_embd
+    read = len(np.union1d(rank_ids(0), rank_ids(1)))
+    assert 0 < read < 64 < rows
+    for events, size in record_one_step("bucketed", note_tokens=True):
+        reduces = [(i, n) for i, (kind, n, _) in enumerate(events) if kind == "reduce"]
+        ready = [i for i, (kind, _, _) in enumerate(events) if kind == "ready"]
+        done = next(i for i, (kind, _, _) in enumerate(events) if kind == "backward done")
+        assert [n for _, n in reduces[:2]] == [rows, (rows - read) * C]
+        assert ready[0] < reduces[0][0] < ready[1]  # handed over at the first announcement (which holds for it)
+        assert reduces[-1][1] == read * C and reduces[-1][0] > done
+        assert sum(n for _, n in reduces) == size + rows
+
+
+def test_the_early_rows_keep_the_flat_syncs_bits_with_accumulation_and_bf16(corpus):
+    """The rows of wte that the last micro-batch's tokens do not read go early, also where an earlier micro-batch
+    read them (their part is in by then); bf16's roundings of a gathered copy are those of the piece in place."""
+    for kw in ({"grad_accum": 2}, {"grad_compress": "bf16"}):
+        flat = run(corpus, 2, steps=3, grad_sync="flat", **kw)
+        bucketed = run(corpus, 2, steps=3, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB, **kw)
+        assert bucketed["param_sha256"] == flat["param_sha256"], kw
+        assert bucketed["comm_calls_per_step"] == TINY_PIECES + 1
 
 
 def test_flat_waits_for_backward():
@@ -418,7 +457,8 @@ def test_accumulation_equals_the_whole_batch(corpus, flat_runs, world):
     # AdamW (and clipping) hide a gradient scaled by a constant, K or 1/world, from the losses: the norms do not
     assert max_rel_diff(accumulated["grad_norms"], flat_runs[world]["grad_norms"]) < 1e-5
     assert len(set(accumulated["param_sha256"])) == 1
-    assert accumulated["comm_calls_per_step"] == TINY_PIECES + 1  # nothing more than without accumulation
+    pieces = TINY_PIECES if world > 1 else TINY_PIECES - 3  # one rank: wte in the tail (no sum to start early)
+    assert accumulated["comm_calls_per_step"] == pieces + 1  # nothing more than without accumulation
 
 
 def test_accumulation_with_uneven_micro_batches(corpus):

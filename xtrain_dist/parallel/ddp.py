@@ -9,7 +9,8 @@ strategies differ only in when they reduce and in what pieces:
 - bucketed:  the buffer cut into buckets of `bucket_mb`; a bucket is reduced, by a communication
              thread of the rank, as soon as backward has finished it, while the rank's own thread
              goes on with the earlier blocks. What is left when backward ends is the exposed cost;
-             the buckets that only backward's end makes final (the embeddings') go as one.
+             the buckets that only backward's end makes final (the embeddings') go as one. On the
+             CPU, the rows of wte that no token of the step reads go first (`EmbeddingRows`).
 
 What reducing a piece means is the same for every strategy (`PieceReducer`): an all-reduce, or with
 ZeRO-1 a reduce-scatter that leaves each rank the part of the piece inside its own shard; with bf16
@@ -25,6 +26,9 @@ import math
 import queue
 import threading
 import weakref
+from functools import partial
+
+import numpy as np
 
 from ..comm import shard_offsets
 from ..comm.timed import TimedCommunicator
@@ -79,21 +83,36 @@ class PieceReducer:
         self.compress = compress == "bf16"
 
     def __call__(self, lo: int, hi: int) -> None:
+        if self.shards is None:
+            self.all_reduce(self.grads[lo:hi])
+            return
         piece = self.grads[lo:hi]
+        if self.compress:
+            self.ops.bf16_round(piece)
+        counts = [max(0, min(hi, s_hi) - max(lo, s_lo)) for s_lo, s_hi in self.shards]
+        offsets = shard_offsets(hi - lo, self.comm.world_size, counts)
+        rank = self.comm.rank
+        result = piece[offsets[rank]:offsets[rank + 1]]  # this rank's part: reduced in place
+        self.comm.reduce_scatter(piece, result, counts)
+        if self.compress:
+            self.ops.bf16_round(result)
+
+    def all_reduce(self, piece) -> None:
+        """Sum `piece` (grads' elements, or a copy of some of them) over the ranks, in place."""
         if self.compress:
             # what a bf16 wire would carry; the sum itself is exact float32 in rank order
             self.ops.bf16_round(piece)
-        if self.shards is None:
-            self.comm.all_reduce(piece)
-            result = piece
-        else:
-            counts = [max(0, min(hi, s_hi) - max(lo, s_lo)) for s_lo, s_hi in self.shards]
-            offsets = shard_offsets(hi - lo, self.comm.world_size, counts)
-            rank = self.comm.rank
-            result = piece[offsets[rank]:offsets[rank + 1]]  # this rank's part: reduced in place
-            self.comm.reduce_scatter(piece, result, counts)
+        self.comm.all_reduce(piece)
         if self.compress:
-            self.ops.bf16_round(result)  # the sum travels back as bfloat16 too
+            self.ops.bf16_round(piece)  # the sum travels back as bfloat16 too
+
+    def reduce_rows(self, table, rows) -> None:
+        """Sum table[rows] (rows of a 2-D view into grads) over the ranks as one piece: gathered into a
+        contiguous copy, reduced, written back. Each element is summed as an all-reduce of grads in place sums
+        it (in rank order), so the same bits."""
+        piece = table[rows]
+        self.all_reduce(piece.reshape(-1))
+        table[rows] = piece
 
 
 class _AfterBackward:
@@ -134,6 +153,58 @@ class FlatGradSync(_AfterBackward):
         super().__init__(reduce_piece, [(0, model.size)])
 
 
+class EmbeddingRows:
+    """wte's gradient reduced in two parts, so that little of it is left for after backward (the bucketed sync on
+    the CPU). wte is last in the layout: the tied classifier adds its part at backward's start, the embedding
+    adds each token's row at backward's very end. A row that no token of the step's global batch reads gets
+    nothing from the embedding on any rank, so it is final once the classifier is done; only the rows the
+    tokens read wait for the end.
+
+    At backward's first announcement the communication thread sums over the ranks which rows each rank's
+    tokens read (every rank then knows the same set), and reduces every other row, gathered into one piece;
+    the rank's thread meanwhile goes on with backward, whose embedding then writes the read rows only. After
+    backward, the read rows go as one more piece. Each element is summed over the ranks in rank order as a
+    reduce of grads in place would, so the same bits as the flat sync; three calls more a step (the row set,
+    the rows no token reads, and the tail split in two).
+
+    Only where grads live in host memory: the pieces' sizes depend on the tokens, which a GPU step captured as
+    a CUDA graph could not read. The caller gives the token ids of the micro-batch whose backward announces
+    (note_tokens; the earlier micro-batches' rows are in the gradient by then) before that backward; a step
+    without them reduces wte whole after backward."""
+
+    def __init__(self, reduce_piece: PieceReducer, model):
+        self.reduce_piece = reduce_piece
+        self.lo, self.hi = model.tied_range
+        self.table = model.g.wte  # (Vp, C): a view of grads[lo:hi]
+        self.tokens = None  # this rank's token ids of the step's announcing micro-batch
+        self.read = None    # the rows some token of the step's global batch reads
+
+    @staticmethod
+    def applies(reduce_piece, model) -> bool:
+        """Whether the split can be made: an all-reduce (not ZeRO-1's reduce-scatter, not PowerSGD) of a model
+        whole on the rank (no tensor or pipeline cut), over more than one rank, in host memory."""
+        return (isinstance(reduce_piece, PieceReducer) and reduce_piece.shards is None
+                and reduce_piece.comm.world_size > 1 and getattr(model, "pp", None) is None
+                and getattr(model, "tp", None) is None and model.ops.xp is np
+                and model.tied_range is not None and model.tied_range[1] <= model.size)
+
+    def reduce_unread(self, tokens) -> None:
+        """The row set, then the rows no token reads (the communication thread, at backward's first
+        announcement: the classifier's part is final then). tokens: this rank's ids, note_tokens'."""
+        read = np.zeros(self.table.shape[0], np.float32)  # 1 where this rank's tokens read the row
+        read[tokens.reshape(-1)] = 1
+        self.reduce_piece.comm.all_reduce(read)  # > 0 where any rank's do
+        self.read = np.flatnonzero(read)
+        unread = np.flatnonzero(read == 0)
+        if unread.size:  # the same set on every rank: all skip together
+            self.reduce_piece.reduce_rows(self.table, unread)
+
+    def reduce_read(self) -> None:
+        """The rows the tokens read (the communication thread, after backward)."""
+        if self.read.size:
+            self.reduce_piece.reduce_rows(self.table, self.read)
+
+
 class BucketedGradSync:
     """Buckets reduced by a communication thread while backward goes on (PyTorch DDP's design).
 
@@ -147,17 +218,26 @@ class BucketedGradSync:
     therefore carries a fence (a CUDA event on the compute stream); the communication thread, bound
     to the rank's device with a stream of its own, makes that stream wait for it before reducing,
     and finish() makes the compute stream wait for the communication stream's last fence. On the
-    CPU the fences are None and the waits do nothing."""
+    CPU the fences are None and the waits do nothing.
+
+    On the CPU, wte's gradient is not in the pieces: EmbeddingRows reduces the rows that no token of
+    the step reads at backward's first announcement, and the rest after backward."""
 
     def __init__(self, reduce_piece, model, bucket_mb: float, pieces=None):
         self.reduce_piece = reduce_piece
         self.comm = reduce_piece.comm
         self.size = model.size
+        self.rows = None
         if pieces is None:
             pieces = bucket_bounds(model.size, bucket_mb, model.grads.dtype.itemsize)
             if hasattr(model, "grad_ready_ranges"):  # a model that announces as backward goes
                 pieces = join_the_tail(pieces, model.grad_ready_ranges()[-1][0])
+                if EmbeddingRows.applies(reduce_piece, model):
+                    self.rows = EmbeddingRows(reduce_piece, model)
+                    pieces[-1] = (pieces[-1][0], self.rows.lo)  # the tail up to wte (its start is the embeddings')
+                    pieces += [(self.rows.hi, self.size)] if self.rows.hi < self.size else []
         self.pieces = pieces
+        self._rows_early = False  # whether this step's unread rows of wte were handed over
         self._ready = 0    # grads[:_ready] is final in this step
         self._issued = 0   # buckets handed to the communication thread in this step
         self._backward_done = None  # the clock mark of this step's last announcement, where taken there
@@ -166,13 +246,23 @@ class BucketedGradSync:
         self._reduced: list = [None]  # the communication thread's fence after its latest bucket
         self.ops = model.ops
         # the thread holds no reference to self, so dropping self ends it (through the finalizer)
-        threading.Thread(target=_serve, args=(self._work, self.pieces, reduce_piece, self._errors, self._reduced,
-                                              self.ops), name=f"rank{self.comm.rank}-comm", daemon=True).start()
+        threading.Thread(target=_serve, args=(self._work, self._errors, self._reduced, self.ops),
+                         name=f"rank{self.comm.rank}-comm", daemon=True).start()
         self.close = weakref.finalize(self, self._work.put, None)
+
+    def note_tokens(self, ids) -> None:
+        """This rank's token ids of the micro-batch whose backward will announce (train/loop.py, before it): which
+        rows of wte's gradient EmbeddingRows can reduce early. Nothing to do without them."""
+        if self.rows is not None:
+            self.rows.tokens = ids
 
     def on_grads_ready(self, start: int, end: int) -> None:
         if start != self._ready:
             raise RuntimeError(f"gradients announced out of layout order: [{start}, {end}) after [0, {self._ready})")
+        if start == 0 and self.rows is not None and self.rows.tokens is not None:
+            # the classifier's part of wte's gradient is final: its rows that no token reads go first
+            self._work.put((partial(self.rows.reduce_unread, self.rows.tokens), self.ops.fence()))
+            self._rows_early = True
         self._ready = end
         if end == self.size and self.comm.knows_peers:
             # thread ranks on the CPU: the mark a peer reads once the last pieces are reduced is shared before they
@@ -187,6 +277,7 @@ class BucketedGradSync:
         self._errors.clear()
         self._ready = self._issued = 0
         self._backward_done = None
+        self._rows_early = False
 
     def settle(self) -> None:
         """Called before the rank's thread queues a collective of another group of its mesh (a tensor-parallel
@@ -205,6 +296,10 @@ class BucketedGradSync:
         if backward_done is None:
             backward_done = self.comm.backward_done()  # shared before the last pieces go: waited_for_peers reads it
         self._issue_up_to(self.size)  # all of it, also if backward announced nothing
+        if self.rows is not None:  # wte: the rows the tokens read, or all of it where none went early
+            job = self.rows.reduce_read if self._rows_early else partial(self.reduce_piece, self.rows.lo, self.rows.hi)
+            self._work.put((job, self.ops.fence()))
+            self._rows_early, self.rows.tokens = False, None
         self._work.join()
         self.ops.wait(self._reduced[0])  # later compute (clipping, AdamW) reads the reduced buckets
         end = self.ops.timestamp()
@@ -218,22 +313,22 @@ class BucketedGradSync:
         computed = None
         while self._issued < len(self.pieces) and self.pieces[self._issued][1] <= end:
             computed = computed or self.ops.fence()  # one fence covers every bucket handed over now
-            self._work.put((self._issued, computed))
+            self._work.put((partial(self.reduce_piece, *self.pieces[self._issued]), computed))
             self._issued += 1
 
 
-def _serve(work: queue.Queue, pieces, reduce_piece, errors: list, reduced: list, ops) -> None:
-    """The communication thread: reduce the buckets whose (index, fence) arrive, in order, until None."""
+def _serve(work: queue.Queue, errors: list, reduced: list, ops) -> None:
+    """The communication thread: run the reductions whose (job, fence) arrive, in order, until None."""
     ops.bind_side_thread()
     while True:
         item = work.get()
         try:
             if item is None:
                 return
-            index, computed = item
+            job, computed = item
             if not errors:  # after a failure, drain without communicating
                 ops.wait(computed)
-                reduce_piece(*pieces[index])
+                job()
                 reduced[0] = ops.fence()
         except BaseException as e:  # handed to the rank's thread by finish()
             errors.append(e)

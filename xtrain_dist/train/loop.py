@@ -219,6 +219,8 @@ def train_rank(rank: int, comm, cfg: TrainConfig, corpus: Corpus, device: int | 
         """The step from inputs already on the device to updated parameters and `readout`: no host read,
         no host decision on a device value, so it can be captured and replayed."""
         model.zero_grad()
+        if hasattr(grad_sync, "note_tokens"):  # the bucketed sync: the rows of wte the last backward writes (CPU)
+            grad_sync.note_tokens(batch[-1][0])
         if pipe is None:  # gradient accumulation: each micro-batch's forward, then its backward
             for i in range(len(batch)):
                 forward(i, None)
