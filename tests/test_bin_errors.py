@@ -4,18 +4,18 @@ no traceback, and no work (or half-written file) before the problem is found."""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def script(name, *args, env=None):
-    return subprocess.run([sys.executable, f"bin/{name}", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env=env)
+    """`python bin/<name> args` in the repository's root, forked from a process that has imported the package
+    (forked.py) unless given an environment of its own."""
+    return forked.run([f"bin/{name}", *map(str, args)], cwd=REPO, timeout=60, env=env)
 
 
 def error(name, *args, env=None) -> str:

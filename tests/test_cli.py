@@ -9,14 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER
 
 
 def cli(*args, timeout=120, env=None):
-    return subprocess.run([sys.executable, "-m", "xtrain_dist.train_ddp", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    """`python -m xtrain_dist.train_ddp args`, forked from a process that has imported the package (forked.py)
+    unless env adds variables to this process's."""
+    return forked.run(["-m", "xtrain_dist.train_ddp", *map(str, args)], timeout=timeout,
+                      env={**os.environ, **env} if env else None)
 
 
 def test_a_run_prints_progress_and_writes_the_report(tmp_path):
