@@ -112,8 +112,9 @@ def _serve(path: str, client: int) -> None:
     listener.listen(16)
     listener.settimeout(1.0)
     while True:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(-1, os.WNOHANG)  # reap the waiters that have ended
+        with contextlib.suppress(ChildProcessError):  # reap every waiter that has ended
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
         if not _alive(client):
             os.unlink(path)
             os.rmdir(os.path.dirname(path))

@@ -83,28 +83,27 @@ class PieceReducer:
         self.compress = compress == "bf16"
 
     def __call__(self, lo: int, hi: int) -> None:
-        if self.shards is None:
-            self.all_reduce(self.grads[lo:hi])
-            return
         piece = self.grads[lo:hi]
-        if self.compress:
-            self.ops.bf16_round(piece)
+        if self.shards is None:
+            self.all_reduce(piece)
+            return
         counts = [max(0, min(hi, s_hi) - max(lo, s_lo)) for s_lo, s_hi in self.shards]
         offsets = shard_offsets(hi - lo, self.comm.world_size, counts)
         rank = self.comm.rank
         result = piece[offsets[rank]:offsets[rank + 1]]  # this rank's part: reduced in place
-        self.comm.reduce_scatter(piece, result, counts)
-        if self.compress:
-            self.ops.bf16_round(result)
+        self._reduce(piece, result, partial(self.comm.reduce_scatter, piece, result, counts))
 
     def all_reduce(self, piece) -> None:
         """Sum `piece` (grads' elements, or a copy of some of them) over the ranks, in place."""
+        self._reduce(piece, piece, partial(self.comm.all_reduce, piece))
+
+    def _reduce(self, piece, result, collective) -> None:
         if self.compress:
             # what a bf16 wire would carry; the sum itself is exact float32 in rank order
             self.ops.bf16_round(piece)
-        self.comm.all_reduce(piece)
+        collective()
         if self.compress:
-            self.ops.bf16_round(piece)  # the sum travels back as bfloat16 too
+            self.ops.bf16_round(result)  # the sum travels back as bfloat16 too
 
     def reduce_rows(self, table, rows) -> None:
         """Sum table[rows] (rows of a 2-D view into grads) over the ranks as one piece: gathered into a
@@ -185,8 +184,7 @@ class EmbeddingRows:
         whole on the rank (no tensor or pipeline cut), over more than one rank, in host memory."""
         return (isinstance(reduce_piece, PieceReducer) and reduce_piece.shards is None
                 and reduce_piece.comm.world_size > 1 and getattr(model, "pp", None) is None
-                and getattr(model, "tp", None) is None and model.ops.xp is np
-                and model.tied_range is not None and model.tied_range[1] <= model.size)
+                and getattr(model, "tp", None) is None and model.ops.xp is np and model.tied_range is not None)
 
     def reduce_unread(self, tokens) -> None:
         """The row set, then the rows no token reads (the communication thread, at backward's first
