@@ -23,8 +23,10 @@ from xtrain_dist.train.job import train
 from xtrain_dist.train.launch import RankFailed, run_thread_ranks
 
 SMALL_BUCKET_MB = 0.05  # cuts the tiny model (1.4 MiB of gradients) into 29 buckets
-# ... of which the bucketed sync joins the 22 that backward's end makes final (ddp.join_the_tail) but wte (as rows no
-# token reads, early, and those some token reads, after backward: ddp.EmbeddingRows, after the row set's all-reduce)
+# ... of which the bucketed sync reduces the 22 that reach into what backward's end makes final (the first block's
+# ln_1 and the embeddings) as one piece (ddp.join_the_tail), less the part of the first of them before ln_1 (the
+# attention's products): 7 + 1 + 1; with more than one rank that tail goes in two parts, after the row sets' all-reduce
+# (the embeddings' rows no token reads early, the rest after backward: ddp.EmbeddingRows)
 TINY_PIECES = 8 + 3
 
 
@@ -124,18 +126,24 @@ def test_buckets_tile_the_buffer_in_aligned_slices():
 
 
 def test_the_buckets_that_backward_ends_together_go_as_one_piece():
-    """The buckets past the start of backward's last announcement (the embeddings) become final together when
-    backward ends: the bucketed sync reduces them as one piece; the buckets before are cut by size as ever."""
-    assert ddp.join_the_tail([(0, 10), (10, 20), (20, 25)], 15) == [(0, 10), (10, 25)]
+    """The buckets past the start of backward's last two announcements (the first block's ln_1, the embeddings)
+    become final together when backward ends: the bucketed sync reduces them as one piece, and cuts the bucket
+    that reaches into them there, so that its part before (the first block's attention products, final one
+    product earlier) goes on its own; the buckets before are cut by size as ever."""
+    assert ddp.join_the_tail([(0, 10), (10, 20), (20, 25)], 15) == [(0, 10), (10, 15), (15, 25)]
     assert ddp.join_the_tail([(0, 10), (10, 20), (20, 25)], 20) == [(0, 10), (10, 20), (20, 25)]
     assert ddp.join_the_tail([(0, 10), (10, 20)], 0) == [(0, 20)]
+    assert ddp.join_the_tail([(0, 10), (10, 20)], 3) == [(0, 3), (3, 20)]
     model = GPT2(model_config("tiny", 512), numpy_ops, seed=1)
     cfg = TrainConfig(steps=1, batch=1, seq=16, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB)
     grad_sync = ddp.make_grad_sync(cfg, LocalGroup(1).communicator(0), model)
-    last = model.grad_ready_ranges()[-1][0]
+    *_, (_, ln_1), (_, embeddings), _ = model.grad_ready_ranges()
+    assert [s.name for s in model.layout if ln_1 <= s.offset < embeddings] == [
+        "transformer.h.0.ln_1.weight", "transformer.h.0.ln_1.bias"]
     by_size = ddp.bucket_bounds(model.size, SMALL_BUCKET_MB)
-    head = [b for b in by_size if b[1] <= last]
-    assert grad_sync.pieces == [*head, (head[-1][1], model.size)]
+    head = [b for b in by_size if b[1] <= ln_1]
+    assert head[-1][1] < ln_1 < by_size[len(head)][1]  # a bucket reaches from the attention's products into ln_1
+    assert grad_sync.pieces == [*head, (head[-1][1], ln_1), (ln_1, model.size)]
     assert len(by_size) - len(head) >= 3  # wte's 32768 floats and wpe's 8192: three buckets and more, joined
     grad_sync.close()
 
@@ -156,8 +164,8 @@ def test_strategies_give_the_same_bits(corpus, flat_runs, world):
 
 def test_collectives_per_step(corpus, flat_runs):
     """The loss all-reduce, plus: one call (flat), one per parameter (per-param), one per bucket, those that
-    backward's end makes final (the 22 of the 29 that wte and wpe reach into) as one but wte, which goes as the
-    row set, the rows no token reads and the rest."""
+    backward's end makes final (the 22 of the 29 that reach into the first block's ln_1, wpe and wte) as one, less
+    the part of the first before ln_1; that tail goes as the row sets, the rows no token reads and the rest."""
     n_params = len(GPT2(model_config("tiny", corpus.vocab_size), numpy_ops).layout)
     assert flat_runs[2]["comm_calls_per_step"] == 1 + 1
     assert run(corpus, 2, steps=2, grad_sync="per-param")["comm_calls_per_step"] == n_params + 1
@@ -238,7 +246,11 @@ def test_bucketed_reduces_while_backward_still_runs():
         first_reduce, done = kinds.index("reduce"), kinds.index("backward done")
         assert first_reduce < kinds.index("ready", 1) < done  # before block 0's gradients were even computed
         rank_thread = events[0][2]
-        assert {e[2] for e in events if e[0] == "reduce"} == {f"{rank_thread}-comm"}
+        reducers = [e[2] for e in events if e[0] == "reduce"]
+        # the communication thread reduces all but the tail, which the rank's thread reduces after backward
+        # (EmbeddingRows: the communication thread is idle by then, a hand-over would cost two wake-ups)
+        assert set(reducers[:-1]) == {f"{rank_thread}-comm"} and reducers[-1] == rank_thread
+        assert kinds.index("backward done") < len(kinds) - 1 - kinds[::-1].index("reduce")
         assert sum(e[1] for e in events if e[0] == "reduce") == size  # every bucket exactly once
         # a bucket starts only once the announced prefix covers it
         covered, bucket_end = 0, 0
@@ -250,22 +262,28 @@ def test_bucketed_reduces_while_backward_still_runs():
                 assert bucket_end <= covered
 
 
-def test_the_rows_of_wte_no_token_reads_go_before_block_0_and_the_rest_after_backward():
-    """With the step's tokens, the first reduces at backward's first announcement are the row set (a count for
-    each of wte's 128 rows, the vocabulary of 64 padded) and the rows that neither rank's tokens read, gathered
-    (C elements each); the last, after backward, the rows some token reads. Every element once."""
+def test_the_embeddings_rows_no_token_reads_go_before_block_0_and_the_rest_after_backward():
+    """With the step's tokens, the first reduces at backward's first announcement are the row sets (a count for
+    each of wpe's 128 rows and wte's 128, the vocabulary of 64 padded) and the rows that neither rank's tokens
+    read, gathered (C elements each): wpe's past the 16 positions, wte's of no token. The last, after backward,
+    is the rest of what backward's end makes final: the first block's ln_1, the rows some token reads and the
+    padding. Every element once."""
     config = model_config("tiny", 64)
-    rows, C = config.padded_vocab_size, config.n_embd
+    rows, positions, C, T = config.padded_vocab_size, config.n_ctx, config.n_embd, 16
     read = len(np.union1d(rank_ids(0), rank_ids(1)))
     assert 0 < read < 64 < rows
+    model = GPT2(config, numpy_ops, seed=1)
+    ln_1 = model.grad_ready_ranges()[-2][0]
+    (wpe_lo, wpe_hi), (wte_lo, wte_hi) = [(s.offset, s.offset + s.size) for s in model.layout[-2:]]
+    padding = (wpe_lo - ln_1 - 2 * C) + (wte_lo - wpe_hi) + (model.size - wte_hi)
     for events, size in record_one_step("bucketed", note_tokens=True):
         reduces = [(i, n) for i, (kind, n, _) in enumerate(events) if kind == "reduce"]
         ready = [i for i, (kind, _, _) in enumerate(events) if kind == "ready"]
         done = next(i for i, (kind, _, _) in enumerate(events) if kind == "backward done")
-        assert [n for _, n in reduces[:2]] == [rows, (rows - read) * C]
+        assert [n for _, n in reduces[:2]] == [positions + rows, (positions - T + rows - read) * C]
         assert ready[0] < reduces[0][0] < ready[1]  # handed over at the first announcement (which holds for it)
-        assert reduces[-1][1] == read * C and reduces[-1][0] > done
-        assert sum(n for _, n in reduces) == size + rows
+        assert reduces[-1][1] == 2 * C + (T + read) * C + padding and reduces[-1][0] > done
+        assert sum(n for _, n in reduces) == size + positions + rows
 
 
 def test_the_early_rows_keep_the_flat_syncs_bits_with_accumulation_and_bf16(corpus):
@@ -457,7 +475,7 @@ def test_accumulation_equals_the_whole_batch(corpus, flat_runs, world):
     # AdamW (and clipping) hide a gradient scaled by a constant, K or 1/world, from the losses: the norms do not
     assert max_rel_diff(accumulated["grad_norms"], flat_runs[world]["grad_norms"]) < 1e-5
     assert len(set(accumulated["param_sha256"])) == 1
-    pieces = TINY_PIECES if world > 1 else TINY_PIECES - 3  # one rank: wte in the tail (no sum to start early)
+    pieces = TINY_PIECES if world > 1 else TINY_PIECES - 2  # one rank: the tail whole (no sum to start early)
     assert accumulated["comm_calls_per_step"] == pieces + 1  # nothing more than without accumulation
 
 

@@ -58,7 +58,7 @@ def test_layout_is_aligned_disjoint_and_in_backward_order():
 
 def test_grad_ranges_cover_the_buffer_in_order():
     model = GPT2(model_config("tiny", 500), numpy_ops, seed=0)
-    for ranges, count in ((model.grad_ready_ranges(), 2 * model.config.n_layer + 1),
+    for ranges, count in ((model.grad_ready_ranges(), 3 * model.config.n_layer + 1),
                           (model.layer_grad_ranges(), model.config.n_layer + 1)):
         assert len(ranges) == count
         assert ranges[0][0] == 0 and ranges[-1][1] == model.size
@@ -69,10 +69,11 @@ def test_grad_ranges_cover_the_buffer_in_order():
                  if lo <= s.offset < hi} for lo, hi in ranges]
 
     # each announcement is exactly what backward has finished by then: ln_f with the last block's MLP half, that
-    # block's attention half, then the block before's halves (a range that stopped short would hold finished
-    # gradients back from the overlap; one that ran on would hand a bucket over before backward wrote it)
-    assert covered(model.grad_ready_ranges()) == [{"ln_f", "1.mlp", "1.ln_2"}, {"1.attn", "1.ln_1"},
-                                                  {"0.mlp", "0.ln_2"}, {"0.attn", "0.ln_1"}, {"wpe", "wte"}]
+    # block's attention products (c_attn's weight gradient is in before its input's), its ln_1, then the block
+    # before's three (a range that stopped short would hold finished gradients back from the overlap; one that
+    # ran on would hand a bucket over before backward wrote it)
+    assert covered(model.grad_ready_ranges()) == [{"ln_f", "1.mlp", "1.ln_2"}, {"1.attn"}, {"1.ln_1"},
+                                                  {"0.mlp", "0.ln_2"}, {"0.attn"}, {"0.ln_1"}, {"wpe", "wte"}]
     # PowerSGD's buckets: a block at a time
     assert covered(model.layer_grad_ranges()) == [{"ln_f", "1.mlp", "1.ln_2", "1.attn", "1.ln_1"},
                                                   {"0.mlp", "0.ln_2", "0.attn", "0.ln_1"}, {"wpe", "wte"}]

@@ -34,6 +34,7 @@ from .errors import XtrainError
 
 ALIGN = 32  # elements; 128 bytes of float32
 WTE = "transformer.wte.weight"
+WPE = "transformer.wpe.weight"
 INIT_STD = 0.02
 
 
@@ -151,7 +152,7 @@ def param_layout(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0,
     for layer in reversed(blocks):
         entries += [(f"transformer.h.{layer}.{suffix}", *rest) for suffix, *rest in block_params(config, tp)]
     entries = [(name, shape, std, 0, split) for name, shape, std, split in entries]
-    entries += [("transformer.wpe.weight", (config.n_ctx, C), INIT_STD, 0, "replicated")] if first else []
+    entries += [(WPE, (config.n_ctx, C), INIT_STD, 0, "replicated")] if first else []
     if first or last:
         entries += [(WTE, (vocab_rows(config, tp), C), INIT_STD, 0, "vocab") if tp > 1 and vocab_parallel else
                     (WTE, (config.padded_vocab_size, C), INIT_STD, config.vocab_size, "replicated")]

@@ -81,7 +81,6 @@ from .command import must_be, one_of
 from .config import GPTConfig
 from .errors import XtrainError
 from .layout import (
-    BLOCK_HALVES,
     WTE,
     block_half,
     count_params,
@@ -333,24 +332,28 @@ class GPT2:
     # ---------------------------------------------------------------- the layout, for gradient sync
     def grad_ready_ranges(self) -> list[tuple[int, int]]:
         """[start, end) of the flat buffer that becomes final at each announcement of backward, in order:
-        ln_f with the last block's MLP half (c_proj, c_fc, ln_2), that block's attention half (c_proj, c_attn,
-        ln_1), then each earlier block's two halves, then both embeddings. layout.block_params lists a block
-        in the order backward finishes it, so each is the next piece of a growing prefix. Halves rather than
-        whole blocks: the overlapped sync (parallel/ddp.py) starts on a block's MLP, two thirds of its
-        parameters, while backward still runs its attention; the first block's is otherwise left to reduce
-        after backward, beside the embeddings. A pipeline stage's: its blocks (ln_f with the last stage's
-        last), then what its layout holds after them (the embeddings on the first stage, wte on the last,
-        nothing but padding on those between)."""
+        ln_f with the last block's MLP half (c_proj, c_fc, ln_2), that block's attention products (c_proj,
+        c_attn: announced once c_attn's weight gradient is in, before the product that gives its input's),
+        its ln_1, then each earlier block's three, then both embeddings. layout.block_params lists a block in
+        the order backward finishes it, so each is the next piece of a growing prefix. Finer than whole blocks:
+        the overlapped sync (parallel/ddp.py) starts on a block's MLP, two thirds of its parameters, while
+        backward still runs its attention; and on the first block's attention products while backward still
+        runs the product that gives their input's gradient, the last product of the step (its ln_1 and the
+        embeddings are all that backward's end makes final). A pipeline stage's: its blocks (ln_f with the
+        last stage's last), then what its layout holds after them (the embeddings on the first stage, wte on
+        the last, nothing but padding on those between)."""
         ends = {half: s.offset + s.size for s in self.layout if (half := block_half(s.name))}  # each half's last
-        bounds = [0] + [ends[layer, half] for layer in reversed(self.blocks) for half in BLOCK_HALVES] + [self.size]
+        products = {block_half(s.name)[0]: s.offset + s.size for s in self.layout
+                    if s.name.endswith(".attn.c_attn.bias")}  # each attention's products' last
+        bounds = [0] + [end for layer in reversed(self.blocks)
+                        for end in (ends[layer, "mlp"], products[layer], ends[layer, "attn"])] + [self.size]
         return list(pairwise(bounds))
 
     def layer_grad_ranges(self) -> list[tuple[int, int]]:
-        """grad_ready_ranges with each block's two halves as one: ln_f with the last block, one block at a
-        time, then both embeddings (PowerSGD's buckets of whole blocks, parallel/ddp.py)."""
-        ready = self.grad_ready_ranges()
-        return [(ready[0][0], ready[1][1])] + [(ready[i][0], ready[i + 1][1]) for i in range(2, len(ready) - 1, 2)] \
-            + [ready[-1]]
+        """grad_ready_ranges joined a block at a time: ln_f with the last block, one block at a time, then both
+        embeddings (PowerSGD's buckets of whole blocks, parallel/ddp.py)."""
+        ends = {half: s.offset + s.size for s in self.layout if (half := block_half(s.name))}
+        return list(pairwise([0] + [ends[layer, "attn"] for layer in reversed(self.blocks)] + [self.size]))
 
     def grad_norm_squared(self, lo: int = 0, hi: int | None = None):
         """The squared norm of the model's gradient in grads[lo:hi] (all of it by default), a (1,) array. With
@@ -854,12 +857,16 @@ class GPT2:
             else:
                 dqkv = ops.attention_backward(datty, a.qkv, a.att, n_head)
             ln1 = ops.layernorm_forward(a.x_in, w.ln_1_weight, w.ln_1_bias)[0] if a.ln1 is None else a.ln1
-            dln1 = complete(ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv, gather(ln1),
-                                                w.attn_c_attn_weight))
+            ln1 = gather(ln1)
+            # c_attn's weight gradient, then its input's: the same two products as one matmul_backward, with the
+            # attention's products announced between (the overlapped sync starts on them one product earlier)
+            ops.matmul_backward(gw.attn_c_attn_weight, gw.attn_c_attn_bias, dqkv, ln1, None)
+            announce(*next(ranges))  # the attention's products (c_proj, c_attn)
+            dln1 = complete(ops.matmul_backward(None, None, dqkv, ln1, w.attn_c_attn_weight))
             del ln1
             self._layernorm_backward(cut, dres, gw.ln_1_weight, gw.ln_1_bias, dln1, a.x_in, w.ln_1_weight,
                                      a.ln1_mean, a.ln1_rstd)  # dres is now d x_in
-            announce(*next(ranges))
+            announce(*next(ranges))  # ln_1
         if self.is_first:
             self.units.before_backward("embed")
             if self.is_last and late:  # the head's weight gradient, deferred (same operands, same order into g.wte)

@@ -8,10 +8,11 @@ seconds only in `report()`). What no op covers, the gaps between spans, is time 
 waiting for the host to launch the next op: the launch-bound part of a step.
 
 Matrix products and attention also get their arithmetic rate: matmul_forward and matmul_gelu_forward do
-2·rows·in·out flops, matmul_backward and matmul_backward_gelu twice that (dinp and dweight); attention
-(standard or flash) counts the full T×T square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same
-counts as nanogpt_flops_per_token below, which gives the MFU of training runs on GPUs and of bin/bench_gpu
-(which also gives llm.c's count, llmc_flops_per_token). Every op also gets the rate at which it moved the
+2·rows·in·out flops, matmul_backward and matmul_backward_gelu twice that (dinp and dweight; a matmul_backward
+given None for one of them computes, and counts, the other alone); attention (standard or flash) counts the full
+T×T square, 4·B·NH·T²·hs forward and 8·B·NH·T²·hs backward, the same counts as nanogpt_flops_per_token below,
+which gives the MFU of training runs on GPUs and of bin/bench_gpu (which also gives llm.c's count,
+llmc_flops_per_token). Every op also gets the rate at which it moved the
 bytes it cannot avoid moving (op_bytes): for the ops bound by memory, not arithmetic (layernorm, GELU, the
 residual, the classifier's softmax, AdamW), that GB/s against the GPU's (PEAK_GBPS) says how far each is
 from its bound.
@@ -40,13 +41,16 @@ ATTENTION_SQUARES = {"attention_forward": (0, 2), "flash_attention_forward": (0,
 
 def op_flops(name: str, args: tuple) -> float:
     """Floating-point operations of one call, for the ops whose count is plain; 0 for the others."""
-    if name in ("matmul_forward", "matmul_gelu_forward", "matmul_backward", "matmul_backward_gelu"):
-        forward = name in ("matmul_forward", "matmul_gelu_forward")
-        weight = args[1] if forward else args[4]
-        inp = args[0] if forward else args[3]
+    if name in ("matmul_forward", "matmul_gelu_forward"):
+        inp, weight = args[0], args[1]
         in_features, out_features = weight.shape
-        rows = inp.size // in_features
-        return (2.0 if forward else 4.0) * rows * in_features * out_features
+        return 2.0 * (inp.size // in_features) * in_features * out_features
+    if name in ("matmul_backward", "matmul_backward_gelu"):
+        dweight, _, dout, inp, weight = args[:5]
+        in_features, out_features = inp.shape[-1], dout.shape[-1]
+        # dinp and dweight, each a product; matmul_backward computes either alone when given None for the other
+        products = 2 if name == "matmul_backward_gelu" else (dweight is not None) + (weight is not None)
+        return products * 2.0 * (inp.size // in_features) * in_features * out_features
     if name in ATTENTION_SQUARES:
         where_qkv, squares = ATTENTION_SQUARES[name]
         batch, seq, three_c = args[where_qkv].shape

@@ -34,7 +34,7 @@ from ..comm import shard_offsets
 from ..comm.timed import TimedCommunicator
 from ..command import must_be, one_of
 from ..errors import XtrainError
-from ..layout import ALIGN
+from ..layout import ALIGN, WPE, WTE
 from .powersgd import PowerSGD
 
 MIB = 1 << 20  # --bucket-mb counts mebibytes, like torch DDP's bucket_cap_mb
@@ -49,15 +49,18 @@ def bucket_bounds(size: int, bucket_mb: float, itemsize: int = 4) -> list[tuple[
     return [(lo, min(lo + elems, size)) for lo in range(0, size, elems)]
 
 
-def join_the_tail(pieces: list[tuple[int, int]], last_start: int) -> list[tuple[int, int]]:
-    """pieces with all those that end past last_start joined into one. last_start is where backward's last
-    announcement begins (the embeddings: wte is final only when backward ends): those pieces are handed over
-    together when backward is done, with no compute left to overlap, so one collective reduces them with one
-    call's overhead (on the CPU two barriers, on a GPU one launch) instead of one a piece. A function of its
-    arguments only, so every rank cuts the same pieces."""
-    kept = [p for p in pieces if p[1] <= last_start]
+def join_the_tail(pieces: list[tuple[int, int]], tail_start: int) -> list[tuple[int, int]]:
+    """pieces cut at tail_start, and all of them from there on joined into one. tail_start is where backward's
+    last two announcements begin (the first block's ln_1, then the embeddings): they become final together at
+    backward's very end, with no compute left to overlap, so one collective reduces them with one call's
+    overhead (on the CPU two barriers, on a GPU one launch) instead of one a piece. The piece that reaches
+    past tail_start is cut there, so that its part before (the first block's attention products, final one
+    product before backward ends) goes as soon as it is final. A function of its arguments only, so every
+    rank cuts the same pieces."""
+    kept = [p for p in pieces if p[1] <= tail_start]
     lo, hi = (kept[-1][1] if kept else 0), pieces[-1][1]
-    return [*kept, (lo, hi)] if lo < hi else kept
+    cut = [(lo, tail_start)] if lo < tail_start else []
+    return [*kept, *cut, (tail_start, hi)] if tail_start < hi else kept
 
 
 def block_bucket_bounds(model, bucket_mb: float) -> list[tuple[int, int]]:
@@ -105,13 +108,21 @@ class PieceReducer:
         if self.compress:
             self.ops.bf16_round(result)  # the sum travels back as bfloat16 too
 
-    def reduce_rows(self, table, rows) -> None:
-        """Sum table[rows] (rows of a 2-D view into grads) over the ranks as one piece: gathered into a
-        contiguous copy, reduced, written back. Each element is summed as an all-reduce of grads in place sums
-        it (in rank order), so the same bits."""
-        piece = table[rows]
-        self.all_reduce(piece.reshape(-1))
-        table[rows] = piece
+    def reduce_gathered(self, parts) -> None:
+        """Sum several parts of grads over the ranks as one piece: each part (view, rows) is view[rows], rows
+        of a 2-D view into grads, or with rows None the whole of a view; gathered into one contiguous copy,
+        reduced, written back. Each element is summed as an all-reduce of grads in place sums it (in rank
+        order), so the same bits."""
+        pieces = [(view if rows is None else view[rows]).reshape(-1) for view, rows in parts]
+        gathered = np.concatenate(pieces)
+        self.all_reduce(gathered)
+        at = 0
+        for (view, rows), piece in zip(parts, pieces, strict=True):
+            summed, at = gathered[at:at + piece.size], at + piece.size
+            if rows is None:
+                view.reshape(-1)[...] = summed
+            else:
+                view[rows] = summed.reshape(-1, view.shape[1])
 
 
 class _AfterBackward:
@@ -153,30 +164,35 @@ class FlatGradSync(_AfterBackward):
 
 
 class EmbeddingRows:
-    """wte's gradient reduced in two parts, so that little of it is left for after backward (the bucketed sync on
-    the CPU). wte is last in the layout: the tied classifier adds its part at backward's start, the embedding
-    adds each token's row at backward's very end. A row that no token of the step's global batch reads gets
-    nothing from the embedding on any rank, so it is final once the classifier is done; only the rows the
-    tokens read wait for the end.
+    """What backward's end makes final (the first block's ln_1, wpe, wte) reduced in two parts, so that little of it
+    is left for after backward (the bucketed sync on the CPU). The embeddings are last in the layout: the tied
+    classifier adds its part of wte's gradient at backward's start, the embedding adds each token's row of wte and
+    each position's row of wpe at backward's very end. A row that no token (no position) of the step's global
+    batch reads gets nothing from the embedding on any rank: wte's is final once the classifier is done, wpe's
+    (past the sequence length) from the start. Only the rows some token reads wait for the end.
 
-    At backward's first announcement the communication thread sums over the ranks which rows each rank's
-    tokens read (every rank then knows the same set), and reduces every other row, gathered into one piece;
-    the rank's thread meanwhile goes on with backward, whose embedding then writes the read rows only. After
-    backward, the read rows go as one more piece. Each element is summed over the ranks in rank order as a
-    reduce of grads in place would, so the same bits as the flat sync; three calls more a step (the row set,
-    the rows no token reads, and the tail split in two).
+    At backward's first announcement the communication thread sums over the ranks which rows of the two tables
+    each rank's tokens read (every rank then knows the same sets), and reduces every other row, gathered into
+    one piece; the rank's thread meanwhile goes on with backward. After backward, the rest (ln_1, the rows read,
+    the padding between) goes as one more piece. Each element is summed over the ranks in rank order as a
+    reduce of grads in place would, so the same bits as the flat sync; two calls more a step than one tail
+    piece (the row set, the rows no token reads).
 
     Only where grads live in host memory: the pieces' sizes depend on the tokens, which a GPU step captured as
     a CUDA graph could not read. The caller gives the token ids of the micro-batch whose backward announces
     (note_tokens; the earlier micro-batches' rows are in the gradient by then) before that backward; a step
-    without them reduces wte whole after backward."""
+    without them reduces it all after backward."""
 
-    def __init__(self, reduce_piece: PieceReducer, model):
+    def __init__(self, reduce_piece: PieceReducer, model, tail_start: int):
         self.reduce_piece = reduce_piece
-        self.lo, self.hi = model.tied_range
-        self.table = model.g.wte  # (Vp, C): a view of grads[lo:hi]
+        self.lo, self.hi = tail_start, model.size  # [lo, hi): all this reduces, padding included
+        self.tables = (model.g.wpe, model.g.wte)  # (rows, C) views into grads, in layout order
+        spans = [(s.offset, s.offset + s.size) for s in model.layout if s.name in (WPE, WTE)]
+        bounds = [self.lo, *(b for span in spans for b in span), self.hi]
+        # the rest of [lo, hi), around the tables: the first block's ln_1 (its attention half's last), padding
+        self.between = [model.grads[a:b] for a, b in zip(bounds[::2], bounds[1::2], strict=True)]
         self.tokens = None  # this rank's token ids of the step's announcing micro-batch
-        self.read = None    # the rows some token of the step's global batch reads
+        self.read = None    # per table, the rows some token (position) of the step's global batch reads
 
     @staticmethod
     def applies(reduce_piece, model) -> bool:
@@ -187,20 +203,28 @@ class EmbeddingRows:
                 and getattr(model, "tp", None) is None and model.ops.xp is np and model.tied_range is not None)
 
     def reduce_unread(self, tokens) -> None:
-        """The row set, then the rows no token reads (the communication thread, at backward's first
+        """The row sets, then the rows no token reads (the communication thread, at backward's first
         announcement: the classifier's part is final then). tokens: this rank's ids, note_tokens'."""
-        read = np.zeros(self.table.shape[0], np.float32)  # 1 where this rank's tokens read the row
-        read[tokens.reshape(-1)] = 1
+        wpe, wte = self.tables
+        read = np.zeros(wpe.shape[0] + wte.shape[0], np.float32)  # 1 where this rank's tokens read the row
+        read[:tokens.shape[-1]] = 1
+        read[wpe.shape[0] + tokens.reshape(-1)] = 1
         self.reduce_piece.comm.all_reduce(read)  # > 0 where any rank's do
-        self.read = np.flatnonzero(read)
-        unread = np.flatnonzero(read == 0)
-        if unread.size:  # the same set on every rank: all skip together
-            self.reduce_piece.reduce_rows(self.table, unread)
+        self.read = (np.flatnonzero(read[:wpe.shape[0]]), np.flatnonzero(read[wpe.shape[0]:]))
+        unread = (np.flatnonzero(read[:wpe.shape[0]] == 0), np.flatnonzero(read[wpe.shape[0]:] == 0))
+        if any(rows.size for rows in unread):  # the same sets on every rank: all skip together
+            self.reduce_piece.reduce_gathered(list(zip(self.tables, unread, strict=True)))
 
-    def reduce_read(self) -> None:
-        """The rows the tokens read (the communication thread, after backward)."""
-        if self.read.size:
-            self.reduce_piece.reduce_rows(self.table, self.read)
+    def reduce_rest(self) -> None:
+        """What is left (the communication thread, after backward): all of it where no rows went early."""
+        if self.read is None:
+            self.reduce_piece(self.lo, self.hi)
+            return
+        parts = [(self.between[0], None)]
+        for table, rows, after in zip(self.tables, self.read, self.between[1:], strict=True):
+            parts += [(table, rows), (after, None)]
+        self.reduce_piece.reduce_gathered(parts)
+        self.read = None
 
 
 class BucketedGradSync:
@@ -229,13 +253,12 @@ class BucketedGradSync:
         if pieces is None:
             pieces = bucket_bounds(model.size, bucket_mb, model.grads.dtype.itemsize)
             if hasattr(model, "grad_ready_ranges"):  # a model that announces as backward goes
-                pieces = join_the_tail(pieces, model.grad_ready_ranges()[-1][0])
+                tail_start = model.grad_ready_ranges()[-2][0]
+                pieces = join_the_tail(pieces, tail_start)
                 if EmbeddingRows.applies(reduce_piece, model):
-                    self.rows = EmbeddingRows(reduce_piece, model)
-                    pieces[-1] = (pieces[-1][0], self.rows.lo)  # the tail up to wte (its start is the embeddings')
-                    pieces += [(self.rows.hi, self.size)] if self.rows.hi < self.size else []
+                    self.rows = EmbeddingRows(reduce_piece, model, tail_start)
+                    pieces = pieces[:-1]  # the tail: EmbeddingRows' two parts
         self.pieces = pieces
-        self._rows_early = False  # whether this step's unread rows of wte were handed over
         self._ready = 0    # grads[:_ready] is final in this step
         self._issued = 0   # buckets handed to the communication thread in this step
         self._backward_done = None  # the clock mark of this step's last announcement, where taken there
@@ -250,7 +273,7 @@ class BucketedGradSync:
 
     def note_tokens(self, ids) -> None:
         """This rank's token ids of the micro-batch whose backward will announce (train/loop.py, before it): which
-        rows of wte's gradient EmbeddingRows can reduce early. Nothing to do without them."""
+        rows of the embeddings' gradients EmbeddingRows can reduce early. Nothing to do without them."""
         if self.rows is not None:
             self.rows.tokens = ids
 
@@ -258,9 +281,8 @@ class BucketedGradSync:
         if start != self._ready:
             raise RuntimeError(f"gradients announced out of layout order: [{start}, {end}) after [0, {self._ready})")
         if start == 0 and self.rows is not None and self.rows.tokens is not None:
-            # the classifier's part of wte's gradient is final: its rows that no token reads go first
+            # the classifier's part of wte's gradient is final: the embeddings' rows that no token reads go first
             self._work.put((partial(self.rows.reduce_unread, self.rows.tokens), self.ops.fence()))
-            self._rows_early = True
         self._ready = end
         if end == self.size and self.comm.knows_peers:
             # thread ranks on the CPU: the mark a peer reads once the last pieces are reduced is shared before they
@@ -275,7 +297,8 @@ class BucketedGradSync:
         self._errors.clear()
         self._ready = self._issued = 0
         self._backward_done = None
-        self._rows_early = False
+        if self.rows is not None:
+            self.rows.tokens = self.rows.read = None
 
     def settle(self) -> None:
         """Called before the rank's thread queues a collective of another group of its mesh (a tensor-parallel
@@ -294,14 +317,17 @@ class BucketedGradSync:
         if backward_done is None:
             backward_done = self.comm.backward_done()  # shared before the last pieces go: waited_for_peers reads it
         self._issue_up_to(self.size)  # all of it, also if backward announced nothing
-        if self.rows is not None:  # wte: the rows the tokens read, or all of it where none went early
-            job = self.rows.reduce_read if self._rows_early else partial(self.reduce_piece, self.rows.lo, self.rows.hi)
-            self._work.put((job, self.ops.fence()))
-            self._rows_early, self.rows.tokens = False, None
         self._work.join()
         self.ops.wait(self._reduced[0])  # later compute (clipping, AdamW) reads the reduced buckets
         end = self.ops.timestamp()
         self.comm.waited(backward_done, end)  # on a GPU: how long the compute stream stalled
+        if self.rows is not None and not self._errors:
+            # the tail (ln_1 and the rows the tokens read, or all of it where none went early) on this thread: the
+            # communication thread is idle now, and handing it over would cost a wake-up each way. The rank's own
+            # collective counts itself as exposed (comm/timed.py)
+            self.rows.tokens = None
+            self.rows.reduce_rest()
+            end = self.ops.timestamp()
         self.comm.waited_for_peers(backward_done, end)
         self._ready = self._issued = 0
         if self._errors:

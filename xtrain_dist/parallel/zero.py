@@ -379,7 +379,9 @@ class ShardedGradAdamW(ShardedAdamW):
 
     # ------------------------------------------------------------ the gradient sync's calls
     def on_grads_ready(self, start: int, end: int) -> None:
-        for key in [k for k in self._filling if start <= self.param_units[k][0] < end]:
+        # a unit goes once its last element is final: backward announces finer than units (an attention's
+        # products before its ln_1, model.grad_ready_ranges), and the announcements are a growing prefix
+        for key in [k for k in self._filling if start < self.param_units[k][1] <= end]:
             self._submit(key)
 
     def _submit(self, key) -> None:
