@@ -14,6 +14,7 @@ import pytest
 from bin_scripts import load_script
 
 from xtrain_dist.config import TrainConfig
+from xtrain_dist.parallel import ddp as ddp_sync
 
 if importlib.util.find_spec("matplotlib") is None:  # looked for, not imported: each worker would import it
     pytest.skip("matplotlib is not installed (pip install -e '.[plot]')", allow_module_level=True)
@@ -173,8 +174,13 @@ def test_ddp_rows_and_exactness(results):
     out, _ = results
     data = json.loads((out / "ddp.json").read_text())
     names = [r["name"] for r in data["rows"]]
-    assert names == ["per-param", "flat", "bucketed 0.1 MiB", "bucketed 1 MiB", "flat + ZeRO-1",
+    realtime = ddp_sync.comm_priority("auto") == "realtime"  # then the smallest bucket again at normal priority
+    assert names == ["per-param", "flat", "bucketed 0.1 MiB", "bucketed 1 MiB",
+                     *(["bucketed 0.1 MiB, normal priority"] if realtime else []), "flat + ZeRO-1",
                      "bucketed 25 MiB + ZeRO-1", "PyTorch DDP (gloo)"]
+    auto = "realtime" if realtime else "normal"
+    assert [r["comm_priority"] for r in data["rows"]] == [  # of the rows with a communication thread
+        None, None, auto, auto, *(["normal"] if realtime else []), None, auto, None]
     *ours, peer = data["rows"]
     # PyTorch's DDP, run by the script's own processes: the same run as our flat row to float32 rounding
     assert peer["ranks_equal"] and peer["max_loss_rel_diff_vs_flat"] < 1e-5

@@ -158,6 +158,9 @@ def error_line(out):
     ((5, 8, 32, "--matmul", "cublaslt"), "--matmul cublaslt is a choice of the cuda backend's matmuls; the numpy "
                                          "backend's products are numpy's"),
     ((5, 8, 32, "--cuda-graph", "on"), "--cuda-graph must be one of auto, off, got 'on'"),
+    ((5, 8, 32, "--comm-priority", "high"), "--comm-priority must be one of auto, realtime, normal, got 'high'"),
+    ((5, 8, 32, "--grad-sync", "flat", "--comm-priority", "normal"), "--comm-priority has no effect without a "
+     "communication thread (--grad-sync bucketed, or --zero 2 or 3)"),
     ((5, 8, 32, "--cpu-threads", "two"), "--cpu-threads must be a positive integer, got 'two'"),
     ((5, 8, 32, "--resume", "auto"), "--resume auto continues from the checkpoint in --save-dir: give --save-dir"),
     ((5, 8, 200), "SEQ (200) exceeds the context length of model 'tiny' (128)"),

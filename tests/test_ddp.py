@@ -1,6 +1,7 @@
 """Gradient synchronisation: per-param, flat and bucketed give the same bits; buckets really overlap
 backward; bf16 compression does what it says; gradient accumulation equals the big batch."""
 
+import os
 import threading
 import time
 from itertools import pairwise
@@ -17,7 +18,7 @@ from xtrain_dist.data.corpus import DEFAULT_CORPUS, DEFAULT_TOKENIZER, Corpus
 from xtrain_dist.errors import XtrainError
 from xtrain_dist.layout import ALIGN
 from xtrain_dist.model import GPT2
-from xtrain_dist.parallel import ddp
+from xtrain_dist.parallel import ddp, zero
 from xtrain_dist.train.cli import main
 from xtrain_dist.train.job import train
 from xtrain_dist.train.launch import RankFailed, run_thread_ranks
@@ -294,6 +295,64 @@ def test_the_early_rows_keep_the_flat_syncs_bits_with_accumulation_and_bf16(corp
         bucketed = run(corpus, 2, steps=3, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB, **kw)
         assert bucketed["param_sha256"] == flat["param_sha256"], kw
         assert bucketed["comm_calls_per_step"] == TINY_PIECES + 1
+
+
+def scheduling_of_the_communication_thread(run_on_it) -> tuple[int, int]:
+    """(policy, priority) that a job run on a communication thread finds itself at."""
+    seen = []
+    run_on_it(lambda: seen.append((os.sched_getscheduler(0), os.sched_getparam(0).sched_priority)))
+    return seen[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="no POSIX scheduling calls here")
+@pytest.mark.parametrize("asked", ddp.PRIORITIES)
+def test_the_communication_threads_run_at_the_priority_asked(asked):
+    """realtime: SCHED_FIFO at the lowest real-time priority, for the bucketed sync's thread and ZeRO-2/3's; normal:
+    the ordinary policy; auto: realtime exactly where the OS grants it (the check refuses realtime where it does
+    not: the next test)."""
+    if asked == "realtime" and not ddp.realtime_granted():
+        pytest.skip("the OS grants this process no real-time priority")
+    expected = "realtime" if asked == "realtime" or (asked == "auto" and ddp.realtime_granted()) else "normal"
+    assert ddp.comm_priority(asked) == expected
+    policy = (os.SCHED_FIFO, os.sched_get_priority_min(os.SCHED_FIFO)) if expected == "realtime" else (
+        os.SCHED_OTHER, 0)
+    model = GPT2(model_config("tiny", 64), numpy_ops, seed=1)
+    cfg = TrainConfig(steps=1, batch=1, seq=16, grad_sync="bucketed", comm_priority=asked)
+    grad_sync = ddp.make_grad_sync(cfg, LocalGroup(1).communicator(0), model)
+
+    def on_bucketed_thread(job):
+        grad_sync._work.put((job, None))
+        grad_sync._work.join()
+
+    zero_thread = zero._CommThread(numpy_ops, "test-zero", ddp.comm_priority(asked))
+    assert scheduling_of_the_communication_thread(on_bucketed_thread) == policy
+    assert scheduling_of_the_communication_thread(lambda job: zero_thread.wait(zero_thread.submit(job))) == policy
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the rank's own thread keeps its own
+    grad_sync.close()
+    zero_thread.close()
+
+
+def test_realtime_priority_where_the_os_refuses_it_is_refused(monkeypatch):
+    """No quiet fallback: --comm-priority realtime where the OS grants none ends the run before it starts; auto then
+    means normal."""
+    monkeypatch.setattr(ddp, "realtime_granted", lambda: False)
+    cfg = TrainConfig(steps=1, batch=2, seq=16, world_size=2, comm_priority="realtime")
+    with pytest.raises(XtrainError) as info:
+        ddp.check_config(cfg)
+    assert str(info.value) == (
+        "--comm-priority realtime: the OS refuses this process a real-time priority (Linux grants it to root, to "
+        "CAP_SYS_NICE, or up to `ulimit -r`); --comm-priority auto or normal runs the communication threads at normal "
+        "priority")
+    assert ddp.comm_priority("auto") == "normal"
+    with pytest.raises(XtrainError) as info:
+        ddp.check_config(TrainConfig(steps=1, batch=2, seq=16, comm_priority="high"))
+    assert str(info.value) == "--comm-priority must be one of auto, realtime, normal, got 'high'"
+
+
+def test_the_report_says_which_priority_the_communication_threads_had(corpus):
+    report = run(corpus, 2, steps=2, grad_sync="bucketed", bucket_mb=SMALL_BUCKET_MB)
+    assert report["comm_priority"] == ddp.comm_priority("auto")
+    assert run(corpus, 2, steps=2, grad_sync="flat")["comm_priority"] is None  # no communication thread
 
 
 def test_flat_waits_for_backward():

@@ -109,6 +109,7 @@ class TrainConfig:
     grad_compress: str = "none"     # none | bf16 | powersgd: bf16 rounding, or low-rank factors (parallel/powersgd.py)
     powersgd_rank: int = 1          # powersgd: the rank R of each matrix's P Q^T (PyTorch's default)
     powersgd_start_step: int = 100  # powersgd: steps all-reduced uncompressed before compression starts
+    comm_priority: str = "auto"     # auto | realtime | normal: the communication threads' scheduling priority
     zero: int = 0                   # 1: optimizer state sharded over the ranks; 2: gradients too; 3: parameters too
     zero3_prefetch: int = 1         # --zero 3: pass steps whose parameters are gathered ahead of the one running
     grad_accum: int = 1             # micro-batches per optimizer step; communication after the last

@@ -23,10 +23,11 @@ bucket_mb, and one thread per rank issues them in order, so that holds by constr
 """
 
 import math
+import os
 import queue
 import threading
 import weakref
-from functools import partial
+from functools import cache, partial
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from .powersgd import PowerSGD
 
 MIB = 1 << 20  # --bucket-mb counts mebibytes, like torch DDP's bucket_cap_mb
 COMPRESSIONS = ("none", "bf16", "powersgd")
+PRIORITIES = ("auto", "realtime", "normal")  # --comm-priority
 
 
 def bucket_bounds(size: int, bucket_mb: float, itemsize: int = 4) -> list[tuple[int, int]]:
@@ -75,6 +77,44 @@ def block_bucket_bounds(model, bucket_mb: float) -> list[tuple[int, int]]:
         else:
             buckets.append((lo, hi))
     return buckets
+
+
+@cache
+def realtime_granted() -> bool:
+    """Whether the OS gives this process's threads a real-time priority (Linux: to root, to CAP_SYS_NICE, or up to
+    the RLIMIT_RTPRIO that `ulimit -r` shows). Tried by a thread of its own, which ends with the try."""
+    if not hasattr(os, "sched_setscheduler"):
+        return False
+    granted = []
+
+    def attempt():
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
+            granted.append(True)
+        except OSError:
+            granted.append(False)
+
+    thread = threading.Thread(target=attempt, name="realtime-probe")
+    thread.start()
+    thread.join()
+    return granted[0]
+
+
+def comm_priority(asked: str) -> str:
+    """The priority --comm-priority gives the communication threads: realtime, or normal (auto: realtime where
+    the OS grants it)."""
+    return "realtime" if asked == "realtime" or (asked == "auto" and realtime_granted()) else "normal"
+
+
+def take_priority(priority: str) -> None:
+    """Called first in a communication thread. realtime: the lowest real-time priority (SCHED_FIFO 1), above every
+    ordinary thread. Where the rank threads' BLAS keeps every core busy (the CPU default: cores / ranks threads
+    each), an ordinary communication thread that wakes with a bucket to sum waits for a core until the
+    scheduler's next tick (4 ms at 250 Hz), and the peer's waits at the collective's barrier with it; at
+    real-time priority it takes a core at once. The thread sleeps between buckets and in every barrier, so it
+    never holds a core idle."""
+    if priority == "realtime":
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
 
 
 class PieceReducer:
@@ -245,7 +285,7 @@ class BucketedGradSync:
     On the CPU, wte's gradient is not in the pieces: EmbeddingRows reduces the rows that no token of
     the step reads at backward's first announcement, and the rest after backward."""
 
-    def __init__(self, reduce_piece, model, bucket_mb: float, pieces=None):
+    def __init__(self, reduce_piece, model, bucket_mb: float, pieces=None, priority: str = "normal"):
         self.reduce_piece = reduce_piece
         self.comm = reduce_piece.comm
         self.size = model.size
@@ -267,7 +307,7 @@ class BucketedGradSync:
         self._reduced: list = [None]  # the communication thread's fence after its latest bucket
         self.ops = model.ops
         # the thread holds no reference to self, so dropping self ends it (through the finalizer)
-        threading.Thread(target=_serve, args=(self._work, self._errors, self._reduced, self.ops),
+        threading.Thread(target=_serve, args=(self._work, self._errors, self._reduced, self.ops, priority),
                          name=f"rank{self.comm.rank}-comm", daemon=True).start()
         self.close = weakref.finalize(self, self._work.put, None)
 
@@ -341,9 +381,13 @@ class BucketedGradSync:
             self._issued += 1
 
 
-def _serve(work: queue.Queue, errors: list, reduced: list, ops) -> None:
+def _serve(work: queue.Queue, errors: list, reduced: list, ops, priority: str) -> None:
     """The communication thread: run the reductions whose (job, fence) arrive, in order, until None."""
     ops.bind_side_thread()
+    try:
+        take_priority(priority)
+    except OSError as e:  # refused since the check (--comm-priority realtime): finish() raises it
+        errors.append(XtrainError(f"--comm-priority {priority}: {e.strerror}"))
     while True:
         item = work.get()
         try:
@@ -387,6 +431,12 @@ def check_config(cfg) -> None:
         raise XtrainError(f"--bucket-mb must be a positive number, got {cfg.bucket_mb:g}")
     if cfg.grad_compress not in COMPRESSIONS:
         raise XtrainError(must_be("--grad-compress", one_of(COMPRESSIONS), cfg.grad_compress))
+    if cfg.comm_priority not in PRIORITIES:
+        raise XtrainError(must_be("--comm-priority", one_of(PRIORITIES), cfg.comm_priority))
+    if cfg.comm_priority == "realtime" and not realtime_granted():
+        raise XtrainError("--comm-priority realtime: the OS refuses this process a real-time priority (Linux grants "
+                          "it to root, to CAP_SYS_NICE, or up to `ulimit -r`); --comm-priority auto or normal runs "
+                          "the communication threads at normal priority")
     if cfg.grad_compress == "powersgd":
         if cfg.powersgd_rank < 1:
             raise XtrainError(f"--powersgd-rank must be at least 1, got {cfg.powersgd_rank}")
@@ -418,11 +468,15 @@ def make_grad_sync(cfg, comm, model, shards=None):
         # every piece all-reduced whole, also under ZeRO-1 (whose update reads its own shard of the sums):
         # the low-rank factors are not cut into shards
         powersgd = PowerSGD(comm, model, cfg.powersgd_rank, cfg.powersgd_start_step, cfg.seed)
-        pieces = block_bucket_bounds(model, cfg.bucket_mb) if cfg.grad_sync == "bucketed" else None
-        strategy = STRATEGIES[cfg.grad_sync](powersgd, model, cfg.bucket_mb,
-                                             **({"pieces": pieces} if pieces else {}))
+        if cfg.grad_sync == "bucketed":
+            strategy = BucketedGradSync(powersgd, model, cfg.bucket_mb, block_bucket_bounds(model, cfg.bucket_mb),
+                                        comm_priority(cfg.comm_priority))
+        else:
+            strategy = STRATEGIES[cfg.grad_sync](powersgd, model, cfg.bucket_mb)
         return PowerSGDGradSync(strategy, powersgd)
     reduce_piece = PieceReducer(comm, model.grads, model.ops, shards, cfg.grad_compress)
+    if cfg.grad_sync == "bucketed":
+        return BucketedGradSync(reduce_piece, model, cfg.bucket_mb, priority=comm_priority(cfg.comm_priority))
     return STRATEGIES[cfg.grad_sync](reduce_piece, model, cfg.bucket_mb)
 
 
@@ -458,6 +512,8 @@ def report_fields(cfg, results) -> dict:
         "powersgd_start_step": cfg.powersgd_start_step if cfg.grad_compress == "powersgd" else None,
         "zero": cfg.zero,
         "grad_accum": cfg.grad_accum,
+        # the communication threads' (bucketed, ZeRO-2/3): realtime or normal, what --comm-priority gave them here
+        "comm_priority": comm_priority(cfg.comm_priority) if cfg.grad_sync == "bucketed" or cfg.zero >= 2 else None,
         "comm_s": mean("comm_ms"),
         "exposed_comm_s": mean("exposed_comm_ms"),
         # the part of exposed_comm_s before the slowest rank of the group ended its backward: waiting for a peer's

@@ -47,7 +47,7 @@ from ..config import TrainConfig
 from ..errors import XtrainError
 from ..layout import ALIGN, BLOCK_HALVES, bind_views, block_half
 from ..optim import AdamW, schedule_buffer
-from .ddp import make_grad_sync
+from .ddp import comm_priority, make_grad_sync, take_priority
 from .tensor import refuse_what_does_not_work_yet
 
 
@@ -168,12 +168,12 @@ class _CommThread:
     drops what was reduced (parallel/ddp.py's bucket fences, the same way). The numpy backend's fences are
     None and its waits nothing: there a call is done when it returns."""
 
-    def __init__(self, ops, name: str):
+    def __init__(self, ops, name: str, priority: str = "normal"):
         self.ops = ops
         self.work: queue.Queue = queue.Queue()
         self.errors: list[BaseException] = []
         self.latest: list = [None]  # the fence after the latest call the thread queued
-        threading.Thread(target=_serve_calls, args=(self.work, self.errors, self.latest, ops), name=name,
+        threading.Thread(target=_serve_calls, args=(self.work, self.errors, self.latest, ops, priority), name=name,
                          daemon=True).start()
         self.close = weakref.finalize(self, self.work.put, None)
 
@@ -196,8 +196,12 @@ class _CommThread:
         self.ops.wait(self.latest[0])
 
 
-def _serve_calls(work: queue.Queue, errors: list, latest: list, ops) -> None:
+def _serve_calls(work: queue.Queue, errors: list, latest: list, ops, priority: str) -> None:
     ops.bind_side_thread()
+    try:
+        take_priority(priority)  # as the bucketed sync's communication thread (parallel/ddp.py)
+    except OSError as e:  # refused since the check (--comm-priority realtime): the next wait or drain raises it
+        errors.append(XtrainError(f"--comm-priority {priority}: {e.strerror}"))
     while True:
         handed = work.get()
         try:
@@ -327,7 +331,7 @@ class ShardedGradAdamW(ShardedAdamW):
         self.peak_transient = (0, 0)
         self._grad_buffer_bytes = 0
         self._counting = threading.Lock()  # the rank's thread adds a buffer's bytes, the communication thread takes
-        self.thread = _CommThread(self.ops, f"rank{comm.rank}-zero")
+        self.thread = _CommThread(self.ops, f"rank{comm.rank}-zero", comm_priority(cfg.comm_priority))
         self.close = self.thread.close
         model.grads = None
         bind_views(model.g, None, model.layout)

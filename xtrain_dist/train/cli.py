@@ -196,6 +196,11 @@ def build_parser() -> OneLineParser:
     sync.add_argument("--grad-sync", choices=list(ddp.STRATEGIES), default="bucketed",
                       help="when and in what pieces gradients are reduced (default bucketed)")
     sync.add_argument("--bucket-mb", type=positive_float, default=25.0, help="bucketed: MiB per bucket (default 25)")
+    sync.add_argument("--comm-priority", choices=ddp.PRIORITIES, default="auto",
+                      help="the scheduling priority of each rank's communication thread (--grad-sync bucketed, "
+                           "--zero 2 and 3): realtime (SCHED_FIFO 1: Linux grants it to root, to CAP_SYS_NICE or "
+                           "up to `ulimit -r`), normal, or auto: realtime where granted (default; the report's "
+                           "comm_priority says which)")
     sync.add_argument("--grad-compress", choices=ddp.COMPRESSIONS, default="none",
                       help="bf16: round gradients to bfloat16 for the reduction; powersgd: send each gradient "
                            "matrix as a rank-R product with error feedback (see docs/ddp.md)")
@@ -350,7 +355,8 @@ def parse_config(argv, launch: Launch | None = None) -> TrainConfig:
         wandb=args.wandb,
         sample_every=args.sample_every,
         sample_tokens=args.sample_tokens or TrainConfig.sample_tokens, sample_prompt=args.sample_prompt,
-        grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, grad_compress=args.grad_compress, zero=args.zero,
+        grad_sync=args.grad_sync, bucket_mb=args.bucket_mb, comm_priority=args.comm_priority,
+        grad_compress=args.grad_compress, zero=args.zero,
         zero3_prefetch=args.zero3_prefetch,
         powersgd_rank=args.powersgd_rank, powersgd_start_step=args.powersgd_start_step,
         grad_accum=args.grad_accum, all_reduce=args.all_reduce, dtype=args.dtype, attention=args.attention,
@@ -393,6 +399,8 @@ WITHOUT_EFFECT = [
      "as backward finishes it"),
     ("--bucket-mb", lambda a, launch: a.grad_sync == "bucketed",
      "--bucket-mb has no effect without --grad-sync bucketed"),
+    ("--comm-priority", lambda a, launch: a.grad_sync == "bucketed" or a.zero >= 2,
+     "--comm-priority has no effect without a communication thread (--grad-sync bucketed, or --zero 2 or 3)"),
 ]
 _NOT_GIVEN = object()
 

@@ -166,12 +166,13 @@ def hold_outputs(cfg: TrainConfig) -> list[files.OutputLock]:
 
 
 # what every process of a run must agree on; paths and addresses may differ from node to node, and so may
-# --recompute (a node short of memory may recompute: the bits are the same) and the sampling options (only
-# the process of rank 0 draws); `options` holds the same values again, as the command line gave them
+# --recompute (a node short of memory may recompute: the bits are the same), --comm-priority (a scheduling
+# choice) and the sampling options (only the process of rank 0 draws); `options` holds the same values again,
+# as the command line gave them
 _PER_PROCESS_FIELDS = {"tokenizer", "corpus", "val_corpus", "hellaswag", "init_from", "report", "metrics", "log_every",
                        "rdzv_bind", "rdzv_advertise", "cpu_threads", "profile_step", "recompute", "sample_every",
                        "sample_tokens", "sample_prompt", "extra", "options",
-                       "tensorboard", "config", "wandb"}
+                       "tensorboard", "config", "wandb", "comm_priority"}
 
 
 @dataclass
