@@ -9,8 +9,9 @@ strategies differ only in when they reduce and in what pieces:
 - bucketed:  the buffer cut into buckets of `bucket_mb`; a bucket is reduced, by a communication
              thread of the rank, as soon as backward has finished it, while the rank's own thread
              goes on with the earlier blocks. What is left when backward ends is the exposed cost;
-             the buckets that only backward's end makes final (the embeddings') go as one. On the
-             CPU, the rows of wte that no token of the step reads go first (`EmbeddingRows`).
+             the buckets that only backward's end makes final (the first block's ln_1, the
+             embeddings) go as one. On the CPU, the embeddings' rows that no token of the step reads
+             go first, and the rest from the rank's own thread (`EmbeddingRows`).
 
 What reducing a piece means is the same for every strategy (`PieceReducer`): an all-reduce, or with
 ZeRO-1 a reduce-scatter that leaves each rank the part of the piece inside its own shard; with bf16
@@ -270,11 +271,11 @@ class EmbeddingRows:
 class BucketedGradSync:
     """Buckets reduced by a communication thread while backward goes on (PyTorch DDP's design).
 
-    on_grads_ready hands every bucket that the finished prefix now covers to the rank's
-    communication thread, which reduces them in order; finish() hands over whatever is left and
-    waits. The rank's thread makes no collective call of its own until finish() returns, so the
-    two threads never use the communicator at once. A failure in the communication thread (a peer
-    died: CommAborted) is raised by finish(). The thread ends when this object is closed or dropped.
+    on_grads_ready hands every bucket that the finished prefix now covers to the rank's communication thread,
+    which reduces them in order; finish() hands over whatever is left and waits. The rank's thread makes no
+    collective call of its own until the communication thread has done all it was handed (in finish()), so the
+    two threads never use the communicator at once. A failure in the communication thread (a peer died:
+    CommAborted) is raised by finish(). The thread ends when this object is closed or dropped.
 
     On a GPU, backward has only *queued* a bucket's gradients when it announces them. Each hand-over
     therefore carries a fence (a CUDA event on the compute stream); the communication thread, bound
@@ -282,8 +283,9 @@ class BucketedGradSync:
     and finish() makes the compute stream wait for the communication stream's last fence. On the
     CPU the fences are None and the waits do nothing.
 
-    On the CPU, wte's gradient is not in the pieces: EmbeddingRows reduces the rows that no token of
-    the step reads at backward's first announcement, and the rest after backward."""
+    On the CPU, the tail is not in the pieces: EmbeddingRows reduces the embeddings' rows that no token
+    of the step reads at backward's first announcement (on the communication thread), and the rest after
+    backward (on the rank's thread, in finish())."""
 
     def __init__(self, reduce_piece, model, bucket_mb: float, pieces=None, priority: str = "normal"):
         self.reduce_piece = reduce_piece
