@@ -533,9 +533,10 @@ def test_prepare_corpus_tidies_whitespace_and_refuses_boilerplate():
 
 # ------------------------------------------------------------------------------- bench_ddp
 def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
-    """Step time: the median over every timed step of every repeat (and its minimum); comm and exposed:
-    the median of the repeats; ranks equal only if they were in every repeat; vs flat: this row's step
-    time over the flat row's; buckets: how many the gradient is cut into."""
+    """Step time: the median over every timed step of every repeat (and its minimum); comm, exposed and what is left
+    of exposed with the slower rank aside (taken run by run): the median of the repeats; ranks equal only if they
+    were in every repeat; vs flat: this row's step time over the flat row's; buckets: how many the gradient is cut
+    into."""
     pytest.importorskip("matplotlib")
     bench_ddp = load_script("bench_ddp")
     from xtrain_dist.parallel.ddp import bucket_bounds
@@ -547,16 +548,18 @@ def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
         name = bench_ddp.name(c)
         k = calls[name] = calls.get(name, -1) + 1  # the repeat
         flat = c["grad_sync"] == "flat" and not c.get("zero")
+        exposed, peer_wait = [0.5, 0.2, 0.8][k], ([0.1, 0.1, 0.4] if flat else [0.3, 0.2, 0.4])[k]
         return {"step_ms_all": [10.0 + k, 40.0 * k] if flat else [5.0, 6.0 + 100 * k],
-                "comm_ms": [1.0, 2.0, 9.0][k], "exposed_ms": [0.5, 0.2, 0.8][k],
-                "peer_wait_ms": ([0.1, 0.1, 0.4] if flat else [0.3, 0.2, 0.4])[k], "calls": 3,
+                "comm_ms": [1.0, 2.0, 9.0][k], "exposed_ms": exposed, "peer_wait_ms": peer_wait,
+                "own_exposed_ms": exposed - peer_wait, "calls": 3, "comm_priority": "normal",
                 "losses": [4.0, 3.0 + (0.3 if c.get("zero") else 0.0)], "param_sha256": "z" if c.get("zero") else "a",
                 "ranks_equal": not (name == "per-param" and k == 1), "param_bytes": 800, "grad_bytes": grad_bytes,
                 "optimizer_state_bytes": 800 if c.get("zero") else 1600, "num_params": 200}
 
     def run_peer(args):
         k = calls["peer"] = calls.get("peer", -1) + 1
-        return {"step_ms_all": [20.0 + k], "comm_ms": None, "exposed_ms": None, "peer_wait_ms": None, "calls": None,
+        return {"step_ms_all": [20.0 + k], "comm_ms": None, "exposed_ms": None, "peer_wait_ms": None,
+                "own_exposed_ms": None, "calls": None, "comm_priority": None,
                 "losses": [4.0, 3.0 * 1.01], "param_sha256": None, "ranks_equal": True, "param_bytes": 800,
                 "grad_bytes": 800, "optimizer_state_bytes": 1600, "num_params": 200}
 
@@ -574,7 +577,9 @@ def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
     assert flat["step_ms_min"] == 0.0 and flat["step_ms_runs"] == [[10.0, 0.0], [11.0, 40.0], [12.0, 80.0]]
     assert b05["step_ms"] == 5.5 and b05["vs_flat"] == 5.5 / 11.5 and flat["vs_flat"] == 1.0
     assert (flat["comm_ms"], flat["exposed_ms"], flat["peer_wait_ms"], flat["repeats"]) == (2.0, 0.5, 0.1, 3)
-    # the exposed communication with the slower rank aside (medians), against flat's: 1 - (0.5 - 0.3) / (0.5 - 0.1)
+    # the exposed communication with the slower rank aside, run by run (flat 0.4, 0.1, 0.4; the others 0.2, 0, 0.4),
+    # the median against flat's: 1 - 0.2 / 0.4
+    assert flat["own_exposed_ms"] == pytest.approx(0.4) and b05["own_exposed_ms"] == pytest.approx(0.2)
     assert flat["hidden_of_flat"] == 0.0 and b05["hidden_of_flat"] == pytest.approx(0.5)
     assert per_param["hidden_of_flat"] is None and rows["flat + ZeRO-1"]["hidden_of_flat"] is None
     assert not per_param["ranks_equal"] and flat["ranks_equal"]
@@ -582,15 +587,17 @@ def test_bench_ddp_rows_aggregate_the_repeats(tmp_path, monkeypatch):
     assert flat["buckets"] is None and b05["same_bits_as_flat"] and not rows["flat + ZeRO-1"]["same_bits_as_flat"]
     assert rows["flat + ZeRO-1"]["max_loss_rel_diff_vs_flat"] == pytest.approx(0.1)
     md = (tmp_path / "ddp.md").read_text()
-    assert "| flat | 3 | 11.5 | 0.0 | 1.00 | 2.0 | 0.5 | 0.1 | 75% | 0% | 0.0 | 3.0 | 0.0 | = flat |" in md
-    assert "| per-param | 3 | 5.5 | 5.0 | 0.48 | 2.0 | 0.5 | 0.3 | 75% | - | 0.0 | 3.0 | 0.0 | ranks differ! |" in md
-    assert "| bucketed 0.5 MiB | 3 | 5.5 | 5.0 | 0.48 | 2.0 | 0.5 | 0.3 | 75% | 50% | 0.0 | 3.0 | 0.0 | = flat |" in md
+    assert "| flat | 3 | 11.5 | 0.0 | 1.00 | 2.0 | 0.5 | 0.1 | 0.40 | 75% | 0% | 0.0 | 3.0 | 0.0 | = flat |" in md
+    assert "| per-param | 3 | 5.5 | 5.0 | 0.48 | 2.0 | 0.5 | 0.3 | 0.20 | 75% | - | 0.0 | 3.0 | 0.0 | ranks " \
+        "differ! |" in md
+    assert "| bucketed 0.5 MiB | 3 | 5.5 | 5.0 | 0.48 | 2.0 | 0.5 | 0.3 | 0.20 | 75% | 50% | 0.0 | 3.0 | 0.0 | " \
+        "= flat |" in md
     # the PyTorch DDP row: run in every repeat, interleaved; what PyTorch does not tell is "-"
     peer = rows["PyTorch DDP (gloo)"]
     assert calls["peer"] == 2 and peer["step_ms"] == 21.0 and peer["vs_flat"] == 21.0 / 11.5
     assert peer["comm_ms"] is None and peer["buckets"] is None
     assert peer["max_loss_rel_diff_vs_flat"] == pytest.approx(0.01)
-    assert "| PyTorch DDP (gloo) | - | 21.0 | 20.0 | 1.83 | - | - | - | - | - | 0.0 | 0.0 | 0.0 | ranks equal; " \
+    assert "| PyTorch DDP (gloo) | - | 21.0 | 20.0 | 1.83 | - | - | - | - | - | - | 0.0 | 0.0 | 0.0 | ranks equal; " \
         "loss Δ 1e-02 |" in md
 
 
