@@ -212,12 +212,12 @@ class EmbeddingRows:
     batch reads gets nothing from the embedding on any rank: wte's is final once the classifier is done, wpe's
     (past the sequence length) from the start. Only the rows some token reads wait for the end.
 
-    At backward's first announcement the communication thread sums over the ranks which rows of the two tables
-    each rank's tokens read (every rank then knows the same sets), and reduces every other row, gathered into
-    one piece; the rank's thread meanwhile goes on with backward. After backward, the rest (ln_1, the rows read,
-    the padding between) goes as one more piece. Each element is summed over the ranks in rank order as a
-    reduce of grads in place would, so the same bits as the flat sync; two calls more a step than one tail
-    piece (the row set, the rows no token reads).
+    At backward's first announcement the communication thread sums over the ranks which rows of the two tables each
+    rank's tokens read (every rank then knows the same sets), and reduces every other row, gathered into one piece;
+    the rank's thread meanwhile goes on with backward. After backward, the rank's thread reduces the rest (ln_1, the
+    rows read, the padding between) as one more piece. Each element is summed over the ranks in rank order as a
+    reduce of grads in place would, so the same bits as the flat sync; two calls more a step than one tail piece
+    (the row set, the rows no token reads).
 
     Only where grads live in host memory: the pieces' sizes depend on the tokens, which a GPU step captured as
     a CUDA graph could not read. The caller gives the token ids of the micro-batch whose backward announces
@@ -257,7 +257,7 @@ class EmbeddingRows:
             self.reduce_piece.reduce_gathered(list(zip(self.tables, unread, strict=True)))
 
     def reduce_rest(self) -> None:
-        """What is left (the communication thread, after backward): all of it where no rows went early."""
+        """What is left (the rank's thread, after backward): all of it where no rows went early."""
         if self.read is None:
             self.reduce_piece(self.lo, self.hi)
             return
@@ -363,7 +363,10 @@ class BucketedGradSync:
         self.ops.wait(self._reduced[0])  # later compute (clipping, AdamW) reads the reduced buckets
         end = self.ops.timestamp()
         self.comm.waited(backward_done, end)  # on a GPU: how long the compute stream stalled
-        if self.rows is not None and not self._errors:
+        self._ready = self._issued = 0
+        if self._errors:
+            raise self._errors[0]
+        if self.rows is not None:
             # the tail (ln_1 and the rows the tokens read, or all of it where none went early) on this thread: the
             # communication thread is idle now, and handing it over would cost a wake-up each way. The rank's own
             # collective counts itself as exposed (comm/timed.py)
@@ -371,9 +374,6 @@ class BucketedGradSync:
             self.rows.reduce_rest()
             end = self.ops.timestamp()
         self.comm.waited_for_peers(backward_done, end)
-        self._ready = self._issued = 0
-        if self._errors:
-            raise self._errors[0]
 
     def _issue_up_to(self, end: int) -> None:
         computed = None
