@@ -69,6 +69,15 @@ def test_profile_step_prints_where_the_step_went_and_changes_no_bits(tmp_path):
         "train_ddp: error: --profile-step 5 is not a step of this run (it runs steps 1 to 4)"
 
 
+def test_profile_step_under_zero_2_counts_the_classifiers_late_weight_gradient():
+    """ZeRO-2/3 take the tied classifier's weight gradient at the embedding's backward, a matmul_backward with no
+    weight (the input gradient's product left out): the profiler counts it as one product. It failed on the None
+    weight before ('NoneType' object has no attribute 'shape')."""
+    out = cli(3, 8, 32, "--world-size", 2, "--zero", 2, "--profile-step", 2, "--eval-batches", 0)
+    assert out.returncode == 0, out.stderr
+    assert "profile of step 2 (rank 0, " in out.stdout and "| matmul_backward | 10 |" in out.stdout
+
+
 def test_explicit_tokenizer_and_corpus(tmp_path):
     out = cli(2, 2, 16, DEFAULT_TOKENIZER, DEFAULT_CORPUS)
     assert out.returncode == 0, out.stderr
