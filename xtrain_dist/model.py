@@ -342,7 +342,7 @@ class GPT2:
         embeddings are all that backward's end makes final). A pipeline stage's: its blocks (ln_f with the
         last stage's last), then what its layout holds after them (the embeddings on the first stage, wte on
         the last, nothing but padding on those between)."""
-        ends = {half: s.offset + s.size for s in self.layout if (half := block_half(s.name))}  # each half's last
+        ends = self._half_ends()
         products = {block_half(s.name)[0]: s.offset + s.size for s in self.layout
                     if s.name.endswith(".attn.c_attn.bias")}  # each attention's products' last
         bounds = [0] + [end for layer in reversed(self.blocks)
@@ -352,8 +352,12 @@ class GPT2:
     def layer_grad_ranges(self) -> list[tuple[int, int]]:
         """grad_ready_ranges joined a block at a time: ln_f with the last block, one block at a time, then both
         embeddings (PowerSGD's buckets of whole blocks, parallel/ddp.py)."""
-        ends = {half: s.offset + s.size for s in self.layout if (half := block_half(s.name))}
+        ends = self._half_ends()
         return list(pairwise([0] + [ends[layer, "attn"] for layer in reversed(self.blocks)] + [self.size]))
+
+    def _half_ends(self) -> dict:
+        """(block, half) -> where that half's last parameter ends in the flat buffer."""
+        return {half: s.offset + s.size for s in self.layout if (half := block_half(s.name))}
 
     def grad_norm_squared(self, lo: int = 0, hi: int | None = None):
         """The squared norm of the model's gradient in grads[lo:hi] (all of it by default), a (1,) array. With

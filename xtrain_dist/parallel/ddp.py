@@ -90,7 +90,7 @@ def realtime_granted() -> bool:
 
     def attempt():
         try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
+            take_priority("realtime")
             granted.append(True)
         except OSError:
             granted.append(False)
@@ -116,6 +116,23 @@ def take_priority(priority: str) -> None:
     never holds a core idle."""
     if priority == "realtime":
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
+
+
+def start_comm_thread(ops, priority: str, errors: list) -> None:
+    """What a communication thread (this module's, ZeRO-2/3's) does first: take the rank's device (a stream of
+    its own on a GPU) and its priority. A priority refused since the check (--comm-priority realtime) goes into
+    errors, which the rank's thread raises at its next wait."""
+    ops.bind_side_thread()
+    try:
+        take_priority(priority)
+    except OSError as e:
+        errors.append(XtrainError(f"--comm-priority {priority}: {e.strerror}"))
+
+
+def has_comm_thread(cfg) -> bool:
+    """Whether the run's gradient sync has a communication thread (the bucketed sync's, ZeRO-2/3's): what
+    --comm-priority applies to. cfg: a TrainConfig, or the command line's namespace."""
+    return cfg.grad_sync == "bucketed" or cfg.zero >= 2
 
 
 class PieceReducer:
@@ -251,8 +268,9 @@ class EmbeddingRows:
         read[:tokens.shape[-1]] = 1
         read[wpe.shape[0] + tokens.reshape(-1)] = 1
         self.reduce_piece.comm.all_reduce(read)  # > 0 where any rank's do
-        self.read = (np.flatnonzero(read[:wpe.shape[0]]), np.flatnonzero(read[wpe.shape[0]:]))
-        unread = (np.flatnonzero(read[:wpe.shape[0]] == 0), np.flatnonzero(read[wpe.shape[0]:] == 0))
+        per_table = np.split(read, [wpe.shape[0]])
+        self.read = tuple(np.flatnonzero(counts) for counts in per_table)
+        unread = tuple(np.flatnonzero(counts == 0) for counts in per_table)
         if any(rows.size for rows in unread):  # the same sets on every rank: all skip together
             self.reduce_piece.reduce_gathered(list(zip(self.tables, unread, strict=True)))
 
@@ -385,11 +403,7 @@ class BucketedGradSync:
 
 def _serve(work: queue.Queue, errors: list, reduced: list, ops, priority: str) -> None:
     """The communication thread: run the reductions whose (job, fence) arrive, in order, until None."""
-    ops.bind_side_thread()
-    try:
-        take_priority(priority)
-    except OSError as e:  # refused since the check (--comm-priority realtime): finish() raises it
-        errors.append(XtrainError(f"--comm-priority {priority}: {e.strerror}"))
+    start_comm_thread(ops, priority, errors)
     while True:
         item = work.get()
         try:
@@ -515,7 +529,7 @@ def report_fields(cfg, results) -> dict:
         "zero": cfg.zero,
         "grad_accum": cfg.grad_accum,
         # the communication threads' (bucketed, ZeRO-2/3): realtime or normal, what --comm-priority gave them here
-        "comm_priority": comm_priority(cfg.comm_priority) if cfg.grad_sync == "bucketed" or cfg.zero >= 2 else None,
+        "comm_priority": comm_priority(cfg.comm_priority) if has_comm_thread(cfg) else None,
         "comm_s": mean("comm_ms"),
         "exposed_comm_s": mean("exposed_comm_ms"),
         # the part of exposed_comm_s before the slowest rank of the group ended its backward: waiting for a peer's

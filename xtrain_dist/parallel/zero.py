@@ -47,7 +47,7 @@ from ..config import TrainConfig
 from ..errors import XtrainError
 from ..layout import ALIGN, BLOCK_HALVES, bind_views, block_half
 from ..optim import AdamW, schedule_buffer
-from .ddp import comm_priority, make_grad_sync, take_priority
+from .ddp import comm_priority, make_grad_sync, start_comm_thread
 from .tensor import refuse_what_does_not_work_yet
 
 
@@ -197,11 +197,7 @@ class _CommThread:
 
 
 def _serve_calls(work: queue.Queue, errors: list, latest: list, ops, priority: str) -> None:
-    ops.bind_side_thread()
-    try:
-        take_priority(priority)  # as the bucketed sync's communication thread (parallel/ddp.py)
-    except OSError as e:  # refused since the check (--comm-priority realtime): the next wait or drain raises it
-        errors.append(XtrainError(f"--comm-priority {priority}: {e.strerror}"))
+    start_comm_thread(ops, priority, errors)  # as the bucketed sync's (parallel/ddp.py)
     while True:
         handed = work.get()
         try:

@@ -399,7 +399,7 @@ WITHOUT_EFFECT = [
      "as backward finishes it"),
     ("--bucket-mb", lambda a, launch: a.grad_sync == "bucketed",
      "--bucket-mb has no effect without --grad-sync bucketed"),
-    ("--comm-priority", lambda a, launch: a.grad_sync == "bucketed" or a.zero >= 2,
+    ("--comm-priority", lambda a, launch: ddp.has_comm_thread(a),
      "--comm-priority has no effect without a communication thread (--grad-sync bucketed, or --zero 2 or 3)"),
 ]
 _NOT_GIVEN = object()
