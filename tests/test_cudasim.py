@@ -1147,8 +1147,13 @@ def test_bench_attention_sweep_times_every_variant_and_writes_the_table_on_the_s
     assert "| 1 x 2 x 40 x 64 |" in next(tmp_path.glob("bench_attention-sweep-*.md")).read_text()
 
 
-@pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--channels", "128"], ["--tf32"],
-                                     ["--dtype", "bf16", "--matmul", "cublaslt"]])
+# The global norm's and AdamW's rows: 15.5 million elements by default (an eighth of GPT-2 124M), 7 of a run's 8
+# CPU-seconds on the simulator. fp32's run takes enough for the norm's grid to reach its cap (NORM_MAX_BLOCKS
+# blocks of NORM_BLOCK threads, 4 elements each: 2,097,152), so its threads loop; the others a few blocks' worth.
+@pytest.mark.parametrize("options", [["--params", "2100001"], ["--dtype", "bf16", "--params", "100003"],
+                                     ["--dtype", "bf16", "--channels", "128", "--params", "100003"],
+                                     ["--tf32", "--params", "100003"],
+                                     ["--dtype", "bf16", "--matmul", "cublaslt", "--params", "100003"]])
 @pytest.mark.long
 def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
     """bin/kernel_errors (the GPU session's error tables) runs every op, flash attention too where its kernel
@@ -1159,9 +1164,10 @@ def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
+    assert report["shape"]["params"] == int(options[options.index("--params") + 1])
     assert report["adamw_bitwise_equal"] is True
     worst = max(row["norm_rel"] for row in report["rows"])
-    bound = 1e-5 if not options else 5e-3
+    bound = 1e-5 if options[0] == "--params" else 5e-3
     assert 0 <= worst <= bound, [r for r in report["rows"] if r["norm_rel"] > bound]
     flash = [(r["op"], r["output"]) for r in report["rows"] if r["op"].startswith("flash")]
     assert flash == ([("flash_attention_forward", "out"), ("flash_attention_forward", "lse"),
@@ -1218,7 +1224,7 @@ def test_the_gpu_session_scripts_run_to_their_summaries_on_the_simulator(tmp_pat
     # are only bounds here (each step's work takes seconds, unless the machine is busy with much else)
     cuda_half = {"TESTS": "tests/test_cuda_ops.py::test_causal_softmax_and_backward", "TEST_WORKERS": "1",
                  "CURVE": "2 2 16 --eval-batches 0", "GELU_ROWS": "4",
-                 "KERNEL_ERRORS_ARGS": "--batch 1 --seq 16 --channels 64 --heads 1 --vocab 64"}
+                 "KERNEL_ERRORS_ARGS": "--batch 1 --seq 16 --channels 64 --heads 1 --vocab 64 --params 4099"}
     # PACK_RESULTS=1, as the device call sets it
     out = tmp_path / "session"
     session = subprocess.run(["bash", "bin/gpu_session.sh"], cwd=ROOT, env=dict(
