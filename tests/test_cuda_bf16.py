@@ -327,11 +327,11 @@ def corpus():
 def _train(corpus, **kw):
     from xtrain_dist.train.job import train
 
-    # few steps of 4 x 32 tokens: each test compares runs (to the bit, or to the emulation within a bound that holds
-    # at any size), and on the CPU simulator every token of every step costs (the classifier's softmax over 4096
-    # logits a token the most); standard attention and cuBLAS: the paths these tests were written for, not the
-    # GPU's defaults (tests/test_cudnn_attention.py has those)
-    cfg = TrainConfig(**{"steps": 4, "batch": 4, "seq": 32, "model": "tiny", "seed": 3, "dtype": "bf16",
+    # few steps of 4 x 16 tokens: each test compares runs (to the bit, or to the emulation within a bound that holds
+    # at any size), and on the CPU simulator every token of every step costs (the classifier's softmax over the
+    # vocabulary's logits a token the most); standard attention and cuBLAS: the paths these tests were written for,
+    # not the GPU's defaults (tests/test_cudnn_attention.py has those)
+    cfg = TrainConfig(**{"steps": 4, "batch": 4, "seq": 16, "model": "tiny", "seed": 3, "dtype": "bf16",
                          "attention": "standard", "matmul": "cublas", **kw}).resolved()
     return train(cfg, corpus, log=lambda line: None)
 

@@ -1059,9 +1059,10 @@ def test_hellaswag_scores_follow_numpy(be, rng):
 
 # The training tests' global batch and sequence length: each compares runs (to the bit, or to numpy's within a
 # bound that holds at any size), and on the CPU simulator every token of every step costs (the classifier's
-# softmax over the vocabulary's logits a token the most), so the batch is small, and the vocabulary 512 ids
-# (tests/small_vocab.py).
-BATCH, SEQ = 4, 32
+# softmax over the vocabulary's logits a token the most), so the batch is small, the sequence 16 tokens (the op
+# tests above hold each kernel at lengths past a warp and past a pass of its loads: 33, 200) and the vocabulary
+# 512 ids (tests/small_vocab.py). At 4 x 32 the simulator's training tests took 63 CPU-seconds, at 4 x 16 48.
+BATCH, SEQ = 4, 16
 
 
 def _train(log=lambda line: None, stop=None, **kw):

@@ -167,8 +167,8 @@ def test_world1_training_over_nccl_has_the_bits_of_the_in_process_communicator()
     from xtrain_dist.config import TrainConfig
     from xtrain_dist.train.job import train
 
-    def job(comm):  # 4 x 32 tokens and 4 steps, as the training tests of test_cuda_ops.py: the simulator's time
-        cfg = TrainConfig(steps=4, batch=4, seq=32, seed=3, backend="cuda", comm=comm).resolved()
+    def job(comm):  # 4 x 16 tokens and 4 steps, as the training tests of test_cuda_ops.py: the simulator's time
+        cfg = TrainConfig(steps=4, batch=4, seq=16, seed=3, backend="cuda", comm=comm).resolved()
         return train(cfg, training_corpus(), log=lambda line: None)
 
     nccl, local = job("nccl"), job("local")
@@ -186,7 +186,7 @@ def test_two_gpu_training_over_nccl_follows_numpy():
 
     for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}, {"zero": 3, "grad_sync": "bucketed"}):
         def job(backend, options=options):
-            cfg = TrainConfig(steps=4, batch=4, seq=32, seed=3, backend=backend, world_size=2, **options).resolved()
+            cfg = TrainConfig(steps=4, batch=4, seq=16, seed=3, backend=backend, world_size=2, **options).resolved()
             return train(cfg, training_corpus(), log=lambda line: None)
 
         nccl, reference = job("cuda"), job("numpy")
@@ -206,7 +206,7 @@ def test_two_gpu_steps_replayed_from_cuda_graphs_keep_the_bits():
     for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1},
                     {"dtype": "bf16", "grad_accum": 2, "grad_sync": "flat"}):
         def job(mode, options=options):
-            cfg = TrainConfig(steps=4, batch=4, seq=32, seed=3, backend="cuda", world_size=2, eval_batches=0,
+            cfg = TrainConfig(steps=4, batch=4, seq=16, seed=3, backend="cuda", world_size=2, eval_batches=0,
                               cuda_graph=mode, **options).resolved()
             return train(cfg, training_corpus(), log=lambda line: None)
 
@@ -231,7 +231,7 @@ def test_a_step_over_nccl_copies_the_batch_in_and_one_array_out():
 
     for options in ({"grad_sync": "bucketed", "bucket_mb": 0.05}, {"zero": 1}):
         fake_cupy.host_traffic_by_thread.clear()
-        cfg = TrainConfig(steps=3, batch=4, seq=32, seed=3, backend="cuda", world_size=2, grad_accum=2,
+        cfg = TrainConfig(steps=3, batch=4, seq=16, seed=3, backend="cuda", world_size=2, grad_accum=2,
                           eval_batches=0, **options).resolved()
         assert train(cfg, training_corpus(), log=lambda line: None)["launch"]["comm"] == "nccl"
         for rank in ("rank0", "rank1"):
