@@ -1150,24 +1150,24 @@ def test_bench_attention_sweep_times_every_variant_and_writes_the_table_on_the_s
 # The global norm's and AdamW's rows: 15.5 million elements by default (an eighth of GPT-2 124M), 7 of a run's 8
 # CPU-seconds on the simulator. fp32's run takes enough for the norm's grid to reach its cap (NORM_MAX_BLOCKS
 # blocks of NORM_BLOCK threads, 4 elements each: 2,097,152), so its threads loop; the others a few blocks' worth.
-@pytest.mark.parametrize("options", [["--params", "2100001"], ["--dtype", "bf16", "--params", "100003"],
-                                     ["--dtype", "bf16", "--channels", "128", "--params", "100003"],
-                                     ["--tf32", "--params", "100003"],
-                                     ["--dtype", "bf16", "--matmul", "cublaslt", "--params", "100003"]])
+@pytest.mark.parametrize("options, params", [([], 2_100_001), (["--dtype", "bf16"], 100_003),
+                                             (["--dtype", "bf16", "--channels", "128"], 100_003),
+                                             (["--tf32"], 100_003),
+                                             (["--dtype", "bf16", "--matmul", "cublaslt"], 100_003)])
 @pytest.mark.long
-def test_kernel_errors_tables_on_the_simulator(tmp_path, options):
+def test_kernel_errors_tables_on_the_simulator(tmp_path, options, params):
     """bin/kernel_errors (the GPU session's error tables) runs every op, flash attention too where its kernel
     applies (bf16, 64-channel heads); in fp32 every error is float32-sized."""
     out = tmp_path / "errors.json"
     result = subprocess.run([*RUN, "bin/kernel_errors", "--batch", "2", "--seq", "32", "--channels", "64", "--heads",
-                             "2", "--vocab", "500", "--json", str(out), *options], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600)
+                             "2", "--vocab", "500", "--params", str(params), "--json", str(out), *options], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["shape"]["params"] == int(options[options.index("--params") + 1])
+    assert report["shape"]["params"] == params
     assert report["adamw_bitwise_equal"] is True
     worst = max(row["norm_rel"] for row in report["rows"])
-    bound = 1e-5 if options[0] == "--params" else 5e-3
+    bound = 1e-5 if not options else 5e-3
     assert 0 <= worst <= bound, [r for r in report["rows"] if r["norm_rel"] > bound]
     flash = [(r["op"], r["output"]) for r in report["rows"] if r["op"].startswith("flash")]
     assert flash == ([("flash_attention_forward", "out"), ("flash_attention_forward", "lse"),

@@ -1033,7 +1033,7 @@ def _gemm(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
     if ldc < max(1, m):
         raise CUBLASError(f"CUBLAS_STATUS_INVALID_VALUE: ldc = {ldc} < m = {m}")
     if batch > 1 and strides[2] < ldc * (n - 1) + m:  # products that write over each other: in turn, as before
-        item = {CUDA_R_32F: 4, CUDA_R_16BF: 2}
+        item = {kind: np.dtype(_ELEMENT[kind]).itemsize for kind in (Atype, Ctype)}
         for i in range(batch):
             _gemm(transa, transb, m, n, k, alpha, A + i * strides[0] * item[Atype], Atype, lda,
                   B + i * strides[1] * item[Btype], Btype, ldb, beta, C + i * strides[2] * item[Ctype], Ctype, ldc,
